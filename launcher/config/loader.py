@@ -1,0 +1,100 @@
+"""Load a job config: ``OmegaConf.structured(JobConfig)`` <- YAML file <- ``key=value`` overrides -> ``JobConfig``.
+
+Every OmegaConf or YAML failure is turned into a one-line ``ConfigError`` that names the key or file and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from launcher.config.schema import JobConfig
+from launcher.errors import ConfigError
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Merge the schema defaults, the YAML at ``path`` (if any) and ``overrides``; return a checked JobConfig."""
+    merged: DictConfig = OmegaConf.structured(JobConfig)
+    if path is not None:
+        merged = _merge(merged, _read_yaml(Path(path)), source=str(path))
+    if overrides:
+        merged = _merge(merged, _parse_overrides(overrides), source="the command line")
+    try:
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, "the merged config") from None
+
+
+def to_yaml(config: JobConfig) -> str:
+    """The fully resolved config as YAML; loading it back with ``load_config`` gives an equal JobConfig."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        hint = "it is a folder; give the YAML file inside it" if path.is_dir() else "check the path"
+        raise ConfigError(f"config file {path} not found ({hint}); shipped configs are under configs/")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (model:, parallel:, ...)")
+    return OmegaConf.create(data)
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or key.strip() != key:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. run.steps=10")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"could not parse the overrides {list(overrides)}: {_first_line(exc)}") from None
+
+
+def _merge(base: DictConfig, extra: DictConfig, *, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, extra)
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, source) from None
+
+
+def _translate(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    full_key = getattr(exc, "full_key", None) or "?"
+    if isinstance(exc, ConfigKeyError):
+        key = getattr(exc, "key", None) or full_key.rsplit(".", 1)[-1]
+        valid = _valid_keys(getattr(exc, "object_type", None))
+        guess = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+        hint = f"did you mean '{_parent(full_key)}{guess[0]}'? " if guess else ""
+        return ConfigError(f"unknown config key {full_key!r} in {source}; {hint}valid keys here: {', '.join(valid)}")
+    if isinstance(exc, ValidationError):
+        return ConfigError(f"config key {full_key!r} in {source}: {_first_line(exc)}; fix its value or type")
+    return ConfigError(f"config error at {full_key!r} in {source}: {_first_line(exc)}")
+
+
+def _valid_keys(object_type: Any) -> list[str]:
+    if object_type is not None and dataclasses.is_dataclass(object_type):
+        return [f.name for f in dataclasses.fields(object_type)]
+    return [f.name for f in dataclasses.fields(JobConfig)]
+
+
+def _parent(full_key: str) -> str:
+    return full_key.rsplit(".", 1)[0] + "." if "." in full_key else ""
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,0 +1,384 @@
+"""The job config schema: one kw_only dataclass per section.
+
+YAML files and ``key=value`` overrides are merged onto ``OmegaConf.structured(JobConfig)``, so an unknown or
+misspelt key fails at load time. Checks that involve one section live in that section's ``__post_init__``;
+checks that need the model shape or the world size live in ``launcher.config.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from launcher.errors import ConfigError
+
+EXECUTORS = ("auto", "local", "slurm")
+ALGORITHMS = ("grpo", "rm", "sft", "pretrain")
+RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+BACKENDS = ("auto", "nccl", "gloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+ADVANTAGE_MODES = ("std", "mean")
+TRUNCATION_POLICIES = ("truncate", "drop")
+
+
+def _one_of(section: str, key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{section}.{key}={value!r} is not valid; use one of: {', '.join(choices)}")
+
+
+def _positive(section: str, **values: Optional[float]) -> None:
+    for key, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{section}.{key}={value} must be positive (> 0)")
+
+
+def _non_negative(section: str, **values: Optional[float]) -> None:
+    for key, value in values.items():
+        if value is not None and value < 0:
+            raise ConfigError(f"{section}.{key}={value} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "tiny-cpu"
+    """Model shape: a preset under configs/models/, an HF config.json (or its folder), or a Megatron-style YAML."""
+    dtype: str = "auto"
+    """Parameter/compute dtype: auto (bf16 on GPUs, fp32 on CPU), fp32, bf16 or fp16."""
+    seq_length: Optional[int] = None
+    """Training sequence length; None takes the shape's own seq_length."""
+    tokenizer: Optional[str] = None
+    """A local Hugging Face tokenizer folder; None uses the built-in character tokenizer (tiny CPU tasks)."""
+    init_from: Optional[str] = None
+    """Weights to start from: one of our checkpoints (a folder with a `latest` pointer or a step folder)."""
+
+    def __post_init__(self) -> None:
+        _one_of("model", "dtype", self.dtype, DTYPES)
+        _positive("model", seq_length=self.seq_length)
+        if not self.name.strip():
+            raise ConfigError("model.name is empty; give a preset (e.g. tiny-cpu) or a path to config.json")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    auto: bool = False
+    """Let the planner pick tp/pp/vpp/cp/ep/micro_batch_size/recompute (the values below are then ignored)."""
+    tp: int = 1
+    """Tensor-parallel size (kept inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None or 1 for plain 1F1B."""
+    cp: int = 1
+    """Context-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models only)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention core) or full."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on GPUs, gloo on CPU), nccl or gloo."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
+                  micro_batch_size=self.micro_batch_size)
+        _one_of("parallel", "recompute", self.recompute, RECOMPUTE_MODES)
+        _one_of("parallel", "backend", self.backend, BACKENDS)
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    executor: str = "auto"
+    """Where the job runs: auto (slurm when `sbatch` is on PATH, else local), local or slurm."""
+    nodes: int = 1
+    """Number of nodes (local runs use 1)."""
+    tasks_per_node: int = 2
+    """Processes per node; on GPU nodes, one per GPU."""
+    gpus_per_node: int = 0
+    """GPUs per node to request (0 on CPU-only nodes)."""
+    gpu_type: str = "h100-80gb"
+    """GPU model for planning (see `python launch.py plan --help`)."""
+    cpus_per_task: Optional[int] = None
+    """sbatch --cpus-per-task."""
+    mem: Optional[str] = None
+    """sbatch --mem, e.g. 0 (all) or 400G."""
+    time: str = "04:00:00"
+    """sbatch --time (HH:MM:SS or D-HH:MM:SS)."""
+    partition: Optional[str] = None
+    """sbatch --partition."""
+    account: Optional[str] = None
+    """sbatch --account."""
+    qos: Optional[str] = None
+    """sbatch --qos."""
+    reservation: Optional[str] = None
+    """sbatch --reservation."""
+    constraint: Optional[str] = None
+    """sbatch --constraint."""
+    exclude: Optional[str] = None
+    """sbatch --exclude (node list)."""
+    job_name: str = "megatron-rl"
+    """sbatch --job-name."""
+    sbatch_extra: list[str] = field(default_factory=list)
+    """Extra sbatch flags, each one `--flag=value`."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before the job starts (module loads, env activation). Run verbatim: they are commands."""
+    container_image: Optional[str] = None
+    """pyxis/enroot image for `srun --container-image`."""
+    container_mounts: list[str] = field(default_factory=list)
+    """pyxis mounts, each `src:dst`."""
+    signal_delay_s: int = 120
+    """Seconds before the time limit at which Slurm signals the job to checkpoint and requeue."""
+    max_requeues: int = 3
+    """How many times a preempted or timed-out job is requeued."""
+
+    def __post_init__(self) -> None:
+        _one_of("cluster", "executor", self.executor, EXECUTORS)
+        _positive("cluster", nodes=self.nodes, tasks_per_node=self.tasks_per_node, cpus_per_task=self.cpus_per_task)
+        _non_negative("cluster", gpus_per_node=self.gpus_per_node, signal_delay_s=self.signal_delay_s,
+                      max_requeues=self.max_requeues)
+        if self.gpus_per_node and self.tasks_per_node != self.gpus_per_node:
+            raise ConfigError(
+                f"cluster.tasks_per_node={self.tasks_per_node} differs from cluster.gpus_per_node="
+                f"{self.gpus_per_node}; run one task per GPU (set both to the same value)")
+        for flag in self.sbatch_extra:
+            if not flag.startswith("--"):
+                raise ConfigError(f"cluster.sbatch_extra entry {flag!r} must look like --flag=value")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: str = "pretrain"
+    """What the job trains: grpo, rm (reward model), sft or pretrain (next-token prediction)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step (GRPO: completions per optimizer step)."""
+    group_size: int = 8
+    """GRPO: completions sampled per prompt."""
+    prompts_per_step: int = 8
+    """GRPO: prompts per rollout batch."""
+    advantage: str = "std"
+    """GRPO advantage: std ((r - mean) / (std + eps)) or mean (Dr. GRPO: r - mean)."""
+    drop_zero_signal_groups: bool = False
+    """GRPO dynamic sampling: drop groups whose rewards are all equal (else they get advantage 0)."""
+    clip_eps_low: float = 0.2
+    """Lower clip of the policy ratio: 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper clip of the policy ratio: 1 + clip_eps_high (DAPO clip-higher uses 0.28)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c (> 1) for negative advantages; None disables."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient; 0 switches the reference model off and frees its memory."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    loss_aggregation: str = "token-mean"
+    """seq-mean-token-mean (DeepSeekMath), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)."""
+    rewards: dict[str, float] = field(default_factory=lambda: {"math": 1.0})
+    """Reward functions and their weights: a built-in name (math, format), `rm`, or a dotted path module.fn."""
+    reward_model: Optional[str] = None
+    """Checkpoint folder of a trained reward model, used by the `rm` reward."""
+    rm_margin: float = 0.0
+    """RM: margin subtracted in -log sigmoid(r_chosen - r_rejected - margin)."""
+    rm_centering_coef: float = 0.0
+    """RM: coefficient of the reward-centering term mean((r_c + r_r)^2)."""
+    sft_warmup_steps: int = 0
+    """Supervised steps run before GRPO on the same prompts' reference answers (0 = none)."""
+
+    def __post_init__(self) -> None:
+        _one_of("algorithm", "name", self.name, ALGORITHMS)
+        _one_of("algorithm", "advantage", self.advantage, ADVANTAGE_MODES)
+        _one_of("algorithm", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _one_of("algorithm", "loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
+        _positive("algorithm", global_batch_size=self.global_batch_size, group_size=self.group_size,
+                  prompts_per_step=self.prompts_per_step)
+        _non_negative("algorithm", clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+                      kl_coef=self.kl_coef, rm_centering_coef=self.rm_centering_coef,
+                      sft_warmup_steps=self.sft_warmup_steps)
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
+        if self.name == "grpo":
+            completions = self.prompts_per_step * self.group_size
+            if completions % self.global_batch_size:
+                raise ConfigError(
+                    f"algorithm.global_batch_size={self.global_batch_size} must divide the rollout batch "
+                    f"prompts_per_step*group_size={completions}")
+            if not self.rewards:
+                raise ConfigError("algorithm.rewards is empty; give at least one, e.g. algorithm.rewards={math: 1.0}")
+
+    @property
+    def rollout_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    max_new_tokens: int = 16
+    """Most tokens generated per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, in addition to the tokenizer's end-of-sequence token."""
+    offload_optimizer: bool = False
+    """GPUs only: move optimizer state and grads to host memory while generating."""
+
+    def __post_init__(self) -> None:
+        _positive("generation", max_new_tokens=self.max_new_tokens)
+        _non_negative("generation", temperature=self.temperature, top_k=self.top_k)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"generation.top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_decay_style: str = "constant"
+    """constant, linear or cosine."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+    def __post_init__(self) -> None:
+        _positive("optimizer", lr=self.lr, adam_eps=self.adam_eps)
+        _non_negative("optimizer", min_lr=self.min_lr, lr_warmup_steps=self.lr_warmup_steps,
+                      weight_decay=self.weight_decay, clip_grad=self.clip_grad)
+        _one_of("optimizer", "lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} is above optimizer.lr={self.lr}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: Optional[str] = "addition"
+    """Built-in synthetic task used when train_path is null."""
+    train_path: Optional[str] = None
+    """JSONL training data (GRPO prompts, RM preference pairs, SFT examples)."""
+    eval_path: Optional[str] = None
+    """JSONL held-out data."""
+    prompt_key: str = "prompt"
+    """JSONL field with the prompt."""
+    answer_key: str = "answer"
+    """JSONL field with the reference answer or metadata for reward functions."""
+    max_length: Optional[int] = None
+    """Longest tokenized example; None uses the model's seq_length."""
+    truncation: str = "truncate"
+    """Examples over max_length: truncate or drop (both are counted)."""
+    eval_interval: int = 0
+    """Evaluate every N steps (0 = never)."""
+
+    def __post_init__(self) -> None:
+        _one_of("data", "truncation", self.truncation, TRUNCATION_POLICIES)
+        _positive("data", max_length=self.max_length)
+        _non_negative("data", eval_interval=self.eval_interval)
+        if self.task is None and self.train_path is None:
+            raise ConfigError("data.train_path is null and data.task is null; give a JSONL file or a synthetic task")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint folder; None means <run.dir>/checkpoints."""
+    save_interval: int = 0
+    """Save every N steps (0 = only at the end and on preemption)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in dir when there is one."""
+    save_at_end: bool = True
+    """Save when training finishes."""
+    export_hf: bool = False
+    """Export the final checkpoint to Hugging Face format under <run.dir>/hf."""
+    export_hf_every: int = 0
+    """Also export every N saves (0 = final only)."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", keep_last=self.keep_last)
+        _non_negative("checkpoint", save_interval=self.save_interval, export_hf_every=self.export_hf_every)
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_interval: int = 1
+    """Console progress every N steps (metrics.jsonl gets every step)."""
+    console: str = "progress"
+    """Console style: progress (one updating line per step), json, or quiet."""
+    tensorboard: bool = True
+    """Also write TensorBoard scalars under <run.dir>/tensorboard when tensorboard is installed."""
+    plot: bool = False
+    """Write <run.dir>/curves.png (reward and KL against step) at the end."""
+
+    def __post_init__(self) -> None:
+        _positive("logging", log_interval=self.log_interval)
+        _one_of("logging", "console", self.console, ("progress", "json", "quiet"))
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    dir: str = "runs/default"
+    """Output folder of the run: resolved config, logs, metrics.jsonl, checkpoints."""
+    name: str = "default"
+    """Run name shown in logs."""
+    seed: int = 1234
+    """Seed for weights, data order and sampling."""
+    steps: int = 20
+    """Training steps (optimizer steps; GRPO: rollout batches)."""
+
+    def __post_init__(self) -> None:
+        _positive("run", steps=self.steps)
+        if not self.dir.strip():
+            raise ConfigError("run.dir is empty; give an output folder")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.cluster.executor == "local" and self.cluster.nodes != 1:
+            raise ConfigError(
+                f"cluster.nodes={self.cluster.nodes} with cluster.executor=local; local runs use one node "
+                "(set cluster.nodes=1 or cluster.executor=slurm)")
+        if self.algorithm.global_batch_size % self.parallel.micro_batch_size:
+            raise ConfigError(
+                f"parallel.micro_batch_size={self.parallel.micro_batch_size} does not divide "
+                f"algorithm.global_batch_size={self.algorithm.global_batch_size}")

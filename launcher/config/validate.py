@@ -1,0 +1,51 @@
+"""Checks that need the model shape or the world size: run before anything starts or queues."""
+
+from __future__ import annotations
+
+from launcher.config.schema import JobConfig
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+
+
+def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
+    """Raise ConfigError naming the key and the fix when the layout cannot run; return the data-parallel size."""
+    par, world = cfg.parallel, cfg.cluster.world_size
+    world_keys = "cluster.nodes*cluster.tasks_per_node"
+    if shape.num_attention_heads % par.tp:
+        raise ConfigError(f"parallel.tp={par.tp} does not divide the {shape.num_attention_heads} attention heads of "
+                          f"{shape.name}; use a tp that divides {shape.num_attention_heads}")
+    if shape.num_query_groups % par.tp:
+        raise ConfigError(f"parallel.tp={par.tp} does not divide the {shape.num_query_groups} query groups (KV heads) "
+                          f"of {shape.name}; use a tp that divides {shape.num_query_groups}")
+    stages = par.pp * (par.vpp or 1)
+    if shape.num_layers % stages:
+        what = f"parallel.pp*vpp={stages}" if (par.vpp or 1) > 1 else f"parallel.pp={par.pp}"
+        raise ConfigError(f"{what} does not divide the {shape.num_layers} layers of {shape.name}; "
+                          f"use a pipeline size that divides {shape.num_layers}")
+    if par.ep > 1 and not shape.is_moe:
+        raise ConfigError(f"parallel.ep={par.ep} but {shape.name} has no experts; set parallel.ep=1")
+    if shape.is_moe and shape.num_experts % par.ep:
+        raise ConfigError(f"parallel.ep={par.ep} does not divide the {shape.num_experts} experts of {shape.name}")
+    if shape.is_moe and par.tp > 1 and not par.sequence_parallel:
+        raise ConfigError("MoE models with parallel.tp > 1 need parallel.sequence_parallel=true (Megatron requires it)")
+    dense = par.tp * par.pp * par.cp
+    if world % dense:
+        raise ConfigError(f"parallel.tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {dense} does not divide the world size "
+                          f"{world} ({world_keys}); change the sizes or the number of processes")
+    expert = par.tp * par.pp * par.ep
+    if world % expert:
+        raise ConfigError(f"parallel.tp*pp*ep = {par.tp}*{par.pp}*{par.ep} = {expert} does not divide the world size "
+                          f"{world} ({world_keys}); change the sizes or the number of processes")
+    dp = world // dense
+    gbs, mbs = cfg.algorithm.global_batch_size, par.micro_batch_size
+    if gbs % (mbs * dp):
+        raise ConfigError(f"algorithm.global_batch_size={gbs} is not divisible by parallel.micro_batch_size*dp = "
+                          f"{mbs}*{dp}; make it a multiple of {mbs * dp}")
+    if cfg.algorithm.name == "grpo" and cfg.algorithm.rollout_size % dp:
+        raise ConfigError(f"algorithm.prompts_per_step*group_size = {cfg.algorithm.rollout_size} is not divisible by "
+                          f"the data-parallel size {dp}; make it a multiple of {dp}")
+    seq = cfg.model.seq_length or shape.seq_length
+    if seq > shape.max_position_embeddings:
+        raise ConfigError(f"model.seq_length={seq} exceeds {shape.name}'s max_position_embeddings "
+                          f"{shape.max_position_embeddings}")
+    return dp

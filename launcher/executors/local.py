@@ -1,0 +1,117 @@
+"""Local executor: start the job's ranks as processes on this machine (torchrun-style environment).
+
+Rank 0's output goes to the console; every rank writes ``run.dir/logs/rank<N>.log``. When any rank fails,
+the others are stopped within ``STOP_GRACE_S`` seconds instead of waiting on a collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from launcher.job import PreparedJob
+
+STOP_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_command(config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.main", str(config_path)]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def describe(job: PreparedJob) -> str:
+    """The processes a run would start, as shell lines."""
+    world = job.cfg.cluster.world_size
+    cmd = shlex.join(worker_command(job.config_path))
+    lines = [f"# local executor: {world} process(es) on this machine, logs in {shlex.quote(str(job.run_dir / 'logs'))}"]
+    for rank in range(world):
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env(rank, world, 0).items() if k != "MASTER_PORT")
+        lines.append(f"{env} MASTER_PORT=<free port> {cmd}")
+    return "\n".join(lines)
+
+
+def _pump(stream, log_path: Path, echo: bool) -> None:
+    with log_path.open("ab") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line)
+            log.flush()
+            if echo:
+                sys.stdout.buffer.write(line)
+                sys.stdout.buffer.flush()
+
+
+def run(job: PreparedJob, *, wait: bool = True) -> int:
+    """Start every rank, stream rank 0, and return the job's exit code (the first failing rank's)."""
+    world = job.cfg.cluster.world_size
+    config_path = job.write_config()
+    log_dir = job.run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    print(f"run folder: {job.run_dir}\nstarting {world} local process(es); logs: {log_dir}", flush=True)
+    for rank in range(world):
+        proc = subprocess.Popen(worker_command(config_path), env={**base_env, **rank_env(rank, world, port)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log_dir / f"rank{rank}.log", rank == 0),
+                                daemon=True)
+        pump.start()
+        procs.append(proc)
+        pumps.append(pump)
+    try:
+        code = _watch(procs)
+    except KeyboardInterrupt:
+        _stop(procs, signal.SIGTERM)
+        code = 130
+    for pump in pumps:
+        pump.join(timeout=5)
+    if code not in (0, 130):
+        failed = next((i for i, p in enumerate(procs) if p.returncode not in (0, None, -signal.SIGTERM)), 0)
+        tail = (log_dir / f"rank{failed}.log").read_text(errors="replace").splitlines()[-15:]
+        print(f"rank {failed} failed with exit code {code}; last lines of {log_dir / f'rank{failed}.log'}:",
+              file=sys.stderr)
+        print("\n".join("  " + line for line in tail), file=sys.stderr)
+    return code
+
+
+def _watch(procs: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            _stop(procs, signal.SIGTERM)
+            return failed[0] if failed[0] > 0 else 128 - failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, sig)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

@@ -1,0 +1,92 @@
+"""Turn a loaded config into a job that is safe to start: model shape, executor, layout (planned or checked).
+
+Everything here runs on the login node before anything queues, and never imports torch or megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.config import JobConfig, to_yaml
+from launcher.config.validate import check_layout
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape, load_model_shape
+
+PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreparedJob:
+    """A checked job: what every executor needs to start it."""
+
+    cfg: JobConfig
+    """The resolved config (layout filled in when the planner chose it)."""
+    shape: ModelShape
+    """The model's shape."""
+    executor: str
+    """local or slurm (auto resolved)."""
+    run_dir: Path
+    """Absolute run folder."""
+    data_parallel_size: int
+    """World size / (tp * pp * cp)."""
+    plan: Optional[Any] = None
+    """The planner's PlanResult when parallel.auto chose the layout."""
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    def write_config(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(to_yaml(self.cfg))
+        return self.config_path
+
+
+def resolve_executor(name: str) -> str:
+    """auto means slurm when `sbatch` is on PATH, else local."""
+    if name == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    return name
+
+
+def apply_plan(cfg: JobConfig, shape: ModelShape):
+    """Run the planner for cfg's GPUs and write its layout into cfg.parallel; returns (cfg, PlanResult)."""
+    from launcher.planner import GrpoSizing, plan
+
+    cluster, algo = cfg.cluster, cfg.algorithm
+    grpo = None
+    if algo.name == "grpo":
+        grpo = GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=cfg.generation.max_new_tokens,
+                          reference_model=algo.kl_coef > 0, kv_cache_released_for_training=True)
+    result = plan(shape, num_gpus=cluster.world_size, gpu_type=cluster.gpu_type,
+                  seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
+                  mode=PLANNER_MODES[algo.name], grpo=grpo)
+    layout = result.layout
+    if layout.first_stage_layers is not None or layout.last_stage_layers is not None:
+        raise ConfigError(f"the planner chose an uneven pipeline split ({layout.split_name()}) that this runtime "
+                          "cannot build yet; set parallel.auto=false and give tp/pp explicitly")
+    parallel = dataclasses.replace(
+        cfg.parallel, tp=layout.tp, pp=layout.pp, vpp=layout.vpp if layout.vpp > 1 else None, cp=layout.cp,
+        ep=layout.ep, micro_batch_size=layout.micro_batch_size, recompute=layout.recompute,
+        sequence_parallel=layout.sequence_parallel)
+    return dataclasses.replace(cfg, parallel=parallel), result
+
+
+def prepare(cfg: JobConfig) -> PreparedJob:
+    """Load the shape, pick the executor and the layout, and check that the job can run."""
+    shape = load_model_shape(cfg.model.name)
+    executor = resolve_executor(cfg.cluster.executor)
+    if executor == "local" and cfg.cluster.nodes != 1:
+        raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} needs Slurm, but `sbatch` is not on PATH; "
+                          "set cluster.nodes=1 for a local run or run from a Slurm login node")
+    result = None
+    if cfg.parallel.auto:
+        cfg, result = apply_plan(cfg, shape)
+    dp = check_layout(cfg, shape)
+    run_dir = Path(cfg.run.dir).expanduser().resolve()
+    return PreparedJob(cfg=cfg, shape=shape, executor=executor, run_dir=run_dir, data_parallel_size=dp,
+                       plan=result)

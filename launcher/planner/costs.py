@@ -1,0 +1,383 @@
+"""Memory and time model of one Megatron-Core training step, per GPU (pure arithmetic, no torch).
+
+Memory follows Korthikanti et al. 2022 (activations per stored tensor) and Megatron's
+theoretical_memory_usage.py (weights, fp32 grads, Adam states, distributed optimizer, pipeline in-flight
+micro-batches, interleaving). Time is compute at a shape-dependent calibrated fraction of peak plus
+bandwidth terms for TP, CP, EP, PP and DP traffic. Constants and how they were fitted: calibration.md.
+
+Check it: ``.venv/bin/python -m pytest tests/test_planner_calibration.py -q``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from launcher.model_shape import ModelShape
+from launcher.planner.gpus import GIB, GpuSpec
+
+# ---- calibration constants (calibration.md says where each comes from) ----
+GEMM_HALF_WIDTH = 300.0
+"""Shard width (hidden/TP, in elements) at which GEMMs reach half of gpu.gemm_efficiency (fitted, A100 rows)."""
+GEMM_TOKEN_WEIGHT = 8.0
+"""GEMM row count (tokens) counts 1/8 as much as the shard width in the efficiency curve."""
+ATTN_CORE_EFFICIENCY = 0.75
+"""Attention core (flash or batched GEMMs) runs at this fraction of the GEMM efficiency."""
+FP8_GEMM_RELATIVE = 0.75
+"""fp8 GEMMs reach this fraction of the bf16 efficiency, measured against the fp8 peak (casts, amax)."""
+LINK_EFFICIENCY = 0.8
+"""Achieved collective bus bandwidth over nominal link bandwidth (NVLink and InfiniBand)."""
+HBM_EFFICIENCY = 0.8
+"""Achieved over nominal HBM bandwidth for element-wise kernels."""
+TP_OVERLAP_EXPOSED = 0.25
+"""Fraction of TP collectives left exposed with --tp-comm-overlap (userbuffers)."""
+OVERLAP_CONTENTION = 0.2
+"""Communication hidden behind compute still slows it: NCCL kernels take SMs and HBM bandwidth. Each second
+of overlapped communication costs this many seconds of compute."""
+NVLINK_LATENCY_S = 8e-6
+IB_LATENCY_S = 15e-6
+DP_BUCKET_BYTES = 160e6
+"""Gradient bucket size in bytes (Megatron: 40M fp32 elements)."""
+GRAD_ACCUM_BYTES = 4
+"""Megatron keeps fp32 main gradients for bf16 training."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """Software features of the training run; defaults are modern Megatron-Core (what the launcher emits)."""
+
+    flash_attention: bool = True
+    """Fused (flash) attention: no s*s scores stored, causal blocks skipped."""
+    tp_comm_overlap: bool = True
+    """--tp-comm-overlap: TP collectives overlapped with GEMMs."""
+    overlap_grad_reduce: bool = True
+    """--overlap-grad-reduce: DP gradient reduce overlapped with the last backward."""
+    overlap_param_gather: bool = True
+    """--overlap-param-gather: distributed-optimizer all-gather overlapped with the next forward."""
+    distributed_optimizer: bool = True
+    """--use-distributed-optimizer: fp32 master weights and Adam states sharded over DP x CP."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element on the wire (fp32 main grads)."""
+    selective_modules: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj")
+    """--recompute-modules for recompute=selective (moe_act / mla_up_proj only where the model has them)."""
+    moe_a2a_overlap: bool = False
+    """Expert all-to-all hidden behind compute (Megatron --overlap-moe-expert-parallel-comm / DualPipe)."""
+    overhead_gib: float = 3.0
+    """Fixed per-GPU overhead: CUDA context, NCCL buffers, cuBLAS/TE workspaces."""
+    fragmentation: float = 0.05
+    """Allocator fragmentation, as a fraction of everything else."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrpoSizing:
+    """Rollout sizing for mode=grpo (memory of the colocated generation and the reference model)."""
+
+    rollout_batch_size: int | None = None
+    """Sequences generated per step (prompts x samples per prompt); None = global batch size."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens; None = a quarter of the sequence length."""
+    max_response_length: int | None = None
+    """Longest response in tokens; None = sequence length minus prompt length."""
+    generation_concurrency: int | None = None
+    """Sequences decoded at once per generation data-parallel rank; None = all of its rollouts."""
+    reference_model: bool = True
+    """Keep a frozen bf16 reference model on the GPUs for the KL term."""
+    kv_cache_bytes: int = 2
+    """Bytes per cached K/V element."""
+    kv_cache_released_for_training: bool = False
+    """True when the runtime frees the KV cache before the training phase (peak = max instead of sum)."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Per-layer, per-micro-batch cost on one GPU."""
+
+    fwd_s: float
+    bwd_s: float  # includes recompute
+    stored_bytes: float  # kept until backward (multiplied by micro-batches in flight)
+    working_bytes: float  # one layer's full working set (full recompute only)
+    hw_flops: float  # fwd+bwd+recompute FLOPs on this GPU
+
+
+@dataclass
+class Workload:
+    """One planning problem: model, hardware, software, sequence and batch. Caches per-layout pieces."""
+
+    shape: ModelShape
+    gpu: GpuSpec
+    num_gpus: int
+    seq_length: int
+    global_batch_size: int
+    mode: str = "pretrain"
+    precision: str = "bf16"
+    runtime: Runtime = field(default_factory=Runtime)
+    grpo: GrpoSizing | None = None
+
+    def __post_init__(self):
+        s = self.shape
+        self.h, self.n, self.g, self.d = s.hidden_size, s.num_attention_heads, s.num_query_groups, s.kv_channels
+        self.gated = 3 if s.gated_linear_unit else 2
+        self.fc1_mult = 2 if s.gated_linear_unit else 1
+        if s.is_mla:
+            self.dqk, self.dv = s.qk_nope_head_dim + s.qk_rope_head_dim, s.v_head_dim
+        else:
+            self.dqk = self.dv = self.d
+        self.attn_proj_flops = 2 * s.attention_params()  # per token fwd (norm params are noise)
+        self.core_flops = 2.0 * self.seq_length * self.n * (self.dqk + self.dv)  # per token fwd, causal unhalved
+        self.dense_mlp_flops = 2 * self.h * s.ffn_hidden_size * self.gated
+        moe_ffn = s.moe_ffn_hidden_size
+        self.expert_flops = 2 * self.h * moe_ffn * self.gated * s.moe_router_topk
+        self.moe_other_flops = 2 * self.h * s.num_experts + 2 * self.h * s.moe_shared_expert_intermediate_size * self.gated
+        self.vocab_out = 1 if self.mode == "rm" else s.vocab_size
+        self.output_flops = 2 * self.h * self.vocab_out
+        self.bf16_peak = self.gpu.bf16_tflops * 1e12
+        self.gemm_peak = (self.gpu.fp8_tflops * 1e12 * FP8_GEMM_RELATIVE) if self.precision == "fp8" else self.bf16_peak
+        self.hbm = self.gpu.hbm_tb_s * 1e12 * HBM_EFFICIENCY
+        self.nvlink = self.gpu.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
+        self.ib = self.gpu.internode_gb_s * 1e9 * LINK_EFFICIENCY
+        self.modules = set(self.selective_modules())
+        self._layer_cache: dict = {}
+
+    def selective_modules(self) -> tuple[str, ...]:
+        """--recompute-modules that recompute=selective uses here: core_attn only without flash attention (flash
+        already keeps no scores), moe_act only for MoE models, mla_up_proj only for MLA."""
+        s = self.shape
+        keep = {"core_attn": not self.runtime.flash_attention, "moe_act": s.is_moe, "mla_up_proj": s.is_mla}
+        return tuple(m for m in self.runtime.selective_modules if keep.get(m, True))
+
+    # ---------- FLOPs ----------
+    def model_flops_per_token(self) -> float:
+        """Model FLOPs (fwd+bwd, no recompute) per trained token, GQA/SwiGLU/MoE/MLA aware, causal unhalved."""
+        s = self.shape
+        dense = self.attn_proj_flops + self.core_flops + self.dense_mlp_flops
+        moe = self.attn_proj_flops + self.core_flops + self.moe_other_flops + self.expert_flops
+        per_token = s.num_dense_layers * dense + s.num_moe_layers * moe + self.output_flops
+        if s.mtp_num_layers:
+            per_token += s.mtp_num_layers * ((moe if s.is_moe else dense) + 4 * self.h * self.h + self.output_flops)
+        return 3.0 * per_token
+
+    # ---------- efficiency ----------
+    def gemm_efficiency(self, width: float, tokens: float) -> float:
+        """Fraction of peak reached by a GEMM whose shard width is `width` with `tokens` rows."""
+        x = 1.0 / (1.0 / width + 1.0 / (GEMM_TOKEN_WEIGHT * tokens))
+        return self.gpu.gemm_efficiency * x / (x + GEMM_HALF_WIDTH)
+
+    # ---------- per layer ----------
+    def layer_cost(self, kind: str, tp: int, cp: int, sp: bool, mbs: int, recompute: str, ep: int) -> LayerCost:
+        """Cost of one decoder layer ('dense' or 'moe') for one micro-batch on one GPU."""
+        key = (kind, tp, cp, sp, mbs, recompute, ep)
+        hit = self._layer_cache.get(key)
+        if hit is None:
+            hit = self._layer_cache[key] = self._layer_cost(kind, tp, cp, sp, mbs, recompute, ep)
+        return hit
+
+    def _act_terms(self, kind: str, tp: int, sp: bool) -> dict[str, float]:
+        """Stored activation bytes per local token for one layer, by tensor (Korthikanti's accounting)."""
+        s, h, n, g, d = self.shape, self.h, self.n, self.g, self.d
+        rep = tp if sp else 1
+        gemm_in = 1.0 if self.precision == "fp8" else 2.0  # TE stores fp8 GEMM inputs
+        mask = 1.0 * h / rep if s.hidden_dropout > 0 else 0.0
+        t: dict[str, float] = {"x_in": 2 * h / rep, "ln1_out": gemm_in * h / rep, "x2": 2 * h / rep,
+                               "ln2_out": gemm_in * h / rep, "masks": 2 * mask}
+        if s.is_mla:
+            t["latents"] = (4 * s.q_lora_rank + 4 * s.kv_lora_rank + 2 * s.qk_rope_head_dim) / rep
+            t["mla_up"] = (4 * n * self.dqk + 2 * n * self.dv) / tp
+        else:
+            t["qkv"] = 2 * (n + 2 * g) * d / tp
+        if self.runtime.flash_attention:
+            t["lse"] = 4 * n / tp
+        else:
+            per_elem = 5 if s.attention_dropout > 0 else 2
+            t["core"] = per_elem * n * self.seq_length / tp
+        t["proj_in"] = gemm_in * n * self.dv / tp
+        if kind == "dense":
+            f = s.ffn_hidden_size
+            t["fc1_out"] = 2 * f * self.fc1_mult / tp
+            t["act_out"] = gemm_in * f / tp
+        else:
+            k, fm, fs = s.moe_router_topk, s.moe_ffn_hidden_size, s.moe_shared_expert_intermediate_size
+            t["router"] = 4 * s.num_experts / rep
+            t["expert_io"] = k * (gemm_in * h + 2 * h) / rep
+            t["expert_fc1"] = k * 2 * fm * self.fc1_mult / rep
+            t["expert_act"] = k * gemm_in * fm / rep
+            if fs:
+                t["shared"] = (2 * fs * self.fc1_mult + gemm_in * fs) / tp
+        return t
+
+    def _stored_per_token(self, kind: str, tp: int, sp: bool, recompute: str) -> tuple[float, float]:
+        terms = self._act_terms(kind, tp, sp)
+        full = sum(terms.values())
+        if recompute == "full":
+            return terms["x_in"], full
+        if recompute == "selective":
+            drop = {"core_attn": ("core",), "layernorm": ("ln1_out", "ln2_out"), "moe_act": ("expert_act",),
+                    "mla_up_proj": ("mla_up",)}
+            for module in self.modules:
+                for name in drop.get(module, ()):
+                    full -= terms.get(name, 0.0)
+        return full, 0.0
+
+    def _layer_cost(self, kind, tp, cp, sp, mbs, recompute, ep) -> LayerCost:
+        s, h = self.shape, self.h
+        tokens = mbs * self.seq_length / cp
+        rep = tp if sp else 1
+        width = h / tp
+        # compute
+        gemm = tokens * self.attn_proj_flops / tp
+        eff = self.gemm_efficiency(width, tokens)
+        t_gemm = gemm / (self.gemm_peak * eff)
+        expert_time = 0.0
+        if kind == "dense":
+            mlp = tokens * self.dense_mlp_flops / tp
+            t_gemm += mlp / (self.gemm_peak * eff)
+            gemm += mlp
+        else:
+            other = tokens * self.moe_other_flops / tp
+            t_gemm += other / (self.gemm_peak * eff)
+            per_expert_tokens = tokens / rep * s.moe_router_topk * ep / s.num_experts
+            e_eff = self.gemm_efficiency(min(s.moe_ffn_hidden_size, h), per_expert_tokens)
+            experts = tokens * self.expert_flops / tp
+            expert_time = experts / (self.gemm_peak * e_eff)
+            t_gemm += expert_time
+            gemm += experts
+        core_model = tokens * self.core_flops / tp
+        core_eff = self.gpu.gemm_efficiency * ATTN_CORE_EFFICIENCY
+        flash = self.runtime.flash_attention
+        core_hw_fwd = core_model * (0.5 if flash else 1.0)
+        t_core_fwd = core_hw_fwd / (self.bf16_peak * core_eff)
+        t_core_bwd = t_core_fwd * (2.5 if flash else 2.0)
+        # element-wise traffic (norms, residuals, rope, activation, dropout; unfused softmax)
+        f_local = (s.ffn_hidden_size if kind == "dense" else
+                   s.moe_ffn_hidden_size * s.moe_router_topk * tp / rep + s.moe_shared_expert_intermediate_size)
+        ew_fwd = tokens * (20 * h / rep + 4 * (self.n + self.g) * self.d / tp + (6 if self.gated == 3 else 4) * f_local / tp
+                           + (10 * h / rep if s.hidden_dropout > 0 else 0))
+        t_mem_fwd = ew_fwd / self.hbm
+        t_mem_bwd = 2 * t_mem_fwd
+        t_softmax_fwd = t_softmax_bwd = 0.0
+        if not flash:
+            elems = tokens * self.n * self.seq_length / tp
+            drop = s.attention_dropout > 0
+            t_softmax_fwd = elems * (9 if drop else 4) / self.hbm
+            t_softmax_bwd = elems * (11 if drop else 6) / self.hbm
+        # TP collectives: 2 AG+RS (or 2 all-reduce) per direction per layer; MoE MLP with ETP=1 has none
+        t_tp_unit = 0.0
+        if tp > 1:
+            unit_bytes = tokens * h * 2 * (tp - 1) / tp
+            t_tp_unit = unit_bytes / self.nvlink + NVLINK_LATENCY_S
+            if self.runtime.tp_comm_overlap:
+                t_tp_unit *= TP_OVERLAP_EXPOSED + (1 - TP_OVERLAP_EXPOSED) * OVERLAP_CONTENTION
+        tp_units = 4 if kind == "dense" else 2
+        t_tp_fwd = t_tp_bwd = tp_units * t_tp_unit
+        # CP ring attention: K/V chunks around the ring, overlapped with attention compute
+        t_cp_fwd = t_cp_bwd = 0.0
+        if cp > 1:
+            # ring attention passes per-head K and V (for MLA: after the up-projection, not the latent)
+            kv = self.n * (self.dqk + self.dv) / tp if s.is_mla else 2 * self.g * self.d / tp
+            chunk = tokens * kv * 2
+            bw = self.nvlink if tp * cp <= self.gpu.gpus_per_node else self.ib
+            comm_fwd = (cp - 1) * (chunk / bw + (NVLINK_LATENCY_S if bw == self.nvlink else IB_LATENCY_S))
+            t_cp_fwd = max(0.0, comm_fwd - t_core_fwd) + OVERLAP_CONTENTION * min(comm_fwd, t_core_fwd)
+            t_cp_bwd = max(0.0, 2 * comm_fwd - t_core_bwd) + OVERLAP_CONTENTION * min(2 * comm_fwd, t_core_bwd)
+        # EP all-to-all: dispatch + combine per direction
+        t_ep = 0.0
+        if kind == "moe" and ep > 1:
+            per_gpu = tokens / rep * s.moe_router_topk * h * 2 * (ep - 1) / ep
+            gpn = self.gpu.gpus_per_node
+            inter = 0.0 if ep <= gpn else 1.0 - gpn / ep
+            t_ep = 2 * max(per_gpu * (1 - inter) / self.nvlink, per_gpu * inter / self.ib if inter else 0.0)
+            t_ep += 2 * (IB_LATENCY_S if inter else NVLINK_LATENCY_S)
+            if self.runtime.moe_a2a_overlap:
+                hidden = min(t_ep, 0.5 * expert_time)
+                t_ep = t_ep - hidden + OVERLAP_CONTENTION * hidden
+        fwd = t_gemm + t_core_fwd + t_mem_fwd + t_softmax_fwd + t_tp_fwd + t_cp_fwd + t_ep
+        bwd = 2 * t_gemm + t_core_bwd + t_mem_bwd + t_softmax_bwd + t_tp_bwd + t_cp_bwd + t_ep
+        hw = 3 * gemm + core_hw_fwd * (3.5 if flash else 3.0)
+        if recompute == "full":
+            bwd += fwd
+            hw += gemm + core_hw_fwd
+        elif recompute == "selective":
+            mods = self.modules
+            if "core_attn" in mods:
+                bwd += t_core_fwd + t_softmax_fwd
+                hw += core_hw_fwd
+            if "layernorm" in mods:
+                bwd += tokens * 4 * h / rep / self.hbm
+            if "mla_up_proj" in mods and s.is_mla:
+                up = tokens * 2 * (s.q_lora_rank * self.n * self.dqk + s.kv_lora_rank * self.n * (s.qk_nope_head_dim + self.dv)) / tp
+                bwd += up / (self.gemm_peak * eff)
+                hw += up
+        stored, working = self._stored_per_token(kind, tp, sp, recompute)
+        return LayerCost(fwd_s=fwd, bwd_s=bwd, stored_bytes=stored * tokens, working_bytes=working * tokens,
+                         hw_flops=hw)
+
+    # ---------- embedding / output on the end stages ----------
+    def output_cost(self, tp: int, cp: int, sp: bool, mbs: int) -> tuple[float, float]:
+        """(fwd+bwd seconds, logits bytes held) of the output layer and loss for one micro-batch."""
+        tokens = mbs * self.seq_length / cp
+        flops = 3 * tokens * self.output_flops / tp
+        t = flops / (self.gemm_peak * self.gemm_efficiency(self.h / tp, tokens))
+        logits_bytes = tokens * self.vocab_out / tp * 6  # bf16 logits + fp32 softmax for the loss
+        t += tokens * self.vocab_out / tp * 16 / self.hbm
+        if tp > 1:
+            unit = tokens * self.h * 2 * (tp - 1) / tp / self.nvlink
+            t += 2 * unit * (TP_OVERLAP_EXPOSED if self.runtime.tp_comm_overlap else 1.0)
+        return t, logits_bytes
+
+    def mtp_cost(self, tp, cp, sp, mbs, recompute, ep) -> tuple[float, float]:
+        """(seconds fwd+bwd, stored bytes) added to the last stage by multi-token prediction per micro-batch."""
+        s = self.shape
+        if not s.mtp_num_layers:
+            return 0.0, 0.0
+        kind = "moe" if s.is_moe else "dense"
+        layer = self.layer_cost(kind, tp, cp, sp, mbs, recompute, ep)
+        out_t, out_b = self.output_cost(tp, cp, sp, mbs)
+        tokens = mbs * self.seq_length / cp
+        proj = 3 * tokens * 4 * self.h * self.h / tp / (self.gemm_peak * self.gemm_efficiency(self.h / tp, tokens))
+        t = s.mtp_num_layers * (layer.fwd_s + layer.bwd_s + out_t + proj)
+        return t, s.mtp_num_layers * (layer.stored_bytes + out_b)
+
+    # ---------- weights ----------
+    def weight_bytes_per_param(self, shard: int) -> tuple[float, float, float]:
+        """(weights, grads, optimizer) bytes per parameter held by a GPU, optimizer sharded `shard` ways."""
+        weights = 2.0 + (1.0 if self.precision == "fp8" else 0.0)
+        opt = 12.0 / shard if self.runtime.distributed_optimizer else 12.0
+        return weights, float(GRAD_ACCUM_BYTES), opt
+
+    # ---------- GRPO extras ----------
+    def grpo_sizes(self) -> tuple[int, int, int, int]:
+        """(rollout sequences, prompt length, response length, concurrency or 0) for mode=grpo."""
+        g = self.grpo or GrpoSizing()
+        rollouts = g.rollout_batch_size or self.global_batch_size
+        prompt = g.max_prompt_length if g.max_prompt_length is not None else self.seq_length // 4
+        response = g.max_response_length if g.max_response_length is not None else self.seq_length - prompt
+        return rollouts, prompt, response, g.generation_concurrency or 0
+
+    def kv_cache_bytes(self, tp: int, layers_on_stage: int, sequences: float) -> float:
+        """KV cache bytes on one GPU for `sequences` full-length rollouts of its layers."""
+        _, prompt, response, _ = self.grpo_sizes()
+        g = self.grpo or GrpoSizing()
+        s = self.shape
+        if s.is_mla:
+            per_token_layer = s.kv_lora_rank + s.qk_rope_head_dim  # latent is replicated across TP ranks
+        else:
+            per_token_layer = 2 * max(1, self.g // tp) * self.d
+        return sequences * (prompt + response) * layers_on_stage * per_token_layer * g.kv_cache_bytes
+
+    def generation_time(self, tp: int, pp: int, gen_dp: int, params_per_gpu: float, kv_bytes_total: float,
+                        sequences: float) -> float:
+        """Rollout time estimate: prefill at GEMM speed, decode bound by reading weights and KV from HBM."""
+        _, prompt, response, conc = self.grpo_sizes()
+        per_rank = sequences
+        waves = math.ceil(per_rank / conc) if conc else 1
+        active = self.shape.num_active_params() * 2
+        prefill = per_rank * prompt * active / (tp * pp) / (self.bf16_peak * self.gpu.gemm_efficiency * 0.5)
+        weight_read = params_per_gpu * 2
+        # each decode step reads the weights once per wave and half the KV cache on average; PP stages take turns
+        decode = waves * response * pp * (weight_read + 0.5 * kv_bytes_total / waves) / self.hbm
+        return prefill + decode
+
+
+def gib(x: float) -> float:
+    """Bytes to GiB."""
+    return x / GIB

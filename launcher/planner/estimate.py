@@ -1,0 +1,383 @@
+"""One layout in, memory per GPU and step time out: the Layout type, Megatron's pipeline splits, the estimate.
+
+The pipeline split follows Megatron-Core's rules (transformer_config.py): an even split; or the embedding and/or
+the loss counted as one layer each (--account-for-embedding/loss-in-pipeline-split); or explicit first/last
+stage sizes (--decoder-first/last-pipeline-num-layers) with the middle stages even. With interleaving (VPP)
+every per-stage count must divide by VPP.
+
+Check it: ``.venv/bin/python -m pytest tests/test_planner.py -q``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from launcher.planner.costs import GIB, IB_LATENCY_S, NVLINK_LATENCY_S, OVERLAP_CONTENTION, Workload
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A complete Megatron-Core parallel layout for one training job."""
+
+    tp: int
+    """Tensor-parallel size (inside one node)."""
+    pp: int
+    """Pipeline-parallel size."""
+    vpp: int
+    """Virtual pipeline stages per rank (interleaving); 1 = plain 1F1B."""
+    cp: int
+    """Context-parallel size (sequence split for attention)."""
+    ep: int
+    """Expert-parallel size (1 for dense models); expert tensor parallelism is 1."""
+    dp: int
+    """Data-parallel size = GPUs / (tp * cp * pp)."""
+    micro_batch_size: int
+    """Sequences per micro-batch."""
+    recompute: str
+    """none | selective (Runtime.selective_modules) | full (uniform, 1 layer per checkpoint)."""
+    sequence_parallel: bool
+    """Megatron sequence parallelism (on whenever tp > 1 unless asked otherwise)."""
+    first_stage_layers: int | None = None
+    """--decoder-first-pipeline-num-layers; None = not set."""
+    last_stage_layers: int | None = None
+    """--decoder-last-pipeline-num-layers; None = not set."""
+    account_for_embedding: bool = False
+    """--account-for-embedding-in-pipeline-split."""
+    account_for_loss: bool = False
+    """--account-for-loss-in-pipeline-split."""
+
+    def split_name(self) -> str:
+        """Short description of the pipeline split."""
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            return f"uneven first={self.first_stage_layers} last={self.last_stage_layers}"
+        tags = [t for t, on in (("embedding", self.account_for_embedding), ("loss", self.account_for_loss)) if on]
+        return "even" + (f" (+{'+'.join(tags)} as layers)" if tags else "")
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the issue's keys first, the split after)."""
+        return asdict(self)
+
+    def megatron_args(self, selective_modules: tuple[str, ...] = ("layernorm",)) -> dict[str, object]:
+        """Megatron-LM command-line arguments for this layout (keys without the leading dashes); pass
+        Workload.selective_modules() (PlanResult.megatron_args does)."""
+        args: dict[str, object] = {
+            "tensor-model-parallel-size": self.tp, "pipeline-model-parallel-size": self.pp,
+            "context-parallel-size": self.cp, "expert-model-parallel-size": self.ep,
+            "micro-batch-size": self.micro_batch_size,
+        }
+        if self.ep > 1:
+            args["expert-tensor-parallel-size"] = 1
+        if self.vpp > 1:
+            args["num-virtual-stages-per-pipeline-rank"] = self.vpp
+        if self.sequence_parallel:
+            args["sequence-parallel"] = True
+        if self.first_stage_layers is not None:
+            args["decoder-first-pipeline-num-layers"] = self.first_stage_layers
+        if self.last_stage_layers is not None:
+            args["decoder-last-pipeline-num-layers"] = self.last_stage_layers
+        if self.account_for_embedding:
+            args["account-for-embedding-in-pipeline-split"] = True
+        if self.account_for_loss:
+            args["account-for-loss-in-pipeline-split"] = True
+        if self.recompute == "full":
+            args.update({"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1})
+        elif self.recompute == "selective":
+            args["recompute-granularity"] = "selective"
+            args["recompute-modules"] = list(selective_modules)
+        return args
+
+
+def split_error(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
+                loss: bool) -> str | None:
+    """Why Megatron rejects this split, or None when it is legal."""
+    if vpp > 1 and pp < 2:
+        return f"interleaving (vpp={vpp}) needs pp >= 2"
+    if (first is not None or last is not None) and (emb or loss):
+        return "first/last stage sizes cannot be combined with accounting for embedding/loss"
+    if first is not None or last is not None:
+        if pp < 2:
+            return "first/last stage sizes need pp >= 2"
+        rest, middle = num_layers, pp
+        for name, n in (("first", first), ("last", last)):
+            if n is None:
+                continue
+            if n <= 0:
+                return f"{name} stage needs at least one layer"
+            if n % vpp:
+                return f"{name} stage layers ({n}) not divisible by vpp={vpp}"
+            rest, middle = rest - n, middle - 1
+        if bool(rest) != bool(middle) or rest < 0:
+            return f"{rest} layers left for {middle} middle stages"
+        if middle and rest % middle:
+            return f"middle layers ({rest}) not divisible by the {middle} middle stages"
+        if middle and (rest // middle) % vpp:
+            return f"layers per middle stage ({rest // middle}) not divisible by vpp={vpp}"
+        return None
+    total = num_layers + int(emb) + int(loss)
+    if total % pp:
+        extra = " (embedding/loss counted as layers)" if emb or loss else ""
+        return f"num_layers {total}{extra} not divisible by pp={pp}"
+    per_rank = total // pp
+    if per_rank % vpp:
+        return f"layers per pipeline rank ({per_rank}) not divisible by vpp={vpp}"
+    if (emb or loss) and per_rank // vpp < 1 + (emb and loss and pp * vpp == 1):
+        return "no layers left on a stage after accounting for embedding/loss"
+    return None
+
+
+@lru_cache(maxsize=4096)
+def virtual_stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
+                         loss: bool) -> tuple[int, ...]:
+    """Decoder layers of each virtual stage, in execution order (virtual stage c*pp + rank)."""
+    counts = [0] * (pp * vpp)
+    if first is not None or last is not None:
+        rest, middle = num_layers, pp
+        if first is not None:
+            rest, middle = rest - first, middle - 1
+        if last is not None:
+            rest, middle = rest - last, middle - 1
+        per_middle = rest // middle if middle else 0
+        for c in range(vpp):
+            for r in range(pp):
+                n = per_middle
+                if r == 0 and first is not None:
+                    n = first
+                elif r == pp - 1 and last is not None:
+                    n = last
+                counts[c * pp + r] = n // vpp
+        return tuple(counts)
+    per_vs = (num_layers + int(emb) + int(loss)) // (pp * vpp)
+    counts = [per_vs] * (pp * vpp)
+    if emb:
+        counts[0] -= 1
+    if loss:
+        counts[-1] -= 1
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Pipeline ranks with the same contents; memory is worst at the lowest rank (most micro-batches in flight)."""
+
+    rank: int  # lowest rank of the group
+    count: int  # ranks in the group
+    dense_layers: int
+    moe_layers: int
+    first: bool  # holds the embedding
+    last: bool  # holds the output layer and loss
+
+
+@lru_cache(maxsize=4096)
+def rank_groups(moe_pattern: tuple[bool, ...], num_layers: int, pp: int, vpp: int, first, last, emb, loss):
+    """Group pipeline ranks by (dense layers, MoE layers, first, last)."""
+    counts = virtual_stage_layers(num_layers, pp, vpp, first, last, emb, loss)
+    per_rank = [[0, 0] for _ in range(pp)]
+    start = 0
+    for vs, n in enumerate(counts):
+        r = vs % pp
+        moe = sum(moe_pattern[start:start + n]) if moe_pattern else 0
+        per_rank[r][0] += n - moe
+        per_rank[r][1] += moe
+        start += n
+    groups: dict[tuple, list[int]] = {}
+    for r, (dense, moe) in enumerate(per_rank):
+        groups.setdefault((dense, moe, r == 0, r == pp - 1), []).append(r)
+    return tuple(RankGroup(rs[0], len(rs), k[0], k[1], k[2], k[3]) for k, rs in groups.items())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Predicted memory (bytes, worst pipeline rank) and speed of one layout."""
+
+    layout: Layout
+    """The layout estimated."""
+    weights: float
+    """bf16 (+fp8 copy) weight bytes on the fullest GPU."""
+    gradients: float
+    """fp32 main-gradient bytes."""
+    optimizer: float
+    """Adam master weights and moments (sharded with the distributed optimizer)."""
+    activations: float
+    """Activations kept for backward, micro-batches in flight included, plus logits on the last rank."""
+    kv_cache: float
+    """GRPO rollout KV cache bytes (0 otherwise)."""
+    reference_model: float
+    """GRPO frozen reference model bytes (0 otherwise)."""
+    overhead: float
+    """Runtime reserve: fixed overhead plus fragmentation."""
+    capacity: float
+    """Device memory bytes."""
+    worst_rank: int
+    """Pipeline rank these bytes belong to."""
+    step_time_s: float
+    """Predicted seconds per optimizer step (GRPO: rollout + log-prob passes + update)."""
+    mfu: float
+    """Model FLOPs / (step time x GPUs x bf16 peak)."""
+    tokens_per_s_per_gpu: float
+    """Trained tokens per second per GPU."""
+    bubble_fraction: float
+    """Share of the pipeline time lost to fill and drain."""
+    stage_layers: tuple[int, ...]
+    """Decoder layers per virtual stage, execution order."""
+
+    @property
+    def total(self) -> float:
+        """Bytes on the worst GPU."""
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
+                + self.reference_model + self.overhead)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the worst GPU stays within device memory."""
+        return self.total <= self.capacity
+
+    def memory_gib(self) -> dict[str, float]:
+        """Memory breakdown in GiB (the issue's JSON keys plus reference_model)."""
+        keys = ("weights", "gradients", "optimizer", "activations", "kv_cache", "reference_model", "overhead")
+        out = {k: round(getattr(self, k) / GIB, 3) for k in keys}
+        out["total"] = round(self.total / GIB, 3)
+        out["capacity"] = round(self.capacity / GIB, 3)
+        return out
+
+
+def stage_params(w: Workload, group: RankGroup, layout: Layout) -> tuple[float, float]:
+    """(non-expert, expert) parameters held by one GPU of this pipeline rank group."""
+    s = w.shape
+    dense = group.dense_layers * (s.attention_params() + s.dense_mlp_params())
+    moe_other = s.attention_params() + s.moe_mlp_params() - s.expert_params_per_moe_layer() if s.is_moe else 0
+    ne = dense + group.moe_layers * moe_other
+    ex = group.moe_layers * s.expert_params_per_moe_layer() if s.is_moe else 0
+    output = s.output_params() if w.mode != "rm" else s.hidden_size * 3
+    if group.first:
+        ne += s.embedding_params()
+    if group.last:
+        ne += output
+        if s.tie_embeddings and layout.pp > 1 and w.mode != "rm":
+            ne += s.vocab_size * s.hidden_size
+        if s.mtp_num_layers:
+            last = s.num_layers - 1
+            ne += s.mtp_num_layers * (s.layer_params(last) - (s.expert_params_per_moe_layer() if s.is_moe else 0)
+                                      + 2 * s.hidden_size**2 + 2 * s.hidden_size)
+            ex += s.mtp_num_layers * (s.expert_params_per_moe_layer() if s.is_moe else 0)
+    return ne / layout.tp, ex / layout.ep
+
+
+def _overlapped(comm: float, window: float) -> float:
+    """Time a collective adds when overlapped with `window` seconds of compute."""
+    hidden = min(comm, window)
+    return comm - hidden + OVERLAP_CONTENTION * hidden
+
+
+def estimate(w: Workload, layout: Layout) -> Estimate:
+    """Memory and time of a legal layout (legality is checked by the search module)."""
+    s, L = w.shape, layout
+    m = w.global_batch_size // (L.dp * L.micro_batch_size)
+    groups = rank_groups(s.moe_layers, s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
+                         L.account_for_embedding, L.account_for_loss)
+    dense_c = w.layer_cost("dense", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
+    moe_c = (w.layer_cost("moe", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
+             if s.is_moe else dense_c)
+    out_t, logits_b = w.output_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size)
+    mtp_t, mtp_b = w.mtp_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
+    tokens = L.micro_batch_size * w.seq_length / L.cp
+    rep = L.tp if L.sequence_parallel else 1
+    gpn = w.gpu.gpus_per_node
+    p2p_bw = w.ib if L.tp * L.cp * L.dp >= gpn else w.nvlink
+    p2p = (tokens * s.hidden_size * 2 / rep / p2p_bw + IB_LATENCY_S) if L.pp > 1 else 0.0
+    dp_shard = L.dp * L.cp
+    edp = L.tp * L.cp * L.dp // L.ep
+    wb, gb, _ = w.weight_bytes_per_param(1)
+    opt_ne = 12.0 / dp_shard if w.runtime.distributed_optimizer else 12.0
+    opt_ex = 12.0 / edp if w.runtime.distributed_optimizer else 12.0
+
+    grpo = w.mode == "grpo"
+    if grpo:
+        rollouts, _, _, conc = w.grpo_sizes()
+        gen_dp = L.dp * L.cp
+        seqs_per_rank = rollouts / gen_dp
+        live_seqs = min(seqs_per_rank, conc) if conc else seqs_per_rank
+    worst = None
+    t_max = t_sum = 0.0
+    worst_bwd = worst_fwd = 0.0
+    max_params = (0.0, 0.0)
+    for gr in groups:
+        t_fwd = gr.dense_layers * dense_c.fwd_s + gr.moe_layers * moe_c.fwd_s
+        t_bwd = gr.dense_layers * dense_c.bwd_s + gr.moe_layers * moe_c.bwd_s
+        t = t_fwd + t_bwd + 2 * L.vpp * p2p
+        if gr.last:
+            t += out_t + mtp_t
+        t_sum += t * gr.count
+        if t > t_max:
+            t_max, worst_fwd, worst_bwd = t, t_fwd, t_bwd
+        ne, ex = stage_params(w, gr, L)
+        if ne + ex > sum(max_params):
+            max_params = (ne, ex)
+        stored = gr.dense_layers * dense_c.stored_bytes + gr.moe_layers * moe_c.stored_bytes
+        if L.vpp > 1:
+            inflight = min((L.pp - gr.rank - 1) * 2 + (L.vpp - 1) * L.pp + 1, m * L.vpp) / L.vpp
+        else:
+            inflight = min(L.pp - gr.rank, m)
+        act = stored * inflight + max(dense_c.working_bytes, moe_c.working_bytes)
+        if gr.first:
+            act += tokens * s.hidden_size * 2 / rep * inflight
+        if gr.last:
+            act += logits_b + mtp_b
+        kv = ref = 0.0
+        if grpo:
+            kv = w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, live_seqs)
+            if (w.grpo is None or w.grpo.reference_model):
+                ref = (ne + ex) * 2.0
+        weights, grads, opt = (ne + ex) * wb, (ne + ex) * gb, ne * opt_ne + ex * opt_ex
+        if grpo and w.grpo is not None and w.grpo.kv_cache_released_for_training:
+            peak_dyn, kv_shown = max(act, kv), kv
+            act_shown = peak_dyn - kv if kv < act else 0.0
+        else:
+            act_shown, kv_shown = act, kv
+        base = weights + grads + opt + act_shown + kv_shown + ref
+        overhead = w.runtime.overhead_gib * GIB + w.runtime.fragmentation * base
+        if worst is None or base + overhead > worst[0]:
+            worst = (base + overhead, gr.rank, weights, grads, opt, act_shown, kv_shown, ref, overhead)
+
+    step_pp = m * t_max + (t_sum - t_max) / L.vpp
+    bubble = 1.0 - m * t_max / step_pp if step_pp else 0.0
+    # data-parallel gradient reduce (and param all-gather) with overlap
+    ne, ex = max_params
+    t_dp = 0.0
+    rs_frac = 1.0 if w.runtime.distributed_optimizer else 2.0
+    for params, group, stride in ((ne, dp_shard, L.tp), (ex, edp, L.ep)):
+        if group <= 1 or params <= 0:
+            continue
+        bw = w.nvlink if stride * group <= gpn else w.ib
+        lat = (NVLINK_LATENCY_S if bw == w.nvlink else IB_LATENCY_S) * 2 * int(group).bit_length()
+        grad_bytes = params * w.runtime.grad_reduce_bytes
+        t_red = rs_frac * grad_bytes * (group - 1) / group / bw + lat * (grad_bytes / 160e6 + 1)
+        t_dp += _overlapped(t_red, worst_bwd) if w.runtime.overlap_grad_reduce else t_red
+        if w.runtime.distributed_optimizer:
+            t_ag = params * 2 * (group - 1) / group / bw
+            t_dp += _overlapped(t_ag, worst_fwd) if w.runtime.overlap_param_gather else t_ag
+    shard_ne = ne / dp_shard if w.runtime.distributed_optimizer else ne
+    shard_ex = ex / edp if w.runtime.distributed_optimizer else ex
+    t_opt = ((shard_ne + shard_ex) * 28 + (ne + ex) * 2) / w.hbm
+    step = step_pp + t_dp + t_opt
+    flops = w.model_flops_per_token() * w.global_batch_size * w.seq_length
+    if grpo:
+        rollouts, prompt, response, _ = w.grpo_sizes()
+        fwd_share = worst_fwd / max(worst_fwd + worst_bwd, 1e-30)
+        passes = 1 + int(w.grpo is None or w.grpo.reference_model)
+        step += passes * fwd_share * step_pp
+        flops += passes * flops / 3
+        kv_total = worst[6]
+        step += w.generation_time(L.tp, L.pp, L.dp * L.cp, sum(max_params), kv_total, seqs_per_rank)
+        flops += 2 * s.num_active_params() * rollouts * (prompt + response)
+    mfu = flops / (step * w.num_gpus * w.bf16_peak)
+    return Estimate(layout=layout, weights=worst[2], gradients=worst[3], optimizer=worst[4], activations=worst[5],
+                    kv_cache=worst[6], reference_model=worst[7], overhead=worst[8], capacity=w.gpu.memory_gib * GIB,
+                    worst_rank=worst[1], step_time_s=step, mfu=mfu,
+                    tokens_per_s_per_gpu=w.global_batch_size * w.seq_length / step / w.num_gpus,
+                    bubble_fraction=bubble,
+                    stage_layers=virtual_stage_layers(s.num_layers, L.pp, L.vpp, L.first_stage_layers,
+                                                      L.last_stage_layers, L.account_for_embedding,
+                                                      L.account_for_loss))

@@ -1,0 +1,69 @@
+"""Human-readable plan: the chosen layout, memory breakdown, predicted speed, alternatives, constraints.
+
+Print one: ``.venv/bin/python -m launcher.planner.cli --model llama-3.3-70b --gpus 64 --gpu-type h100-80gb``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from launcher.planner.estimate import Estimate, Layout
+
+if TYPE_CHECKING:
+    from launcher.planner import PlanResult
+
+
+def layout_line(layout: Layout) -> str:
+    """One-line layout."""
+    return (f"tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} ep={layout.ep} dp={layout.dp} "
+            f"mbs={layout.micro_batch_size} recompute={layout.recompute} "
+            f"sp={'true' if layout.sequence_parallel else 'false'}")
+
+
+def stage_summary(stage_layers: tuple[int, ...], pp: int, vpp: int) -> str:
+    """Decoder layers per pipeline rank, run-length encoded: '7, 8 x14, 7'."""
+    per_rank = [sum(stage_layers[c * pp + r] for c in range(vpp)) for r in range(pp)]
+    runs: list[list[int]] = []
+    for n in per_rank:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    text = ", ".join(f"{n} x{k}" if k > 1 else str(n) for n, k in runs)
+    return text + (f" (each rank split into {vpp} virtual stages)" if vpp > 1 else "")
+
+
+def _row(e: Estimate) -> str:
+    lay = e.layout
+    return (f"  {lay.tp:>3} {lay.pp:>4} {lay.vpp:>4} {lay.cp:>3} {lay.ep:>4} {lay.dp:>6} {lay.micro_batch_size:>4} "
+            f"{lay.recompute:>10} {e.step_time_s:>9.3f} {100 * e.mfu:>6.1f} {e.total / 1024**3:>8.1f}")
+
+
+def explain(result: PlanResult) -> str:
+    """Tables for the terminal."""
+    w, e = result.workload, result.estimate
+    mem = e.memory_gib()
+    lines = [f"Plan for {w['model']} on {w['gpus']} x {w['gpu_type']} (seq {w['seq_length']}, global batch "
+             f"{w['global_batch_size']}, mode {w['mode']}, {w['precision']})",
+             "", f"Layout      {layout_line(e.layout)}",
+             f"Pipeline    {e.layout.split_name()}; decoder layers per rank: "
+             f"{stage_summary(e.stage_layers, e.layout.pp, e.layout.vpp)}",
+             "", f"Memory per GPU (GiB, fullest pipeline rank = {e.worst_rank})"]
+    for key in ("weights", "gradients", "optimizer", "activations", "kv_cache", "reference_model", "overhead"):
+        if mem[key] or key in ("weights", "gradients", "optimizer", "activations", "overhead"):
+            lines.append(f"  {key:<16}{mem[key]:>9.2f}")
+    verdict = "fits" if e.fits else "DOES NOT FIT"
+    lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}")
+    lines += ["", f"Predicted   step {e.step_time_s:.4g} s, MFU {100 * e.mfu:.1f}% of bf16 peak, "
+                  f"{e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, pipeline bubble {100 * e.bubble_fraction:.1f}%"]
+    if result.alternatives:
+        lines += ["", "Alternatives (fastest first)",
+                  "   tp   pp  vpp  cp   ep     dp  mbs  recompute    step_s   mfu%  mem_gib"]
+        lines += [_row(a) for a in result.alternatives]
+    if result.rejections:
+        lines += ["", "Ruled out (candidates: constraint, e.g.)"]
+        for name, info in result.rejections.items():
+            lines.append(f"  {info['count']:>8}  {name}: {info['example']}")
+    lines += ["", f"Search      {result.considered} candidate layouts, {result.evaluated} estimated, "
+                  f"{result.search_seconds:.3f} s"]
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""Enumerate every legal Megatron-Core layout for a GPU count, estimate each, keep the fastest that fit.
+
+Legality (Megatron-Core 0.16 rules): TP inside one node; heads and query groups divisible by TP; sequence
+divisible by 2*CP (load-balanced causal CP) and by TP under sequence parallelism; TP*CP*PP divides the world;
+the pipeline split is one Megatron accepts (estimate.split_error); the global batch divides into DP*MBS
+micro-batches, and interleaving needs the micro-batch count divisible by PP (default group size); experts
+divisible by EP and EP dividing TP*CP*DP (expert tensor parallelism 1).
+
+Pruning that does not change the answer: a layout whose weights and optimizer alone overflow skips its
+micro-batch and recompute variants; for one parallel layout and micro-batch size, the first recompute mode
+that fits (none < selective < full in time) dominates the slower ones.
+
+Time it: ``.venv/bin/python bench/plan_speed.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from launcher.errors import ConfigError
+from launcher.planner.costs import GIB, Workload
+from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout, estimate, rank_groups, split_error, stage_params
+
+MAX_CP = 64
+MAX_MBS = 16
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    small, large = [], []
+    for i in range(1, int(math.isqrt(n)) + 1):
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+    return small + large[::-1]
+
+
+@dataclass
+class SearchOutcome:
+    """What a search saw: fitting estimates, the leanest legal estimate, rejections, counts."""
+
+    fitting: list[Estimate] = field(default_factory=list)
+    leanest: Estimate | None = None
+    rejections: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    considered: int = 0
+    evaluated: int = 0
+
+    def reject(self, constraint: str, count: int, example: str) -> None:
+        """Count `count` candidate layouts ruled out by `constraint`."""
+        self.rejections[constraint] += count
+        self.examples.setdefault(constraint, example)
+
+
+def pipeline_splits(num_layers: int, pp: int, vpp_fixed: int | None, fixed: dict) -> list[tuple]:
+    """Candidate (first, last, emb, loss, vpp) splits for `pp`, with the planner choosing what is not fixed."""
+    keys = ("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss")
+    if any(k in fixed for k in keys):
+        base = [(fixed.get(keys[0]), fixed.get(keys[1]), bool(fixed.get(keys[2], False)),
+                 bool(fixed.get(keys[3], False)))]
+    elif pp == 1:
+        base = [(None, None, False, False)]
+    else:
+        base = [(None, None, False, False), (None, None, False, True), (None, None, True, True)]
+        if num_layers % pp:
+            lo = -(-num_layers // pp)
+            for k in (lo, lo + 1):
+                rest = num_layers - (pp - 2) * k
+                pairs = [(f, rest - f) for f in range(1, rest) if f <= k and rest - f <= k]
+                # the last stage carries the output layer: prefer it lighter, keep the 4 most balanced
+                pairs.sort(key=lambda fl: abs(fl[0] - fl[1] - 1))
+                base.extend((f, l, False, False) for f, l in pairs[:4])
+    out = []
+    for first, last, emb, loss in base:
+        if first is None and last is None:
+            total = num_layers + emb + loss
+            per_rank = total // pp if total % pp == 0 else 1
+        else:
+            middle = pp - (first is not None) - (last is not None)
+            rest = num_layers - (first or 0) - (last or 0)
+            per_rank = math.gcd(math.gcd(first or 0, last or 0), rest // middle if middle and rest % middle == 0 else 0)
+            per_rank = per_rank or 1
+        vpps = [vpp_fixed] if vpp_fixed else (divisors(per_rank) if pp > 1 else [1])
+        out.extend((first, last, emb, loss, v) for v in vpps)
+    return out
+
+
+class _FirstFit(Exception):
+    pass
+
+
+def search(w: Workload, fixed: dict | None = None, *, keep_all: bool = True, first_fit: bool = False,
+           prune: bool = True) -> SearchOutcome:
+    """All legal layouts for `w` consistent with `fixed` (a partial layout); raises ConfigError if a fixed
+    field is itself illegal. keep_all=False keeps only the fastest recompute mode per layout and micro-batch;
+    first_fit stops at the first layout that fits; prune=False estimates every candidate (the brute-force
+    reference that bench/plan_speed.py times)."""
+    fixed = dict(fixed or {})
+    out = SearchOutcome()
+    try:
+        _search(w, fixed, out, keep_all and not first_fit, first_fit, prune)
+    except _FirstFit:
+        pass
+    return out
+
+
+def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_fit: bool, prune: bool) -> None:
+    s, world, gpn = w.shape, w.num_gpus, w.gpu.gpus_per_node
+    capacity = w.gpu.memory_gib * GIB
+    overhead = w.runtime.overhead_gib * GIB
+
+    def bad(fields: tuple[str, ...], constraint: str, example: str, count: int = 1) -> None:
+        # a constraint decided only by fixed --layout fields is the user's error: say why, stop
+        if all(f in fixed for f in fields):
+            given = ",".join(f"{f}={fixed[f]}" for f in fields)
+            raise ConfigError(f"--layout {given}: {example}")
+        out.reject(constraint, count, example)
+
+    heads = s.num_attention_heads
+    groups = heads if s.is_mla else s.num_query_groups
+    tps = [fixed["tp"]] if "tp" in fixed else divisors(gpn)
+    for tp in tps:
+        if tp < 1 or tp > gpn:
+            bad(("tp",), "TP within a node", f"tp={tp} exceeds the {gpn} GPUs of one NVLink node")
+            continue
+        if heads % tp:
+            bad(("tp",), "heads % tp", f"num_attention_heads ({heads}) not divisible by tp={tp}")
+            continue
+        if groups % tp:
+            bad(("tp",), "query groups % tp", f"num_query_groups ({groups}) not divisible by tp={tp}")
+            continue
+        sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
+        cps = [fixed["cp"]] if "cp" in fixed else [c for c in (1, 2, 4, 8, 16, 32, MAX_CP) if c * tp <= world]
+        for sp in sps:
+            if sp and tp == 1:
+                sp = False
+            if s.is_moe and tp > 1 and not sp:
+                bad(("tp", "sequence_parallel"), "MoE needs SP with TP", "MoE with tp > 1 needs sequence_parallel=true")
+                continue
+            for cp in cps:
+                if cp < 1 or w.seq_length % (2 * cp if cp > 1 else 1):
+                    bad(("cp",), "seq % (2*cp)", f"seq_length {w.seq_length} not divisible by 2*cp={2 * cp}")
+                    continue
+                if sp and (w.seq_length // cp) % tp:
+                    bad(("tp", "cp"), "seq/cp % tp (SP)", f"seq_length/cp ({w.seq_length // cp}) not divisible by tp={tp}")
+                    continue
+                if world % (tp * cp):
+                    bad(("tp", "cp"), "world % (tp*cp*pp)", f"{world} GPUs not divisible by tp*cp={tp * cp}")
+                    continue
+                rest = world // (tp * cp)
+                pps = [fixed["pp"]] if "pp" in fixed else [p for p in divisors(rest) if p <= s.num_layers + 2]
+                for pp in pps:
+                    if pp < 1 or rest % pp:
+                        bad(("tp", "cp", "pp"), "world % (tp*cp*pp)", f"{world} GPUs not divisible by tp*cp*pp={tp * cp * pp}")
+                        continue
+                    _search_pp(w, fixed, out, tp, sp, cp, pp, world // (tp * cp * pp), capacity, overhead, bad,
+                               keep_all, first_fit, prune)
+
+
+def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_all, first_fit, prune):
+    s = w.shape
+    if "dp" in fixed and fixed["dp"] != dp:
+        bad(("dp", "tp", "cp", "pp"), "dp = gpus/(tp*cp*pp)", f"{w.num_gpus} GPUs give dp = {w.num_gpus}/(tp*cp*pp) "
+            f"= {dp}, not {fixed['dp']}")
+        return
+    if w.global_batch_size % dp:
+        bad(("tp", "cp", "pp"), "global batch % dp", f"global batch {w.global_batch_size} not divisible by dp={dp}")
+        return
+    per_dp = w.global_batch_size // dp
+    mbss = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else [
+        b for b in divisors(per_dp) if b <= MAX_MBS]
+    modes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_MODES)
+    inner = len(mbss) * len(modes)
+    if s.is_moe:
+        eps = [fixed["ep"]] if "ep" in fixed else [e for e in divisors(s.num_experts) if (tp * cp * dp) % e == 0]
+    else:
+        eps = [fixed.get("ep", 1)]
+    splits, whys = [], []
+    for cand in pipeline_splits(s.num_layers, pp, fixed.get("vpp"), fixed):
+        why = split_error(s.num_layers, pp, *cand[4:], *cand[:4])
+        (whys if why else splits).append(why or cand)
+    if not splits:
+        split_keys = ("vpp", "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
+                      "pp")
+        given = [f"{k}={fixed[k]}" for k in split_keys if k in fixed]
+        if given:
+            raise ConfigError(f"--layout {','.join(given)}: no legal pipeline split for {s.num_layers} layers: "
+                              f"{whys[0]}")
+    for why in whys:
+        out.reject("pipeline split", inner * len(eps), why)
+        out.considered += inner * len(eps)
+    for first, last, emb, loss, vpp in splits:
+        for ep in eps:
+            out.considered += inner
+            if not s.is_moe and ep != 1:
+                bad(("ep",), "experts % ep", "ep > 1 needs an MoE model")
+                continue
+            if s.is_moe and (ep < 1 or s.num_experts % ep):
+                bad(("ep",), "experts % ep", f"num_experts ({s.num_experts}) not divisible by ep={ep}", inner)
+                continue
+            if (tp * cp * dp) % ep:
+                bad(("ep", "tp", "cp", "pp"), "ep | tp*cp*dp", f"ep={ep} does not divide tp*cp*dp={tp * cp * dp}", inner)
+                continue
+            probe = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=1, recompute="full",
+                           sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,
+                           account_for_embedding=emb, account_for_loss=loss)
+            if prune and not fixed and _static_bytes(w, probe) + overhead > capacity:
+                out.reject("memory", inner, f"weights+grads+optimizer alone exceed {w.gpu.memory_gib:.0f} GiB")
+                continue
+            for mbs in mbss:
+                if mbs < 1 or per_dp % mbs:
+                    bad(("micro_batch_size", "tp", "cp", "pp"), "global batch % (dp*mbs)",
+                        f"global batch {w.global_batch_size} not divisible by dp*mbs={dp * mbs}", len(modes))
+                    continue
+                m = per_dp // mbs
+                if vpp > 1 and (m < pp or m % pp):
+                    bad(("vpp", "micro_batch_size", "tp", "cp", "pp"), "micro-batches % pp (VPP)",
+                        f"interleaving needs micro-batches ({m}) divisible by pp={pp}", len(modes))
+                    continue
+                for mode in modes:
+                    if mode not in RECOMPUTE_MODES:
+                        raise ConfigError(f"--layout recompute={mode}: use one of {', '.join(RECOMPUTE_MODES)}")
+                    lay = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=mbs, recompute=mode,
+                                 sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,
+                                 account_for_embedding=emb, account_for_loss=loss)
+                    est = estimate(w, lay)
+                    out.evaluated += 1
+                    if est.fits:
+                        out.fitting.append(est)
+                        if first_fit:
+                            raise _FirstFit
+                        if not keep_all:
+                            break
+                    else:
+                        out.reject("memory", 1, f"needs more than {w.gpu.memory_gib:.0f} GiB per GPU")
+                        if out.leanest is None or est.total < out.leanest.total:
+                            out.leanest = est
+
+
+def _static_bytes(w: Workload, layout: Layout) -> float:
+    """Weights + grads + optimizer bytes on the fullest pipeline rank."""
+    s = w.shape
+    groups = rank_groups(s.moe_layers, s.num_layers, layout.pp, layout.vpp, layout.first_stage_layers,
+                         layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
+    wb, gb, _ = w.weight_bytes_per_param(1)
+    dist = w.runtime.distributed_optimizer
+    shard = layout.dp * layout.cp
+    edp = layout.tp * layout.cp * layout.dp // layout.ep
+    worst = 0.0
+    for gr in groups:
+        ne, ex = stage_params(w, gr, layout)
+        worst = max(worst, (ne + ex) * (wb + gb) + ne * (12 / shard if dist else 12) + ex * (12 / edp if dist else 12))
+    return worst

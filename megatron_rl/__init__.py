@@ -1,0 +1,1 @@
+"""Job side of megatron-rl: Megatron Core runtime, trainers, generation, checkpoints and conversion."""

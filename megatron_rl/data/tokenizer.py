@@ -1,0 +1,55 @@
+"""A fixed character-level tokenizer for tiny models: 4 special tokens, then printable ASCII and newline.
+
+Ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>, then '\\n' and the 95 printable ASCII characters ' '..'~' in code
+order: vocab_size 100. The vocabulary is fixed in code, so every process and every checkpoint agrees on it.
+
+Test: `.venv/bin/python -m pytest tests/test_prompt_data.py -q`
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARACTERS: str = "\n" + "".join(chr(code) for code in range(32, 127))
+
+
+class CharTokenizer:
+    """Character-level tokenizer with a fixed vocabulary (vocab_size 100 <= 128)."""
+
+    name = "char-ascii-v1"
+
+    def __init__(self) -> None:
+        self._id_to_char = dict(enumerate(CHARACTERS, start=len(SPECIAL_TOKENS)))
+        self._char_to_id = {char: index for index, char in self._id_to_char.items()}
+        self.vocab_size = len(SPECIAL_TOKENS) + len(CHARACTERS)
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = range(len(SPECIAL_TOKENS))
+        self.special_ids = frozenset(range(len(SPECIAL_TOKENS)))
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of text; characters outside the vocabulary become unk_id."""
+        ids = [self._char_to_id.get(char, self.unk_id) for char in text]
+        if add_bos:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True, stop_at_eos: bool = True) -> str:
+        """Text of ids. Stops at the first eos (stop_at_eos); special tokens are dropped or written as <name>."""
+        pieces = []
+        for token_id in ids:
+            token_id = int(token_id)
+            if token_id == self.eos_id and stop_at_eos:
+                break
+            if token_id in self.special_ids:
+                if not skip_special_tokens:
+                    pieces.append(SPECIAL_TOKENS[token_id])
+                continue
+            if token_id not in self._id_to_char:
+                raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            pieces.append(self._id_to_char[token_id])
+        return "".join(pieces)
+
+    def __len__(self) -> int:
+        return self.vocab_size

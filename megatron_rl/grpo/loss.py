@@ -1,0 +1,297 @@
+"""GRPO token-level loss: clipped policy ratio, KL to a reference, and the three loss aggregations.
+
+All tensors are [batch, T] over response positions with a 0/1 `mask` (1 = a generated token that counts).
+Pure torch; nothing here knows about tensor parallelism, so the log-probs passed in must already be full
+(gathered across vocab shards by the caller). Functions that need full-vocabulary logits say so in their name.
+
+Sign convention: every function returns a quantity to MINIMISE (the negated GRPO objective).
+
+Test: `.venv/bin/python -m pytest tests/test_grpo_math.py -q`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from launcher.errors import ConfigError
+
+LossAggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES: tuple[str, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+KlKind = Literal["k1", "k2", "k3"]
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+
+Number = int | float | torch.Tensor
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class GRPOLossConfig:
+    """Knobs of the GRPO loss. Defaults follow DeepSeekMath with no reference model (kl_coef 0)."""
+
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped at 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip: the ratio is clipped at 1 + eps_high (DAPO clip-higher uses 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 (verl uses 3): for A < 0 the per-token loss is capped at -A * c. None = off."""
+    kl_coef: float = 0.0
+    """Weight of the per-token KL to the reference model; 0 switches the reference off."""
+    kl_kind: KlKind = "k3"
+    """KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1."""
+    kl_clamp: float | None = 10.0
+    """Clamp of the per-token KL to [-kl_clamp, kl_clamp] (NeMo RL uses 10); None = no clamp."""
+    kl_log_ratio_clamp: float | None = 20.0
+    """Clamp of logp - ref before the KL estimator, so k3's exp cannot overflow (NeMo RL uses 20); None = off."""
+    loss_agg_mode: LossAggMode = "seq-mean-token-mean"
+    """seq-mean-token-mean (DeepSeekMath), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)."""
+    max_response_len: int | None = None
+    """Constant normaliser for seq-mean-token-sum-norm (the generation length limit); required in that mode."""
+
+    def __post_init__(self) -> None:
+        if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:
+            raise ConfigError(
+                f"grpo loss: eps_low={self.eps_low}, eps_high={self.eps_high}: need 0 <= eps_low < 1 and eps_high >= 0"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"grpo loss: dual_clip={self.dual_clip} must be > 1 (e.g. 3.0) or null to switch it off")
+        if self.kl_coef < 0:
+            raise ConfigError(f"grpo loss: kl_coef={self.kl_coef} must be >= 0")
+        if self.kl_kind not in KL_KINDS:
+            raise ConfigError(f"grpo loss: kl_kind={self.kl_kind!r} is not one of {', '.join(KL_KINDS)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ConfigError(
+                f"grpo loss: loss_agg_mode={self.loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}"
+            )
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.max_response_len:
+            raise ConfigError(
+                "grpo loss: loss_agg_mode=seq-mean-token-sum-norm needs max_response_len (set it to the generation "
+                "max_new_tokens)"
+            )
+
+
+def _check_shapes(mask: torch.Tensor, *tensors: torch.Tensor) -> None:
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [batch, T], got shape {tuple(mask.shape)}")
+    for tensor in tensors:
+        if tensor.shape != mask.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)} does not match mask shape {tuple(mask.shape)}")
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def policy_ratio_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float | None = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token negated clipped surrogate: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), [batch, T].
+
+    advantages: [batch] (one per sequence) or [batch, T]. dual_clip c: where A < 0 the loss is further capped
+    at -A c (verl's dual clip). log_ratio_clamp only guards exp() against overflow (the clip binds long before).
+    Stats (detached, over masked tokens): clip_fraction = share of tokens where the clipped branch was chosen
+    (so its gradient is zero), dual_clip_fraction, ratio_min, ratio_max (1.0 when no token is masked in).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logp)
+    _check_shapes(mask, logp, old_logp, advantages)
+    mask = mask.to(logp.dtype)
+    log_ratio = logp - old_logp
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = torch.zeros_like(clip_active)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        cap = -advantages * dual_clip
+        negative = advantages < 0
+        dual_active = negative & (per_token > cap)
+        per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
+
+    with torch.no_grad():
+        in_mask = mask > 0
+        if in_mask.any():
+            ratio_min, ratio_max = ratio[in_mask].min(), ratio[in_mask].max()
+        else:
+            ratio_min = ratio_max = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        stats = {
+            "clip_fraction": _masked_mean(clip_active.to(mask.dtype), mask),
+            "dual_clip_fraction": _masked_mean(dual_active.to(mask.dtype), mask),
+            "ratio_min": ratio_min,
+            "ratio_max": ratio_max,
+        }
+    return per_token, stats
+
+
+def kl_penalty(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    kind: KlKind = "k3",
+    clamp: float | None = None,
+    *,
+    log_ratio_clamp: float | None = None,
+) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate, same shape as logp.
+
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1 (>= 0, Schulman's
+    estimator used by DeepSeekMath). log_ratio_clamp limits logp - ref before the estimator; clamp limits the result.
+    """
+    log_ratio = logp - ref_logp
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    if kind == "k1":
+        kl = log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio.square()
+    elif kind == "k3":
+        kl = torch.exp(-log_ratio) + log_ratio - 1.0
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}; use one of {KL_KINDS}")
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    return kl
+
+
+def local_normalisers(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(number of masked-in tokens, number of sequences with at least one) of this shard.
+
+    Sum these over data-parallel ranks and micro-batches of one optimizer step to get the global_num_tokens /
+    global_num_seqs that `aggregate` takes.
+    """
+    lengths = mask.to(torch.float32).sum(dim=-1)
+    return lengths.sum(), (lengths > 0).sum().to(torch.float32)
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggMode,
+    *,
+    max_response_len: int | None = None,
+    global_num_tokens: Number | None = None,
+    global_num_seqs: Number | None = None,
+) -> torch.Tensor:
+    """Reduce a [batch, T] per-token loss to a scalar.
+
+    - token-mean (DAPO): sum over all masked tokens / number of masked tokens.
+    - seq-mean-token-mean (DeepSeekMath): mean over each sequence's tokens, then mean over sequences.
+    - seq-mean-token-sum-norm (Dr. GRPO): sum over all masked tokens / (num sequences * max_response_len).
+    A sequence counts only if it has at least one masked-in token (an all-padding row adds nothing).
+
+    With global_num_tokens / global_num_seqs (totals over all data-parallel ranks and micro-batches of the
+    optimizer step) the result is this shard's share of the global value: summing the results of all shards
+    gives exactly the loss of the whole batch computed in one piece. Without them the local counts are used.
+    """
+    _check_shapes(mask, per_token)
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    lengths = mask.sum(dim=-1)
+    local_num_seqs = (lengths > 0).sum().clamp(min=1)
+    num_seqs = local_num_seqs if global_num_seqs is None else global_num_seqs
+    if mode == "token-mean":
+        num_tokens = lengths.sum().clamp(min=1) if global_num_tokens is None else global_num_tokens
+        return masked.sum() / num_tokens
+    if mode == "seq-mean-token-mean":
+        seq_means = masked.sum(dim=-1) / lengths.clamp(min=1)
+        return seq_means.sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        if not max_response_len:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_len (the constant normaliser)")
+        return masked.sum() / (num_seqs * max_response_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGG_MODES}")
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    config: GRPOLossConfig,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    global_num_tokens: Number | None = None,
+    global_num_seqs: Number | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss = aggregate(policy_ratio_loss + kl_coef * kl_penalty), and detached 0-dim metrics.
+
+    ref_logp may be None when config.kl_coef == 0; when given with kl_coef 0 the KL is still reported.
+    entropy: optional per-token entropy [batch, T] (already computed by the caller), reported as a masked mean.
+    Metrics: loss, pg_loss (aggregated like the loss), kl and entropy (masked token means; 0 when absent),
+    clip_fraction, dual_clip_fraction, ratio_min, ratio_max, num_tokens, num_seqs (local counts, for weighting
+    when metrics of several micro-batches or ranks are averaged).
+    """
+    if config.kl_coef > 0 and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs ref_logp (the frozen reference model's log-probs)")
+    per_token_pg, stats = policy_ratio_loss(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        eps_low=config.eps_low,
+        eps_high=config.eps_high,
+        dual_clip=config.dual_clip,
+    )
+    agg_kwargs = dict(
+        max_response_len=config.max_response_len,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+    )
+    per_token = per_token_pg
+    float_mask = mask.to(logp.dtype)
+    kl_mean = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if ref_logp is not None:
+        _check_shapes(mask, ref_logp)
+        per_token_kl = kl_penalty(
+            logp, ref_logp, config.kl_kind, config.kl_clamp, log_ratio_clamp=config.kl_log_ratio_clamp
+        )
+        kl_mean = _masked_mean(per_token_kl.detach(), float_mask)
+        if config.kl_coef > 0:
+            per_token = per_token_pg + config.kl_coef * per_token_kl
+    loss = aggregate(per_token, mask, config.loss_agg_mode, **agg_kwargs)
+
+    with torch.no_grad():
+        num_tokens, num_seqs = local_normalisers(mask)
+        metrics = {
+            "loss": loss.detach(),
+            "pg_loss": aggregate(per_token_pg.detach(), mask, config.loss_agg_mode, **agg_kwargs),
+            "kl": kl_mean,
+            "entropy": (
+                _masked_mean(entropy.detach(), float_mask)
+                if entropy is not None
+                else torch.zeros((), dtype=logp.dtype, device=logp.device)
+            ),
+            **stats,
+            "num_tokens": num_tokens,
+            "num_seqs": num_seqs,
+        }
+    return loss, metrics
+
+
+def token_logprobs_from_full_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens) from FULL-vocabulary logits [batch, T, V] (not vocab-parallel shards) -> [batch, T].
+
+    logits[:, t] must be the prediction for tokens[:, t] (shift before calling).
+    """
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_full_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) from FULL-vocabulary logits [batch, T, V] (not vocab-parallel shards) -> [batch, T]."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)

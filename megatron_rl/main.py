@@ -1,0 +1,59 @@
+"""Entry point of every training process: ``python -m megatron_rl.main RUN_DIR/config.yaml``.
+
+The launcher writes the resolved config and starts one of these per rank (local processes, ``srun`` or
+submitit). Rank, world size and rendezvous come from the environment (see ``runtime.distributed``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from launcher.config import load_config
+from launcher.errors import ConfigError
+from launcher.model_shape import load_model_shape
+
+# algorithm.name -> module with ``train(cfg, shape, ctx)``; imported only when chosen.
+TRAINERS = {
+    "pretrain": "megatron_rl.trainers.pretrain",
+    "sft": "megatron_rl.trainers.sft",
+    "grpo": "megatron_rl.trainers.grpo",
+    "rm": "megatron_rl.trainers.rm",
+}
+
+
+def run(config_path: str) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from megatron_rl.trainers.common import TrainerContext
+
+    cfg = load_config(config_path)
+    shape = load_model_shape(cfg.model.name)
+    par = cfg.parallel
+    initialize(ParallelSizes(tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep), seed=cfg.run.seed,
+               backend=par.backend)
+    trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
+    try:
+        trainer.train(cfg, shape, TrainerContext(cfg))
+    finally:
+        shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m megatron_rl.main RUN_DIR/config.yaml", file=sys.stderr)
+        return 2
+    try:
+        return run(argv[0])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

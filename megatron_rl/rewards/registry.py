@@ -1,0 +1,211 @@
+"""Reward functions by name or dotted path, and their weighted combination.
+
+A reward function is any callable `fn(prompts: list[str], completions: list[str], answers: list[Any]) -> list[float]`
+(one score per completion, batched). The registry maps a name to a FACTORY `factory(**options) -> reward fn`,
+so a stateful scorer (a reward model holding weights) registers the same way as a stateless rule:
+
+    register_reward("rm", lambda checkpoint: RewardModelScorer(checkpoint))
+    fn = build_reward_fn("rm", {"checkpoint": "/ckpt/rm"})
+
+Test: `.venv/bin/python -m pytest tests/test_rewards.py -q`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from launcher.errors import ConfigError
+from megatron_rl.rewards.verifiers import ExactMatchReward, FormatReward, MathAnswerReward
+
+RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
+RewardFactory = Callable[..., RewardFn]
+
+_FACTORIES: dict[str, RewardFactory] = {}
+
+
+def register_reward(name: str, factory: RewardFactory | None = None, *, replace: bool = False):
+    """Register `factory(**options) -> reward fn` under name; usable as a decorator when factory is omitted."""
+
+    def _register(fn_factory: RewardFactory) -> RewardFactory:
+        if name in _FACTORIES and not replace and _FACTORIES[name] is not fn_factory:
+            raise ValueError(f"reward {name!r} is already registered; pass replace=True to override it")
+        _FACTORIES[name] = fn_factory
+        return fn_factory
+
+    return _register(factory) if factory is not None else _register
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+register_reward("math", MathAnswerReward)
+register_reward("format", FormatReward)
+register_reward("exact", ExactMatchReward)
+
+
+def _import_module(module_name: str, spec: str) -> Any | None:
+    """The module, None when module_name itself (or a parent) does not exist; other import errors -> ConfigError."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing == module_name or module_name.startswith(missing + "."):
+            return None
+        raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed: {error}") from None
+    except Exception as error:  # the user's module raised while importing
+        raise ConfigError(
+            f"reward function {spec!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from None
+
+
+def load_reward_fn(path: str) -> Any:
+    """The object named by "package.module:attr" or "package.module.attr" (attr may be dotted: "Class.method").
+
+    Raises ConfigError naming the path when the module or attribute is missing or the object is not callable.
+    """
+    spec = path.strip()
+    if not spec or spec.startswith((".", ":")) or spec.count(":") > 1:
+        raise ConfigError(f"reward function {path!r}: write it as 'package.module:function' or 'package.module.function'")
+    if ":" in spec:
+        module_name, attr_path = spec.split(":")
+        module = _import_module(module_name, spec)
+        if module is None:
+            raise ConfigError(
+                f"reward function {spec!r}: module {module_name!r} not found (check the path, and that its "
+                "directory is on PYTHONPATH on every node)"
+            )
+    else:
+        parts = spec.split(".")
+        module = None
+        for split in range(len(parts) - 1, 0, -1):
+            module_name = ".".join(parts[:split])
+            module = _import_module(module_name, spec)
+            if module is not None:
+                attr_path = ".".join(parts[split:])
+                break
+        if module is None:
+            raise ConfigError(
+                f"reward function {spec!r}: no importable module in it (check the path, and that its directory "
+                "is on PYTHONPATH on every node)"
+            )
+    target: Any = module
+    for attr in attr_path.split("."):
+        if not attr or not hasattr(target, attr):
+            raise ConfigError(f"reward function {spec!r}: {module_name!r} has no attribute {attr_path!r}")
+        target = getattr(target, attr)
+    if not callable(target):
+        raise ConfigError(f"reward function {spec!r}: {type(target).__name__} object is not callable")
+    return target
+
+
+def _call_factory(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> Any:
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as error:
+        raise ConfigError(f"reward {label!r}: options {sorted(options)} do not fit its factory: {error}") from None
+    except ValueError:  # builtins without a signature: let the call decide
+        pass
+    return factory(**options)
+
+
+def build_reward_fn(spec: str | RewardFn, options: Mapping[str, Any] | None = None) -> RewardFn:
+    """A ready reward fn from a registered name, a dotted path, or a callable passed through.
+
+    Registered name -> factory(**options). Dotted path -> the loaded object; a class is instantiated with
+    options, and a function is itself the reward fn unless options are given (then it is called as a factory).
+    """
+    options = dict(options or {})
+    if callable(spec) and not isinstance(spec, str):
+        if options:
+            raise ConfigError(f"reward {spec!r}: options are given but the reward is already a callable")
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"reward {spec!r}: expected a name ({', '.join(registered_rewards())}) or a dotted path")
+    if spec in _FACTORIES:
+        return _call_factory(_FACTORIES[spec], options, spec)
+    if "." not in spec and ":" not in spec:
+        raise ConfigError(
+            f"reward {spec!r} is not registered (known: {', '.join(registered_rewards())}); "
+            "or give a dotted path 'package.module:function'"
+        )
+    target = load_reward_fn(spec)
+    if inspect.isclass(target) or options:
+        return _call_factory(target, options, spec)
+    return target
+
+
+def score_completions(
+    reward_fns: Mapping[str, RewardFn],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    answers: Sequence[Any],
+) -> dict[str, list[float]]:
+    """Each named reward fn's scores for the batch; a fn returning the wrong count or a non-finite score -> ConfigError."""
+    scores: dict[str, list[float]] = {}
+    for name, fn in reward_fns.items():
+        raw = fn(list(prompts), list(completions), list(answers))
+        values = [float(value) for value in raw]
+        if len(values) != len(completions):
+            raise ConfigError(
+                f"reward {name!r} returned {len(values)} scores for {len(completions)} completions; "
+                "a reward fn must return one float per completion"
+            )
+        if not all(math.isfinite(value) for value in values):
+            raise ConfigError(f"reward {name!r} returned a non-finite score (nan or inf)")
+        scores[name] = values
+    return scores
+
+
+def combine_rewards(per_fn_scores: Mapping[str, Sequence[float]], weights: Mapping[str, float]) -> list[float]:
+    """Weighted sum over reward fns, per completion. Every scored fn needs a weight, and every weight a scored fn."""
+    unknown = sorted(set(weights) - set(per_fn_scores))
+    missing = sorted(set(per_fn_scores) - set(weights))
+    if unknown or missing:
+        raise ConfigError(
+            f"reward weights {sorted(weights)} do not match reward fns {sorted(per_fn_scores)} "
+            f"(no such fn: {unknown}, no weight: {missing})"
+        )
+    lengths = {len(scores) for scores in per_fn_scores.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"reward fns scored different numbers of completions: {sorted(lengths)}")
+    count = lengths.pop() if lengths else 0
+    return [sum(weights[name] * per_fn_scores[name][i] for name in per_fn_scores) for i in range(count)]
+
+
+@dataclasses.dataclass(kw_only=True)
+class WeightedRewards:
+    """Named reward fns with weights: `score(...)` gives the combined reward and each fn's scores."""
+
+    fns: dict[str, RewardFn]
+    """Reward fn per name (names appear in metrics as reward/<name>)."""
+    weights: dict[str, float]
+    """Weight per name; the combined reward is the weighted sum."""
+
+    def __post_init__(self) -> None:
+        if not self.fns:
+            raise ConfigError("rewards: at least one reward fn is needed (e.g. name: math)")
+        combine_rewards({name: [] for name in self.fns}, self.weights)
+
+    @classmethod
+    def from_specs(cls, specs: Mapping[str, Mapping[str, Any]]) -> "WeightedRewards":
+        """From {name: {"fn": registered name or dotted path (default: name), "weight": 1.0, "options": {...}}}."""
+        fns, weights = {}, {}
+        for name, spec in specs.items():
+            unknown = sorted(set(spec) - {"fn", "weight", "options"})
+            if unknown:
+                raise ConfigError(f"rewards.{name}: unknown keys {unknown} (allowed: fn, weight, options)")
+            fns[name] = build_reward_fn(spec.get("fn", name), spec.get("options"))
+            weights[name] = float(spec.get("weight", 1.0))
+        return cls(fns=fns, weights=weights)
+
+    def score(
+        self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        per_fn = score_completions(self.fns, prompts, completions, answers)
+        return combine_rewards(per_fn, self.weights), per_fn

@@ -1,0 +1,264 @@
+"""Run Megatron Core on a CPU-only machine: redirect its CUDA-only call sites to the CPU.
+
+Applied by ``megatron_rl.runtime.distributed.initialize`` only when ``torch.cuda.is_available()`` is false;
+GPU runs never import this module's effects. What it does:
+
+* ``torch.cuda`` helpers Megatron calls unconditionally (current_device, synchronize, Event, streams, nvtx,
+  RNG seeding) become CPU stand-ins;
+* a ``TorchFunctionMode`` rewrites ``device="cuda"`` (or a device index) in torch calls, ``Tensor.cuda()`` and
+  ``Tensor.to("cuda")`` to the CPU, and answers ``Tensor.type()`` with the ``torch.cuda.*`` name that
+  Megatron's optimizer asserts on;
+* Megatron's RNG tracker saves and restores the CPU generator instead of a CUDA one;
+* MoE routing without Transformer Engine gets ``te_general_gemm = None`` (0.16.1 leaves it undefined).
+
+Every redirection is counted per call site (``file:function`` inside megatron). ``KNOWN_SITES`` lists the
+sites someone has looked at; ``unreviewed_sites()`` names any other, so a Megatron upgrade that adds CUDA-only
+code fails a test instead of failing mysteriously.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Reviewed with megatron-core 0.16.1 on CPU: each site was read and its CPU rewrite is harmless.
+KNOWN_SITES = frozenset({
+    "core/pipeline_parallel/schedules.py:forward_backward_no_pipelining",
+    "core/pipeline_parallel/schedules.py:forward_backward_pipelining_without_interleaving",
+    "core/pipeline_parallel/schedules.py:forward_backward_pipelining_with_interleaving",
+    "core/pipeline_parallel/p2p_communication.py:_communicate",
+    "core/pipeline_parallel/p2p_communication.py:_communicate_shapes",
+    "core/transformer/utils.py:get_default_causal_mask",
+    "core/transformer/utils.py:get_sliding_window_causal_mask",
+    "core/tensor_parallel/mappings.py:_gather_along_first_dim",
+    "core/tensor_parallel/mappings.py:_reduce_scatter_along_first_dim",
+    "core/tensor_parallel/mappings.py:_gather_along_last_dim",
+    "core/tensor_parallel/mappings.py:_reduce_scatter_along_last_dim",
+    "core/tensor_parallel/mappings.py:all_to_all",
+    "core/tensor_parallel/layers.py:_initialize_affine_weight_cpu",
+    "core/tensor_parallel/layers.py:__init__",
+    "core/tensor_parallel/layers.py:forward",
+    "core/tensor_parallel/layers.py:backward",
+    "core/tensor_parallel/random.py:model_parallel_cuda_manual_seed",
+    "core/tensor_parallel/random.py:add",
+    "core/tensor_parallel/random.py:fork",
+    "core/tensor_parallel/random.py:get_states",
+    "core/tensor_parallel/random.py:set_states",
+    "core/tensor_parallel/random.py:reset",
+    "core/tensor_parallel/data.py:_build_key_size_numel_dictionaries",
+    "core/tensor_parallel/data.py:broadcast_data",
+    "core/optimizer/clip_grads.py:get_grad_norm_fp32",
+    "core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32",
+    "core/optimizer/clip_grads.py:count_zeros_fp32",
+    "core/optimizer/distrib_optimizer.py:_build_model_and_main_param_groups",
+    "core/optimizer/distrib_optimizer.py:__init__",
+    "core/optimizer/distrib_optimizer.py:get_parameter_state_dp_zero",
+    "core/optimizer/distrib_optimizer.py:_get_main_param_and_optimizer_states",
+    "core/optimizer/optimizer.py:_get_model_and_main_params_data_float16",
+    "core/optimizer/optimizer.py:prepare_grads",
+    "core/optimizer/optimizer.py:__init__",
+    "core/optimizer/optimizer.py:step_with_ready_grads",
+    "core/optimizer/optimizer.py:get_grad_stats_parallel_group",
+    "core/utils.py:get_data_parallel_group_if_dtensor",
+    "core/utils.py:check_param_hashes_across_dp_replicas",
+    "core/utils.py:local_multi_tensor_l2_norm",
+    "core/utils.py:__init__",
+    "core/distributed/param_and_grad_buffer.py:__init__",
+    "core/distributed/param_and_grad_buffer.py:start_grad_sync",
+    "core/distributed/distributed_data_parallel.py:__init__",
+    "core/distributed/finalize_model_grads.py:_allreduce_word_embedding_grads",
+    "core/distributed/finalize_model_grads.py:finalize_model_grads",
+    "core/distributed/finalize_model_grads.py:_get_num_tokens",
+    "core/dist_checkpointing/strategies/filesystem_async.py:preload_tensors",
+    "core/dist_checkpointing/strategies/filesystem_async.py:_process_item",
+    "core/dist_checkpointing/strategies/state_dict_saver.py:save_state_dict_async_plan",
+    "core/dist_checkpointing/strategies/torch.py:_unwrap_pyt_sharded_tensor",
+    "core/dist_checkpointing/exchange_utils.py:_get_empty_tensor_for_exchange",
+    "core/inference/contexts/static_context.py:__init__",
+    "core/inference/contexts/static_context.py:reset",
+    "core/models/common/embeddings/rotary_pos_embedding.py:get_freqs_non_repeated",
+    "core/models/common/embeddings/rotary_pos_embedding.py:forward",
+    "core/models/common/embeddings/rotary_pos_embedding.py:__init__",
+    "core/transformer/moe/moe_utils.py:topk_routing_with_score_function",
+    "core/transformer/moe/token_dispatcher.py:__init__",
+    "core/transformer/moe/token_dispatcher.py:token_permutation",
+    "core/transformer/moe/token_dispatcher.py:maybe_move_tensor_to_cpu",
+    "core/transformer/moe/router.py:__init__",
+    "core/transformer/moe/router.py:forward",
+    "core/transformer/moe/experts.py:forward",
+    "core/transformer/transformer_layer.py:forward",
+    "core/transformer/attention.py:forward",
+})
+
+_redirects: collections.Counter[str] = collections.Counter()
+_applied = False
+_MEGATRON_MARK = os.sep + "megatron" + os.sep
+
+
+def redirect_counts() -> dict[str, int]:
+    """How often each Megatron call site was redirected to the CPU in this process."""
+    return dict(_redirects)
+
+
+def unreviewed_sites() -> list[str]:
+    """Redirected sites that are not in KNOWN_SITES: new CUDA-only code nobody has looked at."""
+    return sorted(site for site in _redirects if site not in KNOWN_SITES)
+
+
+def _record() -> None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if _MEGATRON_MARK in filename and __file__ != filename:
+            rel = filename.split(_MEGATRON_MARK, 1)[1].replace(os.sep, "/")
+            _redirects[f"{rel}:{frame.f_code.co_name}"] += 1
+            return
+        frame = frame.f_back
+    _redirects["<outside megatron>"] += 1
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA placements in torch calls to the CPU and counts each rewrite by call site."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs = {**kwargs, "device": "cpu"}
+            _record()
+        if func is torch.Tensor.cuda:
+            _record()
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            _record()
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        return func(*args, **kwargs)
+
+
+class _CpuEvent:
+    """Stand-in for torch.cuda.Event: timing is wall-clock, synchronisation is a no-op on the CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._time = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        import time
+        self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._time - self._time) * 1000.0
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream: the CPU has one stream of execution."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event or _CpuEvent()
+
+
+def _counted(fn):
+    def wrapper(*args: Any, **kwargs: Any):
+        _record()
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = _counted(lambda: 0)
+    cuda.set_device = _counted(lambda device: None)
+    cuda.synchronize = _counted(lambda device=None: None)
+    cuda.Event = _CpuEvent
+    cuda.Stream = _CpuStream
+    cuda.current_stream = _counted(lambda device=None: _CpuStream())
+    cuda.default_stream = _counted(lambda device=None: _CpuStream())
+    cuda.stream = _counted(lambda stream=None: contextlib.nullcontext())
+    cuda.manual_seed = _counted(lambda seed: torch.manual_seed(seed))
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it; the CPU generator is already seeded
+    cuda.get_rng_state = _counted(lambda device="cuda": torch.get_rng_state())
+    cuda.set_rng_state = _counted(lambda state, device="cuda": torch.set_rng_state(state))
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda device=None: 0)
+    cuda.empty_cache = lambda: None
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.nvtx.range_push = lambda *args, **kwargs: None
+    cuda.nvtx.range_pop = lambda *args, **kwargs: None
+    cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+
+    mcore_random._get_cuda_rng_state = _counted(lambda device="cuda", clone=False, graph_safe=False:
+                                                torch.get_rng_state())
+    mcore_random._set_cuda_rng_state = _counted(lambda new_state, device=-1, graph_safe=False:
+                                                torch.set_rng_state(new_state))
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def apply() -> bool:
+    """Install the CPU redirections once per process, only when CUDA is absent. Returns whether active."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if not _applied:
+        _patch_torch_cuda()
+        _patch_megatron()
+        _CudaToCpu().__enter__()
+        _applied = True
+    return True
+
+
+def is_active() -> bool:
+    return _applied

@@ -1,0 +1,110 @@
+"""Process-group and Megatron parallel-state setup for one training process.
+
+``read_dist_env()`` finds rank, world size and rendezvous from whichever launcher started the process:
+torchrun / our local executor (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), or Slurm ``srun`` and submitit
+(``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_JOB_NODELIST``...). ``initialize()`` then starts
+torch.distributed (NCCL on GPUs, gloo on CPU or when asked), Megatron's parallel state and its RNG trackers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    rank: int
+    """Global rank of this process."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank on this node (selects the GPU)."""
+    master_addr: str
+    """Host of rank 0, for the TCP rendezvous."""
+    master_port: int
+    """Rendezvous port."""
+
+
+def read_dist_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
+    """Rank, world size and rendezvous from torchrun-style or Slurm variables; a single process otherwise."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        job_id = int(env.get("SLURM_JOB_ID", "0"))
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000))
+    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                   master_port=int(env.get("MASTER_PORT", "29500")))
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``n[3-5,7],m1`` -> ``n3``; ``gpu-[001-004]`` -> ``gpu-001``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSizes:
+    """The model-parallel sizes handed to Megatron; the data-parallel size follows from the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+
+
+def initialize(sizes: ParallelSizes, *, seed: int, backend: str = "auto", timeout_s: int = 300) -> DistEnv:
+    """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_rl.runtime import cpu_compat
+
+    dist_env = read_dist_env()
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        cpu_compat.apply()
+    if backend == "auto":
+        backend = "nccl" if on_gpu else "gloo"
+    if on_gpu:
+        torch.cuda.set_device(dist_env.local_rank)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend, init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
+            rank=dist_env.rank, world_size=dist_env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
+        virtual_pipeline_model_parallel_size=sizes.vpp if sizes.vpp and sizes.vpp > 1 else None,
+        context_parallel_size=sizes.cp, expert_model_parallel_size=sizes.ep)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return dist_env
+
+
+def shutdown() -> None:
+    """Tear down Megatron's parallel state and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,171 @@
+"""The Megatron training engine shared by every trainer: model chunks in DDP, optimizer, LR schedule, one step.
+
+A trainer supplies micro-batches and a loss function; ``Engine.train_step`` runs them through Megatron's
+forward-backward schedule (so TP/PP/VPP/CP/DP all apply) and takes one optimizer step.
+
+Loss functions return ``(loss_sum, denominator, report)``. Megatron sums ``loss_sum`` over micro-batches and
+data-parallel ranks and divides the gradients by the summed ``denominator`` (``calculate_per_token_loss``),
+so a loss is normalised over the global batch exactly, whatever the layout: token count for a token mean,
+sequence count for a sequence mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from launcher.config.schema import JobConfig
+from launcher.model_shape import ModelShape
+from megatron_rl.models.builder import ModelOptions, build_model_chunks, compute_dtype, padded_vocab_size
+
+# loss_fn(model_output, batch) -> (loss_sum, denominator as an int tensor, {name: (sum, count)})
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
+
+
+def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
+    par = cfg.parallel
+    return ModelOptions(
+        tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep, sequence_parallel=par.sequence_parallel,
+        recompute=par.recompute, dtype=compute_dtype(cfg.model.dtype),
+        seq_length=cfg.model.seq_length or shape.seq_length)
+
+
+@dataclass
+class Engine:
+    """Model chunks, optimizer and schedule of one rank, plus the sizes the schedule needs."""
+
+    shape: ModelShape
+    opts: ModelOptions
+    chunks: list
+    optimizer: Any
+    scheduler: Any
+    micro_batch_size: int
+    step: int = 0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.shape.vocab_size, self.opts.tp)
+
+    def train_step(self, microbatches: list[dict], loss_fn: LossFn, *, seq_length: int,
+                   report_names: tuple[str, ...]) -> dict[str, float]:
+        """Forward-backward over ``microbatches`` (this DP rank's share) and one optimizer step."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn=loss_fn),
+            data_iterator=self._iterators(microbatches), model=self.chunks,
+            num_microbatches=len(microbatches), seq_length=seq_length,
+            micro_batch_size=self.micro_batch_size, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step += 1
+        metrics = reduce_reports(reports, report_names)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def forward_only(self, microbatches: list[dict], loss_fn: LossFn, *, seq_length: int,
+                     report_names: tuple[str, ...]) -> dict[str, float]:
+        """Forward pass through the schedule without gradients (evaluation)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        with torch.no_grad():
+            reports = get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_fn=loss_fn),
+                data_iterator=self._iterators(microbatches), model=self.chunks,
+                num_microbatches=len(microbatches), seq_length=seq_length,
+                micro_batch_size=self.micro_batch_size, forward_only=True)
+        return reduce_reports(reports, report_names)
+
+    def _iterators(self, microbatches: list[dict]):
+        if len(self.chunks) == 1:
+            return iter(microbatches)
+        return [iter(microbatches) for _ in self.chunks]
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.train(mode)
+
+
+def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"))
+    return output, partial(loss_fn, batch=batch)
+
+
+def reduce_reports(reports: list[dict], names: tuple[str, ...]) -> dict[str, float]:
+    """Sum each reported (sum, count) over micro-batches and data-parallel ranks; every rank gets the result.
+
+    Only the last pipeline stage computes losses, so the sums are then shared along the pipeline.
+    """
+    from megatron.core import parallel_state
+
+    local = torch.zeros(2 * len(names), dtype=torch.float64)
+    for report in reports:
+        for i, name in enumerate(names):
+            total, count = report[name]
+            local[2 * i] += total.detach().double().sum()
+            local[2 * i + 1] += count.detach().double().sum() if torch.is_tensor(count) else count
+    if torch.cuda.is_available():
+        local = local.cuda()
+    torch.distributed.all_reduce(local, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    torch.distributed.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
+    return {name: float(local[2 * i] / local[2 * i + 1]) if local[2 * i + 1] else float("nan")
+            for i, name in enumerate(names)}
+
+
+def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int] = None,
+                 lr: Optional[float] = None) -> Engine:
+    """Model chunks wrapped in Megatron DDP, Megatron's (distributed) optimizer and its LR/WD schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opts = model_options(cfg, shape)
+    chunks = build_model_chunks(shape, opts)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        chunk.config.calculate_per_token_loss = True
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                               disable_bucketing=i > 0))
+    optim = cfg.optimizer
+    peak_lr = optim.lr if lr is None else lr
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=peak_lr, min_lr=min(optim.min_lr, peak_lr), weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad, bf16=opts.dtype == torch.bfloat16, fp16=opts.dtype == torch.float16,
+            params_dtype=opts.dtype, use_distributed_optimizer=cfg.parallel.distributed_optimizer),
+        wrapped)
+    steps = total_steps or cfg.run.steps
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.lr_warmup_steps else peak_lr, max_lr=peak_lr,
+        min_lr=min(optim.min_lr, peak_lr), lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=max(steps, optim.lr_warmup_steps + 1), lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(steps, 1),
+        wd_incr_style="constant")
+    return Engine(shape=shape, opts=opts, chunks=wrapped, optimizer=optimizer, scheduler=scheduler,
+                  micro_batch_size=cfg.parallel.micro_batch_size)
+
+
+def data_parallel_slice(items: list, *, micro_batch_size: int) -> list[list]:
+    """This DP rank's share of a global batch, cut into micro-batches (every rank sees the same global list)."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    if len(items) % (dp * micro_batch_size):
+        raise ValueError(f"global batch {len(items)} is not divisible by dp={dp} x micro_batch_size={micro_batch_size}")
+    per_rank = len(items) // dp
+    mine = items[rank * per_rank:(rank + 1) * per_rank]
+    return [mine[i:i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]

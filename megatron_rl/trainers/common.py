@@ -1,0 +1,133 @@
+"""What every trainer shares around its loop: resume, per-step logging, periodic and preemption saves.
+
+Preemption: Slurm sends SIGUSR1 (``--signal=USR1@N``) or SIGTERM before a time limit or a preemption. The
+handler only sets a flag; the trainer finishes its current step, every rank agrees on the flag, a checkpoint
+is saved, and the process exits with ``REQUEUE_EXIT_CODE`` so the job script requeues it. The next run
+resumes from that checkpoint and continues the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from launcher.config.schema import JobConfig
+from megatron_rl.runtime import checkpoint as ckpt
+from megatron_rl.runtime.metrics import MetricsLogger
+
+REQUEUE_EXIT_CODE = 3  # the job scripts requeue on this exit code
+
+
+class Preempted(SystemExit):
+    """Raised after the preemption checkpoint is saved; exits the process with REQUEUE_EXIT_CODE."""
+
+    def __init__(self) -> None:
+        super().__init__(REQUEUE_EXIT_CODE)
+
+
+@dataclass
+class _Timer:
+    seconds: float = 0.0
+
+
+@dataclass
+class TrainerContext:
+    """Run folder, metrics, checkpoints and the preemption flag for one training process."""
+
+    cfg: JobConfig
+    logger: MetricsLogger = field(init=False)
+    extra_state: Callable[[], dict] = field(default=lambda: {})
+    _stop_requested: bool = field(default=False, init=False)
+    resumed_extra: dict = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.logger = MetricsLogger(self.cfg.run.dir, total_steps=self.cfg.run.steps,
+                                    console=self.cfg.logging.console, tensorboard=self.cfg.logging.tensorboard,
+                                    enabled=self.rank == 0)
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._request_stop)
+        if os.environ.get("MEGATRON_RL_STOP_AFTER_STEP"):
+            self._stop_after = int(os.environ["MEGATRON_RL_STOP_AFTER_STEP"])
+        else:
+            self._stop_after = None
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.dir or os.path.join(self.cfg.run.dir, "checkpoints"))
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        self._stop_requested = True
+
+    @contextlib.contextmanager
+    def timer(self) -> Iterator[_Timer]:
+        t = _Timer()
+        start = time.perf_counter()
+        try:
+            yield t
+        finally:
+            t.seconds = time.perf_counter() - start
+
+    def resume(self, engine, *, init_from: Optional[str] = None) -> int:
+        """Load the newest complete checkpoint of this run (or ``init_from`` weights); return its step."""
+        ckpt.remove_partial_saves(self.ckpt_dir)
+        found = ckpt.latest_checkpoint(self.ckpt_dir) if self.cfg.checkpoint.resume else None
+        if found is not None:
+            state = ckpt.load_checkpoint(found, chunks=engine.chunks, optimizer=engine.optimizer,
+                                         scheduler=engine.scheduler)
+            engine.step = state["step"]
+            self.resumed_extra = state["extra"]
+            self.logger.truncate_after(engine.step)
+            self.say(f"resumed from {found} (step {engine.step}"
+                     f"{', new layout: RNG reseeded' if state['layout_changed'] else ''})")
+            return engine.step
+        source = init_from or self.cfg.model.init_from
+        if source:
+            ckpt.load_checkpoint(source, chunks=engine.chunks, load_optimizer=False)
+            self.say(f"initialised weights from {source}")
+        self.logger.truncate_after(0)
+        return 0
+
+    def end_step(self, engine, step: int, metrics: dict[str, float]) -> None:
+        """Log the step; save at the interval; on a preemption request save and exit for requeue."""
+        self.logger.log(step, metrics)
+        stop = self._agree_on_stop(step)
+        interval = self.cfg.checkpoint.save_interval
+        if stop or (interval and step % interval == 0 and step < self.cfg.run.steps):
+            self.save(engine, step)
+        if stop:
+            self.say(f"preemption requested: saved step {step}, exiting with code {REQUEUE_EXIT_CODE} for requeue")
+            self.logger.close()
+            raise Preempted()
+
+    def _agree_on_stop(self, step: int) -> bool:
+        local = self._stop_requested or (self._stop_after is not None and step >= self._stop_after)
+        flag = torch.tensor([1.0 if local else 0.0])
+        if torch.cuda.is_available():
+            flag = flag.cuda()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0) and step < self.cfg.run.steps
+
+    def save(self, engine, step: int) -> Path:
+        return ckpt.save_checkpoint(self.ckpt_dir, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
+                                    scheduler=engine.scheduler, extra=self.extra_state(),
+                                    keep_last=self.cfg.checkpoint.keep_last)
+
+    def finish(self, engine) -> None:
+        if self.cfg.checkpoint.save_at_end and engine.step > 0:
+            folder = self.save(engine, engine.step)
+            self.say(f"saved final checkpoint {folder}")
+        self.logger.close()
+
+    def say(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, file=sys.stdout, flush=True)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The test command of the README (and of CI): install the project with its test extras into .venv, start the
+# dev Slurm cluster when this machine can (root + apt), run every test, and always stop the cluster again.
+#
+#   bash tests/run.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+
+export DEV_CLUSTER_DIR="${DEV_CLUSTER_DIR:-/tmp/megatron-rl-dev-cluster}"
+started_cluster=0
+if [ "${SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  trap 'if [ "$started_cluster" = 1 ]; then slurm/dev-cluster.sh down >/dev/null 2>&1 || true; fi' EXIT
+  if ! slurm/dev-cluster.sh status >/dev/null 2>&1; then
+    started_cluster=1
+    slurm/dev-cluster.sh up >/dev/null
+  fi
+  # shellcheck disable=SC1091
+  source "$DEV_CLUSTER_DIR/env.sh"
+  export REQUIRE_SLURM=1
+else
+  echo "tests/run.sh: not root or no apt-get (or SKIP_SLURM=1): Slurm tests will be skipped" >&2
+fi
+
+.venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,341 @@
+"""GRPO advantages and loss against published and hand-computed numbers.
+
+Run: `.venv/bin/python -m pytest tests/test_grpo_math.py -q`
+"""
+
+import math
+
+import pytest
+import torch
+
+from launcher.errors import ConfigError
+from megatron_rl.grpo import (
+    GRPOLossConfig,
+    aggregate,
+    entropy_from_full_logits,
+    expand_group_mask,
+    group_advantages,
+    groups_with_signal,
+    grpo_loss,
+    kl_penalty,
+    local_normalisers,
+    policy_ratio_loss,
+    token_logprobs_from_full_logits,
+)
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_published_advantages_use_sample_std():
+    # NeMo RL case: group [2, 2] is flat -> 0; group [1, 3]: mean 2, sample std sqrt(2) -> -1/sqrt(2), +1/sqrt(2).
+    adv = group_advantages(t([2, 2, 1, 3]), group_size=2)
+    torch.testing.assert_close(adv, t([0, 0, -0.7071, 0.7071]), atol=1e-4, rtol=0)
+
+
+def test_all_equal_group_is_exactly_zero():
+    adv = group_advantages(t([5, 5, 5, 5]), group_size=4)
+    assert torch.equal(adv, torch.zeros(4))
+    adv = group_advantages(t([5, 5, 5, 5]), group_size=4, normalize_std=False)
+    assert torch.equal(adv, torch.zeros(4))
+
+
+def test_three_member_group_is_symmetric():
+    # [0, 2, 4]: mean 2, sample std 2 -> [-1, 0, 1] (up to eps).
+    adv = group_advantages(t([0, 2, 4]), group_size=3)
+    torch.testing.assert_close(adv, t([-1, 0, 1]), atol=1e-5, rtol=0)
+
+
+def test_dr_grpo_mean_only():
+    adv = group_advantages(t([1, 3, 0, 0, 1, 1]), group_size=2, normalize_std=False)
+    assert adv.tolist() == [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_groups_with_signal_for_dynamic_sampling():
+    rewards = t([1, 1, 0, 1, 0, 0])
+    keep = groups_with_signal(rewards, group_size=2)
+    assert keep.tolist() == [False, True, False]
+    assert expand_group_mask(keep, 2).tolist() == [False, False, True, True, False, False]
+    assert rewards[expand_group_mask(keep, 2)].tolist() == [0.0, 1.0]
+
+
+def test_advantages_reject_ragged_groups():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(t([1, 2, 3]), group_size=4)
+
+
+# ---------------------------------------------------------------- clipped policy loss
+
+
+def test_published_clipped_loss_token_mean():
+    # NeMo RL case: ratios [0.5, 1, 1.5], clipped [0.8, 1, 1.2]; min(rA, clip(r)A) = [0.5, -1, 2.4] -> mean 0.6333.
+    logp = t([[-1.69315, -1.0, -0.59453]])
+    old = t([[-1.0, -1.0, -1.0]])
+    adv = t([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    per_token, stats = policy_ratio_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    loss = aggregate(per_token, mask, "token-mean")
+    assert loss.item() == pytest.approx(-0.6333, abs=1e-4)
+    torch.testing.assert_close(per_token, t([[-0.5, 1.0, -2.4]]), atol=1e-4, rtol=0)
+    assert stats["ratio_min"].item() == pytest.approx(0.5, abs=1e-4)
+    assert stats["ratio_max"].item() == pytest.approx(1.5, abs=1e-4)
+    # Only token 3 takes the clipped branch (token 1 has A > 0 and r < 1 - eps: the unclipped term is smaller).
+    assert stats["clip_fraction"].item() == pytest.approx(1 / 3)
+
+
+def test_clip_higher_is_asymmetric():
+    # A = +1 at ratio 1.25: eps_high 0.28 leaves it unclipped (loss -1.25, grad -1.25); eps_high 0.2 clips (grad 0).
+    old = t([[0.0]])
+    mask = torch.ones(1, 1)
+    for eps_high, want_loss, want_grad in [(0.28, -1.25, -1.25), (0.2, -1.2, 0.0)]:
+        logp = t([[math.log(1.25)]]).requires_grad_()
+        per_token, _ = policy_ratio_loss(logp, old, t([1.0]), mask, eps_low=0.2, eps_high=eps_high)
+        per_token.sum().backward()
+        assert per_token.item() == pytest.approx(want_loss, abs=1e-6)
+        assert logp.grad.item() == pytest.approx(want_grad, abs=1e-6)
+    # A = -1 at ratio 0.75 is governed by eps_low only: clipped at 0.8 whatever eps_high is.
+    logp = t([[math.log(0.75)]])
+    per_token, stats = policy_ratio_loss(logp, old, t([-1.0]), mask, eps_low=0.2, eps_high=0.28)
+    assert per_token.item() == pytest.approx(0.8, abs=1e-6)
+    assert stats["clip_fraction"].item() == 1.0
+
+
+def test_dual_clip_caps_negative_advantages():
+    # A = -1 at ratio 5: plain loss max(5, 1.2) = 5 with grad 5; dual clip c = 3 caps it at 3 with grad 0.
+    old = t([[0.0]])
+    mask = torch.ones(1, 1)
+    logp = t([[math.log(5.0)]]).requires_grad_()
+    plain, _ = policy_ratio_loss(logp, old, t([-1.0]), mask, eps_low=0.2, eps_high=0.2)
+    plain.sum().backward()
+    assert plain.item() == pytest.approx(5.0, abs=1e-5)
+    assert logp.grad.item() == pytest.approx(5.0, abs=1e-5)
+    logp.grad = None
+    capped, stats = policy_ratio_loss(logp, old, t([-1.0]), mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    capped.sum().backward()
+    assert capped.item() == pytest.approx(3.0)
+    assert logp.grad.item() == 0.0
+    assert stats["dual_clip_fraction"].item() == 1.0
+    # Positive advantages are untouched by dual clip: max(-5, -1.2) = -1.2.
+    pos, stats = policy_ratio_loss(logp.detach(), old, t([1.0]), mask, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    assert pos.item() == pytest.approx(-1.2, abs=1e-6)
+    assert stats["dual_clip_fraction"].item() == 0.0
+
+
+def test_stats_ignore_padding():
+    logp = t([[0.0, 5.0]])  # the padded token has ratio e^5, which must not show in ratio_max
+    old = t([[0.0, 0.0]])
+    mask = t([[1, 0]])
+    _, stats = policy_ratio_loss(logp, old, t([1.0]), mask, eps_low=0.2, eps_high=0.2)
+    assert stats["ratio_max"].item() == 1.0
+    assert stats["clip_fraction"].item() == 0.0
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_published_kl_estimators_before_clamp():
+    logp = t([-1.0, -1.0, -1.0])
+    ref = t([0.0, -15.0, -30.0])
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1"), t([-1, 14, 29]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), t([0.5, 98, 420.5]))
+    # k3 = exp(ref - logp) - (ref - logp) - 1: e - 2 = 0.7183, e^-14 + 13, e^-29 + 28.
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), t([0.7183, 13, 28]), atol=1e-4, rtol=0)
+
+
+def test_kl_clamps():
+    logp = t([-1.0, -1.0, -1.0])
+    ref = t([0.0, -15.0, -30.0])
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3", clamp=10.0), t([0.7183, 10, 10]), atol=1e-4, rtol=0)
+    # log-ratio clamp 20: the third token's log ratio 29 becomes 20 -> k3 = e^-20 + 19.
+    torch.testing.assert_close(
+        kl_penalty(logp, ref, "k3", log_ratio_clamp=20.0), t([0.7183, 13, 19]), atol=1e-4, rtol=0
+    )
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+RAGGED_LOSS = t([[1, 2, 3, 100], [4, 100, 100, 100], [5, 6, 100, 100], [100, 100, 100, 100]])
+RAGGED_MASK = t([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]])  # lengths 3, 1, 2 and an empty row
+
+
+def test_aggregations_on_ragged_batch_by_hand():
+    # token-mean: (1+2+3+4+5+6) / 6 tokens = 21/6 = 3.5.
+    assert aggregate(RAGGED_LOSS, RAGGED_MASK, "token-mean").item() == pytest.approx(3.5)
+    # seq-mean-token-mean: per-sequence means 6/3=2, 4/1=4, 11/2=5.5; mean over the 3 non-empty rows = 11.5/3.
+    assert aggregate(RAGGED_LOSS, RAGGED_MASK, "seq-mean-token-mean").item() == pytest.approx(11.5 / 3)
+    # seq-mean-token-sum-norm with max_response_len 4: 21 / (3 sequences * 4) = 1.75.
+    got = aggregate(RAGGED_LOSS, RAGGED_MASK, "seq-mean-token-sum-norm", max_response_len=4)
+    assert got.item() == pytest.approx(1.75)
+    # The constant normaliser does not move with the padded width: max_response_len 10 -> 21/30.
+    got = aggregate(RAGGED_LOSS, RAGGED_MASK, "seq-mean-token-sum-norm", max_response_len=10)
+    assert got.item() == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_sharded_aggregation_sums_to_whole_batch(mode):
+    whole = aggregate(RAGGED_LOSS, RAGGED_MASK, mode, max_response_len=4)
+    shards = [(RAGGED_LOSS[:2], RAGGED_MASK[:2]), (RAGGED_LOSS[2:], RAGGED_MASK[2:])]
+    counts = [local_normalisers(m) for _, m in shards]
+    global_tokens = sum(c[0] for c in counts)
+    global_seqs = sum(c[1] for c in counts)
+    assert (global_tokens.item(), global_seqs.item()) == (6.0, 3.0)
+    parts = [
+        aggregate(
+            loss, m, mode, max_response_len=4, global_num_tokens=global_tokens, global_num_seqs=global_seqs
+        )
+        for loss, m in shards
+    ]
+    assert sum(parts).item() == pytest.approx(whole.item())
+
+
+# ---------------------------------------------------------------- combined loss
+
+
+def test_grpo_loss_combines_pg_and_kl():
+    logp = t([[-1.69315, -1.0, -0.59453]])
+    old = t([[-1.0, -1.0, -1.0]])
+    ref = logp - t([[0.5, 0.0, -0.5]])  # log ratios to the reference 0.5, 0, -0.5: k2 = [0.125, 0, 0.125]
+    adv = t([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    cfg = GRPOLossConfig(kl_coef=0.1, kl_kind="k2", loss_agg_mode="token-mean")
+    loss, metrics = grpo_loss(logp, old, adv, mask, config=cfg, ref_logp=ref, entropy=t([[1.0, 2.0, 3.0]]))
+    # -0.63333 + 0.1 * (0.25 / 3) = -0.625
+    assert loss.item() == pytest.approx(-0.625, abs=1e-4)
+    assert metrics["pg_loss"].item() == pytest.approx(-0.6333, abs=1e-4)
+    assert metrics["kl"].item() == pytest.approx(0.25 / 3, abs=1e-5)
+    assert metrics["entropy"].item() == pytest.approx(2.0)
+    assert metrics["num_tokens"].item() == 3.0
+    assert set(metrics) >= {"clip_fraction", "ratio_min", "ratio_max", "kl", "pg_loss", "entropy"}
+
+
+def test_kl_coef_zero_needs_no_reference():
+    logp = t([[-1.0, -2.0]])
+    loss, metrics = grpo_loss(logp, logp, t([1.0]), torch.ones(1, 2), config=GRPOLossConfig())
+    assert loss.item() == pytest.approx(-1.0)
+    assert metrics["kl"].item() == 0.0
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(logp, logp, t([1.0]), torch.ones(1, 2), config=GRPOLossConfig(kl_coef=0.01))
+
+
+def test_on_policy_gradient_is_the_plain_policy_gradient():
+    # ratio 1 everywhere (first mini-batch): d loss / d logp_t = -A_i / |o_i| / num_seqs for seq-mean-token-mean.
+    # Sequence 0 (A=1, 2 tokens): -1/2/2 = -0.25 per token; sequence 1 (A=-2, 1 token): 2/1/2 = 1.0.
+    logp = t([[-0.3, -0.7], [-1.1, -9.0]]).requires_grad_()
+    mask = t([[1, 1], [1, 0]])
+    loss, metrics = grpo_loss(logp, logp.detach(), t([1.0, -2.0]), mask, config=GRPOLossConfig())
+    loss.backward()
+    torch.testing.assert_close(logp.grad, t([[-0.25, -0.25], [1.0, 0.0]]))
+    assert metrics["ratio_min"].item() == metrics["ratio_max"].item() == 1.0
+    assert metrics["clip_fraction"].item() == 0.0
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="max_response_len"):
+        GRPOLossConfig(loss_agg_mode="seq-mean-token-sum-norm")
+    with pytest.raises(ConfigError, match="loss_agg_mode"):
+        GRPOLossConfig(loss_agg_mode="sum")
+    with pytest.raises(ConfigError, match="dual_clip"):
+        GRPOLossConfig(dual_clip=0.5)
+    with pytest.raises(ConfigError, match="kl_kind"):
+        GRPOLossConfig(kl_kind="k4")
+
+
+# ---------------------------------------------------------------- full-logit helpers
+
+
+def test_full_logit_helpers():
+    assert entropy_from_full_logits(torch.zeros(1, 2, 4))[0].tolist() == pytest.approx([math.log(4)] * 2)
+    logits = t([[[0.0, math.log(3.0)]]])  # p = [0.25, 0.75]
+    assert token_logprobs_from_full_logits(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.75))
+    assert entropy_from_full_logits(logits).item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+
+
+# ---------------------------------------------------------------- end to end on the synthetic task
+
+
+class TinyCausalLM(torch.nn.Module):
+    """2-layer pre-norm GPT in plain torch (untied output layer), only for the learnability check below."""
+
+    def __init__(self, vocab_size, hidden=64, layers=2, max_len=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, hidden)
+        self.position = torch.nn.Embedding(max_len, hidden)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(hidden, 4, 4 * hidden, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.output = torch.nn.Linear(hidden, vocab_size)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.position(torch.arange(ids.shape[1]))
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        for layer in self.layers:
+            x = layer(x, src_mask=causal, is_causal=True)
+        return self.output(self.norm(x))
+
+
+def test_grpo_teaches_the_synthetic_task_from_chance():
+    # Format-only SFT warm-up (random answers), then GRPO with this module's advantages and loss: the mean reward
+    # starts near chance (1/10) and passes 0.8 within 400 steps of 16 prompts x 8 completions (100-280 steps over seeds 0-5).
+    import random
+
+    from megatron_rl.data import CharTokenizer
+    from megatron_rl.data.synthetic import encode_sft_example, sample_records, sft_records, split_problems
+    from megatron_rl.rewards import build_reward_fn
+
+    torch.manual_seed(0)
+    sampling = torch.Generator().manual_seed(0)
+    tok = CharTokenizer()
+    model = TinyCausalLM(tok.vocab_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    train_problems, _ = split_problems("last_digit", seed=0)
+    train = sample_records(train_problems, 2000, task="last_digit", split="train", seed=0)
+    sft = sft_records(train, task="last_digit", answers="random", seed=0)
+
+    batch_rng = random.Random(0)
+    for _ in range(30):
+        pairs = [encode_sft_example(tok, r["prompt"], r["completion"]) for r in batch_rng.sample(sft, 64)]
+        ids, mask = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+        logp = token_logprobs_from_full_logits(model(ids[:, :-1]), ids[:, 1:])
+        loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    reward_fn = build_reward_fn("exact")
+    config = GRPOLossConfig(loss_agg_mode="seq-mean-token-mean")
+    group, history = 8, []
+    for _ in range(400):
+        batch = batch_rng.sample(train, 16)
+        prompts = [r["prompt"] for r in batch for _ in range(group)]
+        answers = [r["answer"] for r in batch for _ in range(group)]
+        ids = torch.tensor([tok.encode(p, add_bos=True) for p in prompts])  # equal-length prompts
+        prompt_len = ids.shape[1]
+        with torch.no_grad():
+            for _ in range(2):  # one digit, then eos
+                probs = torch.softmax(model(ids)[:, -1], dim=-1)
+                ids = torch.cat([ids, torch.multinomial(probs, 1, generator=sampling)], dim=1)
+        response = ids[:, prompt_len:]
+        ended = response[:, 1] == tok.eos_id
+        mask = torch.ones_like(response, dtype=torch.float32)
+        mask[:, 1] = (response[:, 0] != tok.eos_id).float()  # nothing counts after an early eos
+        texts = [tok.decode(r) for r in response.tolist()]
+        rewards = t(reward_fn(prompts, texts, answers)) * ended
+        logp = token_logprobs_from_full_logits(model(ids[:, :-1]), ids[:, 1:])[:, prompt_len - 1 :]
+        loss, metrics = grpo_loss(logp, logp.detach(), group_advantages(rewards, group), mask, config=config)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        assert metrics["ratio_min"].item() == metrics["ratio_max"].item() == 1.0  # on-policy single step
+        history.append(rewards.mean().item())
+        if len(history) >= 10 and sum(history[-10:]) / 10 > 0.8:
+            break
+    assert sum(history[:10]) / 10 < 0.2
+    assert sum(history[-10:]) / 10 > 0.8, f"reward stuck at {sum(history[-10:]) / 10:.2f} after {len(history)} steps"

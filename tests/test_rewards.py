@@ -1,0 +1,227 @@
+"""Rule-based verifiers, reward registry, dotted-path loading and weighted combination.
+
+Run: `.venv/bin/python -m pytest tests/test_rewards.py -q`
+"""
+
+import textwrap
+
+import pytest
+
+from launcher.errors import ConfigError
+from megatron_rl.rewards import (
+    WeightedRewards,
+    build_reward_fn,
+    combine_rewards,
+    extract_boxed,
+    extract_last_number,
+    format_reward,
+    load_reward_fn,
+    math_answer_reward,
+    overlong_penalty,
+    parse_number,
+    register_reward,
+    registered_rewards,
+    score_completions,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (r"so \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # nested braces kept whole
+        (r"\boxed{a{b{c}}d}", "a{b{c}}d"),
+        (r"first \boxed{1} then \boxed{2}", "2"),  # the last box wins
+        (r"\boxed{3} and a truncated \boxed{4", "3"),  # an unbalanced last box falls back to a complete one
+        (r"\boxed 5$", "5"),
+        (r"\fbox{7}", "7"),
+        ("no box here", None),
+    ],
+)
+def test_extract_boxed(text, want):
+    assert extract_boxed(text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("The answer is 1,234.", 1234.0),
+        ("total: 1,234,567 apples", 1234567.0),
+        ("it is -7", -7.0),
+        ("5-3", 3.0),  # a minus after a digit is an operator, not a sign
+        ("about 2.5 then .25", 0.25),
+        ("3/4 of the cake", 0.75),
+        ("-1/4", -0.25),
+        ("lists 3,4,5", 5.0),  # comma groups need 3 digits, so this is a list
+        ("approx 12.", 12.0),  # a final full stop is not a decimal point
+        ("x2 has no standalone number", None),
+        ("1/0 and nothing else", None),
+        ("nothing", None),
+    ],
+)
+def test_extract_last_number(text, want):
+    assert extract_last_number(text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [(r"\frac{3}{4}", 0.75), (r"-\dfrac{1}{2}", -0.5), ("$1,234$", 1234.0), ("12.", 12.0), ("5 apples", None)],
+)
+def test_parse_number(text, want):
+    assert parse_number(text) == want
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "want"),
+    [
+        (r"... so \boxed{72}", "72", 1.0),
+        (r"... so \boxed{72.0}", 72, 1.0),  # numeric match
+        (r"\boxed{1,234}", "1234", 1.0),
+        (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
+        (r"\boxed{0.3333}", "1/3", 0.0),  # no rounding tolerance
+        (r"I think 72 but \boxed{71}", "72", 0.0),  # the box is the answer, not the last number
+        ("Adding gives 7 + 5 = 12", "12", 1.0),  # no box: last number
+        ("Adding gives 12 then 13", "12", 0.0),
+        ("Natalia sold 72 clips", "She sold 48/2 = 24 in May.\n#### 72", 1.0),  # GSM8K reference
+        (r"\boxed{B}", "B", 1.0),  # non-numeric exact match
+        (r"\boxed{\text{B}}", "b", 1.0),
+        ("<answer>-5</answer>", -5, 1.0),
+        ("no number at all", "3", 0.0),
+        ("Paris", "paris", 1.0),  # non-numeric, no box: whole completion
+    ],
+)
+def test_math_answer_reward(completion, answer, want):
+    assert math_answer_reward(completion, answer) == want
+
+
+def test_format_reward():
+    pattern = r"<think>.*?</think>\s*<answer>.*?</answer>"
+    assert format_reward("<think>a\nb</think> <answer>3</answer>", pattern=pattern) == 1.0
+    assert format_reward("<answer>3</answer>", pattern=pattern) == 0.0
+    tags = ["think", "answer"]
+    assert format_reward("<think>x</think><answer>3</answer>", required_tags=tags) == 1.0
+    assert format_reward("<answer>3</answer><think>x</think>", required_tags=tags) == 0.0  # wrong order
+    assert format_reward("<think>x</think><think>y</think><answer>3</answer>", required_tags=tags) == 0.0
+    assert format_reward(r"so \boxed{3}") == 1.0 and format_reward("so 3") == 0.0  # default: needs a box
+
+
+def test_overlong_penalty():
+    # max 20, buffer 5: free up to 15, then -(len - 15)/5, -1 beyond 20.
+    assert overlong_penalty([10, 15, 17, 20, 25], max_len=20, buffer_len=5) == [0.0, 0.0, -0.4, -1.0, -1.0]
+    with pytest.raises(ConfigError, match="buffer_len"):
+        overlong_penalty([1], max_len=4, buffer_len=8)
+
+
+def test_registry_builds_named_rewards():
+    assert {"math", "format", "exact"} <= set(registered_rewards())
+    math_fn = build_reward_fn("math")
+    assert math_fn(["p", "p"], [r"\boxed{2}", "1"], ["2", "2"]) == [1.0, 0.0]
+    fmt = build_reward_fn("format", {"required_tags": ["answer"]})
+    assert fmt(["p"], ["<answer>1</answer>"], [None]) == [1.0]
+    with pytest.raises(ConfigError, match="reward 'format': options"):
+        build_reward_fn("format", {"tags": ["answer"]})
+    with pytest.raises(ConfigError, match="not registered"):
+        build_reward_fn("nope")
+
+
+def test_registry_accepts_stateful_scorers():
+    class LengthScorer:  # stands for a reward model: state built once, then called batched
+        def __init__(self, scale):
+            self.scale = scale
+
+        def __call__(self, prompts, completions, answers):
+            return [self.scale * len(c) for c in completions]
+
+    register_reward("test-length", LengthScorer, replace=True)
+    assert build_reward_fn("test-length", {"scale": 0.5})(["p"], ["abcd"], [None]) == [2.0]
+    scorer = LengthScorer(1.0)
+    assert build_reward_fn(scorer) is scorer
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("math", LengthScorer)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    package = tmp_path / "userrewards"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fns.py").write_text(
+        textwrap.dedent(
+            """
+            NOT_CALLABLE = 3
+
+            def contains_answer(prompts, completions, answers):
+                return [1.0 if str(a) in c else 0.0 for c, a in zip(completions, answers)]
+
+            class Holder:
+                @staticmethod
+                def half(prompts, completions, answers):
+                    return [0.5] * len(completions)
+
+            def make_const(value):
+                return lambda prompts, completions, answers: [value] * len(completions)
+
+            def wrong_count(prompts, completions, answers):
+                return [1.0]
+            """
+        )
+    )
+    (package / "broken.py").write_text("import definitely_missing_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "userrewards"
+
+
+def test_load_reward_fn_by_dotted_path(user_module):
+    fn = load_reward_fn("userrewards.fns:contains_answer")
+    assert fn(["p"], ["it is 7"], [7]) == [1.0]
+    assert load_reward_fn("userrewards.fns.contains_answer") is fn
+    assert load_reward_fn("userrewards.fns:Holder.half")(["p", "q"], ["a", "b"], [1, 2]) == [0.5, 0.5]
+    assert build_reward_fn("userrewards.fns:make_const", {"value": 2.0})(["p"], ["a"], [0]) == [2.0]
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("userrewards.nosuch:fn", "module 'userrewards.nosuch' not found"),
+        ("nosuchpkg_xyz.mod.fn", "no importable module"),
+        ("userrewards.fns:missing", "has no attribute 'missing'"),
+        ("userrewards.fns.missing", "has no attribute 'missing'"),
+        ("userrewards.fns:NOT_CALLABLE", "not callable"),
+        ("userrewards.broken:fn", "definitely_missing_dependency_xyz"),  # the module's own import fails
+        ("a:b:c", "package.module:function"),
+    ],
+)
+def test_load_reward_fn_errors(user_module, path, message):
+    with pytest.raises(ConfigError, match=message):
+        load_reward_fn(path)
+
+
+def test_score_and_combine(user_module):
+    scores = score_completions(
+        {"math": build_reward_fn("math"), "fmt": build_reward_fn("format")},
+        ["p1", "p2"],
+        [r"\boxed{4}", "4"],
+        ["4", "4"],
+    )
+    assert scores == {"math": [1.0, 1.0], "fmt": [1.0, 0.0]}
+    assert combine_rewards(scores, {"math": 1.0, "fmt": 0.5}) == [1.5, 1.0]
+    with pytest.raises(ConfigError, match="no weight"):
+        combine_rewards(scores, {"math": 1.0})
+    with pytest.raises(ConfigError, match="no such fn"):
+        combine_rewards(scores, {"math": 1.0, "fmt": 1.0, "typo": 1.0})
+    with pytest.raises(ConfigError, match="returned 1 scores for 2 completions"):
+        score_completions({"bad": load_reward_fn("userrewards.fns:wrong_count")}, ["a", "b"], ["a", "b"], [1, 2])
+
+
+def test_weighted_rewards_from_specs(user_module):
+    rewards = WeightedRewards.from_specs(
+        {
+            "math": {"weight": 1.0},
+            "contains": {"fn": "userrewards.fns:contains_answer", "weight": 0.25},
+        }
+    )
+    total, per_fn = rewards.score(["p"], ["it is 7, no wait 8"], ["7"])
+    assert per_fn == {"math": [0.0], "contains": [1.0]}
+    assert total == [0.25]
+    with pytest.raises(ConfigError, match="unknown keys"):
+        WeightedRewards.from_specs({"math": {"wieght": 1.0}})
