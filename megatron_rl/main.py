@@ -39,8 +39,27 @@ def run(config_path: str) -> int:
     try:
         trainer.train(cfg, shape, TrainerContext(cfg))
     finally:
+        _write_cpu_redirects(cfg.run.dir)
         shutdown()
     return 0
+
+
+def _write_cpu_redirects(run_dir: str) -> None:
+    """Record which Megatron call sites the CPU redirection rewrote (tests check them against KNOWN_SITES)."""
+    import json
+    import os
+
+    import torch
+
+    from megatron_rl.runtime import cpu_compat
+
+    if not cpu_compat.is_active():
+        return
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    path = os.path.join(run_dir, "logs", f"cpu_redirects_rank{rank}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(cpu_compat.redirect_counts(), f, indent=1, sort_keys=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,7 +58,8 @@ def test_dataset_reads_prompts_answers_and_metadata(tmp_path):
         PromptDataset.from_jsonl(path)
     data = PromptDataset.from_jsonl(path, require_answer=False)
     assert len(data) == 2
-    assert (data[0].prompt, data[0].answer, data[0].metadata, data[0].source) == ("1+1=", "2", {"level": 1}, f"{path}:1")
+    first = data[0]
+    assert (first.prompt, first.answer, first.metadata, first.source) == ("1+1=", "2", {"level": 1}, f"{path}:1")
     assert data[1].answer is None and data[1].metadata == {"solution": 7}
     data = PromptDataset.from_jsonl(path, answer_key="solution", require_answer=False)
     assert data[1].answer == 7
@@ -109,8 +110,8 @@ def test_sampler_is_identical_on_every_rank_and_seed_dependent(tmp_path):
     data = numbers_dataset(tmp_path, 10)
     ranks = [PromptSampler(data, batch_size=3, seed=7) for _ in range(2)]
     assert [ranks[0].next_indices() for _ in range(6)] == [ranks[1].next_indices() for _ in range(6)]
-    other = PromptSampler(data, batch_size=3, seed=8)
-    assert [other.next_indices() for _ in range(6)] != [PromptSampler(data, batch_size=3, seed=7).next_indices() for _ in range(6)]
+    seed7, seed8 = PromptSampler(data, batch_size=3, seed=7), PromptSampler(data, batch_size=3, seed=8)
+    assert [seed7.next_indices() for _ in range(6)] != [seed8.next_indices() for _ in range(6)]
 
 
 def test_sampler_resume_continues_exactly(tmp_path):

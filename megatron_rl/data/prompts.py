@@ -44,7 +44,7 @@ class PromptDataset(Sequence[PromptRecord]):
 
     def __init__(self, records: Sequence[PromptRecord], *, fingerprint: str | None = None) -> None:
         if not records:
-            raise ConfigError("prompt dataset is empty: give a JSONL file with at least one {\"prompt\": ...} line")
+            raise ConfigError('prompt dataset is empty: give a JSONL file with at least one {"prompt": ...} line')
         self.records = list(records)
         if fingerprint is None:
             digest = hashlib.sha256()
@@ -61,7 +61,7 @@ class PromptDataset(Sequence[PromptRecord]):
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         require_answer: bool = True,
-    ) -> "PromptDataset":
+    ) -> PromptDataset:
         """Read one or more JSONL files, in order."""
         if isinstance(paths, (str, Path)):
             paths = [paths]
@@ -87,9 +87,7 @@ class PromptDataset(Sequence[PromptRecord]):
         return self.records[index]
 
 
-def _parse_line(
-    raw: bytes, where: str, prompt_key: str, answer_key: str, require_answer: bool
-) -> PromptRecord | None:
+def _parse_line(raw: bytes, where: str, prompt_key: str, answer_key: str, require_answer: bool) -> PromptRecord | None:
     try:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError as error:
@@ -101,7 +99,7 @@ def _parse_line(
     except json.JSONDecodeError as error:
         raise ConfigError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
     if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: expected a JSON object like {{\"{prompt_key}\": ..., \"{answer_key}\": ...}}")
+        raise ConfigError(f'{where}: expected a JSON object like {{"{prompt_key}": ..., "{answer_key}": ...}}')
     prompt = obj.get(prompt_key)
     if not isinstance(prompt, str) or not prompt:
         raise ConfigError(

@@ -41,16 +41,12 @@ def problem_space(task: str) -> list[tuple[str, str]]:
     if task in ("last_digit", "first_digit"):
         position = -1 if task == "last_digit" else 0
         word = task.split("_")[0]
-        return [
-            (f"{word} of {digits}=", digits[position])
-            for digits in (f"{number:03d}" for number in range(1000))
-        ]
+        return [(f"{word} of {digits}=", digits[position]) for digits in (f"{number:03d}" for number in range(1000))]
     if task == "add":
         return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
     if task == "reverse":
         return [
-            (f"rev {''.join(word)}=", "".join(reversed(word)))
-            for word in itertools.product(_REVERSE_LETTERS, repeat=3)
+            (f"rev {''.join(word)}=", "".join(reversed(word))) for word in itertools.product(_REVERSE_LETTERS, repeat=3)
         ]
     raise ConfigError(f"synthetic task {task!r} is unknown; use one of {', '.join(TASKS)}")
 
@@ -76,7 +72,7 @@ def split_problems(task: str, *, num_test_problems: int | None = None, seed: int
 
 
 def sample_records(problems: Sequence[dict], num_records: int, *, task: str, split: str, seed: int) -> list[dict]:
-    """num_records lines {"prompt", "answer", "task"} drawn from problems: each problem once per pass, passes shuffled."""
+    """num_records lines {"prompt", "answer", "task"} from problems: each problem once per pass, passes shuffled."""
     if not problems and num_records > 0:
         raise ConfigError(f"synthetic data: the {split} split of task {task!r} has no problems to draw from")
     rng = random.Random(f"synthetic-sample:{task}:{split}:{seed}")

@@ -292,6 +292,6 @@ def token_logprobs_from_full_logits(logits: torch.Tensor, tokens: torch.Tensor) 
 
 
 def entropy_from_full_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) from FULL-vocabulary logits [batch, T, V] (not vocab-parallel shards) -> [batch, T]."""
+    """Per-token entropy from FULL-vocabulary logits [batch, T, V] (not vocab-parallel shards): [batch, T]."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     return -(log_probs.exp() * log_probs).sum(dim=-1)

@@ -7,6 +7,7 @@ layers are used on GPUs when TE is installed; Megatron's local (pure torch) spec
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -59,6 +60,7 @@ class ModelOptions:
     seq_length: Optional[int] = None
     num_layers_in_first_stage: Optional[int] = None
     num_layers_in_last_stage: Optional[int] = None
+    init_seed: int = 1234
 
 
 def transformer_config(shape: ModelShape, opts: ModelOptions):
@@ -114,6 +116,35 @@ def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None):
                                       normalization=shape.normalization, vp_stage=vp_stage)
 
 
+@contextlib.contextmanager
+def layout_invariant_init(seed: int):
+    """Seed the CPU RNG before the embedding and before every decoder layer by its GLOBAL layer number.
+
+    Megatron initialises weights on the CPU from the global RNG in construction order, so a pipeline stage
+    that starts at layer k would otherwise draw different weights than a single stage does. With a seed per
+    layer (and the output layer drawn right after the last layer), the weights do not depend on pp/vpp;
+    tensor parallelism already splits one CPU-drawn master weight.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+    original = TransformerLayer.__init__
+
+    def seeded_init(self, config, submodules, layer_number=1, *args, **kwargs):
+        vp_stage = kwargs.get("vp_stage")
+        offset = get_transformer_layer_offset(config, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
+        torch.manual_seed(seed * 1000 + layer_number + offset)
+        original(self, config, submodules, layer_number, *args, **kwargs)
+
+    TransformerLayer.__init__ = seeded_init
+    torch.manual_seed(seed * 1000)
+    try:
+        yield
+    finally:
+        TransformerLayer.__init__ = original
+        torch.manual_seed(seed)
+
+
 def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional[int] = None,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
     """One model chunk of ``shape`` for this rank's pipeline stage (and virtual stage ``vp_stage``)."""
@@ -126,16 +157,17 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     rope_scaling = shape.rope_scaling or {}
-    model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage),
-        vocab_size=padded_vocab_size(shape.vocab_size, opts.tp),
-        max_sequence_length=shape.max_position_embeddings,
-        pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=shape.tie_embeddings,
-        position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
-        rope_scaling=rope_scaling.get("rope_type") == "llama3",
-        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),
-        vp_stage=vp_stage)
+    with layout_invariant_init(opts.init_seed):
+        model = GPTModel(
+            config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage),
+            vocab_size=padded_vocab_size(shape.vocab_size, opts.tp),
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=shape.tie_embeddings,
+            position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
+            rope_scaling=rope_scaling.get("rope_type") == "llama3",
+            rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),
+            vp_stage=vp_stage)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -71,7 +71,9 @@ def load_reward_fn(path: str) -> Any:
     """
     spec = path.strip()
     if not spec or spec.startswith((".", ":")) or spec.count(":") > 1:
-        raise ConfigError(f"reward function {path!r}: write it as 'package.module:function' or 'package.module.function'")
+        raise ConfigError(
+            f"reward function {path!r}: write it as 'package.module:function' or 'package.module.function'"
+        )
     if ":" in spec:
         module_name, attr_path = spec.split(":")
         module = _import_module(module_name, spec)
@@ -146,7 +148,7 @@ def score_completions(
     completions: Sequence[str],
     answers: Sequence[Any],
 ) -> dict[str, list[float]]:
-    """Each named reward fn's scores for the batch; a fn returning the wrong count or a non-finite score -> ConfigError."""
+    """Each named reward fn's scores for the batch; a wrong score count or a non-finite score -> ConfigError."""
     scores: dict[str, list[float]] = {}
     for name, fn in reward_fns.items():
         raw = fn(list(prompts), list(completions), list(answers))
@@ -193,7 +195,7 @@ class WeightedRewards:
         combine_rewards({name: [] for name in self.fns}, self.weights)
 
     @classmethod
-    def from_specs(cls, specs: Mapping[str, Mapping[str, Any]]) -> "WeightedRewards":
+    def from_specs(cls, specs: Mapping[str, Mapping[str, Any]]) -> WeightedRewards:
         """From {name: {"fn": registered name or dotted path (default: name), "weight": 1.0, "options": {...}}}."""
         fns, weights = {}, {}
         for name, spec in specs.items():

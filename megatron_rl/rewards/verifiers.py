@@ -100,7 +100,8 @@ def format_reward(
 def _check_batch(prompts: Sequence[str], completions: Sequence[str], answers: Sequence[Any]) -> None:
     if not len(prompts) == len(completions) == len(answers):
         raise ValueError(
-            f"reward batch lengths differ: {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers"
+            f"reward batch lengths differ: {len(prompts)} prompts, {len(completions)} completions, "
+            f"{len(answers)} answers"
         )
 
 

@@ -83,6 +83,8 @@ KNOWN_SITES = frozenset({
     "core/inference/contexts/static_context.py:__init__",
     "core/inference/contexts/static_context.py:reset",
     "core/models/common/embeddings/rotary_pos_embedding.py:get_freqs_non_repeated",
+    "core/models/common/embeddings/rotary_pos_embedding.py:get_emb",
+    "core/utils.py:get_tensor",
     "core/models/common/embeddings/rotary_pos_embedding.py:forward",
     "core/models/common/embeddings/rotary_pos_embedding.py:__init__",
     "core/transformer/moe/moe_utils.py:topk_routing_with_score_function",

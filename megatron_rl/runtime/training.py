@@ -23,6 +23,13 @@ from megatron_rl.models.builder import ModelOptions, build_model_chunks, compute
 
 # loss_fn(model_output, batch) -> (loss_sum, denominator as an int tensor, {name: (sum, count)})
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
+# forward_fn(model_chunk, batch) -> model output (per-token loss, logits, rewards, or hidden states between stages)
+ForwardFn = Callable[[Any, dict], torch.Tensor]
+
+
+def lm_forward(model, batch: dict) -> torch.Tensor:
+    """GPTModel forward: per-token cross entropy when the batch has labels, else (vocab-parallel) logits."""
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"))
 
 
 def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
@@ -30,7 +37,7 @@ def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
     return ModelOptions(
         tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep, sequence_parallel=par.sequence_parallel,
         recompute=par.recompute, dtype=compute_dtype(cfg.model.dtype),
-        seq_length=cfg.model.seq_length or shape.seq_length)
+        seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed)
 
 
 @dataclass
@@ -50,7 +57,7 @@ class Engine:
         return padded_vocab_size(self.shape.vocab_size, self.opts.tp)
 
     def train_step(self, microbatches: list[dict], loss_fn: LossFn, *, seq_length: int,
-                   report_names: tuple[str, ...]) -> dict[str, float]:
+                   report_names: tuple[str, ...], forward_fn: ForwardFn = lm_forward) -> dict[str, float]:
         """Forward-backward over ``microbatches`` (this DP rank's share) and one optimizer step."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -58,7 +65,7 @@ class Engine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn=loss_fn),
+            forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
             data_iterator=self._iterators(microbatches), model=self.chunks,
             num_microbatches=len(microbatches), seq_length=seq_length,
             micro_batch_size=self.micro_batch_size, forward_only=False)
@@ -71,13 +78,13 @@ class Engine:
         return metrics
 
     def forward_only(self, microbatches: list[dict], loss_fn: LossFn, *, seq_length: int,
-                     report_names: tuple[str, ...]) -> dict[str, float]:
+                     report_names: tuple[str, ...], forward_fn: ForwardFn = lm_forward) -> dict[str, float]:
         """Forward pass through the schedule without gradients (evaluation)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         with torch.no_grad():
             reports = get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, loss_fn=loss_fn),
+                forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
                 data_iterator=self._iterators(microbatches), model=self.chunks,
                 num_microbatches=len(microbatches), seq_length=seq_length,
                 micro_batch_size=self.micro_batch_size, forward_only=True)
@@ -93,10 +100,9 @@ class Engine:
             chunk.train(mode)
 
 
-def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn):
+def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn, forward_fn: ForwardFn):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"))
-    return output, partial(loss_fn, batch=batch)
+    return forward_fn(model, batch), partial(loss_fn, batch=batch)
 
 
 def reduce_reports(reports: list[dict], names: tuple[str, ...]) -> dict[str, float]:
@@ -121,14 +127,18 @@ def reduce_reports(reports: list[dict], names: tuple[str, ...]) -> dict[str, flo
 
 
 def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int] = None,
-                 lr: Optional[float] = None) -> Engine:
-    """Model chunks wrapped in Megatron DDP, Megatron's (distributed) optimizer and its LR/WD schedule."""
+                 lr: Optional[float] = None,
+                 build_chunks: Callable[[ModelShape, ModelOptions], list] = build_model_chunks) -> Engine:
+    """Model chunks wrapped in Megatron DDP, Megatron's (distributed) optimizer and its LR/WD schedule.
+
+    ``build_chunks`` makes this rank's model chunks (default: the GPT policy; the RM trainer passes its own).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opts = model_options(cfg, shape)
-    chunks = build_model_chunks(shape, opts)
+    chunks = build_chunks(shape, opts)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=cfg.parallel.distributed_optimizer)

@@ -1,0 +1,151 @@
+"""Config schema, loader and the launch-time checks: bad input fails before anything starts (exit 2, one line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher.config import JobConfig, load_config, to_yaml
+from launcher.config.validate import check_layout
+from launcher.errors import ConfigError
+from launcher.model_shape import load_model_shape
+
+from conftest import REPO_ROOT
+
+SHIPPED = sorted(p for p in (REPO_ROOT / "configs").glob("*.yaml"))
+
+
+def test_defaults_are_the_tiny_local_job():
+    cfg = load_config()
+    assert isinstance(cfg, JobConfig)
+    assert cfg.model.name == "tiny-cpu"
+    assert cfg.cluster.executor == "auto" and cfg.cluster.world_size == 2
+
+
+def test_yaml_then_overrides_merge_in_order(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("run:\n  steps: 7\n  seed: 3\nparallel:\n  tp: 2\n")
+    cfg = load_config(path, ["run.steps=9", "cluster.setup=[module load cuda, source env.sh]"])
+    assert (cfg.run.steps, cfg.run.seed, cfg.parallel.tp) == (9, 3, 2)
+    assert cfg.cluster.setup == ["module load cuda", "source env.sh"]
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(None, ["run.steps=4", "algorithm.rewards={math: 0.5, format: 0.5}"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_config_loads_and_its_layout_is_legal(path):
+    cfg = load_config(path)
+    shape = load_model_shape(cfg.model.name)
+    if cfg.parallel.auto:
+        from launcher.job import apply_plan
+        cfg, _ = apply_plan(cfg, shape)
+    assert check_layout(cfg, shape) >= 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["modle.name=x"], "did you mean 'model'"),
+    (["run.stpes=3"], "did you mean 'run.steps'"),
+    (["run.steps=abc"], "run.steps"),
+    (["parallel.tp=0"], "parallel.tp=0 must be positive"),
+    (["run.steps=-3"], "run.steps=-3 must be positive"),
+    (["cluster.executor=kubernetes"], "cluster.executor='kubernetes' is not valid"),
+    (["cluster.nodes=2", "cluster.executor=local"], "local runs use one node"),
+    (["algorithm.kl_estimator=k4"], "use one of: k1, k2, k3"),
+    (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
+    (["notakeyvalue"], "must look like section.key=value"),
+])
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_unknown_cluster_key_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["cluster.partitoin=gpu"])
+    text = str(err.value)
+    assert "did you mean 'cluster.partition'" in text
+    for key in ("partition", "account", "qos", "job_name", "time", "container_image"):
+        assert key in text
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*not valid YAML"):
+        load_config(bad)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(yaml.safe_dump({"model": {"nmae": "tiny-cpu"}}))
+    with pytest.raises(ConfigError, match=r"nested.yaml; did you mean 'model.name'"):
+        load_config(nested)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=3"], "parallel.tp=3 does not divide the 4 attention heads"),
+    (["parallel.tp=4", "cluster.tasks_per_node=4"], "does not divide the 2 query groups"),
+    (["parallel.pp=3", "cluster.tasks_per_node=3"], "parallel.pp=3 does not divide the 2 layers"),
+    (["parallel.tp=2", "parallel.pp=2"], "tp*pp*cp = 2*2*1 = 4 does not divide the world size 2"),
+    (["parallel.cp=2", "parallel.tp=2"], "does not divide the world size 2"),
+    (["parallel.ep=2"], "has no experts"),
+    (["algorithm.global_batch_size=3"], "not divisible by parallel.micro_batch_size*dp"),
+])
+def test_layouts_that_cannot_run_are_rejected(overrides, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as err:
+        check_layout(cfg, load_model_shape(cfg.model.name))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run.stpes=3"], "did you mean 'run.steps'"),
+    (["run.steps=abc"], "could not be converted to Integer"),
+    (["--config", "no/such/file.yaml"], "config file no/such/file.yaml not found"),
+    (["parallel.tp=3"], "does not divide the 4 attention heads"),
+    (["parallel.pp=4", "cluster.tasks_per_node=4"], "does not divide the 2 layers"),
+    (["parallel.tp=2", "parallel.pp=2", "cluster.executor=local"], "does not divide the world size 2"),
+    (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0 must be positive"),
+    (["--no-such-flag"], "unrecognized arguments"),
+])
+def test_cli_rejects_bad_input_with_one_line_and_exit_2(launch, tmp_path, args, fragment):
+    result = launch(*args, f"run.dir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "run").exists(), "nothing may start or be written for bad input"
+
+
+def test_dry_run_prints_config_and_processes_and_starts_nothing(launch, tmp_path):
+    run_dir = tmp_path / "dry run"
+    result = launch("--dry-run", "cluster.executor=local", f"run.dir={run_dir}", "run.steps=3", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "# resolved config" in result.stdout and "steps: 3" in result.stdout
+    assert result.stdout.count("-m megatron_rl.main") == 2
+    assert "RANK=0" in result.stdout and "RANK=1" in result.stdout
+    assert not run_dir.exists()
+
+
+def test_help_lists_subcommands(launch):
+    result = launch("--help", timeout=60)
+    assert result.returncode == 0
+    for word in ("plan", "convert", "--dry-run", "--config", "key=value"):
+        assert word in result.stdout
+
+
+def test_launcher_path_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, launcher.cli, launcher.job, launcher.executors.local, launcher.planner, launcher.config;"
+            "bad=[m for m in ('torch','megatron','transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
