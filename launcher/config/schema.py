@@ -76,7 +76,7 @@ class ParallelConfig:
     """Expert-parallel size (MoE models only)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = 32
     """Sequences per micro-batch."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full."""
@@ -165,13 +165,13 @@ class ClusterConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: str = "pretrain"
+    name: str = "grpo"
     """What the job trains: grpo, rm (reward model), sft or pretrain (next-token prediction)."""
-    global_batch_size: int = 8
+    global_batch_size: int = 128
     """Sequences per optimizer step (GRPO: completions per optimizer step)."""
     group_size: int = 8
     """GRPO: completions sampled per prompt."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = 16
     """GRPO: prompts per rollout batch."""
     advantage: str = "std"
     """GRPO advantage: std ((r - mean) / (std + eps)) or mean (Dr. GRPO: r - mean)."""
@@ -189,15 +189,15 @@ class AlgorithmConfig:
     """KL estimator: k1, k2 or k3."""
     loss_aggregation: str = "token-mean"
     """seq-mean-token-mean (DeepSeekMath), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)."""
-    rewards: dict[str, float] = field(default_factory=lambda: {"math": 1.0})
-    """Reward functions and their weights: a built-in name (math, format), `rm`, or a dotted path module.fn."""
+    rewards: dict[str, float] = field(default_factory=lambda: {"exact": 1.0})
+    """Reward functions and their weights: a built-in name (exact, math, format), `rm`, or a dotted path."""
     reward_model: Optional[str] = None
     """Checkpoint folder of a trained reward model, used by the `rm` reward."""
     rm_margin: float = 0.0
     """RM: margin subtracted in -log sigmoid(r_chosen - r_rejected - margin)."""
     rm_centering_coef: float = 0.0
     """RM: coefficient of the reward-centering term mean((r_c + r_r)^2)."""
-    sft_warmup_steps: int = 0
+    sft_warmup_steps: int = 30
     """Supervised steps run before GRPO on the same prompts' reference answers (0 = none)."""
 
     def __post_init__(self) -> None:
@@ -228,7 +228,7 @@ class AlgorithmConfig:
 
 @dataclass(kw_only=True)
 class GenerationConfig:
-    max_new_tokens: int = 16
+    max_new_tokens: int = 4
     """Most tokens generated per completion."""
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy."""
@@ -250,7 +250,7 @@ class GenerationConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
@@ -280,7 +280,7 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    task: Optional[str] = "addition"
+    task: Optional[str] = "last_digit"
     """Built-in synthetic task used when train_path is null."""
     train_path: Optional[str] = None
     """JSONL training data (GRPO prompts, RM preference pairs, SFT examples)."""
@@ -351,7 +351,7 @@ class RunConfig:
     """Run name shown in logs."""
     seed: int = 1234
     """Seed for weights, data order and sampling."""
-    steps: int = 20
+    steps: int = 200
     """Training steps (optimizer steps; GRPO: rollout batches)."""
 
     def __post_init__(self) -> None:

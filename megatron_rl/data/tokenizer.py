@@ -53,3 +53,48 @@ class CharTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local folder (no hub access), with CharTokenizer's interface."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.name = path
+        self.vocab_size = len(self.hf)
+        self.eos_id = self.hf.eos_token_id
+        self.bos_id = self.hf.bos_token_id
+        self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+        self.special_ids = frozenset(self.hf.all_special_ids)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False)
+        if add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True, stop_at_eos: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if stop_at_eos and self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def load_tokenizer(path: str | None):
+    """The built-in CharTokenizer when path is None, else a local Hugging Face tokenizer folder."""
+    if path is None:
+        return CharTokenizer()
+    from pathlib import Path
+
+    from launcher.errors import ConfigError
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.tokenizer={path} is not a folder; give a local Hugging Face tokenizer folder")
+    return HFTokenizer(path)

@@ -5,9 +5,10 @@ GPU runs never import this module's effects. What it does:
 
 * ``torch.cuda`` helpers Megatron calls unconditionally (current_device, synchronize, Event, streams, nvtx,
   RNG seeding) become CPU stand-ins;
-* a ``TorchFunctionMode`` rewrites ``device="cuda"`` (or a device index) in torch calls, ``Tensor.cuda()`` and
-  ``Tensor.to("cuda")`` to the CPU, and answers ``Tensor.type()`` with the ``torch.cuda.*`` name that
-  Megatron's optimizer asserts on;
+* torch's tensor factories (``torch.zeros(..., device="cuda")`` and kin), ``Tensor.cuda()`` and
+  ``Tensor.to("cuda")`` put tensors on the CPU, and ``Tensor.type()`` answers with the ``torch.cuda.*`` name
+  that Megatron's optimizer asserts on. These are thin wrappers on a handful of functions, not a
+  ``TorchFunctionMode``: a mode intercepts every op and cost ~60% of a tiny model's training step here;
 * Megatron's RNG tracker saves and restores the CPU generator instead of a CUDA one;
 * MoE routing without Transformer Engine gets ``te_general_gemm = None`` (0.16.1 leaves it undefined).
 
@@ -25,7 +26,7 @@ import sys
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+import functools
 
 # Reviewed with megatron-core 0.16.1 on CPU: each site was read and its CPU rewrite is harmless.
 KNOWN_SITES = frozenset({
@@ -114,7 +115,7 @@ def unreviewed_sites() -> list[str]:
 
 
 def _record() -> None:
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if _MEGATRON_MARK in filename and __file__ != filename:
@@ -141,26 +142,52 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA placements in torch calls to the CPU and counts each rewrite by call site."""
+FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
+             "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye", "linspace")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+
+def _factory_on_cpu(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
         device = kwargs.get("device")
         if device is not None and _is_cuda_device(device):
-            kwargs = {**kwargs, "device": "cpu"}
+            kwargs["device"] = "cpu"
             _record()
-        if func is torch.Tensor.cuda:
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _patch_tensor_methods() -> None:
+    original_to, original_type = torch.Tensor.to, torch.Tensor.type
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        _record()
+        return self
+
+    @functools.wraps(original_to)
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]) and not isinstance(args[0], torch.dtype):
             _record()
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = ("cpu", *args[1:])
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
             _record()
-            args = (args[0], "cpu", *args[2:])
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            kwargs["device"] = "cpu"
+        return original_to(self, *args, **kwargs)
+
+    @functools.wraps(original_type)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(self.dtype)
             if name is not None:
                 return name
-        return func(*args, **kwargs)
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.cuda = cuda
+    torch.Tensor.to = to
+    torch.Tensor.type = type_
+    for name in FACTORIES:
+        setattr(torch, name, _factory_on_cpu(getattr(torch, name)))
 
 
 class _CpuEvent:
@@ -256,8 +283,8 @@ def apply() -> bool:
         return False
     if not _applied:
         _patch_torch_cuda()
+        _patch_tensor_methods()
         _patch_megatron()
-        _CudaToCpu().__enter__()
         _applied = True
     return True
 

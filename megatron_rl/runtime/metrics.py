@@ -41,13 +41,14 @@ class MetricsLogger:
                 self._writer = None
         self._started = time.monotonic()
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines of steps > step (a resumed run rewrites what it does again)."""
+    def truncate_after(self, step: int, *, keep_warmup: bool = True) -> None:
+        """Drop lines of steps > step (a resumed run rewrites what it does again); warm-up ("sft") lines stay."""
         if not self.enabled or not self.path.exists():
             return
         self._file.close()
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        records = [(line, json.loads(line)) for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line, record in records if (keep_warmup and record.get("phase") == "sft")
+                or (record.get("phase") != "sft" and record.get("step", 0) <= step)]
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a", buffering=1)
 

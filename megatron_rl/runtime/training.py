@@ -11,6 +11,7 @@ sequence count for a sequence mean.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Optional
@@ -50,6 +51,7 @@ class Engine:
     optimizer: Any
     scheduler: Any
     micro_batch_size: int
+    make_optimizer: Callable[[list], tuple[Any, Any]]
     step: int = 0
 
     @property
@@ -95,6 +97,11 @@ class Engine:
             return iter(microbatches)
         return [iter(microbatches) for _ in self.chunks]
 
+    def reset_optimizer_schedule(self) -> None:
+        """A fresh optimizer and LR schedule on the current weights (a new training stage starts at step 0)."""
+        self.optimizer, self.scheduler = self.make_optimizer(self.chunks)
+        self.step = 0
+
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
             chunk.train(mode)
@@ -106,24 +113,40 @@ def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn, forw
 
 
 def reduce_reports(reports: list[dict], names: tuple[str, ...]) -> dict[str, float]:
-    """Sum each reported (sum, count) over micro-batches and data-parallel ranks; every rank gets the result.
+    """Reduce each reported (value, count) over micro-batches and data-parallel ranks; every rank gets the result.
 
-    Only the last pipeline stage computes losses, so the sums are then shared along the pipeline.
+    Names ending in ``_min`` / ``_max`` are minimum / maximum of the values; the others are sum / count.
+    Only the last pipeline stage computes losses, so the results are then shared along the pipeline.
     """
     from megatron.core import parallel_state
 
-    local = torch.zeros(2 * len(names), dtype=torch.float64)
+    groups = (parallel_state.get_data_parallel_group(with_context_parallel=True),
+              parallel_state.get_pipeline_model_parallel_group())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mean_names = [n for n in names if not n.endswith(("_min", "_max"))]
+    sums = torch.zeros(2 * len(mean_names), dtype=torch.float64, device=device)
+    extremes = {n: [] for n in names if n.endswith(("_min", "_max"))}
     for report in reports:
-        for i, name in enumerate(names):
+        for i, name in enumerate(mean_names):
             total, count = report[name]
-            local[2 * i] += total.detach().double().sum()
-            local[2 * i + 1] += count.detach().double().sum() if torch.is_tensor(count) else count
-    if torch.cuda.is_available():
-        local = local.cuda()
-    torch.distributed.all_reduce(local, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    torch.distributed.all_reduce(local, group=parallel_state.get_pipeline_model_parallel_group())
-    return {name: float(local[2 * i] / local[2 * i + 1]) if local[2 * i + 1] else float("nan")
-            for i, name in enumerate(names)}
+            sums[2 * i] += total.detach().double().sum()
+            sums[2 * i + 1] += count.detach().double().sum() if torch.is_tensor(count) else count
+        for name, values in extremes.items():
+            values.append(report[name][0].detach().double().reshape(()))
+    for group in groups:
+        torch.distributed.all_reduce(sums, group=group)
+    result = {name: float(sums[2 * i] / sums[2 * i + 1]) if sums[2 * i + 1] else float("nan")
+              for i, name in enumerate(mean_names)}
+    for name, values in extremes.items():
+        is_max = name.endswith("_max")
+        fallback = torch.tensor(-math.inf if is_max else math.inf, dtype=torch.float64, device=device)
+        value = torch.stack(values).max() if is_max and values else torch.stack(values).min() if values else fallback
+        value = value.clone()
+        for group in groups:
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX if is_max
+                                         else torch.distributed.ReduceOp.MIN, group=group)
+        result[name] = float(value)
+    return {name: result[name] for name in names}
 
 
 def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int] = None,
@@ -150,22 +173,27 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
                                                disable_bucketing=i > 0))
     optim = cfg.optimizer
     peak_lr = optim.lr if lr is None else lr
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=peak_lr, min_lr=min(optim.min_lr, peak_lr), weight_decay=optim.weight_decay,
-            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-            clip_grad=optim.clip_grad, bf16=opts.dtype == torch.bfloat16, fp16=opts.dtype == torch.float16,
-            params_dtype=opts.dtype, use_distributed_optimizer=cfg.parallel.distributed_optimizer),
-        wrapped)
     steps = total_steps or cfg.run.steps
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if optim.lr_warmup_steps else peak_lr, max_lr=peak_lr,
-        min_lr=min(optim.min_lr, peak_lr), lr_warmup_steps=optim.lr_warmup_steps,
-        lr_decay_steps=max(steps, optim.lr_warmup_steps + 1), lr_decay_style=optim.lr_decay_style,
-        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(steps, 1),
-        wd_incr_style="constant")
+
+    def make_optimizer(model_chunks: list):
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=peak_lr, min_lr=min(optim.min_lr, peak_lr), weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad, bf16=opts.dtype == torch.bfloat16, fp16=opts.dtype == torch.float16,
+                params_dtype=opts.dtype, use_distributed_optimizer=cfg.parallel.distributed_optimizer),
+            model_chunks)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if optim.lr_warmup_steps else peak_lr, max_lr=peak_lr,
+            min_lr=min(optim.min_lr, peak_lr), lr_warmup_steps=optim.lr_warmup_steps,
+            lr_decay_steps=max(steps, optim.lr_warmup_steps + 1), lr_decay_style=optim.lr_decay_style,
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(steps, 1),
+            wd_incr_style="constant")
+        return optimizer, scheduler
+
+    optimizer, scheduler = make_optimizer(wrapped)
     return Engine(shape=shape, opts=opts, chunks=wrapped, optimizer=optimizer, scheduler=scheduler,
-                  micro_batch_size=cfg.parallel.micro_batch_size)
+                  micro_batch_size=cfg.parallel.micro_batch_size, make_optimizer=make_optimizer)
 
 
 def data_parallel_slice(items: list, *, micro_batch_size: int) -> list[list]:

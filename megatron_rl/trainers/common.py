@@ -93,7 +93,7 @@ class TrainerContext:
         if source:
             ckpt.load_checkpoint(source, chunks=engine.chunks, load_optimizer=False)
             self.say(f"initialised weights from {source}")
-        self.logger.truncate_after(0)
+        self.logger.truncate_after(0, keep_warmup=False)
         return 0
 
     def end_step(self, engine, step: int, metrics: dict[str, float]) -> None:

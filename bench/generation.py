@@ -1,0 +1,168 @@
+"""Tokens/s of our colocated generation against Hugging Face ``transformers`` ``generate``, same weights.
+
+Run: ``.venv/bin/python bench/generation.py`` (options: ``--batch 64 --prompt-len 8 --new-tokens 32
+--repeats 9 --threads 2 --train-steps 20``). Single process, CPU, fp32, greedy, no network (HF_HUB_OFFLINE=1).
+
+Both sides decode the same prompts with the same weights: the tiny Llama (``tiny-cpu``) is built by our
+``build_engine`` (Megatron DDP chunks, as in training), trained a few steps on the pretrain task so that its
+outputs are not near-uniform, and copied into a ``LlamaForCausalLM`` (fused QKV split per query group,
+fc1 split into gate and up). The bench first asserts that both produce the same tokens, then times them
+alternately (ours, theirs, ours, ...) and reports medians. Both run on the same torch threads; the HF side
+runs outside the CPU redirection of ``megatron_rl.runtime.cpu_compat`` (which only our Megatron side needs).
+The last line is one JSON object; ``speedup`` = transformers seconds / our seconds (> 1: we are faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def without_torch_function_modes():
+    """Run without any active TorchFunctionMode (the CPU redirection), restoring it afterwards."""
+    from torch.overrides import _pop_mode_temporarily
+
+    with contextlib.ExitStack() as stack:
+        while torch._C._len_torch_function_stack() > 0:
+            stack.enter_context(_pop_mode_temporarily())
+        yield
+
+
+def megatron_to_hf_llama(model, shape):
+    """A ``LlamaForCausalLM`` holding the weights of a TP=1, PP=1 Megatron ``GPTModel`` (local spec)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=shape.norm_epsilon,
+        rope_theta=shape.rotary_base, tie_word_embeddings=shape.tie_embeddings, attention_bias=False,
+        mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    hf = LlamaForCausalLM(config)
+    src = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    groups, per_group, head_dim = shape.num_query_groups, shape.num_attention_heads // shape.num_query_groups, \
+        shape.kv_channels
+    ffn, vocab = shape.ffn_hidden_size, shape.vocab_size
+    dst = {"model.embed_tokens.weight": src["embedding.word_embeddings.weight"][:vocab],
+           "model.norm.weight": src["decoder.final_layernorm.weight"],
+           "lm_head.weight": src["output_layer.weight"][:vocab]}
+    for i in range(shape.num_layers):
+        pre, out = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = src[pre + "self_attention.linear_qkv.weight"].view(groups, per_group + 2, head_dim, -1)
+        fc1 = src[pre + "mlp.linear_fc1.weight"]
+        dst.update({
+            out + "input_layernorm.weight": src[pre + "input_layernorm.weight"],
+            out + "self_attn.q_proj.weight": qkv[:, :per_group].reshape(groups * per_group * head_dim, -1),
+            out + "self_attn.k_proj.weight": qkv[:, per_group].reshape(groups * head_dim, -1),
+            out + "self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(groups * head_dim, -1),
+            out + "self_attn.o_proj.weight": src[pre + "self_attention.linear_proj.weight"],
+            out + "post_attention_layernorm.weight": src[pre + "pre_mlp_layernorm.weight"],
+            out + "mlp.gate_proj.weight": fc1[:ffn], out + "mlp.up_proj.weight": fc1[ffn:],
+            out + "mlp.down_proj.weight": src[pre + "mlp.linear_fc2.weight"]})
+    missing, unexpected = hf.load_state_dict({k: v.clone() for k, v in dst.items()}, strict=True)
+    assert not missing and not unexpected, (missing, unexpected)
+    return hf.eval()
+
+
+def hf_generate(hf, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.inference_mode():
+        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                          use_cache=True)
+    return out[:, prompts.shape[1]:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--train-steps", type=int, default=20)
+    args = parser.parse_args()
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.generation import generate
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+
+    cfg = load_config(overrides=["algorithm.name=pretrain", "algorithm.global_batch_size=16", "optimizer.lr=0.01",
+                                 "run.seed=3"])
+    initialize(ParallelSizes(), seed=cfg.run.seed)
+    shape = load_model_shape("tiny-cpu")
+    engine = build_engine(cfg, shape, total_steps=max(args.train_steps, 1))
+    for step in range(1, args.train_steps + 1):
+        rows = progression_batch(seed=3, step=step, batch_size=16, seq_length=32, vocab_size=shape.vocab_size)
+        engine.train_step([collate_lm(rows)], lm_loss, seq_length=32, report_names=("loss",))
+    hf = megatron_to_hf_llama(unwrap(engine.chunks[0]), shape)
+
+    gen = torch.Generator().manual_seed(0)
+    prompt_tensor = torch.randint(3, shape.vocab_size, (args.batch, args.prompt_len), generator=gen)
+    prompts = prompt_tensor.tolist()
+
+    def ours():
+        return generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=args.new_tokens,
+                        temperature=0.0).tokens
+
+    def theirs():
+        with without_torch_function_modes():
+            return hf_generate(hf, prompt_tensor, args.new_tokens).tolist()
+
+    ours_tokens, hf_tokens = ours(), theirs()
+    differing = [b for b in range(args.batch) if ours_tokens[b] != hf_tokens[b]]
+    assert not differing, f"rows {differing[:8]} differ: ours {ours_tokens[differing[0]]} hf {hf_tokens[differing[0]]}"
+
+    times = {"ours": [], "transformers": []}
+    for _ in range(args.repeats):
+        for name, fn in (("ours", ours), ("transformers", theirs)):
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    tokens = args.batch * args.new_tokens
+    ours_s, hf_s = statistics.median(times["ours"]), statistics.median(times["transformers"])
+    print(f"{'':14}{'median s':>10}{'tokens/s':>11}   batch {args.batch}, prompt {args.prompt_len}, "
+          f"new {args.new_tokens}, greedy, fp32, {args.threads} threads, {args.repeats} repeats")
+    for name, sec in (("ours", ours_s), ("transformers", hf_s)):
+        print(f"{name:14}{sec:10.4f}{tokens / sec:11.0f}")
+    print(f"speedup (transformers s / ours s): {hf_s / ours_s:.2f}; tokens equal: {not differing}")
+    print(json.dumps({
+        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "threads": args.threads, "repeats": args.repeats, "dtype": "fp32", "decoding": "greedy",
+        "ours_s_median": ours_s, "transformers_s_median": hf_s,
+        "ours_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / hf_s,
+        "ours_s_all": times["ours"], "transformers_s_all": times["transformers"],
+        "tokens_equal": not differing, "speedup": hf_s / ours_s,
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__}))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

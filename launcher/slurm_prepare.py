@@ -1,0 +1,63 @@
+"""Resolve the job's config inside a plain ``sbatch slurm/<x>.sbatch`` job and write RUN_DIR/config.yaml.
+
+    python -m launcher.slurm_prepare --run-dir runs/x --algorithm grpo [--config FILE] -- [key=value ...]
+
+The sbatch templates run this once per start of the job (when CONFIG_PATH is not given); it prints the path of
+the written config.yaml as its only stdout line. The allocation decides the world size: cluster.nodes and
+cluster.tasks_per_node are taken from SLURM_JOB_NUM_NODES and SLURM_NTASKS. Errors are one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Mapping, Optional
+
+from launcher.errors import ConfigError
+
+
+def allocation_overrides(env: Mapping[str, str]) -> list[str]:
+    """cluster.nodes / cluster.tasks_per_node overrides that match the Slurm allocation in ``env`` (if any)."""
+    nodes, ntasks = env.get("SLURM_JOB_NUM_NODES"), env.get("SLURM_NTASKS")
+    if not nodes or not ntasks:
+        return []
+    nodes_n, ntasks_n = int(nodes), int(ntasks)
+    if ntasks_n % nodes_n:
+        raise ConfigError(f"the allocation has {ntasks_n} tasks on {nodes_n} nodes; give sbatch --ntasks-per-node "
+                          "so that every node runs the same number of ranks")
+    return [f"cluster.nodes={nodes_n}", f"cluster.tasks_per_node={ntasks_n // nodes_n}"]
+
+
+def resolve(*, run_dir: str, algorithm: str, config: Optional[str], overrides: list[str],
+            env: Mapping[str, str]) -> Path:
+    """Load, check and write the config of this allocation; return the config.yaml path."""
+    from launcher.config import load_config
+    from launcher.job import prepare
+
+    forced = [f"run.dir={Path(run_dir).expanduser().resolve()}", f"algorithm.name={algorithm}",
+              "cluster.executor=slurm", *allocation_overrides(env)]
+    job = prepare(load_config(config, [*overrides, *forced]))
+    return job.write_config()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.slurm_prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", required=True, help="run folder (run.dir)")
+    parser.add_argument("--algorithm", required=True, help="algorithm.name of the template")
+    parser.add_argument("--config", default=None, help="YAML config (optional)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        path = resolve(run_dir=args.run_dir, algorithm=args.algorithm, config=args.config,
+                       overrides=args.overrides, env=os.environ)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

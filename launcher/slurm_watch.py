@@ -1,0 +1,261 @@
+"""Follow a submitted Slurm job for ``launch.py --wait``: stream its logs, report state changes, explain the end.
+
+    python launch.py cluster.executor=slurm cluster.nodes=2 --wait
+
+Live state comes from ``squeue`` (cheap, no accounting query per poll); the final state and exit code come from
+``sacct``. Rank 0's stdout and the batch script's log are streamed as they grow (a requeued run appends to the
+same files). The exit code is 0 for COMPLETED, the job's exit code for FAILED, and 1 for every other end state,
+each with a one-paragraph explanation on stderr.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, TextIO
+
+from launcher.config.schema import ClusterConfig
+from launcher.slurm_script import REQUEUE_EXIT_CODE
+from launcher.slurm_task import FAILURE_MARK
+
+FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                          "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"})
+SQUEUE_FAILURE_LIMIT_S = 60.0
+SACCT_WAIT_S = 30.0
+RUN_START = "megatron-rl [job"  # first line of each run in the batch log (see slurm/*.sbatch)
+SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)[^:]*: (.*)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobState:
+    """One observation of the job."""
+
+    state: str
+    """Slurm state, e.g. PENDING, RUNNING, COMPLETED (first word: sacct writes `CANCELLED by 0`)."""
+    reason: str = ""
+    """squeue's reason (pending reason or end reason)."""
+    nodes: str = ""
+    """Node list."""
+    exit_code: str = ""
+    """sacct's ExitCode `code:signal` ("" when unknown)."""
+    elapsed: str = ""
+    """sacct's Elapsed of the latest run."""
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def squeue_state(job_id: str) -> Optional[JobState]:
+    """The job as squeue sees it; None when squeue no longer knows it. Raises RuntimeError when squeue fails."""
+    result = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%r|%N"])
+    if result.returncode != 0:
+        if "Invalid job id" in result.stderr:
+            return None
+        raise RuntimeError(result.stderr.strip() or f"squeue exited {result.returncode}")
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    if not lines:
+        return None
+    state, reason, nodes = (lines[0].split("|") + ["", ""])[:3]
+    return JobState(state=state, reason=reason if reason != "None" else "", nodes=nodes)
+
+
+def sacct_state(job_id: str) -> Optional[JobState]:
+    """The latest run of the job as accounting recorded it; None before it is recorded."""
+    result = _run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,ExitCode,NodeList,Elapsed"])
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.strip()]
+    if result.returncode != 0 or not rows:
+        return None
+    state, exit_code, nodes, elapsed = (rows[-1] + ["", "", ""])[:4]
+    return JobState(state=state.split()[0] if state else "", exit_code=exit_code, nodes=nodes, elapsed=elapsed)
+
+
+class LogTail:
+    """New complete lines of a file that may not exist yet."""
+
+    def __init__(self, path: Path, prefix: str = "") -> None:
+        self.path, self.prefix, self.offset, self.partial = path, prefix, 0, b""
+
+    def read_new(self) -> str:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return ""
+        self.offset += len(data)
+        data = self.partial + data
+        complete, _, self.partial = data.rpartition(b"\n")
+        if not complete:
+            return ""
+        return "".join(f"{self.prefix}{line}\n" for line in complete.decode(errors="replace").split("\n"))
+
+
+@dataclass(kw_only=True)
+class Watch:
+    """Everything wait_for_job needs to know about a submitted job."""
+
+    job_id: str
+    """Slurm job id."""
+    log_dir: Path
+    """run.dir/slurm: the batch log and per-task logs."""
+    num_tasks: int
+    """Ranks in the job."""
+    cluster: ClusterConfig
+    """The cluster section (for the hints in failure messages)."""
+    poll_s: float = 1.0
+    """Seconds between squeue polls."""
+    out: TextIO = sys.stdout
+    """Where logs and state changes go."""
+    err: TextIO = sys.stderr
+    """Where the final explanation of a failure goes."""
+    sleep: Callable[[float], None] = time.sleep
+    """Injected for tests."""
+
+
+def wait_for_job(watch: Watch) -> int:
+    """Block until the job ends, streaming its progress; return 0 or the non-zero status explained on stderr."""
+    tails = [LogTail(watch.log_dir / f"{watch.job_id}_batch.log", "[batch] "),
+             LogTail(watch.log_dir / f"{watch.job_id}_0_log.out")]
+    last: Optional[tuple[str, str]] = None
+    ran = False
+    failing_since: Optional[float] = None
+    while True:
+        try:
+            seen = squeue_state(watch.job_id)
+            failing_since = None
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since > SQUEUE_FAILURE_LIMIT_S:
+                print(f"slurm: job {watch.job_id}: squeue has failed for {SQUEUE_FAILURE_LIMIT_S:.0f} s ({exc}); "
+                      f"stopped waiting (check `squeue -j {watch.job_id}`)", file=watch.err)
+                return 1
+            seen = JobState(state="UNKNOWN")
+        for tail in tails:
+            watch.out.write(tail.read_new())
+        watch.out.flush()
+        if seen is None or seen.state in FINAL_STATES:
+            break
+        if (seen.state, seen.reason) != last and seen.state != "UNKNOWN":
+            _say_state(watch, seen, requeued=ran and seen.state in ("PENDING", "REQUEUED"))
+            last = (seen.state, seen.reason)
+        ran = ran or seen.state == "RUNNING"
+        watch.sleep(watch.poll_s)
+    for tail in tails:
+        watch.out.write(tail.read_new())
+    final = _final_state(watch, seen)
+    return explain(watch, final)
+
+
+def _say_state(watch: Watch, seen: JobState, *, requeued: bool) -> None:
+    where = f" on {seen.nodes}" if seen.state == "RUNNING" and seen.nodes else ""
+    why = f" ({seen.reason})" if seen.reason and seen.state != "RUNNING" else ""
+    prefix = "requeued; " if requeued else ""
+    print(f"slurm: job {watch.job_id}: {prefix}{seen.state}{where}{why}", file=watch.out, flush=True)
+
+
+def _final_state(watch: Watch, seen: Optional[JobState]) -> JobState:
+    deadline = time.monotonic() + SACCT_WAIT_S
+    while True:
+        record = sacct_state(watch.job_id)
+        if record is not None and record.state in FINAL_STATES:
+            return record
+        if time.monotonic() > deadline:
+            return seen or record or JobState(state="UNKNOWN")
+        watch.sleep(0.5)
+
+
+def explain(watch: Watch, final: JobState) -> int:
+    """Print how the job ended; return the launcher's exit code."""
+    job, cluster = f"slurm: job {watch.job_id}", watch.cluster
+    rerun = "rerun with the same run.dir to resume from its newest checkpoint"
+    if final.state == "COMPLETED":
+        print(f"{job} COMPLETED in {final.elapsed or '?'}; {placement(watch)}", file=watch.out, flush=True)
+        return 0
+    code = _exit_code(final.exit_code)
+    if final.state == "FAILED" and code == REQUEUE_EXIT_CODE:
+        message = (f"{job} FAILED: it stopped for preemption more often than cluster.max_requeues="
+                   f"{cluster.max_requeues} allows; {rerun}")
+    elif final.state == "FAILED":
+        message = f"{job} FAILED with exit code {final.exit_code or '?'}{failure_details(watch)}"
+    elif final.state == "CANCELLED":
+        message = f"{job} was CANCELLED (scancel or an administrator) after {final.elapsed or '?'}; {rerun}"
+    elif final.state == "NODE_FAIL":
+        message = (f"{job} ended with NODE_FAIL: a node of {final.nodes or 'the job'} stopped responding"
+                   f"{_down_nodes()}; {rerun}, with cluster.exclude=<node> if it stays down")
+    elif final.state == "TIMEOUT":
+        message = (f"{job} hit its time limit cluster.time={cluster.time} without a preemption checkpoint; raise "
+                   f"cluster.time or cluster.signal_delay_s={cluster.signal_delay_s} (the warning before the limit)")
+    elif final.state == "OUT_OF_MEMORY":
+        message = f"{job} ran out of memory (OUT_OF_MEMORY); raise cluster.mem (now {cluster.mem}) or shrink the job"
+    else:
+        message = f"{job} ended as {final.state} (exit code {final.exit_code or '?'}); {rerun}"
+    print(message, file=watch.err, flush=True)
+    return code if final.state == "FAILED" and code > 0 else 1
+
+
+def _exit_code(text: str) -> int:
+    code, _, sig = text.partition(":")
+    try:
+        return int(code) if int(code) else (128 + int(sig) if sig and int(sig) else 1)
+    except ValueError:
+        return 1
+
+
+def placement(watch: Watch) -> str:
+    """`rank 0 on n1, rank 1 on n2` from the tasks' submitit results."""
+    ranks = []
+    for task in range(watch.num_tasks):
+        try:
+            with (watch.log_dir / f"{watch.job_id}_{task}_result.pkl").open("rb") as handle:
+                outcome, result = pickle.load(handle)
+            ranks.append(f"rank {result['rank']} on {result['node']}")
+        except (OSError, pickle.UnpicklingError, KeyError, TypeError, ValueError):
+            ranks.append(f"rank {task}: no result")
+    return ", ".join(ranks)
+
+
+def first_failed_task(batch_log: Path) -> Optional[tuple[int, str]]:
+    """(rank, srun's words) of the first task srun saw fail in the latest run of the batch log."""
+    try:
+        lines = batch_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if RUN_START in line]
+    for line in lines[starts[-1] if starts else 0:]:
+        match = SRUN_TASK_ERROR.search(line)
+        if match:
+            return int(match.group(2)), f"{match.group(3)} (on {match.group(1)})"
+    return None
+
+
+def failure_details(watch: Watch) -> str:
+    """Which rank failed first, its own report and the last lines of its stderr log."""
+    found = first_failed_task(watch.log_dir / f"{watch.job_id}_batch.log")
+    ranks = [found[0]] if found else list(range(watch.num_tasks))
+    for task in ranks:
+        path = watch.log_dir / f"{watch.job_id}_{task}_log.err"
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        marks = [line[len(FAILURE_MARK):].strip() for line in lines if line.startswith(FAILURE_MARK)]
+        if found or marks:
+            what = marks[-1] if marks else f"rank {task}: {found[1]}"
+            tail = "\n".join("  " + line for line in lines[-12:])
+            return f": {what}\nlast lines of {path}:\n{tail}"
+    return f"; see the task logs {watch.log_dir}/{watch.job_id}_<rank>_log.err"
+
+
+def _down_nodes() -> str:
+    try:
+        result = _run(["sinfo", "-h", "-R", "-o", "%N: %E"])
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    return f" (nodes down or drained now: {'; '.join(lines)})" if result.returncode == 0 and lines else ""

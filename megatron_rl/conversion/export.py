@@ -1,0 +1,272 @@
+"""Export one of our checkpoints (any TP/PP/EP layout, training or reward model) to a Hugging Face folder.
+
+    python launch.py convert megatron-to-hf --ckpt runs/x/checkpoints --out hf_out [--shard-size 2GB] [--verify]
+
+or in-process (rank 0 of a trainer, no process group needed)::
+
+    from megatron_rl.conversion import export_checkpoint_to_hf
+    export_checkpoint_to_hf("runs/x/checkpoints", "runs/x/hf", model="path/to/hf_model_or_preset")
+
+No model is built: tensors are read from the checkpoint's global (layout-free) keys in groups of at most
+``read_budget`` bytes, converted (QKV split per query group, [gate; up] split, padded vocab rows cut) and streamed
+into planned safetensors shards. Peak memory is about one read group plus its converted copy. Everything is
+written into a hidden temporary folder that is renamed to ``out`` only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+
+HF_CONFIG_FILE = "hf_config.json"
+HF_TOKENIZER_DIR = "hf_tokenizer"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """What the exporter knows about the model behind a checkpoint."""
+
+    shape: ModelShape
+    """Architecture."""
+    hf_config: dict[str, Any]
+    """The HF config.json to write (recorded at import, or generated from the shape)."""
+    tokenizer_dir: Optional[Path] = None
+    """Folder holding tokenizer files to copy, if any."""
+    origin: str = ""
+    """Where the description came from (for messages)."""
+
+
+@dataclass(kw_only=True)
+class ExportSummary:
+    """Result of one export."""
+
+    out_dir: Path
+    """The published Hugging Face folder."""
+    architecture: str
+    """architectures[0] written to config.json."""
+    num_tensors: int
+    """Tensors written."""
+    num_shards: int
+    """safetensors files written."""
+    bytes_written: int
+    """Tensor bytes written."""
+    seconds: float
+    """Wall time of the export."""
+    notes: list[str] = field(default_factory=list)
+    """Things the user should know (dropped reward bias, ignored tensors)."""
+
+
+def model_metadata(shape: ModelShape, hf_config: Optional[dict] = None, tokenizer_dir: Optional[str] = None) -> dict:
+    """What a trainer should store under ``extra["model"]`` of its checkpoints so they export without --model."""
+    return {"shape": shape.to_dict(), "hf_config": hf_config, "tokenizer_dir": tokenizer_dir}
+
+
+def _shape_from_dict(d: dict) -> ModelShape:
+    d = dict(d)
+    d["moe_layers"] = tuple(d.get("moe_layers") or ())
+    return ModelShape(**d)
+
+
+def resolve_model_source(step_folder: Path, model: Union[None, str, Path, ModelShape, dict],
+                         common: dict, hf_source: Optional[Path] = None) -> ModelSource:
+    """Model description: explicit ``model`` > files stored in the checkpoint > ``extra["model"]`` of common.pt."""
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.conversion.names import hf_config_from_shape, shape_from_config
+
+    if isinstance(model, ModelShape):
+        return ModelSource(shape=model, hf_config=hf_config_from_shape(model), tokenizer_dir=hf_source,
+                           origin="given shape")
+    if isinstance(model, dict):
+        return ModelSource(shape=shape_from_config(model, "given HF config"), hf_config=model,
+                           tokenizer_dir=hf_source, origin="given HF config")
+    if model:
+        path = Path(model)
+        cfg_file = path / "config.json" if path.is_dir() else path
+        if cfg_file.suffix == ".json" and cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            return ModelSource(shape=shape_from_config(cfg, str(cfg_file)), hf_config=cfg,
+                               tokenizer_dir=hf_source or cfg_file.parent, origin=str(cfg_file))
+        shape = load_model_shape(str(model))
+        return ModelSource(shape=shape, hf_config=hf_config_from_shape(shape), tokenizer_dir=hf_source,
+                           origin=f"model {model}")
+    for folder in (step_folder, step_folder.parent):
+        cfg_file = folder / HF_CONFIG_FILE
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            tok = folder / HF_TOKENIZER_DIR
+            return ModelSource(shape=shape_from_config(cfg, str(cfg_file)), hf_config=cfg,
+                               tokenizer_dir=hf_source or (tok if tok.is_dir() else None), origin=str(cfg_file))
+    recorded = (common.get("extra") or {}).get("model") if isinstance(common.get("extra"), dict) else None
+    if recorded:
+        tok = recorded.get("tokenizer_dir")
+        tok_dir = hf_source or (Path(tok) if tok and Path(tok).is_dir() else None)
+        if recorded.get("hf_config"):
+            cfg = recorded["hf_config"]
+            return ModelSource(shape=shape_from_config(cfg, "checkpoint extra.model"), hf_config=cfg,
+                               tokenizer_dir=tok_dir, origin="checkpoint extra.model.hf_config")
+        shape = _shape_from_dict(recorded["shape"])
+        return ModelSource(shape=shape, hf_config=hf_config_from_shape(shape), tokenizer_dir=tok_dir,
+                           origin="checkpoint extra.model.shape")
+    raise ConfigError(f"--ckpt {step_folder}: the checkpoint does not record its model; pass --model "
+                      "(an HF folder or config.json, a preset name or a model YAML)")
+
+
+def prepare_output(out: Path, overwrite: bool) -> Path:
+    """Refuse an existing output unless ``overwrite``; return a fresh hidden temp folder next to it."""
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished temp folder to ``out`` (moving an old ``out`` aside first, then deleting it)."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *,
+                            model: Union[None, str, Path, ModelShape, dict] = None,
+                            hf_source: Union[None, str, Path] = None, shard_size: Union[int, str] = "2GB",
+                            dtype: Optional[str] = None, overwrite: bool = False,
+                            read_budget: int = 512 * 2**20,
+                            progress: Optional[Callable[[str], None]] = None) -> ExportSummary:
+    """Export checkpoint ``ckpt`` (step folder or checkpoint root) to the HF folder ``out_dir``.
+
+    model: HF folder/config.json, preset or YAML spec, ModelShape or HF config dict; default: what the checkpoint
+    recorded. hf_source: folder to copy tokenizer files from. dtype: fp32/bf16/fp16 (default: as stored).
+    """
+    import torch
+
+    from megatron_rl.conversion.dist_reader import CheckpointReader
+    from megatron_rl.conversion.mapping import hf_from_megatron
+    from megatron_rl.conversion.names import (CLASSIFICATION_ARCHITECTURES, OUTPUT, REWARD_HEAD_BIAS,
+                                              REWARD_HEAD_WEIGHT, check_convertible, megatron_shape, tensor_maps)
+    from megatron_rl.conversion.safetensors_io import (PlannedTensor, ShardedSafetensorsWriter, copy_tokenizer_files,
+                                                       parse_size, plan_shards, torch_dtype_name)
+
+    start = time.perf_counter()
+    out = Path(out_dir).resolve()
+    max_shard = parse_size(shard_size)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it")
+    reader = CheckpointReader(ckpt)
+    if out == reader.folder or reader.folder in out.parents or out in reader.folder.parents:
+        raise ConfigError(f"--out {out} must not be the checkpoint folder, inside it or above it")
+    source = resolve_model_source(reader.folder, model, reader.common_state(),
+                                  Path(hf_source) if hf_source else None)
+    shape = source.shape
+    check_convertible(shape, source.origin)
+    reward = REWARD_HEAD_WEIGHT in reader.index
+    maps = tensor_maps(shape, reward_head=reward)
+    notes: list[str] = []
+
+    missing = [tm.ref for tm in maps if tm.ref not in reader.index]
+    if missing:
+        raise ConfigError(f"--ckpt {reader.folder}: lacks {len(missing)} tensor(s) that {source.origin} needs "
+                          f"(first: {missing[0]}); is it a complete checkpoint of this model?")
+    for tm in maps:
+        stored = reader.index[tm.ref].shape
+        expected = megatron_shape(tm, stored[0] if tm.kind == "vocab" else None)
+        ok = stored == expected or (tm.ref.name == REWARD_HEAD_WEIGHT and stored == (shape.hidden_size,))
+        if tm.kind == "vocab" and stored[0] < tm.hf_shapes[0][0]:
+            ok = False
+        if not ok:
+            raise ConfigError(f"mismatched shapes: checkpoint tensor {tm.ref} is {list(stored)} but {source.origin} "
+                              f"implies {list(expected)}; is --model the right model for this checkpoint?")
+    mapped = {tm.ref for tm in maps}
+    ignorable = set()
+    if shape.tie_embeddings or reward:
+        ignorable.add(OUTPUT)
+    if reward:
+        ignorable.add(REWARD_HEAD_BIAS)
+    extra = sorted(str(r) for r in reader.index if r not in mapped and r.name not in ignorable)
+    if extra:
+        raise ConfigError(f"--ckpt {reader.folder}: holds {len(extra)} tensor(s) that {source.origin} does not "
+                          f"describe (first: {extra[0]}); is --model the right model for this checkpoint?")
+
+    out_dtype = getattr(torch, DTYPES[dtype]) if dtype else None
+    groups = []
+    for tm in maps:
+        st_dtype = torch_dtype_name(out_dtype or reader.index[tm.ref].dtype)
+        groups.append([PlannedTensor(name, st_dtype, hf_shape) for name, hf_shape in zip(tm.hf, tm.hf_shapes)])
+    shards = plan_shards(groups, max_shard)
+
+    hf_config = json.loads(json.dumps(source.hf_config))
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    if reward:
+        arch = CLASSIFICATION_ARCHITECTURES.get(arch, arch)
+        hf_config.update(architectures=[arch], num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        bias_ref = next((r for r in reader.index if r.name == REWARD_HEAD_BIAS), None)
+        if bias_ref is not None:
+            bias = float(reader.read([bias_ref])[bias_ref].reshape(-1)[0])
+            hf_config["reward_bias"] = bias
+            if bias != 0.0:
+                notes.append(f"the reward head's bias {bias:.6g} has no place in HF's score layer: exported scores "
+                             "are the checkpoint's rewards minus it (stored as config.json reward_bias)")
+    written_dtype = str(out_dtype or reader.index[maps[0].ref].dtype).replace("torch.", "")
+    for key in ("torch_dtype", "dtype"):
+        if key in hf_config or key == "torch_dtype":
+            hf_config[key] = written_dtype
+    hf_config.pop("transformers_version", None)
+
+    tmp = prepare_output(out, overwrite)
+    writer = ShardedSafetensorsWriter(tmp, shards)
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if source.tokenizer_dir is not None:
+            copy_tokenizer_files(Path(source.tokenizer_dir), tmp)
+        batch: list = []
+        batch_bytes = 0
+        done = 0
+
+        def flush() -> None:
+            nonlocal done
+            tensors = reader.read([tm.ref for tm in batch])
+            for tm in batch:
+                for name, tensor in hf_from_megatron(tm, shape, tensors.pop(tm.ref)).items():
+                    writer.write(name, tensor if out_dtype is None else tensor.to(out_dtype))
+            done += len(batch)
+            batch.clear()
+            if progress:
+                progress(f"exported {done}/{len(maps)} tensor groups ({writer.bytes_written / 1e9:.2f} GB)")
+
+        for tm in maps:
+            size = reader.index[tm.ref].nbytes
+            if batch and batch_bytes + size > read_budget:
+                flush()
+                batch_bytes = 0
+            batch.append(tm)
+            batch_bytes += size
+        if batch:
+            flush()
+        writer.close()
+        publish(tmp, out)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportSummary(out_dir=out, architecture=arch, num_tensors=sum(len(g) for g in groups),
+                         num_shards=len(shards), bytes_written=writer.bytes_written,
+                         seconds=time.perf_counter() - start, notes=notes)

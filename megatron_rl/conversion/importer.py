@@ -1,0 +1,96 @@
+"""Import a Hugging Face model folder as one of our checkpoints (step 0), built at a chosen TP/PP/EP layout.
+
+    python launch.py convert hf-to-megatron --hf DIR --out DIR [--tp N --pp N --ep N] [--dtype bf16]
+
+The parent process (no torch) checks the folder first: config.json, supported architecture, every shard present
+and complete, every tensor name and shape the config implies, and the layout. Then ``pp * lcm(tp, ep)`` worker
+processes build the model at that layout; each fills its own shards reading only its rows of the safetensors
+files, and the checkpoint is saved through ``megatron_rl.runtime.checkpoint.save_checkpoint``, so trainers load
+it at any layout. The output is written into a hidden temp folder and renamed to ``--out`` at the end. The HF
+config.json and tokenizer files are kept inside the step folder (``hf_config.json``, ``hf_tokenizer/``) so that
+``megatron-to-hf`` finds the family without being told.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+
+IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
+
+
+def check_hf_tensors(shape: ModelShape, tensors: dict, source: str) -> None:
+    """Every tensor the config implies is present with its shape, and nothing else is (pure Python)."""
+    from megatron_rl.conversion.names import expected_hf_tensors
+
+    expected = expected_hf_tensors(shape)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ConfigError(f"{source}: missing tensor {missing[0]} ({len(missing)} missing); the weights do not "
+                          "match config.json (truncated download?)")
+    for name, want in expected.items():
+        got = tuple(tensors[name].shape)
+        if got != want:
+            raise ConfigError(f"{source}: mismatched shapes: {name} is {list(got)}, config.json implies {list(want)}")
+    unexpected = sorted(n for n in tensors if n not in expected and not n.endswith(IGNORED_HF_TENSORS)
+                        and not (n == "lm_head.weight" and shape.tie_embeddings))
+    if unexpected:
+        raise ConfigError(f"{source}: {len(unexpected)} tensor(s) the converter does not map (first: "
+                          f"{unexpected[0]}); the architecture has parts this converter does not support")
+
+
+def check_layout(shape: ModelShape, tp: int, pp: int, ep: int) -> None:
+    """Layout rules Megatron enforces, as one-line errors before any process starts."""
+    for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if shape.num_attention_heads % tp or shape.num_query_groups % tp:
+        raise ConfigError(f"--tp {tp} must divide the attention heads ({shape.num_attention_heads}) and the "
+                          f"key/value heads ({shape.num_query_groups})")
+    if shape.ffn_hidden_size % tp or (shape.is_moe and shape.moe_ffn_hidden_size % tp):
+        raise ConfigError(f"--tp {tp} must divide the MLP size ({shape.ffn_hidden_size})")
+    if shape.num_layers % pp:
+        raise ConfigError(f"--pp {pp} must divide the number of layers ({shape.num_layers})")
+    if ep > 1 and not shape.is_moe:
+        raise ConfigError(f"--ep {ep} needs an MoE model; {shape.name} is dense")
+    if shape.is_moe and shape.num_experts % ep:
+        raise ConfigError(f"--ep {ep} must divide the number of experts ({shape.num_experts})")
+
+
+def import_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                          dtype: Optional[str] = None, overwrite: bool = False,
+                          timeout: Optional[float] = None) -> dict[str, Any]:
+    """Convert the HF folder ``hf_dir`` into a checkpoint root ``out_dir`` (``step_00000000`` + ``latest``)."""
+    from megatron_rl.conversion.export import prepare_output, publish
+    from megatron_rl.conversion.names import check_convertible, layout_world_size, shape_from_config
+    from megatron_rl.conversion.safetensors_io import HFCheckpoint
+    from megatron_rl.conversion.spawn import run_worker
+
+    start = time.perf_counter()
+    hf_dir, out = Path(hf_dir).resolve(), Path(out_dir).resolve()
+    if dtype is not None and dtype not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--dtype {dtype!r}: use fp32, bf16 or fp16")
+    hf = HFCheckpoint.open(hf_dir)
+    source = str(hf_dir)
+    shape = shape_from_config(hf.config, f"{source}/config.json", name=hf_dir.name)
+    check_convertible(shape, source)
+    check_hf_tensors(shape, {k: v for k, v in hf.tensors.items()}, source)
+    check_layout(shape, tp, pp, ep)
+    if out == hf_dir or hf_dir in out.parents:
+        raise ConfigError(f"--out {out} must not be inside the HF folder")
+    tmp = prepare_output(out, overwrite)
+    nproc = layout_world_size(tp, pp, ep)
+    try:
+        task = {"kind": "import", "hf": str(hf_dir), "out": str(tmp), "tp": tp, "pp": pp, "ep": ep, "dtype": dtype}
+        results = run_worker([task], nproc, timeout=timeout)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out_dir": str(out), "step_folder": str(out / Path(results[0]["folder"]).name), "tp": tp, "pp": pp,
+            "ep": ep, "processes": nproc, "dtype": results[0]["dtype"], "seconds": time.perf_counter() - start}

@@ -1,0 +1,103 @@
+"""Parallel state and model building for conversion processes (CPU, gloo), including MoE with TP > 1.
+
+Conversion only builds the model to reuse Megatron's own sharded state dict (the exact keys, offsets and
+[gate; up] factories the trainers save and load), so it always runs on the CPU and keeps experts whole per
+rank (expert tensor parallel size 1). That lets TP=2 x PP=2 x EP=2 run on 4 processes: the world size of a
+layout is ``pp * lcm(tp, ep)``.
+
+Builder extension (not in ``megatron_rl.models.builder`` yet): Megatron refuses MoE with TP > 1 unless sequence
+parallelism is on, and its pure-torch norm refuses sequence parallelism. ``build_conversion_model`` then swaps
+every ``WrappedTorchNorm`` of the layer spec for ``SequenceParallelTorchNorm`` (the same torch norm, its
+parameters tagged ``sequence_parallel`` so that training would all-reduce their gradients over TP).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+
+import torch
+
+from launcher.model_shape import ModelShape
+from megatron_rl.conversion.names import layout_world_size  # noqa: F401 (re-exported)
+
+
+def init_parallel(tp: int, pp: int, ep: int, *, seed: int = 0) -> None:
+    """Start gloo (once) and (re)initialise Megatron's parallel state for this layout."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_rl.runtime import cpu_compat
+    from megatron_rl.runtime.distributed import read_dist_env
+
+    cpu_compat.apply()
+    env = read_dist_env()
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="gloo", init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                             rank=env.rank, world_size=env.world_size,
+                                             timeout=datetime.timedelta(seconds=1800))
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    tensor_parallel.get_cuda_rng_tracker().reset()
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class SequenceParallelTorchNorm:
+    """torch RMSNorm/LayerNorm usable with sequence parallelism (parameters tagged ``sequence_parallel``)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _swap_norms(spec, old, new):
+    """Replace ``old`` by ``new`` everywhere in a (copied) Megatron spec tree."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is old:
+        return new
+    if isinstance(spec, ModuleSpec):
+        if spec.module is old:
+            spec.module = new
+        if spec.submodules is not None:
+            spec.submodules = _swap_norms(spec.submodules, old, new)
+        return spec
+    if isinstance(spec, list):
+        return [_swap_norms(s, old, new) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _swap_norms(getattr(spec, f.name), old, new))
+    return spec
+
+
+def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtype: torch.dtype):
+    """The GPTModel chunk of this rank (no virtual pipeline), on the CPU."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_rl.models.builder import ModelOptions, layer_spec, padded_vocab_size, transformer_config
+
+    sequence_parallel = shape.is_moe and tp > 1
+    opts = ModelOptions(tp=tp, pp=pp, ep=ep, dtype=dtype, sequence_parallel=sequence_parallel)
+    config = transformer_config(shape, opts)
+    if shape.is_moe:
+        config.expert_tensor_parallel_size = 1
+    spec = layer_spec(shape, config)
+    if sequence_parallel:
+        spec = _swap_norms(copy.deepcopy(spec), WrappedTorchNorm, SequenceParallelTorchNorm)
+    rope_scaling = shape.rope_scaling or {}
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(shape.vocab_size, tp),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
+        rope_scaling=rope_scaling.get("rope_type") == "llama3",
+        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)))

@@ -1,0 +1,353 @@
+"""Which tensor is which: Megatron Core checkpoint keys <-> Hugging Face names, shapes and fusions (pure Python).
+
+No torch here, so the CLI can check an input folder (names, shapes, config) in a second, before it starts any
+process. The tensor arithmetic behind each fusion lives in ``mapping.py``.
+
+A Megatron tensor is named by a ``MegatronRef``: the canonical key suffix (``self_attention.linear_qkv.weight``),
+the decoder layer and, for routed experts, the expert. A checkpoint may store it under one of several keys
+(TE vs local layer names, layers stacked on a leading axis or one key per layer, experts stacked or one key per
+expert); ``parse_megatron_key`` folds them all to the same ref, and ``refs_in_stored_tensor`` lists the refs one
+stored tensor holds.
+
+Each ``TensorMap`` ties one Megatron ref to the Hugging Face tensors it is made of:
+
+==========  =====================================================  ============================================
+kind        Megatron (global, TP/EP/PP-free)                       Hugging Face
+==========  =====================================================  ============================================
+copy        same tensor                                            same tensor
+vocab       [padded_vocab, hidden], rows >= vocab are padding      [vocab, hidden]
+qkv         rows interleaved per query group: [q_g; k_g; v_g]...   q_proj, k_proj, v_proj (weight or bias)
+gate_up     [gate; up] on dim 0 (a TP shard holds [gate_i; up_i])  gate_proj, up_proj (Mixtral: w1, w3)
+==========  =====================================================  ============================================
+
+Check it: ``.venv/bin/python -m pytest tests/test_conversion_mapping.py -q``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape, shape_from_hf_config
+
+# HF architectures this converter maps (causal LM); the sequence-classification twin is used for reward models.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+}
+CLASSIFICATION_ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaForSequenceClassification", "MistralForCausalLM": "MistralForSequenceClassification",
+    "Qwen2ForCausalLM": "Qwen2ForSequenceClassification", "Qwen3ForCausalLM": "Qwen3ForSequenceClassification",
+    "Qwen3MoeForCausalLM": "Qwen3MoeForSequenceClassification", "MixtralForCausalLM": "MixtralForSequenceClassification",
+}
+FAMILY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                     "mixtral": "mixtral"}
+FAMILY_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+SUPPORTED_ROPE_TYPES = (None, "default", "llama3")
+
+
+def layout_world_size(tp: int, pp: int, ep: int) -> int:
+    """Processes a conversion at (tp, pp, ep) runs on: experts stay whole per rank (expert TP 1), so the world
+    must hold tp*pp and ep*pp ranks; data parallel size is 1 for dense models."""
+    return pp * math.lcm(tp, ep)
+
+
+def supported_text() -> str:
+    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+
+
+# ----- Megatron side -----
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+INPUT_NORM = "self_attention.linear_qkv.layer_norm_weight"
+QKV = "self_attention.linear_qkv.weight"
+QKV_BIAS = "self_attention.linear_qkv.bias"
+Q_NORM = "self_attention.q_layernorm.weight"
+K_NORM = "self_attention.k_layernorm.weight"
+PROJ = "self_attention.linear_proj.weight"
+MLP_NORM = "mlp.linear_fc1.layer_norm_weight"
+FC1 = "mlp.linear_fc1.weight"
+FC2 = "mlp.linear_fc2.weight"
+ROUTER = "mlp.router.weight"
+EXPERT_FC1 = "mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = "mlp.experts.experts.linear_fc2.weight"
+REWARD_HEAD_WEIGHT = "rm_head.weight"
+REWARD_HEAD_BIAS = "rm_head.bias"
+
+# Local-spec (pure torch) names and other spellings of the same tensor.
+LAYER_ALIASES = {
+    "input_layernorm.weight": INPUT_NORM,
+    "pre_mlp_layernorm.weight": MLP_NORM,
+}
+TOP_ALIASES = {
+    "reward_head.weight": REWARD_HEAD_WEIGHT, "reward_head.bias": REWARD_HEAD_BIAS,
+    "value_head.weight": REWARD_HEAD_WEIGHT, "value_head.bias": REWARD_HEAD_BIAS,
+}
+LAYERS_PREFIX = "decoder.layers."
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+STACKED_EXPERTS_PREFIX = "mlp.experts.experts."
+# Checkpoint keys that are not model weights (optimizer state, RNG, Transformer Engine extra state).
+NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "scheduler")
+
+
+@dataclass(frozen=True, order=True)
+class MegatronRef:
+    """One Megatron tensor, independent of how the checkpoint stored it."""
+
+    name: str
+    """Canonical key: a top-level key, or the suffix after ``decoder.layers.N.`` for a layer tensor."""
+    layer: Optional[int] = None
+    """Decoder layer (global index), None for top-level tensors."""
+    expert: Optional[int] = None
+    """Routed expert (global index), None otherwise."""
+
+    def __str__(self) -> str:
+        if self.layer is None:
+            return self.name
+        where = f"layer {self.layer}" + (f" expert {self.expert}" if self.expert is not None else "")
+        return f"{self.name} ({where})"
+
+
+def is_model_key(key: str) -> bool:
+    return not key.startswith(NON_MODEL_PREFIXES) and "_extra_state" not in key
+
+
+def _layer_suffix(key: str) -> tuple[bool, str]:
+    """(layer index is an axis of the stored tensor, rest of the key after the layer)."""
+    rest = key[len(LAYERS_PREFIX):]
+    head, _, tail = rest.partition(".")
+    if head.isdigit():
+        return False, tail
+    return True, rest
+
+
+def stored_prepend_axes(key: str) -> int:
+    """How many leading axes of a stored tensor index layers/experts rather than the weight itself."""
+    if not key.startswith(LAYERS_PREFIX):
+        return 0
+    stacked_layers, rest = _layer_suffix(key)
+    return int(stacked_layers) + int(rest.startswith(STACKED_EXPERTS_PREFIX))
+
+
+def parse_megatron_key(key: str, prepend: tuple[int, ...] = ()) -> MegatronRef:
+    """The ref of a stored key; ``prepend`` holds the indices along its layer/expert axes (if any)."""
+    prepend_left = list(prepend)
+    if not key.startswith(LAYERS_PREFIX):
+        return MegatronRef(TOP_ALIASES.get(key, key))
+    stacked_layers, rest = _layer_suffix(key)
+    layer = prepend_left.pop(0) if stacked_layers else int(key[len(LAYERS_PREFIX):].split(".", 1)[0])
+    expert = None
+    match = _LOCAL_EXPERT.match(rest)
+    if match:
+        expert, rest = int(match.group(1)), STACKED_EXPERTS_PREFIX + match.group(2)
+    elif rest.startswith(STACKED_EXPERTS_PREFIX):
+        expert = prepend_left.pop(0)
+    return MegatronRef(LAYER_ALIASES.get(rest, rest), layer, expert)
+
+
+def refs_in_stored_tensor(key: str, size: tuple[int, ...]) -> Iterator[tuple[MegatronRef, tuple[int, ...]]]:
+    """Every (ref, indices along the leading layer/expert axes) that one stored tensor of global ``size`` holds."""
+    n = stored_prepend_axes(key)
+    if len(size) < n:
+        raise ConfigError(f"checkpoint tensor {key} has shape {list(size)}, too few axes for its layer/expert index")
+    for index in itertools.product(*(range(s) for s in size[:n])):
+        yield parse_megatron_key(key, index), index
+
+
+# ----- Hugging Face config -----
+def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Fold transformers-5 spellings (``rope_parameters``, ``num_local_experts`` for Qwen3-MoE) into the classic
+    keys that ``launcher.model_shape`` reads, and reject what the Megatron model cannot reproduce."""
+    cfg = dict(cfg)
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict):
+        if cfg.get("rope_theta") is None and rope.get("rope_theta") is not None:
+            cfg["rope_theta"] = rope["rope_theta"]
+        if cfg.get("rope_scaling") is None and rope.get("rope_type") not in (None, "default"):
+            cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if cfg.get("model_type") == "qwen3_moe" and cfg.get("num_experts") is None and cfg.get("num_local_experts"):
+        cfg["num_experts"] = cfg["num_local_experts"]
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES and cfg.get("model_type") in FAMILY_MODEL_TYPE and not archs:
+        cfg["architectures"] = [FAMILY_ARCHITECTURE[cfg["model_type"]]]
+        arch = cfg["architectures"][0]
+    if arch in CLASSIFICATION_ARCHITECTURES.values():
+        arch = next(k for k, v in CLASSIFICATION_ARCHITECTURES.items() if v == arch)
+        cfg["architectures"] = [arch]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{source}: unsupported architecture {arch or cfg.get('model_type')!r}; "
+                          f"supported: {supported_text()}")
+    scaling = cfg.get("rope_scaling")
+    rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{source}: rope_scaling type {rope_type!r} is not supported by the Megatron model; "
+                          f"supported: default, llama3")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias=true is not supported (Megatron's gated MLP has no bias here)")
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM") and cfg.get("attention_bias"):
+        raise ConfigError(f"{source}: attention_bias=true on a Llama model (o_proj bias) is not supported")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported; use silu")
+    return cfg
+
+
+def shape_from_config(cfg: dict[str, Any], source: str, name: str = "model") -> ModelShape:
+    """ModelShape of an HF config.json dict (normalized first)."""
+    return shape_from_hf_config(normalize_hf_config(cfg, source), name=name, source=source)
+
+
+def hf_config_from_shape(shape: ModelShape) -> dict[str, Any]:
+    """A minimal HF config.json for a shape that came from a preset or YAML (no HF config recorded)."""
+    if shape.family not in FAMILY_MODEL_TYPE:
+        raise ConfigError(f"model family {shape.family!r} cannot be exported to Hugging Face; "
+                          f"supported: {supported_text()}")
+    cfg: dict[str, Any] = {
+        "architectures": [shape.hf_architecture if shape.hf_architecture in SUPPORTED_ARCHITECTURES
+                          else FAMILY_ARCHITECTURE[shape.family]],
+        "model_type": FAMILY_MODEL_TYPE[shape.family],
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups, "head_dim": shape.kv_channels,
+        "vocab_size": shape.vocab_size, "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_epsilon, "rope_theta": shape.rotary_base, "hidden_act": "silu",
+        "tie_word_embeddings": shape.tie_embeddings, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if shape.rope_scaling:
+        cfg["rope_scaling"] = dict(shape.rope_scaling)
+    if shape.family in ("llama", "qwen3", "qwen3_moe"):
+        cfg["attention_bias"] = shape.add_qkv_bias
+    if shape.family == "qwen3_moe":
+        cfg.update(num_experts=shape.num_experts, num_experts_per_tok=shape.moe_router_topk,
+                   moe_intermediate_size=shape.moe_ffn_hidden_size, norm_topk_prob=shape.moe_norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[i for i, moe in enumerate(shape.moe_layers) if not moe])
+    if shape.family == "mixtral":
+        if not all(shape.moe_layers) or shape.moe_ffn_hidden_size != shape.ffn_hidden_size:
+            raise ConfigError("a Mixtral export needs every layer MoE with moe_ffn_hidden_size == ffn_hidden_size")
+        cfg.update(num_local_experts=shape.num_experts, num_experts_per_tok=shape.moe_router_topk)
+    return cfg
+
+
+def check_convertible(shape: ModelShape, source: str) -> None:
+    if shape.family not in FAMILY_MODEL_TYPE:
+        raise ConfigError(f"{source}: family {shape.family!r} is not convertible; supported: {supported_text()}")
+    if shape.moe_shared_expert_intermediate_size or shape.is_mla or shape.mtp_num_layers:
+        raise ConfigError(f"{source}: shared experts, MLA and MTP layers are not convertible yet")
+    if shape.add_bias_linear or shape.normalization != "RMSNorm" or not shape.gated_linear_unit:
+        raise ConfigError(f"{source}: only RMSNorm + SwiGLU models without linear biases are convertible")
+
+
+# ----- the name map -----
+@dataclass(frozen=True)
+class TensorMap:
+    """One Megatron tensor and the Hugging Face tensors it is made of."""
+
+    ref: MegatronRef
+    """The Megatron tensor."""
+    hf: tuple[str, ...]
+    """HF names, in fusion order (q, k, v / gate, up)."""
+    kind: str
+    """copy, vocab, qkv or gate_up (see the module docstring)."""
+    hf_shapes: tuple[tuple[int, ...], ...]
+    """Shape of each HF tensor."""
+
+    @property
+    def megatron_rows(self) -> int:
+        """Rows of the global Megatron tensor, before vocab padding."""
+        return sum(s[0] for s in self.hf_shapes)
+
+
+def _expert_hf_names(shape: ModelShape, layer: int, expert: int) -> tuple[str, str, str]:
+    if shape.family == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def router_hf_name(shape: ModelShape, layer: int) -> str:
+    if shape.family == "mixtral":
+        return f"model.layers.{layer}.block_sparse_moe.gate.weight"
+    return f"model.layers.{layer}.mlp.gate.weight"
+
+
+def tensor_maps(shape: ModelShape, *, reward_head: bool = False) -> list[TensorMap]:
+    """The full name map of ``shape``, in HF file order (embedding, layers, final norm, head)."""
+    h, d = shape.hidden_size, shape.kv_channels
+    n, g, f = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
+    maps = [TensorMap(MegatronRef(EMBEDDING), ("model.embed_tokens.weight",), "vocab", ((shape.vocab_size, h),))]
+    for layer in range(shape.num_layers):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+
+        def m(name, hf, kind, shapes, expert=None):
+            maps.append(TensorMap(MegatronRef(name, layer, expert), hf, kind, shapes))
+
+        m(INPUT_NORM, (p + "input_layernorm.weight",), "copy", ((h,),))
+        m(QKV, (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv",
+          ((n * d, h), (g * d, h), (g * d, h)))
+        if shape.add_qkv_bias:
+            m(QKV_BIAS, (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv", ((n * d,), (g * d,), (g * d,)))
+        if shape.qk_layernorm:
+            m(Q_NORM, (a + "q_norm.weight",), "copy", ((d,),))
+            m(K_NORM, (a + "k_norm.weight",), "copy", ((d,),))
+        m(PROJ, (a + "o_proj.weight",), "copy", ((h, n * d),))
+        m(MLP_NORM, (p + "post_attention_layernorm.weight",), "copy", ((h,),))
+        if shape.moe_layers and shape.moe_layers[layer]:
+            e_f = shape.moe_ffn_hidden_size
+            m(ROUTER, (router_hf_name(shape, layer),), "copy", ((shape.num_experts, h),))
+            for expert in range(shape.num_experts):
+                gate, up, down = _expert_hf_names(shape, layer, expert)
+                m(EXPERT_FC1, (gate, up), "gate_up", ((e_f, h), (e_f, h)), expert)
+                m(EXPERT_FC2, (down,), "copy", ((h, e_f),), expert)
+        else:
+            m(FC1, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "gate_up", ((f, h), (f, h)))
+            m(FC2, (p + "mlp.down_proj.weight",), "copy", ((h, f),))
+    maps.append(TensorMap(MegatronRef(FINAL_NORM), ("model.norm.weight",), "copy", ((h,),)))
+    if reward_head:
+        maps.append(TensorMap(MegatronRef(REWARD_HEAD_WEIGHT), ("score.weight",), "copy", ((1, h),)))
+    elif not shape.tie_embeddings:
+        maps.append(TensorMap(MegatronRef(OUTPUT), ("lm_head.weight",), "vocab", ((shape.vocab_size, h),)))
+    return maps
+
+
+def expected_hf_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape that a causal-LM checkpoint of ``shape`` holds."""
+    return {name: hf_shape for tm in tensor_maps(shape) for name, hf_shape in zip(tm.hf, tm.hf_shapes)}
+
+
+def megatron_shape(tm: TensorMap, stored_rows: Optional[int] = None) -> tuple[int, ...]:
+    """Expected global shape of the Megatron tensor (vocab rows are taken from the checkpoint)."""
+    first = tm.hf_shapes[0]
+    if tm.kind == "vocab":
+        return (stored_rows if stored_rows is not None else first[0], *first[1:])
+    if tm.kind == "copy":
+        return first
+    return (tm.megatron_rows, *first[1:])
+
+
+def row_pieces(tm: TensorMap, shape: ModelShape, padded_rows: int) -> list[tuple[Optional[str], int, int]]:
+    """The global Megatron tensor of ``tm`` as a stack of row blocks: (HF name or None for padding, first HF row,
+    rows). Any row range of the Megatron tensor can be read from the HF files through these blocks."""
+    if tm.kind == "copy":
+        return [(tm.hf[0], 0, tm.hf_shapes[0][0] if tm.hf_shapes[0] else 1)]
+    if tm.kind == "vocab":
+        rows = tm.hf_shapes[0][0]
+        return [(tm.hf[0], 0, rows)] + ([(None, 0, padded_rows - rows)] if padded_rows > rows else [])
+    if tm.kind == "gate_up":
+        return [(tm.hf[0], 0, tm.hf_shapes[0][0]), (tm.hf[1], 0, tm.hf_shapes[1][0])]
+    if tm.kind == "qkv":
+        d, groups = shape.kv_channels, shape.num_query_groups
+        q_rows = shape.num_attention_heads // groups * d
+        pieces = []
+        for group in range(groups):
+            pieces += [(tm.hf[0], group * q_rows, q_rows), (tm.hf[1], group * d, d), (tm.hf[2], group * d, d)]
+        return pieces
+    raise ValueError(f"unknown kind {tm.kind}")

@@ -1,0 +1,298 @@
+"""Hugging Face folders: checked reading of (sharded) safetensors and a streaming sharded writer.
+
+Headers are parsed in pure Python (8-byte length + JSON), so a missing, truncated or mismatched shard is found
+before any tensor is read. The writer plans every shard's header from names, dtypes and shapes alone, then
+streams each tensor's bytes into place as soon as it is converted: memory holds one tensor group, not a shard.
+
+Check it: ``.venv/bin/python -m pytest tests/test_conversion_mapping.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.errors import ConfigError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1}
+# Files copied next to the weights when present (tokenizer, chat template, generation defaults).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def parse_size(text: str | int) -> int:
+    """'2GB' (10^9), '512MiB' (2^20), '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--shard-size {text!r}: use a size such as 2GB, 500MB or 4GiB")
+    number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
+    power = "KMGT".index(unit) + 1 if unit else 0
+    size = int(number * (1024 if binary else 1000) ** power)
+    if size < 1:
+        raise ConfigError(f"--shard-size {text!r} must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a safetensors file."""
+
+    file: str
+    """File name inside the folder."""
+    dtype: str
+    """safetensors dtype (F32, BF16...)."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file, after checking the file holds every byte the header promises."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ConfigError(f"{path}: truncated safetensors file (no header)")
+            (length,) = struct.unpack("<Q", raw)
+            if length > size - 8:
+                raise ConfigError(f"{path}: truncated safetensors file (header runs past the end)")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{path}: not a readable safetensors file ({exc})") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end > size:
+        raise ConfigError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + length + end})")
+    return header
+
+
+@dataclass
+class HFCheckpoint:
+    """A Hugging Face model folder: config.json plus safetensors weights (single file or sharded with an index)."""
+
+    folder: Path
+    """The folder."""
+    config: dict[str, Any]
+    """config.json as written."""
+    tensors: dict[str, TensorEntry]
+    """Every weight tensor by name."""
+    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, folder: str | Path) -> "HFCheckpoint":
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise ConfigError(f"--hf {folder}: not a folder; give a Hugging Face model folder (config.json + "
+                              "*.safetensors)")
+        cfg_path = folder / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"--hf {folder}: no config.json; this is not a Hugging Face model folder")
+        try:
+            config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{cfg_path}: not valid JSON ({exc})") from None
+        files = _weight_files(folder)
+        tensors: dict[str, TensorEntry] = {}
+        for name in files:
+            header = read_header(folder / name)
+            for key, info in header.items():
+                if key != "__metadata__":
+                    tensors[key] = TensorEntry(name, info["dtype"], tuple(info["shape"]))
+        index = folder / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            lost = sorted(k for k, f in weight_map.items() if tensors.get(k) is None or tensors[k].file != f)
+            if lost:
+                raise ConfigError(f"{index}: {len(lost)} tensor(s) listed in the index are not in their shard "
+                                  f"(first: {lost[0]} in {weight_map[lost[0]]})")
+        return cls(folder=folder, config=config, tensors=tensors)
+
+    def read_rows(self, name: str, first: int, last: int, cols: tuple[slice, ...] = ()):
+        """Rows [first, last) (and column slices) of one tensor, reading only those bytes."""
+        from safetensors import safe_open
+
+        entry = self.tensors[name]
+        handle = self._handles.get(entry.file)
+        if handle is None:
+            handle = self._handles[entry.file] = safe_open(str(self.folder / entry.file), framework="pt")
+        return handle.get_slice(name)[(slice(first, last), *cols)]
+
+    def read(self, name: str):
+        return self.read_rows(name, 0, self.tensors[name].shape[0] if self.tensors[name].shape else 1)
+
+    def dtype(self) -> str:
+        """The (most common) safetensors dtype of the weights."""
+        counts: dict[str, int] = {}
+        for entry in self.tensors.values():
+            counts[entry.dtype] = counts.get(entry.dtype, 0) + 1
+        return max(counts, key=counts.get) if counts else "F32"
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _weight_files(folder: Path) -> list[str]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ConfigError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise ConfigError(f"{folder}: shard {missing[0]} listed in {INDEX_FILE} is missing "
+                              f"({len(missing)} of {len(files)} missing)")
+        return files
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
+            raise ConfigError(f"--hf {folder}: only safetensors weights are read; convert the .bin files first "
+                              "(transformers: model.save_pretrained(dir, safe_serialization=True))")
+        raise ConfigError(f"--hf {folder}: no *.safetensors weights found")
+    return files
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    """Copy tokenizer and generation files from ``src`` to ``dst``; returns the names copied."""
+    import shutil
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+# ----- writer -----
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    """HF tensor name."""
+    dtype: str
+    """safetensors dtype."""
+    shape: tuple[int, ...]
+    """Shape."""
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def plan_shards(groups: list[list[PlannedTensor]], max_bytes: int) -> list[list[PlannedTensor]]:
+    """Pack tensor groups (kept together) into shards of at most ``max_bytes`` (a bigger group gets its own)."""
+    shards: list[list[PlannedTensor]] = []
+    current: list[PlannedTensor] = []
+    size = 0
+    for group in groups:
+        group_bytes = sum(t.nbytes for t in group)
+        if current and size + group_bytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.extend(group)
+        size += group_bytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+class ShardedSafetensorsWriter:
+    """Writes planned shards; tensors must arrive in plan order. ``close()`` writes the index."""
+
+    def __init__(self, folder: Path, shards: list[list[PlannedTensor]], metadata: Optional[dict] = None):
+        self.folder = folder
+        self.shards = shards
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._order = [(i, t) for i, shard in enumerate(shards) for t in shard]
+        self._next = 0
+        self._file = None
+        self._file_index = -1
+        self.bytes_written = 0
+
+    def _open(self, index: int) -> None:
+        self._finish_file()
+        header: dict[str, Any] = {"__metadata__": self.metadata}
+        offset = 0
+        for t in self.shards[index]:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(self.folder / shard_file_name(index, len(self.shards)), "wb")
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+        self._file_index = index
+
+    def write(self, name: str, tensor) -> None:
+        import torch
+
+        if self._next >= len(self._order):
+            raise RuntimeError(f"unplanned tensor {name}")
+        index, planned = self._order[self._next]
+        if planned.name != name or tuple(tensor.shape) != planned.shape or torch_dtype_name(tensor.dtype) != planned.dtype:
+            raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the plan "
+                               f"({planned.name} {planned.shape} {planned.dtype})")
+        if index != self._file_index:
+            self._open(index)
+        data = tensor.detach().contiguous().cpu()
+        self._file.write(data.reshape(-1).view(torch.uint8).numpy().data)
+        self.bytes_written += planned.nbytes
+        self._next += 1
+
+    def _finish_file(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise RuntimeError(f"only {self._next} of {len(self._order)} planned tensors were written")
+        self._finish_file()
+        weight_map = {t.name: shard_file_name(i, len(self.shards)) for i, shard in enumerate(self.shards)
+                      for t in shard}
+        total = sum(t.nbytes for shard in self.shards for t in shard)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+_TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def torch_dtype_name(dtype) -> str:
+    """safetensors dtype string of a torch dtype."""
+    return _TORCH_TO_ST[str(dtype).replace("torch.", "")]
+
+
+def torch_dtype(st_name: str):
+    import torch
+
+    inverse = {v: k for k, v in _TORCH_TO_ST.items()}
+    return getattr(torch, inverse[st_name])

@@ -1,0 +1,242 @@
+"""Conversion worker: one process per rank (torchrun), running a list of tasks at their own layouts.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m megatron_rl.conversion.worker TASKS.json
+
+Started by ``megatron_rl.conversion.launch.run_worker``; not meant to be run by hand. Tasks (JSON list):
+
+* ``import``: build the model at (tp, pp, ep), fill every rank's shards straight from the HF safetensors
+  (each rank reads only its rows), save one of our checkpoints (step 0) into ``out``.
+* ``random``: a freshly initialised model (Megatron's own init) saved into ``out`` (test fixtures).
+* ``reshard``: load ``ckpt`` at (tp, pp, ep) and save it again into ``out``.
+* ``logits``: load ``ckpt`` at (tp, pp, ep), run ``tokens`` through the pipeline, save the full-vocabulary logits
+  (and, for a reward model, the last-token rewards) to ``out_file``.
+
+Each rank writes ``rank<R>.error`` into the work folder when a task fails; rank 0 writes ``result.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ST_TO_NAME = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _sharded_tensors(model) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sd = model.sharded_state_dict()
+    apply_factories(sd)
+    return [sh for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
+
+
+def fill_from_hf(model, shape, hf) -> None:
+    """Copy this rank's share of every parameter from the HF checkpoint ``hf`` (an HFCheckpoint)."""
+    from megatron_rl.conversion.mapping import megatron_region_from_hf
+    from megatron_rl.conversion.names import megatron_shape, parse_megatron_key, tensor_maps
+
+    maps = {tm.ref: tm for tm in tensor_maps(shape)}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
+        for sh in _sharded_tensors(model):
+            n = sh.prepend_axis_num
+            ref = parse_megatron_key(sh.key, tuple(sh.global_offset[:n]))
+            tm = maps.get(ref)
+            if tm is None:
+                raise ConfigError(f"model tensor {ref} ({sh.key}) has no Hugging Face source in the name map")
+            global_shape = tuple(sh.global_shape[n:])
+            expected = megatron_shape(tm, global_shape[0] if tm.kind == "vocab" else None)
+            if global_shape != expected:
+                raise ConfigError(f"mismatched shapes: Megatron builds {ref} as {list(global_shape)}, the HF "
+                                  f"tensors give {list(expected)}")
+            region = megatron_region_from_hf(tm, shape, global_shape[0], tuple(sh.global_offset[n:]),
+                                             tuple(sh.local_shape), hf.read_rows, sh.data.dtype)
+            sh.data.copy_(region.reshape(sh.data.shape))
+        unset = [name for name, p in model.named_parameters() if torch.isnan(p).any()]
+    if unset:
+        raise ConfigError(f"{len(unset)} model parameter(s) got no value from the HF checkpoint "
+                          f"(first: {unset[0]})")
+
+
+def _model_source(task: dict[str, Any]):
+    from megatron_rl.conversion.dist_reader import CheckpointReader
+    from megatron_rl.conversion.export import resolve_model_source
+
+    reader = CheckpointReader(task["ckpt"])
+    return resolve_model_source(reader.folder, task.get("model"), reader.common_state()), reader
+
+
+def run_import(task: dict[str, Any]) -> dict[str, Any]:
+    from megatron_rl.conversion.export import HF_CONFIG_FILE, HF_TOKENIZER_DIR, model_metadata
+    from megatron_rl.conversion.model_build import build_conversion_model
+    from megatron_rl.conversion.names import shape_from_config
+    from megatron_rl.conversion.safetensors_io import HFCheckpoint, copy_tokenizer_files
+    from megatron_rl.runtime.checkpoint import save_checkpoint
+
+    hf = HFCheckpoint.open(task["hf"])
+    shape = shape_from_config(hf.config, str(Path(task["hf"]) / "config.json"), name=Path(task["hf"]).name)
+    dtype = DTYPES[task.get("dtype") or ST_TO_NAME.get(hf.dtype(), "fp32")]
+    model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=dtype)
+    fill_from_hf(model, shape, hf)
+    hf.close()
+    extra = {"model": model_metadata(shape, hf.config), "converted_from": str(Path(task["hf"]).resolve())}
+    folder = save_checkpoint(task["out"], step=0, chunks=[model], extra=extra, keep_last=1)
+    if _rank() == 0:
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(hf.config, indent=2) + "\n")
+        tok = folder / HF_TOKENIZER_DIR
+        tok.mkdir(exist_ok=True)
+        if not copy_tokenizer_files(Path(task["hf"]), tok):
+            tok.rmdir()
+    return {"folder": str(folder), "dtype": str(dtype).replace("torch.", "")}
+
+
+def run_random(task: dict[str, Any]) -> dict[str, Any]:
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.conversion.export import model_metadata
+    from megatron_rl.conversion.model_build import build_conversion_model
+    from megatron_rl.runtime.checkpoint import save_checkpoint
+
+    shape = load_model_shape(task["model"])
+    model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=torch.float32)
+    extra = {"model": model_metadata(shape)} if task.get("record_model", True) else {}
+    folder = save_checkpoint(task["out"], step=task.get("step", 0), chunks=[model], extra=extra, keep_last=1)
+    return {"folder": str(folder)}
+
+
+def _load_model(task: dict[str, Any]):
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.conversion.model_build import build_conversion_model
+
+    source, reader = _model_source(task)
+    model = build_conversion_model(source.shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=torch.float32)
+    request = {"model0": model.sharded_state_dict()}
+    stored = set(reader.metadata.state_dict_metadata)
+    drop = [k for k, v in request["model0"].items() if getattr(v, "key", None) is not None and v.key not in stored
+            and v.key.startswith("output_layer.")]
+    for k in drop:  # reward models may have no LM head
+        request["model0"].pop(k)
+    loaded = dist_checkpointing.load(request, str(reader.folder))
+    model.load_state_dict(loaded["model0"], strict=not drop)
+    return model, source, reader
+
+
+def run_reshard(task: dict[str, Any]) -> dict[str, Any]:
+    from megatron_rl.runtime.checkpoint import save_checkpoint
+
+    model, source, reader = _load_model(task)
+    extra = reader.common_state().get("extra", {})
+    folder = save_checkpoint(task["out"], step=0, chunks=[model], extra=extra, keep_last=1)
+    return {"folder": str(folder)}
+
+
+def _gather_tp(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    world = ps.get_tensor_model_parallel_world_size()
+    if world == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
+
+
+def run_logits(task: dict[str, Any]) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl.conversion.names import REWARD_HEAD_BIAS, REWARD_HEAD_WEIGHT
+
+    model, source, reader = _load_model(task)
+    model.eval()
+    tokens = torch.tensor(task["tokens"], dtype=torch.long)
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    hidden: list[torch.Tensor] = []
+    if ps.is_pipeline_last_stage():
+        model.decoder.register_forward_hook(lambda module, args, output: hidden.append(output))
+
+    def loss_func(output, non_loss_data=False):
+        return _gather_tp(output, dim=-1)
+
+    def forward_step(data_iterator, chunk):
+        next(data_iterator)
+        return chunk(tokens, positions, None), loss_func
+
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=seq, micro_batch_size=batch, forward_only=True, collect_non_loss_data=True)
+    result: dict[str, Any] = {}
+    if not ps.is_pipeline_last_stage():
+        return result
+    saved = {"logits": outputs[0][..., :source.shape.vocab_size].float().clone()}
+    refs = {r.name: r for r in reader.index if r.name in (REWARD_HEAD_WEIGHT, REWARD_HEAD_BIAS)}
+    if REWARD_HEAD_WEIGHT in refs:
+        final = hidden[-1]
+        if model.config.sequence_parallel:  # the decoder returns [seq/tp, batch, hidden]
+            final = _gather_tp(final, dim=0)
+        head = reader.read(refs.values(), dtype=torch.float32)
+        saved["hidden_last"] = final[-1].float().clone()  # [batch, hidden] at the last position
+        reward = saved["hidden_last"] @ head[refs[REWARD_HEAD_WEIGHT]].reshape(-1, 1)
+        if REWARD_HEAD_BIAS in refs:
+            reward = reward + head[refs[REWARD_HEAD_BIAS]].reshape(1, -1)
+        saved["rewards"] = reward.reshape(-1)
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        torch.save(saved, task["out_file"])
+        result["written"] = task["out_file"]
+    return result
+
+
+TASKS = {"import": run_import, "random": run_random, "reshard": run_reshard, "logits": run_logits}
+
+
+def _report(workdir: Path, kind: str, message: str) -> None:
+    (workdir / f"rank{_rank()}.error").write_text(json.dumps({"kind": kind, "message": message}) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    from megatron_rl.conversion.model_build import init_parallel
+
+    tasks_file = Path(argv[0])
+    workdir = tasks_file.parent
+    tasks = json.loads(tasks_file.read_text())
+    results = []
+    try:
+        for task in tasks:
+            init_parallel(task["tp"], task["pp"], task["ep"], seed=task.get("seed", 0))
+            results.append(TASKS[task["kind"]](task))
+            torch.distributed.barrier()
+    except ConfigError as exc:
+        _report(workdir, "config", str(exc))
+        return 2
+    except BaseException as exc:  # the parent prints one line; the traceback goes to the worker log
+        traceback.print_exc()
+        _report(workdir, "internal", f"{type(exc).__name__}: {exc}".splitlines()[0])
+        return 1
+    if _rank() == 0:
+        (workdir / "result.json").write_text(json.dumps(results) + "\n")
+    from megatron_rl.runtime.distributed import shutdown
+
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

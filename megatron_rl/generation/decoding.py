@@ -1,0 +1,299 @@
+"""Colocated generation: decode with the training model's own modules and Megatron's static KV cache.
+
+``generate(models, prompts, vocab_size=..., max_new_tokens=...)`` runs on the very ``GPTModel`` objects the
+trainer optimises (DDP wrappers are looked through): no weight copy, no second engine.
+
+Layout. Sequences are left-aligned in one ``[batch, longest prompt + max_new_tokens]`` buffer, at the same
+positions as in the training forward of ``prompt + response`` (right padding, positions from 0). The batch's
+shortest prompt is prefilled in one forward; every later step feeds one token per row. A row still inside its
+own prompt is fed its prompt token (teacher forcing, as Megatron's ``TextGenerationController`` does), so no
+attention mask is ever needed: prefill is plainly causal and decode attends to the whole cache. Left padding
+would instead need a padding mask, which Transformer Engine's causal / no-mask kernels ignore during
+inference, so it would be silently wrong on GPUs. The price is one decode step per token of prompt-length
+spread; ``generate`` is fastest on batches of similar prompt lengths (GRPO groups share a prompt).
+
+Cache. ``megatron.core.inference.contexts.StaticInferenceContext`` sized ``[batch, longest sequence]``; it is
+released (and the release checked) before ``generate`` returns, so training never runs next to a cache.
+Finished rows stop growing (their tokens stay ``pad_id``); decoding stops when every row has finished.
+
+Parallelism.
+* TP: logits are gathered over the vocabulary (``runtime_gather_output``), every TP rank draws with the same
+  generator, and the chosen tokens are also broadcast from TP rank 0 so that the ranks cannot drift apart.
+* PP (and virtual PP): each step runs the stages in turn, hidden states handed on with send/recv; the last
+  stage picks the tokens and broadcasts them (with their log-probs) to every stage. Stages idle while
+  others compute (no micro-batch overlap): correct, simple, and slower than a pipelined decoder.
+* DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks.
+* Not supported (clear error): context parallelism, sequence parallelism, expert parallelism > 1.
+
+Gradients are off (``torch.no_grad``, not ``inference_mode``: Megatron caches rotary tables with
+``lru_cache``, and an inference tensor cached here would break the next backward pass). Dropout is off
+(modules in eval mode, restored afterwards).
+
+Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens
+from megatron_rl.runtime.checkpoint import unwrap
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOutput:
+    """Responses of one ``generate`` call, in prompt order; identical on every TP/PP rank."""
+
+    tokens: list[list[int]]
+    """Response token ids per prompt (prompt excluded; a final stop token or stop sequence included)."""
+    logprobs: list[list[float]]
+    """Per response token: log-prob under the policy at temperature 1 (raw logits, padded vocabulary),
+    the same quantity as the training forward's ``-cross_entropy``."""
+    sampling_logprobs: list[list[float]]
+    """Per response token: log-prob under the distribution it was drawn from (temperature/top-k/top-p);
+    0.0 for greedy decoding."""
+    lengths: list[int]
+    """Response lengths (len of each ``tokens`` row)."""
+    finish_reasons: list[str]
+    """"stop" (eos, stop token or stop sequence generated) or "length" (max_new_tokens reached)."""
+    forward_passes: int
+    """Model forwards run (1 prefill + decode steps)."""
+    kv_cache_bytes: int
+    """Bytes the KV cache held on this rank; released before ``generate`` returned."""
+
+
+def data_parallel_seed(seed: int) -> int:
+    """A sampling seed distinct per data-parallel rank and equal across the TP/PP ranks of one replica."""
+    from megatron.core import parallel_state
+
+    return seed * 1_000_003 + parallel_state.get_data_parallel_rank()
+
+
+def model_chunks(models) -> list:
+    """The ``GPTModel`` chunks of ``models`` (one model, a DDP wrapper, an Engine's chunk list)."""
+    if isinstance(models, (list, tuple)):
+        return [unwrap(m) for m in models]
+    return [unwrap(models)]
+
+
+def check_generation_layout(chunks: list) -> None:
+    """Raise ``NotImplementedError`` for parallel layouts generation does not handle."""
+    from megatron.core import parallel_state as ps
+
+    config = chunks[0].config
+    if ps.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("generation needs context_parallel_size=1: decoding one token per step "
+                                  "cannot be split along the sequence")
+    if config.sequence_parallel:
+        raise NotImplementedError("generation with sequence_parallel=True is not supported: a one-token decode "
+                                  "step cannot be split over TP ranks; train with parallel.sequence_parallel=false")
+    if ps.get_expert_model_parallel_world_size() > 1:
+        raise NotImplementedError("generation with expert_model_parallel_size > 1 is not supported: data-parallel "
+                                  "ranks would need to run the same number of decode steps for the expert all-to-all")
+    if getattr(config, "flash_decode", False):
+        raise NotImplementedError("generation does not use Megatron's flash_decode; set flash_decode=False")
+
+
+class _StageChain:
+    """One forward of every pipeline stage (and virtual stage) in turn, hidden states handed on by send/recv."""
+
+    def __init__(self, chunks: list, context, *, device: torch.device) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.chunks = chunks
+        self.context = context
+        self.device = device
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        config = chunks[0].config
+        self.hidden_size = config.hidden_size
+        self.pipeline_dtype = config.pipeline_dtype or config.params_dtype
+        if self.pp_size > 1:
+            self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
+            self.next_rank = ps.get_pipeline_model_parallel_next_rank()
+            self.pp_group = ps.get_pipeline_model_parallel_group()
+            self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
+        if self.tp_size > 1:
+            self.tp_group = ps.get_tensor_model_parallel_group()
+            self.tp_src_rank = ps.get_tensor_model_parallel_src_rank()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits ``[batch, padded_vocab]`` of the last fed position on the last stage; None elsewhere."""
+        if self.pp_size == 1 and len(self.chunks) == 1:
+            return self.chunks[0](tokens, positions, None, inference_context=self.context,
+                                  runtime_gather_output=True)[:, -1]
+        output = None
+        last_chunk = len(self.chunks) - 1
+        for v, model in enumerate(self.chunks):
+            if v > 0 or self.pp_rank > 0:
+                hidden = torch.empty((tokens.size(1), tokens.size(0), self.hidden_size),
+                                     dtype=self.pipeline_dtype, device=self.device)
+                torch.distributed.recv(hidden, src=self.prev_rank, group=self.pp_group)
+                model.set_input_tensor(hidden)
+            output = model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
+            if v < last_chunk or not self.is_last_stage:
+                torch.distributed.send(output.contiguous(), dst=self.next_rank, group=self.pp_group)
+        return output[:, -1] if self.is_last_stage else None
+
+    def share(self, choice: Optional[StepChoice], batch: int) -> StepChoice:
+        """The last stage's TP-rank-0 choice, on every TP and PP rank."""
+        if self.tp_size == 1 and self.pp_size == 1:
+            return choice
+        packed = torch.empty((3, batch), dtype=torch.float64, device=self.device)
+        if choice is not None:
+            torch.stack([choice.tokens.double(), choice.policy_logprobs.double(),
+                         choice.sampling_logprobs.double()], out=packed)
+        if self.tp_size > 1 and self.is_last_stage:
+            torch.distributed.broadcast(packed, src=self.tp_src_rank, group=self.tp_group)
+        if self.pp_size > 1:
+            torch.distributed.broadcast(packed, src=self.pp_last_rank, group=self.pp_group)
+        return StepChoice(tokens=packed[0].long(), policy_logprobs=packed[1].float(),
+                          sampling_logprobs=packed[2].float())
+
+
+class _KVCache:
+    """A ``StaticInferenceContext`` whose tensors are dropped, and checked to be freed, on exit."""
+
+    def __init__(self, batch: int, max_sequence_length: int) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.context = StaticInferenceContext(batch, max_sequence_length)
+        self.nbytes = 0
+
+    def __enter__(self):
+        return self.context
+
+    def __exit__(self, *exc) -> None:
+        memory = self.context.key_value_memory_dict
+        refs = [weakref.ref(t) for pair in memory.values() for t in pair]
+        self.nbytes = sum(t.numel() * t.element_size() for pair in memory.values() for t in pair)
+        memory.clear()
+        self.context = None
+        if exc[0] is None and any(ref() is not None for ref in refs):
+            raise RuntimeError("the KV cache is still referenced after generation; it would stay allocated "
+                               "during training")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class _Stops:
+    """Stop tokens and multi-token stop sequences, checked on the token just written at position t."""
+
+    def __init__(self, stop_token_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]],
+                 device: torch.device) -> None:
+        self.token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+        self.sequences = [torch.tensor(list(s), dtype=torch.long, device=device) for s in stop_sequences if len(s)]
+
+    def hit(self, tokens: torch.Tensor, t: int, prompt_lens: torch.Tensor) -> Optional[torch.Tensor]:
+        """[batch] bool: the response of a row ends at position t with a stop token or sequence."""
+        hit = torch.isin(tokens[:, t], self.token_ids) if self.token_ids.numel() else None
+        for seq in self.sequences:
+            start = t - seq.numel() + 1
+            if start < 0:
+                continue
+            match = (tokens[:, start:t + 1] == seq).all(dim=-1) & (prompt_lens <= start)
+            hit = match if hit is None else hit | match
+        return hit
+
+
+def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None,
+             stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[Sequence[int]] = (),
+             seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             pad_id: int = 0) -> GenerationOutput:
+    """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
+
+    ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
+    after ``eos_id``, any of ``stop_token_ids`` or any of ``stop_sequences`` (kept in the response), or after
+    ``max_new_tokens``. Sampling draws from ``generator`` or, if None, a fresh one seeded with ``seed`` (0
+    when None); pass the same seed on every TP/PP rank of a replica (``data_parallel_seed`` makes one).
+    Returns on every rank of the model-parallel group.
+    """
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
+    chunks = model_chunks(models)
+    check_generation_layout(chunks)
+    device = next(chunks[0].parameters()).device
+    batch = len(prompts)
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    shortest, longest = min(len(p) for p in prompts), max(len(p) for p in prompts)
+    total = longest + max_new_tokens
+    max_positions = getattr(chunks[0], "max_sequence_length", None)
+    if max_positions is not None and total > max_positions:
+        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                         f"model's max_position_embeddings ({max_positions})")
+    if any(t >= vocab_size or t < 0 for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+    if generator is None and not params.greedy:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(0 if seed is None else seed)
+
+    tokens = torch.full((batch, total), pad_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+    positions = torch.arange(total, device=device).unsqueeze(0).expand(batch, -1)
+    policy_lp = torch.zeros((batch, total), dtype=torch.float32, device=device)
+    sampling_lp = torch.zeros((batch, total), dtype=torch.float32, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+    end = prompt_lens + max_new_tokens  # exclusive end position of each row's response
+    stops = _Stops(([eos_id] if eos_id is not None else []) + list(stop_token_ids), stop_sequences, device)
+
+    was_training = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    cache = _KVCache(batch, total)
+    forwards = 0
+    try:
+        with torch.no_grad(), cache as context:
+            chain = _StageChain(chunks, context, device=device)
+            fed_from = 0
+            for t in range(shortest, total):
+                logits = chain.forward(tokens[:, fed_from:t], positions[:, fed_from:t])
+                context.sequence_len_offset += t - fed_from
+                if forwards == 0:
+                    context.enable_decode_mode()
+                forwards += 1
+                fed_from = t
+                local = (choose_tokens(logits, vocab_size=vocab_size, params=params, generator=generator)
+                         if logits is not None else None)
+                choice = chain.share(local, batch)
+                writing = (prompt_lens <= t) & ~done
+                tokens[:, t] = torch.where(writing, choice.tokens, tokens[:, t])
+                policy_lp[:, t] = torch.where(writing, choice.policy_logprobs, 0.0)
+                sampling_lp[:, t] = torch.where(writing, choice.sampling_logprobs, 0.0)
+                hit = stops.hit(tokens, t, prompt_lens)
+                if hit is not None:
+                    hit = hit & writing
+                    stopped |= hit
+                    end = torch.where(hit, t + 1, end)
+                done |= writing & (end <= t + 1)
+                if bool(done.all()):
+                    break
+    finally:
+        for chunk, flag in zip(chunks, was_training):
+            chunk.train(flag)
+
+    ends = end.tolist()
+    starts = prompt_lens.tolist()
+    token_rows, policy_rows, sampling_rows = tokens.tolist(), policy_lp.tolist(), sampling_lp.tolist()
+    flags = stopped.tolist()
+    return GenerationOutput(
+        tokens=[row[s:e] for row, s, e in zip(token_rows, starts, ends)],
+        logprobs=[row[s:e] for row, s, e in zip(policy_rows, starts, ends)],
+        sampling_logprobs=[row[s:e] for row, s, e in zip(sampling_rows, starts, ends)],
+        lengths=[e - s for s, e in zip(starts, ends)],
+        finish_reasons=["stop" if f else "length" for f in flags],
+        forward_passes=forwards, kv_cache_bytes=cache.nbytes)

@@ -1,0 +1,135 @@
+"""Phase-aware memory for colocated RL: free training-only tensors while the same GPUs generate.
+
+``generation_phase(chunks, optimizer=..., offload_optimizer=True)`` wraps the generation part of an RL step:
+
+* model chunks in eval mode (no dropout), their previous mode restored on exit;
+* with ``offload_optimizer``: the optimizer's state (Adam moments, fp32 main copies of bf16 weights) is
+  copied to host memory (pinned on GPUs) and its device storage freed; the DDP grad buffers are freed.
+  On exit the storages are reallocated in place and refilled, so every existing view (``param.main_grad``,
+  the distributed optimizer's shards, bucket views) is valid again. Optimizer state comes back bit-exact;
+  grads come back as zeros unless ``keep_grads=True`` (``Engine.train_step`` zeroes them before use anyway,
+  so copying them would only cost transfer time).
+
+Storages shared with model weights are never touched (an fp32 model's distributed optimizer keeps views of
+the weights as its main params), so the weights generation needs stay in place. The KV cache itself is
+released by ``generate`` before it returns. On a CPU-only machine offloading moves host memory to host
+memory: useless for speed, but it runs the same code, which is how the tests check the round trip.
+
+Test: ``.venv/bin/python -m pytest tests/test_generation.py -q -k offload``
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_rl.runtime.checkpoint import unwrap
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Tensors owned by a Megatron optimizer (chained or not): per-parameter state and main params."""
+    found = []
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            found.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+        for state in inner.state.values():
+            found.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return found
+
+
+def grad_buffer_tensors(chunks: list) -> list[torch.Tensor]:
+    """The contiguous grad buffers of Megatron DDP-wrapped chunks (``param.main_grad`` views live in them)."""
+    found = []
+    for chunk in chunks:
+        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            if getattr(buffer, "grad_data", None) is not None:
+                found.append(buffer.grad_data)
+    return found
+
+
+def weight_storages(chunks: list) -> set[int]:
+    """Storage addresses holding model weights (parameters and DDP param buffers): never offloaded."""
+    ptrs = {p.untyped_storage().data_ptr() for chunk in chunks for p in unwrap(chunk).parameters()}
+    for chunk in chunks:
+        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            if getattr(buffer, "param_data", None) is not None:
+                ptrs.add(buffer.param_data.untyped_storage().data_ptr())
+    return ptrs
+
+
+@dataclass
+class HostOffload:
+    """Device storages moved to host memory and freed; ``restore`` reallocates them in place."""
+
+    keep_values: bool
+    """Copy contents to the host and back (else the storage returns zero-filled)."""
+    parked: list = field(default_factory=list)
+    """(storage, nbytes, host copy or None) per freed storage."""
+    device_bytes_freed: int = 0
+    """Device bytes released by the last ``offload``."""
+
+    def offload(self, tensors: list[torch.Tensor], *, device: torch.device, protected: set[int]) -> None:
+        seen = set(protected)
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if tensor.device != device or nbytes == 0 or ptr in seen:
+                continue
+            seen.add(ptr)
+            host = None
+            if self.keep_values:
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").untyped_storage()
+                host.copy_(storage)
+            storage.resize_(0)
+            self.parked.append((storage, nbytes, host))
+            self.device_bytes_freed += nbytes
+
+    def restore(self) -> None:
+        for storage, nbytes, host in self.parked:
+            storage.resize_(nbytes)
+            if host is not None:
+                storage.copy_(host)
+            else:
+                storage.fill_(0)
+        self.parked = []
+
+
+@contextlib.contextmanager
+def generation_phase(chunks: list, *, optimizer=None, offload_optimizer: bool = False,
+                     keep_grads: bool = False) -> Iterator[Optional[tuple[HostOffload, HostOffload]]]:
+    """Eval mode for ``chunks`` and, with ``offload_optimizer``, optimizer state and grads off the device.
+
+    Yields ``(optimizer_offload, grad_offload)`` when offloading (for reporting the freed bytes), else None.
+    """
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    was_training = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    offloads = None
+    try:
+        if offload_optimizer:
+            if optimizer is None:
+                raise ValueError("offload_optimizer=True needs the optimizer")
+            device = next(unwrap(chunks[0]).parameters()).device
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            protected = weight_storages(chunks)
+            offloads = (HostOffload(keep_values=True), HostOffload(keep_values=keep_grads))
+            offloads[0].offload(optimizer_tensors(optimizer), device=device, protected=protected)
+            offloads[1].offload(grad_buffer_tensors(chunks), device=device, protected=protected)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        yield offloads
+    finally:
+        if offloads is not None:
+            for offload in offloads:
+                offload.restore()
+        for chunk, flag in zip(chunks, was_training):
+            chunk.train(flag)

@@ -1,0 +1,101 @@
+"""Token selection from one decoding step's logits: greedy, temperature, top-k, top-p; and the log-probs.
+
+Two log-probs are reported per generated token:
+
+* ``policy_logprobs``: log-softmax of the raw logits (temperature 1) over the WHOLE padded vocabulary, exactly
+  the normaliser of the training loss (Megatron's ``vocab_parallel_cross_entropy`` runs over the padded
+  vocabulary). These are the log-probs of pi_theta that GRPO's ratio and KL need; with them the colocated
+  ratio is 1 on the first update.
+* ``sampling_logprobs``: log-prob under the distribution the token was actually drawn from (temperature,
+  top-k and top-p applied, padded rows removed). 0 for greedy decoding.
+
+Padded vocabulary rows (ids >= ``vocab_size``) are never selected. Sampling uses the exponential race
+(``argmax(p / E)`` with ``E ~ Exp(1)``), which draws exactly from ``p`` without a host synchronisation and
+with one generator call per step, so every tensor-parallel rank holding the same generator state draws the
+same token.
+
+Test: ``.venv/bin/python -m pytest tests/test_generation.py -q -k sampling``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the next token is chosen from the logits."""
+
+    temperature: float = 1.0
+    """Divides the logits before sampling; 0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 disables."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: temperature 0 or top_k 1."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits of the sampling distribution (real vocabulary only): temperature, then top-k, then top-p.
+
+    Removed tokens get -inf. ``logits`` is ``[batch, vocab_size]`` (padded rows already cut off).
+    """
+    logits = logits / params.temperature if params.temperature not in (0.0, 1.0) else logits
+    if params.top_k and params.top_k < logits.size(-1):
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p  # the token that crosses top_p is kept, so never empty
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepChoice:
+    """The tokens chosen at one step and their log-probs, one entry per batch row."""
+
+    tokens: torch.Tensor
+    """[batch] int64 token ids, all < vocab_size."""
+    policy_logprobs: torch.Tensor
+    """[batch] float32: log-softmax of the raw logits over the padded vocabulary at the chosen token."""
+    sampling_logprobs: torch.Tensor
+    """[batch] float32: log-prob under the sampling distribution (0 for greedy)."""
+
+
+def choose_tokens(logits: torch.Tensor, *, vocab_size: int, params: SamplingParams,
+                  generator: Optional[torch.Generator]) -> StepChoice:
+    """Pick the next token of every row from ``logits`` ``[batch, padded_vocab]``."""
+    logits = logits.float()
+    policy = torch.log_softmax(logits, dim=-1)
+    real = logits[:, :vocab_size]
+    if params.greedy:
+        tokens = real.argmax(dim=-1)
+        sampled_lp = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    else:
+        shaped = sampling_logits(real, params)
+        probs = torch.softmax(shaped, dim=-1)
+        # A zero draw would turn a removed token's 0/0 into NaN, which argmax would pick.
+        race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+        tokens = (probs / race).argmax(dim=-1)
+        sampled_lp = torch.log_softmax(shaped, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    policy_lp = policy.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return StepChoice(tokens=tokens, policy_logprobs=policy_lp, sampling_logprobs=sampled_lp)

@@ -1,0 +1,231 @@
+"""A Megatron Core reward model: the GPT trunk plus a scalar head read at the LAST REAL token of each sequence.
+
+``GPTRewardModel`` is a ``GPTModel`` whose last pipeline stage has no vocabulary projection; instead
+``rm_head`` (a ``RowParallelLinear`` hidden -> 1 with bias, ``input_is_parallel=False``, as in NeMo-Aligner)
+maps the final-normed hidden state of each sequence's last real token to one reward. Under tensor parallelism
+each rank holds ``hidden / tp`` input columns of the head and the partial products are all-reduced, so the
+reward is the same at every TP size. Earlier pipeline stages return hidden states as usual.
+
+Checkpoint keys (our ``torch_dist`` format, global shapes): every trunk key of the policy (``embedding.*``,
+``decoder.*``; ``decoder.final_layernorm.weight``) plus ``rm_head.weight`` [1, hidden] (sharded on dim 1
+under TP) and ``rm_head.bias`` [1] (replicated). There is no ``output_layer.weight``. Loading a policy or
+HF-imported checkpoint fills the trunk and leaves the head freshly initialised (``load_reward_model_weights``).
+
+Batches are right-padded (real tokens first): the causal mask then keeps padding out of every real token's
+view on every attention backend, and no attention mask is needed. Left padding works with the local (CPU)
+spec when an explicit causal-and-padding mask is passed; ``last_token_index`` handles either.
+
+Test: `.venv/bin/python -m pytest tests/test_rm.py -q`
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+from megatron_rl.models.builder import ModelOptions, layer_spec, padded_vocab_size, transformer_config
+
+HEAD_NAME = "rm_head"
+HEAD_KEYS = (f"{HEAD_NAME}.weight", f"{HEAD_NAME}.bias", f"{HEAD_NAME}._extra_state")
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """[batch] index of the last position where ``mask`` [batch, seq] is true (left or right padding).
+
+    A row with no real token gets index 0 (its reward is meaningless; callers never produce such rows).
+    """
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).max(dim=1).values
+
+
+def pick_last_tokens(hidden: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    """[batch, hidden] rows of ``hidden`` [seq, batch, hidden] (Megatron's layout) at ``last_index`` [batch]."""
+    batch = torch.arange(hidden.shape[1], device=hidden.device)
+    return hidden[last_index.to(hidden.device), batch]
+
+
+def padded_length(longest: int, *, fixed: Optional[int] = None, multiple: int = 1) -> int:
+    """Length to pad a micro-batch to: ``fixed`` (pipeline stages exchange fixed shapes) or the longest row,
+    rounded up to ``multiple`` (the TP size under sequence parallelism)."""
+    length = fixed if fixed is not None else longest
+    if length < longest:
+        raise ValueError(f"a sequence of {longest} tokens does not fit the fixed length {length}")
+    return -(-length // multiple) * multiple
+
+
+def right_padded_batch(seqs: list[list[int]], *, pad_id: int, length: int) -> dict:
+    """A reward-model micro-batch: tokens [batch, length] right-padded, position_ids, last_index [batch]."""
+    tokens = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    for row, ids in enumerate(seqs):
+        tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    batch = {"tokens": tokens, "position_ids": torch.arange(length).unsqueeze(0).expand_as(tokens).contiguous(),
+             "last_index": torch.tensor([len(ids) - 1 for ids in seqs], dtype=torch.long)}
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    return batch
+
+
+def causal_padding_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] boolean attention mask (True = blocked): causal, and no attention to padding keys.
+
+    For left-padded batches on the local spec. Padding query rows attend to themselves so softmax stays finite.
+    """
+    seq = mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).triu(1)
+    blocked = causal.unsqueeze(0) | ~mask.bool().unsqueeze(1)
+    blocked = blocked & ~torch.eye(seq, dtype=torch.bool, device=mask.device).unsqueeze(0)
+    return blocked.unsqueeze(1)
+
+
+def _gpt_model_class():
+    from megatron.core.models.gpt import GPTModel
+
+    class GPTRewardModel(GPTModel):
+        """GPTModel trunk + ``rm_head``; forward returns rewards [batch] (float32) on the last stage."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if not self.post_process:
+                return
+            from megatron.core import tensor_parallel
+
+            del self.output_layer  # the vocabulary projection is not part of a reward model
+            head_config = copy.copy(self.config)
+            head_config.sequence_parallel = False  # the head sees the gathered last-token states, not a sequence
+            setattr(self, HEAD_NAME, tensor_parallel.RowParallelLinear(
+                self.config.hidden_size, 1, config=head_config, init_method=self.config.init_method, bias=True,
+                input_is_parallel=False, skip_bias_add=False))
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+            """Every submodule's sharded tensors (LanguageModule's output-layer handling skipped: there is none)."""
+            from megatron.core.transformer.module import MegatronModule
+            from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+            assert not sharded_offsets, "unexpected sharded offsets at the model level"
+            return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets,
+                                                     ensure_metadata_has_dp_cp_group(metadata))
+
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    attention_mask: Optional[torch.Tensor] = None, *, last_index: torch.Tensor,
+                    decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+            """Rewards [batch] on the last pipeline stage, hidden states [seq, batch, hidden] elsewhere."""
+            pre = self._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input)
+            hidden = self.decoder(hidden_states=pre[0], attention_mask=attention_mask, rotary_pos_emb=pre[1],
+                                  rotary_pos_cos=pre[2], rotary_pos_sin=pre[3], sequence_len_offset=pre[4])
+            if not self.post_process:
+                return hidden
+            if self.config.sequence_parallel:
+                from megatron.core import tensor_parallel
+
+                # Every TP rank then picks the same rows; the backward only splits the grad (no reduction).
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                    hidden, tensor_parallel_output_grad=False)
+            picked = pick_last_tokens(hidden, last_index)
+            reward, _ = getattr(self, HEAD_NAME)(picked)
+            return reward.squeeze(-1).float()
+
+    return GPTRewardModel
+
+
+_MODEL_CLASS = None
+
+
+def reward_model_class():
+    """The GPTRewardModel class (built lazily so importing this module does not import megatron)."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is None:
+        _MODEL_CLASS = _gpt_model_class()
+    return _MODEL_CLASS
+
+
+def build_reward_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional[int] = None,
+                       pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
+    """One reward-model chunk of ``shape`` for this rank's pipeline stage (and virtual stage ``vp_stage``)."""
+    from megatron.core import parallel_state
+
+    if opts.cp > 1:
+        raise ConfigError(f"parallel.cp={opts.cp}: the reward model does not support context parallelism yet; "
+                          "set parallel.cp=1")
+    config = transformer_config(shape, opts)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    rope_scaling = shape.rope_scaling or {}
+    model = reward_model_class()(
+        config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage),
+        vocab_size=padded_vocab_size(shape.vocab_size, opts.tp),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=False,  # no output layer to tie; the embedding key is unchanged
+        position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
+        rope_scaling=rope_scaling.get("rope_type") == "llama3",
+        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),
+        vp_stage=vp_stage)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_reward_model_chunks(shape: ModelShape, opts: ModelOptions) -> list:
+    """All reward-model chunks this rank holds (vpp of them with interleaved pipelining); for ``build_engine``."""
+    if opts.vpp and opts.vpp > 1:
+        return [build_reward_model(shape, opts, vp_stage=i) for i in range(opts.vpp)]
+    return [build_reward_model(shape, opts)]
+
+
+def reward_forward(model, batch: dict) -> torch.Tensor:
+    """``forward_fn`` for ``Engine.train_step``/``forward_only``: rewards [batch] (or hidden states mid-pipeline)."""
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), last_index=batch["last_index"])
+
+
+def checkpoint_tensor_keys(folder: str | Path) -> set[str]:
+    """Global tensor and object keys stored in one of our checkpoints (step folder or root with ``latest``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_rl.runtime.checkpoint import resolve_checkpoint
+
+    metadata = FileSystemReader(str(resolve_checkpoint(folder))).read_metadata()
+    return {key.split("/shard_")[0] for key in metadata.state_dict_metadata}  # objects are stored per shard
+
+
+def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
+    """Load model weights from a checkpoint into reward-model ``chunks``; returns whether the head was loaded.
+
+    A reward-model checkpoint fills everything. A policy (or HF-imported) checkpoint fills the trunk; the head
+    keeps its fresh initialisation and the policy's ``output_layer`` is not read. Any other missing key is an
+    error that names it.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.runtime.checkpoint import resolve_checkpoint, unwrap
+
+    try:
+        folder = resolve_checkpoint(path)
+    except FileNotFoundError as err:
+        raise ConfigError(f"{err}; point model.init_from / algorithm.reward_model at a checkpoint folder") from None
+    stored = checkpoint_tensor_keys(folder)
+    request, skipped = {}, set()
+    for i, chunk in enumerate(chunks):
+        sharded = unwrap(chunk).sharded_state_dict()
+        for name, item in list(sharded.items()):
+            key = getattr(item, "key", None)
+            if key is not None and key not in stored:
+                if key not in HEAD_KEYS:
+                    raise ConfigError(f"checkpoint {folder} has no tensor {key!r}: it was saved from a different "
+                                      "model shape; check model.name against the checkpoint")
+                skipped.add(key)
+                del sharded[name]
+        request[f"model{i}"] = sharded
+    loaded = dist_checkpointing.load(request, str(folder))
+    for i, chunk in enumerate(chunks):
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        bad = [k for k in missing if not k.startswith(HEAD_NAME + ".") and not k.endswith("_extra_state")]
+        if bad or unexpected:
+            raise RuntimeError(f"loading {folder}: missing {bad}, unexpected {unexpected}")
+    return not skipped

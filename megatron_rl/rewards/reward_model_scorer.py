@@ -1,0 +1,177 @@
+"""Score (prompt, completion) pairs with a trained reward model held in the SAME processes as the policy.
+
+``RewardModelScorer(checkpoint)`` reads the model shape, tokenizer and max length that the rm trainer stored in
+the checkpoint (``extra["reward_model"]``), builds the reward model at the running job's layout (its TP, PP and
+VPP from Megatron's parallel state; the checkpoint reshards on load), loads the weights and keeps them frozen.
+Calling it is the batched reward-fn signature of ``megatron_rl.rewards``:
+
+    scorer = RewardModelScorer("runs/rm_tiny/checkpoints")
+    rewards = scorer(prompts, completions, answers)  # list[float], one per completion, on every rank
+
+The call is COLLECTIVE: every rank of the job calls it with the same lists. Items are split over the
+data-parallel ranks, run forward-only through the pipeline (no grad), and the rewards are shared back so that
+every rank returns all of them. Sequences are formed exactly as in training (``SequenceEncoder``) and cut to the
+RM's max length keeping the end. Registered in the rewards registry as ``rm`` (options: checkpoint, ...).
+
+Test: `.venv/bin/python -m pytest tests/test_rm.py -q -k scorer`
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+from megatron_rl.data.preferences import SequenceEncoder, load_tokenizer
+from megatron_rl.models.builder import ModelOptions, compute_dtype
+from megatron_rl.models.reward_model import (
+    build_reward_model_chunks,
+    load_reward_model_weights,
+    padded_length,
+    reward_forward,
+    right_padded_batch,
+)
+from megatron_rl.rewards.registry import register_reward, registered_rewards
+
+
+def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict]:
+    """(step folder, the ``reward_model`` metadata the rm trainer stored); ConfigError when it is not an RM."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.runtime.checkpoint import resolve_checkpoint
+
+    try:
+        folder = resolve_checkpoint(checkpoint)
+    except FileNotFoundError as err:
+        raise ConfigError(f"algorithm.reward_model: {err}") from None
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    meta = (common.get("extra") or {}).get("reward_model")
+    if meta is None:
+        raise ConfigError(f"algorithm.reward_model={checkpoint}: {folder} is not a reward-model checkpoint "
+                          "(train one with algorithm.name=rm)")
+    return folder, meta
+
+
+def shape_from_metadata(meta: dict) -> ModelShape:
+    fields = dict(meta["shape"])
+    fields["moe_layers"] = tuple(fields.get("moe_layers") or ())
+    return ModelShape(**fields)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Leave the CPU/CUDA generators and Megatron's RNG tracker as they were (building weights draws from them)."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    cpu_state, tracker_states = torch.get_rng_state(), tracker.get_states()
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        tracker.set_states(tracker_states)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+
+
+class RewardModelScorer:
+    """A frozen reward model colocated with the policy; ``scorer(prompts, completions, answers) -> list[float]``."""
+
+    def __init__(self, checkpoint: str, *, micro_batch_size: int = 8, tokenizer: Optional[str] = None,
+                 dtype: str = "auto", sequence_parallel: bool = False, max_length: Optional[int] = None) -> None:
+        """``checkpoint``: an rm run's checkpoint folder (or a step folder). ``micro_batch_size``: sequences per
+        forward. ``tokenizer``: override the stored tokenizer folder. ``dtype``: auto (bf16 on GPUs, fp32 on CPU),
+        fp32, bf16 or fp16. ``sequence_parallel``: as the job's parallel.sequence_parallel (MoE with TP > 1).
+        ``max_length``: override the stored max length."""
+        from megatron.core import parallel_state as ps
+
+        if micro_batch_size < 1:
+            raise ConfigError(f"reward model scorer: micro_batch_size={micro_batch_size} must be >= 1")
+        self.folder, meta = read_reward_model_metadata(checkpoint)
+        self.shape = shape_from_metadata(meta)
+        self.max_length = int(max_length or meta["max_length"])
+        self.encoder = SequenceEncoder(load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer")))
+        self.micro_batch_size = micro_batch_size
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        if self.shape.num_layers % (pp * (vpp or 1)):
+            raise ConfigError(f"reward model {self.folder}: its {self.shape.num_layers} layers do not split over "
+                              f"the job's pipeline (pp={pp}, vpp={vpp or 1})")
+        self.opts = ModelOptions(tp=tp, pp=pp, vpp=vpp, ep=ps.get_expert_model_parallel_world_size(),
+                                 sequence_parallel=sequence_parallel and tp > 1, dtype=compute_dtype(dtype),
+                                 seq_length=self.max_length)
+        self.multiple = tp if self.opts.sequence_parallel else 1
+        self.fixed_length = padded_length(self.max_length, multiple=self.multiple) if pp > 1 else None
+        with preserved_rng():
+            self.chunks = build_reward_model_chunks(self.shape, self.opts)
+        if not load_reward_model_weights(self.folder, self.chunks):
+            raise ConfigError(f"algorithm.reward_model={checkpoint}: {self.folder} has no rm_head weights")
+        for chunk in self.chunks:
+            chunk.eval()
+            chunk.config.calculate_per_token_loss = True
+            for param in chunk.parameters():
+                param.requires_grad_(False)
+
+    def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
+        """Token ids the reward model reads for each (prompt, completion), cut to max_length keeping the end."""
+        return [self.encoder.fit(self.encoder.encode(p, c), self.max_length) for p, c in zip(prompts, completions)]
+
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[Any]) -> list[float]:
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        return self.score_ids(self.encode(prompts, completions))
+
+    @torch.no_grad()
+    def score_ids(self, seqs: list[list[int]]) -> list[float]:
+        """Rewards of token sequences (collective; every rank passes the same list and gets all rewards)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        count = len(seqs)
+        if count == 0:
+            return []
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        mbs = self.micro_batch_size
+        # the interleaved schedule runs micro-batches in groups of pp
+        group = mbs * (self.opts.pp if self.opts.vpp and self.opts.vpp > 1 else 1)
+        per_rank = -(-count // (dp * group)) * group
+        padded = seqs + [seqs[0]] * (per_rank * dp - count)
+        mine = padded[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        batches = []
+        for start in range(0, per_rank, mbs):
+            micro = mine[start:start + mbs]
+            length = padded_length(max(len(s) for s in micro), fixed=self.fixed_length, multiple=self.multiple)
+            batches.append(right_padded_batch(micro, pad_id=self.encoder.pad_id, length=length))
+        iterator = iter(batches) if len(self.chunks) == 1 else [iter(batches) for _ in self.chunks]
+        outputs = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iterator, model=self.chunks,
+            num_microbatches=len(batches), seq_length=max(b["tokens"].shape[1] for b in batches),
+            micro_batch_size=mbs, forward_only=True)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        local = torch.zeros(per_rank, dtype=torch.float32, device=device)
+        if outputs:  # the last pipeline stage
+            local.copy_(torch.cat([out["rewards"] for out in outputs]).float())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(local, group=ps.get_pipeline_model_parallel_group())
+        gathered = [torch.zeros_like(local) for _ in range(dp)]
+        torch.distributed.all_gather(gathered, local, group=ps.get_data_parallel_group())
+        return torch.cat(gathered)[:count].tolist()
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    return reward_forward(model, batch), partial(_collect, batch=batch)
+
+
+def _collect(rewards: torch.Tensor, batch: dict):
+    return rewards.sum(), torch.tensor(rewards.shape[0], dtype=torch.int), {"rewards": rewards.detach()}
+
+
+if "rm" not in registered_rewards():
+    register_reward("rm", RewardModelScorer)

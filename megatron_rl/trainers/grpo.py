@@ -1,0 +1,303 @@
+"""GRPO on Megatron Core with colocated rollouts: the default job of ``python launch.py``.
+
+    python launch.py                                   # tiny model, synthetic task, 2 local CPU processes
+    python launch.py --config configs/grpo_tiny.yaml parallel.tp=2
+    python launch.py --config configs/grpo_llama70b.yaml cluster.nodes=8 --wait   # a Slurm cluster
+
+Each step reads like the algorithm: generate (the training weights sample ``group_size`` completions per
+prompt, in the same processes), score (verifiers, a reward model, or your function), compute group-relative
+advantages, train (one or more optimizer steps through Megatron's forward-backward schedule), save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from launcher.config.schema import JobConfig
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+from megatron_rl.grpo.advantages import group_advantages, groups_with_signal
+from megatron_rl.grpo.loss import GRPOLossConfig
+from megatron_rl.grpo.rollout import (REPORTS, Rollout, collate_rollout, logits_forward, make_grpo_loss,
+                                      make_logprob_collector, rollout_rows)
+from megatron_rl.runtime import checkpoint as ckpt
+from megatron_rl.runtime.phases import generation_phase, training_phase
+from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
+from megatron_rl.trainers.common import TrainerContext
+
+RULE_VERIFIERS = ("exact", "math")
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+    run = GrpoRun(cfg, shape, ctx)
+    start = run.resume_or_warm_up()
+    for step in range(start + 1, cfg.run.steps + 1):
+        with ctx.timer() as t_generate:
+            prompts = run.sampler.next_batch()
+            rollout = run.generate(prompts)
+        with ctx.timer() as t_score:
+            run.score(rollout)
+        with ctx.timer() as t_train:
+            train_metrics = run.train_on(rollout)
+        metrics = run.step_metrics(rollout, train_metrics, t_generate.seconds, t_score.seconds, t_train.seconds)
+        ctx.end_step(run.engine, step, metrics)
+    run.finish()
+
+
+class GrpoRun:
+    """State of one GRPO run: policy engine, optional reference model, data, rewards and generation RNG."""
+
+    def __init__(self, cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+        from megatron_rl.data.tokenizer import load_tokenizer
+
+        self.cfg, self.shape, self.ctx = cfg, shape, ctx
+        self.algo = cfg.algorithm
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        if self.tokenizer.vocab_size > shape.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model {shape.name} only "
+                              f"{shape.vocab_size}; use a matching model.tokenizer")
+        self.dataset, self.sft_examples = load_prompt_data(cfg, Path(cfg.run.dir))
+        from megatron_rl.data.prompts import PromptSampler
+
+        self.sampler = PromptSampler(self.dataset, self.algo.prompts_per_step, seed=cfg.run.seed)
+        self.rewards = build_rewards(cfg, shape)
+        self.loss_config = GRPOLossConfig(
+            eps_low=self.algo.clip_eps_low, eps_high=self.algo.clip_eps_high, dual_clip=self.algo.dual_clip,
+            kl_coef=self.algo.kl_coef, kl_kind=self.algo.kl_estimator, loss_agg_mode=self.algo.loss_aggregation,
+            max_response_len=cfg.generation.max_new_tokens)
+        self.engine: Engine = build_engine(cfg, shape)
+        self.reference = None
+        self.generator = torch.Generator().manual_seed(cfg.run.seed)
+        ctx.extra_state = self.extra_state
+
+    # ------------------------------------------------------------------ state
+    def extra_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "generator": self.generator.get_state()}
+
+    def resume_or_warm_up(self) -> int:
+        start = self.ctx.resume(self.engine)
+        if start:
+            extra = self.ctx.resumed_extra
+            self.sampler.load_state_dict(extra["sampler"])
+            self.generator.set_state(extra["generator"])
+        elif self.algo.sft_warmup_steps:
+            self.warm_up()
+        if self.algo.kl_coef > 0:
+            self.reference = self.load_or_freeze_reference()
+        return start
+
+    def warm_up(self) -> None:
+        """A short SFT stage (the project's SFT trainer step) before GRPO; logged with phase "sft"."""
+        from megatron_rl.trainers.sft import batch_for_step, encode_examples, sft_seq_length, sft_step
+
+        examples = encode_examples(self.tokenizer, self.sft_examples, self.cfg.model.seq_length or self.shape.seq_length)
+        seq_length = sft_seq_length(examples)
+        for step in range(1, self.algo.sft_warmup_steps + 1):
+            batch = batch_for_step(examples, step=step, batch_size=self.algo.global_batch_size, seed=self.cfg.run.seed)
+            with training_phase(self.engine):
+                metrics = sft_step(self.engine, batch, global_batch_size=self.algo.global_batch_size,
+                                   micro_batch_size=self.cfg.parallel.micro_batch_size, seq_length=seq_length,
+                                   pad_id=self.tokenizer.pad_id)
+            self.ctx.logger.log(step, metrics, phase="sft")
+        self.engine.reset_optimizer_schedule()
+        self.ctx.say(f"SFT warm-up: {self.algo.sft_warmup_steps} steps, final loss {metrics['loss']:.4f}")
+
+    def load_or_freeze_reference(self):
+        """The frozen reference policy: the weights GRPO started from, kept in ``checkpoints/reference``."""
+        from megatron_rl.models.builder import build_model_chunks
+
+        ref_chunks = build_model_chunks(self.shape, self.engine.opts)
+        ref_dir = self.ctx.ckpt_dir / "reference"
+        if ckpt.latest_checkpoint(ref_dir) is None:
+            for ref, pol in zip(ref_chunks, self.engine.chunks):
+                ref.load_state_dict(ckpt.unwrap(pol).state_dict())
+            ckpt.save_checkpoint(ref_dir, step=0, chunks=ref_chunks, keep_last=1)
+        else:
+            ckpt.load_checkpoint(ref_dir, chunks=ref_chunks, load_optimizer=False)
+        for chunk in ref_chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+        return ref_chunks
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: list) -> Rollout:
+        """group_size completions per prompt; each data-parallel rank samples its share, then all see all."""
+        from megatron.core import parallel_state
+
+        from megatron_rl.generation import generate
+
+        group = self.algo.group_size
+        texts = [p.prompt for p in prompts for _ in range(group)]
+        prompt_ids = [self.tokenizer.encode(t, add_bos=True) for t in texts]
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        share = len(prompt_ids) // dp
+        mine = slice(dp_rank * share, (dp_rank + 1) * share)
+        gen = self.cfg.generation
+        step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        with generation_phase(self.engine, offload_optimizer=gen.offload_optimizer):
+            out = generate(
+                [ckpt.unwrap(c) for c in self.engine.chunks], prompt_ids[mine], max_new_tokens=gen.max_new_tokens,
+                temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, eos_id=self.tokenizer.eos_id,
+                stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
+                vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=step_seed + dp_rank)
+        responses, logprobs = _all_gather_dp(list(out.tokens), [list(map(float, lp)) for lp in out.logprobs])
+        completions = [self.tokenizer.decode(r) for r in responses]
+        return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, prompts=texts,
+                       completions=completions, answers=[p.answer for p in prompts for _ in range(group)])
+
+    # ------------------------------------------------------------------ score
+    def score(self, rollout: Rollout) -> None:
+        total, per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+        rollout.rewards = torch.tensor(total, dtype=torch.float32)
+        rollout.per_fn = per_fn
+        rollout.advantages = group_advantages(rollout.rewards, self.algo.group_size,
+                                              normalize_std=self.algo.advantage == "std")
+
+    # ------------------------------------------------------------------ train
+    def train_on(self, rollout: Rollout) -> dict[str, float]:
+        """One optimizer step per mini-batch of global_batch_size completions."""
+        rows = rollout_rows(rollout)
+        if self.algo.drop_zero_signal_groups:
+            keep = groups_with_signal(rollout.rewards, self.algo.group_size)
+            rows = [row for i, row in enumerate(rows) if keep[i // self.algo.group_size]]
+        gbs = self.algo.global_batch_size
+        usable = len(rows) - len(rows) % gbs
+        if usable == 0:
+            return {"skipped_minibatches": 1.0}
+        seq_length = rollout.seq_length
+        totals: dict[str, list[float]] = {}
+        with training_phase(self.engine):
+            for start in range(0, usable, gbs):
+                micro = data_parallel_slice(rows[start:start + gbs], micro_batch_size=self.cfg.parallel.micro_batch_size)
+                batches = [collate_rollout(mb, seq_length=seq_length, pad_id=self.tokenizer.pad_id) for mb in micro]
+                if self.reference is not None:
+                    self.fill_reference_logprobs(batches, seq_length)
+                loss_fn = make_grpo_loss(self.loss_config, self.shape.vocab_size, use_ref=self.reference is not None)
+                metrics = self.engine.train_step(batches, loss_fn, seq_length=seq_length, report_names=REPORTS,
+                                                 forward_fn=logits_forward)
+                for key, value in metrics.items():
+                    totals.setdefault(key, []).append(value)
+                if start == 0:
+                    totals["first_ratio_min"] = [metrics["ratio_min"]]
+                    totals["first_ratio_max"] = [metrics["ratio_max"]]
+        return _combine_minibatches(totals)
+
+    def fill_reference_logprobs(self, batches: list[dict], seq_length: int) -> None:
+        """Per-token log-probs of the frozen reference, stored in the batches (last pipeline stage)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_rl.runtime.training import _forward_step
+
+        sink: list[torch.Tensor] = []
+        iterator = iter(batches) if len(self.reference) == 1 else [iter(batches) for _ in self.reference]
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=lambda it, model: _forward_step(
+                    it, model, loss_fn=make_logprob_collector(self.shape.vocab_size, sink), forward_fn=logits_forward),
+                data_iterator=iterator, model=self.reference, num_microbatches=len(batches), seq_length=seq_length,
+                micro_batch_size=self.cfg.parallel.micro_batch_size, forward_only=True)
+        for batch, ref in zip(batches, sink):
+            batch["ref_logp"] = ref.to(batch["tokens"].device)
+
+    # ------------------------------------------------------------------ metrics and end
+    def step_metrics(self, rollout: Rollout, train: dict, t_gen: float, t_score: float, t_train: float) -> dict:
+        rewards = rollout.rewards
+        lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float32)
+        verifier = next((name for name in RULE_VERIFIERS if name in rollout.per_fn), None)
+        correct = torch.tensor(rollout.per_fn[verifier]) >= 1.0 if verifier else rewards > 0
+        gen_tokens = float(lengths.sum())
+        train_tokens = gen_tokens + sum(len(p) for p in rollout.prompt_ids)
+        metrics = {
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "accuracy": float(correct.float().mean()), "response_length": float(lengths.mean()),
+            **{f"reward_{name}": float(torch.tensor(v).mean()) for name, v in rollout.per_fn.items()},
+            **train,
+            "generate_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+            "time_generate_s": t_gen, "time_score_s": t_score, "time_train_s": t_train,
+            "step_time_s": t_gen + t_score + t_train,
+        }
+        return metrics
+
+    def finish(self) -> None:
+        self.ctx.finish(self.engine)
+        if self.cfg.logging.plot and self.ctx.rank == 0:
+            from megatron_rl.plotting import plot_run
+
+            self.ctx.say(f"curves: {plot_run(self.cfg.run.dir)}")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _combine_minibatches(totals: dict[str, list[float]]) -> dict[str, float]:
+    combined = {}
+    for key, values in totals.items():
+        if key.endswith("_min"):
+            combined[key] = min(values)
+        elif key.endswith("_max"):
+            combined[key] = max(values)
+        else:
+            combined[key] = sum(values) / len(values)
+    combined["minibatches"] = float(len(totals.get("loss", [])))
+    return combined
+
+
+def _all_gather_dp(responses: list, logprobs: list) -> tuple[list, list]:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    world = torch.distributed.get_world_size(group)
+    if world == 1:
+        return responses, logprobs
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, (responses, logprobs), group=group)
+    return [r for part in gathered for r in part[0]], [lp for part in gathered for lp in part[1]]
+
+
+def load_prompt_data(cfg: JobConfig, run_dir: Path):
+    """(PromptDataset, SFT examples) from data.train_path, or the synthetic data.task written under run.dir/data."""
+    from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.data.synthetic import TASKS, write_synthetic_dataset
+    from megatron_rl.trainers.sft import read_sft_jsonl
+
+    if cfg.data.train_path:
+        dataset = PromptDataset.from_jsonl(cfg.data.train_path, prompt_key=cfg.data.prompt_key,
+                                           answer_key=cfg.data.answer_key)
+        sft = [{"prompt": r.prompt, "completion": str(r.answer)} for r in dataset]
+        return dataset, sft
+    if cfg.data.task not in TASKS:
+        raise ConfigError(f"data.task={cfg.data.task!r} is not a synthetic task ({', '.join(TASKS)}); "
+                          "or set data.train_path to a JSONL file")
+    data_dir = run_dir / "data"
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0:
+        write_synthetic_dataset(data_dir, task=cfg.data.task, seed=cfg.run.seed, sft_answers="random")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    dataset = PromptDataset.from_jsonl(data_dir / "train.jsonl")
+    return dataset, read_sft_jsonl(data_dir / "sft.jsonl")
+
+
+def build_rewards(cfg: JobConfig, shape: ModelShape):
+    """WeightedRewards from algorithm.rewards ({name or dotted path: weight}); `rm` is the trained reward model."""
+    from megatron_rl.rewards import WeightedRewards, build_reward_fn
+
+    fns, weights = {}, {}
+    for name, weight in cfg.algorithm.rewards.items():
+        if name == "rm":
+            if not cfg.algorithm.reward_model:
+                raise ConfigError("algorithm.rewards has `rm` but algorithm.reward_model is not set; give the RM "
+                                  "checkpoint folder")
+            from megatron_rl.rewards.reward_model_scorer import RewardModelScorer
+
+            fns[name] = RewardModelScorer.from_job(cfg, shape)
+        else:
+            fns[name] = build_reward_fn(name)
+        weights[name] = float(weight)
+    return WeightedRewards(fns=fns, weights=weights)

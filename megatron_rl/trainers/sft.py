@@ -1,0 +1,125 @@
+"""Supervised fine-tuning on prompt/completion pairs (loss on the completion and its end-of-sequence token).
+
+    python launch.py algorithm.name=sft data.train_path=sft.jsonl run.steps=100
+
+Also the warm-up stage of the default GRPO job (``algorithm.sft_warmup_steps``): a short SFT pass that teaches
+a fresh tiny model the answer format, so GRPO starts from a policy that answers (at chance level).
+JSONL lines hold ``prompt`` and ``completion`` (keys from ``data.prompt_key`` and ``data.answer_key`` fall back).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from launcher.config.schema import JobConfig
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
+from megatron_rl.trainers.common import TrainerContext
+
+REPORTS = ("loss",)
+
+
+def read_sft_jsonl(path: str | Path, *, prompt_key: str = "prompt") -> list[dict]:
+    """[{"prompt", "completion"}] from a JSONL file; errors name file:line."""
+    records = []
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"SFT data file {path} not found (data.train_path)")
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        completion = obj.get("completion", obj.get("answer"))
+        if not isinstance(obj.get(prompt_key), str) or completion is None:
+            raise ConfigError(f"{path}:{number}: needs string fields {prompt_key!r} and 'completion'")
+        records.append({"prompt": obj[prompt_key], "completion": str(completion)})
+    if not records:
+        raise ConfigError(f"SFT data file {path} holds no examples")
+    return records
+
+
+def encode_examples(tokenizer, records: list[dict], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) per example: <bos> prompt completion <eos>, the mask covering completion + eos."""
+    encoded = []
+    for record in records:
+        prompt = tokenizer.encode(record["prompt"], add_bos=True)
+        completion = tokenizer.encode(record["completion"], add_eos=True)
+        ids, mask = (prompt + completion)[:max_length], ([0] * len(prompt) + [1] * len(completion))[:max_length]
+        encoded.append((ids, mask))
+    return encoded
+
+
+def collate_sft(examples: list[tuple[list[int], list[int]]], *, seq_length: int, pad_id: int) -> dict:
+    """A micro-batch padded to seq_length + 1 tokens; the loss mask is shifted onto the label positions."""
+    rows = torch.full((len(examples), seq_length + 1), pad_id, dtype=torch.long)
+    masks = torch.zeros((len(examples), seq_length + 1), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(examples):
+        rows[i, :len(ids)] = torch.tensor(ids)
+        masks[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
+    tokens = rows[:, :-1].contiguous()
+    batch = {"tokens": tokens, "labels": rows[:, 1:].contiguous(), "loss_mask": masks[:, 1:].contiguous(),
+             "position_ids": torch.arange(seq_length).unsqueeze(0).expand_as(tokens).contiguous()}
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    return batch
+
+
+def masked_lm_loss(per_token_loss: torch.Tensor, batch: dict):
+    mask = batch["loss_mask"]
+    loss_sum = (per_token_loss.float() * mask).sum()
+    count = mask.sum().to(torch.int)
+    return loss_sum, count, {"loss": (loss_sum.detach(), count)}
+
+
+def sft_step(engine: Engine, examples: list, *, global_batch_size: int, micro_batch_size: int, seq_length: int,
+             pad_id: int) -> dict[str, float]:
+    """One optimizer step of SFT on ``examples`` (the global batch, identical on every rank)."""
+    micro = data_parallel_slice(examples[:global_batch_size], micro_batch_size=micro_batch_size)
+    batches = [collate_sft(mb, seq_length=seq_length, pad_id=pad_id) for mb in micro]
+    return engine.train_step(batches, masked_lm_loss, seq_length=seq_length, report_names=REPORTS)
+
+
+def batch_for_step(examples: list, *, step: int, batch_size: int, seed: int) -> list:
+    """The SFT examples of a step: a deterministic function of (seed, step), the same on every rank."""
+    rng = random.Random(f"sft:{seed}:{step}")
+    return [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+
+
+def sft_seq_length(examples: list) -> int:
+    return max(len(ids) for ids, _ in examples)
+
+
+def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+    from megatron_rl.data.synthetic import TASKS, sft_records, split_problems
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    if cfg.data.train_path:
+        records = read_sft_jsonl(cfg.data.train_path, prompt_key=cfg.data.prompt_key)
+    elif cfg.data.task in TASKS:
+        train_problems, _ = split_problems(cfg.data.task, seed=cfg.run.seed)
+        records = sft_records(train_problems, task=cfg.data.task, answers="correct")
+    else:
+        raise ConfigError(f"data.task={cfg.data.task!r} has no SFT data; set data.train_path to a JSONL file")
+    max_length = cfg.data.max_length or cfg.model.seq_length or shape.seq_length
+    examples = encode_examples(tokenizer, records, max_length)
+    seq_length = sft_seq_length(examples)
+    engine = build_engine(cfg, shape)
+    start = ctx.resume(engine)
+    for step in range(start + 1, cfg.run.steps + 1):
+        with ctx.timer() as timer:
+            batch = batch_for_step(examples, step=step, batch_size=cfg.algorithm.global_batch_size, seed=cfg.run.seed)
+            metrics = sft_step(engine, batch, global_batch_size=cfg.algorithm.global_batch_size,
+                               micro_batch_size=cfg.parallel.micro_batch_size, seq_length=seq_length,
+                               pad_id=tokenizer.pad_id)
+        metrics["step_time_s"] = timer.seconds
+        ctx.end_step(engine, step, metrics)
+    ctx.finish(engine)

@@ -1,0 +1,232 @@
+"""Colocated generation checks on a real Megatron engine; every rank writes ``OUT/rank{R}.json`` for the test.
+
+Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/gen_check.py --tp 2 --out DIR``
+(``--pp 2`` for a pipeline; ``--tp 1`` on 2 processes is data parallel: each DP rank takes every other prompt).
+
+The engine is ``build_engine`` (DDP chunks + optimizer) trained for two steps on the pretrain task; then
+greedy and sampled generation, the independent references (recomputation without a cache, the training
+forward's log-probs through ``sequence_logprobs`` and through the model's own loss), stop tokens, and the
+optimizer/grad offload round trip. The test (tests/test_generation.py) compares the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+VOCAB_LOW, VOCAB_HIGH = 3, 100
+PROMPT_LENGTHS = (5, 9, 3, 7, 9, 4)
+NEW_TOKENS = 8
+
+
+def fixed_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2024)
+    return [torch.randint(VOCAB_LOW, VOCAB_HIGH, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def recompute_greedy(model, prompt: list[int], steps: int, vocab_size: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding by a full forward of the whole sequence at every step (no KV cache)."""
+    seq, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.tensor([seq])
+            logits = model(ids, torch.arange(len(seq)).unsqueeze(0), None, runtime_gather_output=True)[0, -1].float()
+            token = int(logits[:vocab_size].argmax())
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            seq.append(token)
+    return seq[len(prompt):], logprobs
+
+
+def full_forward_reference(chunks, prompts: list[list[int]], responses: list[list[int]], vocab_size: int):
+    """One training-style forward (Megatron's forward-only schedule, any TP/PP/VPP, no cache) of the final
+    sequences. A causal model's logits at position j depend only on tokens <= j, so this recomputes every
+    decoding step at once: per response token, the greedy choice and the log-prob of the token generated."""
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens = padded(prompts, responses)
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    # the interleaved (virtual pipeline) schedule wants at least pp micro-batches
+    micro = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    mbs = batch // micro
+
+    def stash(logits):
+        return logits.sum() * 0.0, {"logits": logits.float()}
+
+    def step(data, model):
+        i = next(data)
+        rows = slice(i * mbs, (i + 1) * mbs)
+        return model(tokens[rows], positions[rows], None, runtime_gather_output=True), stash
+
+    with torch.no_grad():
+        for chunk in chunks:
+            chunk.eval()
+        data = [iter(range(micro)) for _ in chunks] if len(chunks) > 1 else iter(range(micro))
+        reports = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=micro, seq_length=seq,
+            micro_batch_size=mbs, forward_only=True)
+        for chunk in chunks:
+            chunk.train()
+    packed = torch.zeros((2, batch, seq - 1), dtype=torch.float64)
+    if ps.is_pipeline_last_stage():
+        logits = torch.cat([r["logits"] for r in reports])[:, :-1]
+        packed[0] = logits[..., :vocab_size].argmax(-1).double()
+        packed[1] = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1).double()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
+    lengths = [len(r) for r in responses]
+    return ([[int(x) for x in row] for row in response_slice(packed[0], prompts, lengths)],
+            response_slice(packed[1].float(), prompts, lengths))
+
+
+def padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+    rows = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+
+
+def response_slice(full: torch.Tensor, prompts: list[list[int]], lengths: list[int]) -> list[list[float]]:
+    """Log-probs of the response tokens out of ``[B, S-1]`` next-token log-probs."""
+    return [full[b, len(p) - 1:len(p) - 1 + n].tolist() for b, (p, n) in enumerate(zip(prompts, lengths))]
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max((abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)), default=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None, help="override the tiny model's layer count")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.generation import generate, generation_phase, sequence_logprobs
+    from megatron_rl.generation.memory import grad_buffer_tensors, optimizer_tensors
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.distributed import ParallelSizes, initialize
+    from megatron_rl.runtime.training import build_engine, data_parallel_slice
+    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+
+    import dataclasses
+
+    cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp or 'null'}",
+                                 "algorithm.name=pretrain",
+                                 "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
+    initialize(ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp), seed=cfg.run.seed)
+    shape = load_model_shape("tiny-cpu")
+    if args.layers:
+        shape = dataclasses.replace(shape, num_layers=args.layers)
+    engine = build_engine(cfg, shape, total_steps=10)
+    vocab = shape.vocab_size
+
+    def train_step(step: int) -> dict:
+        rows = progression_batch(seed=7, step=step, batch_size=4, seq_length=16, vocab_size=vocab)
+        micro = data_parallel_slice(list(rows), micro_batch_size=cfg.parallel.micro_batch_size)
+        return engine.train_step([collate_lm(torch.stack(mb)) for mb in micro], lm_loss, seq_length=16,
+                                 report_names=("loss",))
+
+    for step in (1, 2):
+        train_step(step)
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    prompts = fixed_prompts()[dp_rank::dp]
+    result: dict = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "layers": shape.num_layers, "dp": dp, "dp_rank": dp_rank, "prompts": prompts}
+    chunks = engine.chunks
+
+    started = time.perf_counter()
+    greedy = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    result["greedy_seconds"] = time.perf_counter() - started
+    result["greedy"] = {"tokens": greedy.tokens, "logprobs": greedy.logprobs, "lengths": greedy.lengths,
+                        "finish_reasons": greedy.finish_reasons, "forward_passes": greedy.forward_passes,
+                        "kv_cache_bytes": greedy.kv_cache_bytes}
+
+    argmax_tokens, full_lp = full_forward_reference(chunks, prompts, greedy.tokens, vocab)
+    result["full_forward_argmax"] = argmax_tokens
+    result["greedy_vs_full_forward_logprobs"] = max_abs_diff(greedy.logprobs, full_lp)
+
+    # Training-forward log-probs of the same tokens (the GRPO old/ref log-probs path).
+    full = sequence_logprobs(chunks, padded(prompts, greedy.tokens))
+    result["greedy_vs_sequence_logprobs"] = max_abs_diff(greedy.logprobs,
+                                                         response_slice(full, prompts, greedy.lengths))
+
+    if args.pp == 1:
+        model = unwrap(chunks[0])
+        model.eval()
+        reference = [recompute_greedy(model, p, NEW_TOKENS, vocab) for p in prompts]
+        result["recomputed_tokens"] = [r[0] for r in reference]
+        result["greedy_vs_recomputed_logprobs"] = max_abs_diff(greedy.logprobs, [r[1] for r in reference])
+        tokens = padded(prompts, greedy.tokens)
+        with torch.no_grad():
+            nll = model(tokens[:, :-1], torch.arange(tokens.shape[1] - 1).unsqueeze(0).expand(len(prompts), -1),
+                        None, labels=tokens[:, 1:])
+        result["greedy_vs_loss_path"] = max_abs_diff(greedy.logprobs,
+                                                     response_slice(-nll.float(), prompts, greedy.lengths))
+        model.train()
+
+    sampled = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=20,
+                       top_p=0.9, seed=11)
+    result["sampled"] = {"tokens": sampled.tokens, "logprobs": sampled.logprobs,
+                         "sampling_logprobs": sampled.sampling_logprobs}
+    full = sequence_logprobs(chunks, padded(prompts, sampled.tokens))
+    result["sampled_vs_sequence_logprobs"] = max_abs_diff(sampled.logprobs,
+                                                          response_slice(full, prompts, sampled.lengths))
+
+    # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
+    eos = greedy.tokens[0][2]
+    stop_seq = greedy.tokens[1][1:3]
+    stopped = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
+                       eos_id=eos, stop_sequences=[stop_seq])
+    result["stops"] = {"eos": eos, "stop_sequence": stop_seq, "tokens": stopped.tokens,
+                       "lengths": stopped.lengths, "finish_reasons": stopped.finish_reasons,
+                       "logprobs": stopped.logprobs}
+
+    # Offload round trip inside a generation phase; weights must be untouched by generation.
+    weights = [p.detach().clone() for c in chunks for p in unwrap(c).parameters()]
+    opt_before = [t.detach().clone() for t in optimizer_tensors(engine.optimizer)]
+    grads_before = [t.detach().clone() for t in grad_buffer_tensors(chunks)]
+    with generation_phase(chunks, optimizer=engine.optimizer, offload_optimizer=True, keep_grads=True) as parked:
+        opt_parked, grad_parked = parked
+        freed = [t.untyped_storage().nbytes() == 0 for t in optimizer_tensors(engine.optimizer)]
+        inside = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
+        eval_inside = all(not unwrap(c).training for c in chunks)
+    result["offload"] = {
+        "optimizer_bytes_freed": opt_parked.device_bytes_freed, "grad_bytes_freed": grad_parked.device_bytes_freed,
+        "optimizer_tensors": len(opt_before), "optimizer_tensors_freed": sum(freed),
+        "optimizer_exact": all(torch.equal(a, b) for a, b in zip(opt_before, optimizer_tensors(engine.optimizer),
+                                                                 strict=True)),
+        "grads_exact": all(torch.equal(a, b) for a, b in zip(grads_before, grad_buffer_tensors(chunks), strict=True)),
+        "grads_nonzero_before": any(bool(g.abs().sum() > 0) for g in grads_before),
+        "tokens_equal_inside_phase": inside.tokens == greedy.tokens, "eval_inside": eval_inside,
+        "train_mode_after": all(unwrap(c).training for c in chunks)}
+    with generation_phase(chunks, optimizer=engine.optimizer, offload_optimizer=True, keep_grads=False):
+        pass
+    result["offload"]["grads_zero_without_keep"] = all(bool((t == 0).all()) for t in grad_buffer_tensors(chunks))
+    result["weights_untouched"] = all(torch.equal(a, p) for a, p in
+                                      zip(weights, [p for c in chunks for p in unwrap(c).parameters()], strict=True))
+    after = train_step(3)
+    result["train_after_generation"] = {"loss": after["loss"], "grad_norm": after["grad_norm"]}
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
