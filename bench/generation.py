@@ -115,6 +115,7 @@ def main() -> None:
     from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
 
     cfg = load_config(overrides=["algorithm.name=pretrain", "algorithm.global_batch_size=16", "optimizer.lr=0.01",
+                                 "parallel.micro_batch_size=16",
                                  "run.seed=3"])
     initialize(ParallelSizes(), seed=cfg.run.seed)
     shape = load_model_shape("tiny-cpu")

@@ -164,6 +164,9 @@ class TrainScript:
 
 
 def log_dir(run_dir: Path) -> Path:
+    """run.dir/slurm: the batch log, the task logs and submitit's files."""
+    if "%" in str(run_dir):
+        raise ConfigError(f"run.dir={str(run_dir)!r} holds '%', which Slurm expands in log file names; rename it")
     return run_dir / "slurm"
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from launcher.slurm_script import REQUEUE_EXIT_CODE
 
+RESEND_S = 2.0
 FAILURE_MARK = "megatron-rl task failed:"  # the watcher looks for this line in the tasks' .err logs
 
 
@@ -39,17 +40,29 @@ class TrainTask:
 
         dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        child = subprocess.Popen([self.python, "-u", "-m", "megatron_rl.main", self.config_path])
+        requested = []
 
         def ask_to_checkpoint(signum: int, frame: Any) -> None:
+            requested.append(signum)
             try:  # os.kill, not Popen.send_signal: no locks inside a signal handler
                 os.kill(child.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGUSR1)
             except ProcessLookupError:
                 pass
 
+        # The trainer starts with SIGUSR1 ignored, so a request that comes while it still imports is not fatal;
+        # it is repeated every RESEND_S seconds until the trainer, once its handler is installed, acts on it.
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
+        child = subprocess.Popen([self.python, "-u", "-m", "megatron_rl.main", self.config_path])
         for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, ask_to_checkpoint)
-        code = child.wait()
+        while True:
+            try:
+                code = child.wait(timeout=RESEND_S)
+                break
+            except subprocess.TimeoutExpired:
+                if requested:
+                    ask_to_checkpoint(signal.SIGUSR1, None)
         if code == 0:
             return {"rank": dist.rank, "world_size": dist.world_size, "node": node,
                     "master": f"{dist.master_addr}:{dist.master_port}"}

@@ -27,7 +27,7 @@ FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_F
                           "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"})
 SQUEUE_FAILURE_LIMIT_S = 60.0
 SACCT_WAIT_S = 30.0
-RUN_START = "megatron-rl [job"  # first line of each run in the batch log (see slurm/*.sbatch)
+RUN_START = re.compile(r"megatron-rl \[job \d+, start \d+\]: \d+ task\(s\) on")  # each run's first line (slurm/*.sbatch)
 SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)[^:]*: (.*)")
 
 
@@ -124,6 +124,7 @@ def wait_for_job(watch: Watch) -> int:
              LogTail(watch.log_dir / f"{watch.job_id}_0_log.out")]
     last: Optional[tuple[str, str]] = None
     ran = False
+    nodes = ""
     failing_since: Optional[float] = None
     while True:
         try:
@@ -144,12 +145,13 @@ def wait_for_job(watch: Watch) -> int:
         if (seen.state, seen.reason) != last and seen.state != "UNKNOWN":
             _say_state(watch, seen, requeued=ran and seen.state in ("PENDING", "REQUEUED"))
             last = (seen.state, seen.reason)
-        ran = ran or seen.state == "RUNNING"
+        if seen.state == "RUNNING":
+            ran, nodes = True, seen.nodes or nodes
         watch.sleep(watch.poll_s)
     for tail in tails:
         watch.out.write(tail.read_new())
     final = _final_state(watch, seen)
-    return explain(watch, final)
+    return explain(watch, final, nodes=nodes or final.nodes)
 
 
 def _say_state(watch: Watch, seen: JobState, *, requeued: bool) -> None:
@@ -170,8 +172,8 @@ def _final_state(watch: Watch, seen: Optional[JobState]) -> JobState:
         watch.sleep(0.5)
 
 
-def explain(watch: Watch, final: JobState) -> int:
-    """Print how the job ended; return the launcher's exit code."""
+def explain(watch: Watch, final: JobState, *, nodes: str = "") -> int:
+    """Print how the job ended (``nodes``: where it ran, as squeue saw it); return the launcher's exit code."""
     job, cluster = f"slurm: job {watch.job_id}", watch.cluster
     rerun = "rerun with the same run.dir to resume from its newest checkpoint"
     if final.state == "COMPLETED":
@@ -186,7 +188,7 @@ def explain(watch: Watch, final: JobState) -> int:
     elif final.state == "CANCELLED":
         message = f"{job} was CANCELLED (scancel or an administrator) after {final.elapsed or '?'}; {rerun}"
     elif final.state == "NODE_FAIL":
-        message = (f"{job} ended with NODE_FAIL: a node of {final.nodes or 'the job'} stopped responding"
+        message = (f"{job} ended with NODE_FAIL: a node of {nodes or 'the job'} stopped responding"
                    f"{_down_nodes()}; {rerun}, with cluster.exclude=<node> if it stays down")
     elif final.state == "TIMEOUT":
         message = (f"{job} hit its time limit cluster.time={cluster.time} without a preemption checkpoint; raise "
@@ -226,7 +228,7 @@ def first_failed_task(batch_log: Path) -> Optional[tuple[int, str]]:
         lines = batch_log.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    starts = [i for i, line in enumerate(lines) if RUN_START in line]
+    starts = [i for i, line in enumerate(lines) if RUN_START.search(line)]
     for line in lines[starts[-1] if starts else 0:]:
         match = SRUN_TASK_ERROR.search(line)
         if match:

@@ -21,7 +21,7 @@ def test_defaults_are_the_tiny_local_job():
     cfg = load_config()
     assert isinstance(cfg, JobConfig)
     assert cfg.model.name == "tiny-cpu"
-    assert cfg.cluster.executor == "auto" and cfg.cluster.world_size == 2
+    assert cfg.cluster.executor == "local" and cfg.cluster.world_size == 2
 
 
 def test_yaml_then_overrides_merge_in_order(tmp_path):
@@ -39,9 +39,20 @@ def test_resolved_yaml_round_trips(tmp_path):
     assert load_config(path) == cfg
 
 
+def _required_keys(path: Path) -> list[str]:
+    """Keys a shipped config leaves for the user to set ('???')."""
+    from omegaconf import OmegaConf
+
+    return sorted(OmegaConf.missing_keys(OmegaConf.load(path)))
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_shipped_config_loads_and_its_layout_is_legal(path):
-    cfg = load_config(path)
+    required = _required_keys(path)
+    if required:
+        with pytest.raises(ConfigError, match=f"{required[0]}.* must be set"):
+            load_config(path)
+    cfg = load_config(path, [f"{key}=/user/path" for key in required])
     shape = load_model_shape(cfg.model.name)
     if cfg.parallel.auto:
         from launcher.job import apply_plan
@@ -96,7 +107,10 @@ def test_yaml_errors_name_the_file(tmp_path):
     (["parallel.tp=2", "parallel.pp=2"], "tp*pp*cp = 2*2*1 = 4 does not divide the world size 2"),
     (["parallel.cp=2", "parallel.tp=2"], "does not divide the world size 2"),
     (["parallel.ep=2"], "has no experts"),
-    (["algorithm.global_batch_size=3"], "not divisible by parallel.micro_batch_size*dp"),
+    (["algorithm.name=pretrain", "algorithm.global_batch_size=3", "parallel.micro_batch_size=1"],
+     "not divisible by parallel.micro_batch_size*dp"),
+    (["algorithm.prompts_per_step=3", "algorithm.group_size=1", "algorithm.global_batch_size=1",
+      "parallel.micro_batch_size=1"], "not divisible by parallel.micro_batch_size*dp"),
 ])
 def test_layouts_that_cannot_run_are_rejected(overrides, message):
     cfg = load_config(None, overrides)

@@ -21,10 +21,19 @@ from launcher.errors import ConfigError
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Merge the schema defaults, the YAML at ``path`` (if any) and ``overrides``; return a checked JobConfig."""
     merged: DictConfig = OmegaConf.structured(JobConfig)
+    required: set[str] = set()
     if path is not None:
-        merged = _merge(merged, _read_yaml(Path(path)), source=str(path))
+        file_config = _read_yaml(Path(path))
+        required = set(OmegaConf.missing_keys(file_config))
+        merged = _merge(merged, file_config, source=str(path))
     if overrides:
-        merged = _merge(merged, _parse_overrides(overrides), source="the command line")
+        override_config = _parse_overrides(overrides)
+        required -= {key for key in required if OmegaConf.select(override_config, key) is not None}
+        merged = _merge(merged, override_config, source="the command line")
+    missing = sorted(required | set(OmegaConf.missing_keys(merged)))
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} must be set ('???' in {path}); add e.g. {missing[0]}=VALUE "
+                          "to the command line")
     try:
         return OmegaConf.to_object(merged)
     except ConfigError:

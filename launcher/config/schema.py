@@ -102,8 +102,9 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class ClusterConfig:
-    executor: str = "auto"
-    """Where the job runs: auto (slurm when `sbatch` is on PATH, else local), local or slurm."""
+    executor: str = "local"
+    """Where the job runs: local (processes on this machine), slurm, or auto (slurm when `sbatch` is on PATH,
+    else local). The built-in default job is local; cluster configs set slurm or auto."""
     nodes: int = 1
     """Number of nodes (local runs use 1)."""
     tasks_per_node: int = 2
@@ -183,14 +184,15 @@ class AlgorithmConfig:
     """Upper clip of the policy ratio: 1 + clip_eps_high (DAPO clip-higher uses 0.28)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c (> 1) for negative advantages; None disables."""
-    kl_coef: float = 0.0
+    kl_coef: float = 0.05
     """KL-to-reference coefficient; 0 switches the reference model off and frees its memory."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3."""
     loss_aggregation: str = "token-mean"
     """seq-mean-token-mean (DeepSeekMath), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)."""
-    rewards: dict[str, float] = field(default_factory=lambda: {"exact": 1.0})
-    """Reward functions and their weights: a built-in name (exact, math, format), `rm`, or a dotted path."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward functions and weights: a built-in name (exact, math, format), `rm`, or a dotted path
+    `package.module:function`. Empty means {exact: 1.0}, the synthetic tasks' verifier."""
     reward_model: Optional[str] = None
     """Checkpoint folder of a trained reward model, used by the `rm` reward."""
     rm_margin: float = 0.0
@@ -218,8 +220,10 @@ class AlgorithmConfig:
                 raise ConfigError(
                     f"algorithm.global_batch_size={self.global_batch_size} must divide the rollout batch "
                     f"prompts_per_step*group_size={completions}")
-            if not self.rewards:
-                raise ConfigError("algorithm.rewards is empty; give at least one, e.g. algorithm.rewards={math: 1.0}")
+
+    @property
+    def reward_weights(self) -> dict[str, float]:
+        return dict(self.rewards) or {"exact": 1.0}
 
     @property
     def rollout_size(self) -> int:
@@ -301,8 +305,6 @@ class DataConfig:
         _one_of("data", "truncation", self.truncation, TRUNCATION_POLICIES)
         _positive("data", max_length=self.max_length)
         _non_negative("data", eval_interval=self.eval_interval)
-        if self.task is None and self.train_path is None:
-            raise ConfigError("data.train_path is null and data.task is null; give a JSONL file or a synthetic task")
 
 
 @dataclass(kw_only=True)
@@ -351,7 +353,7 @@ class RunConfig:
     """Run name shown in logs."""
     seed: int = 1234
     """Seed for weights, data order and sampling."""
-    steps: int = 200
+    steps: int = 300
     """Training steps (optimizer steps; GRPO: rollout batches)."""
 
     def __post_init__(self) -> None:

@@ -32,9 +32,9 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     if world % dense:
         raise ConfigError(f"parallel.tp*pp*cp = {par.tp}*{par.pp}*{par.cp} = {dense} does not divide the world size "
                           f"{world} ({world_keys}); change the sizes or the number of processes")
-    expert = par.tp * par.pp * par.ep
-    if world % expert:
-        raise ConfigError(f"parallel.tp*pp*ep = {par.tp}*{par.pp}*{par.ep} = {expert} does not divide the world size "
+    expert = par.pp * par.ep  # experts are not tensor-parallel when ep > 1 (expert_tensor_parallel_size=1)
+    if par.ep > 1 and world % expert:
+        raise ConfigError(f"parallel.pp*ep = {par.pp}*{par.ep} = {expert} does not divide the world size "
                           f"{world} ({world_keys}); change the sizes or the number of processes")
     dp = world // dense
     gbs, mbs = cfg.algorithm.global_batch_size, par.micro_batch_size
@@ -44,6 +44,8 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     if cfg.algorithm.name == "grpo" and cfg.algorithm.rollout_size % dp:
         raise ConfigError(f"algorithm.prompts_per_step*group_size = {cfg.algorithm.rollout_size} is not divisible by "
                           f"the data-parallel size {dp}; make it a multiple of {dp}")
+    if cfg.data.task is None and cfg.data.train_path is None:
+        raise ConfigError("data.train_path and data.task are both null; give a JSONL file or a synthetic task")
     seq = cfg.model.seq_length or shape.seq_length
     if seq > shape.max_position_embeddings:
         raise ConfigError(f"model.seq_length={seq} exceeds {shape.name}'s max_position_embeddings "

@@ -83,7 +83,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_router_score_function=shape.moe_router_score_function,
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
             moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-            expert_model_parallel_size=opts.ep)
+            expert_model_parallel_size=opts.ep, expert_tensor_parallel_size=1 if opts.ep > 1 else opts.tp)
     recompute = {}
     if opts.recompute == "selective":
         recompute = dict(recompute_granularity="selective")

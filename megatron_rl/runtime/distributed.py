@@ -73,6 +73,11 @@ class ParallelSizes:
     ep: int = 1
 
 
+def expert_tensor_parallel_size(tp: int, ep: int) -> int:
+    """Experts are split by expert parallelism alone when ep > 1 (what the planner models); else they follow tp."""
+    return 1 if ep > 1 else tp
+
+
 def initialize(sizes: ParallelSizes, *, seed: int, backend: str = "auto", timeout_s: int = 300) -> DistEnv:
     """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers."""
     from megatron.core import parallel_state, tensor_parallel
@@ -94,7 +99,8 @@ def initialize(sizes: ParallelSizes, *, seed: int, backend: str = "auto", timeou
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
         virtual_pipeline_model_parallel_size=sizes.vpp if sizes.vpp and sizes.vpp > 1 else None,
-        context_parallel_size=sizes.cp, expert_model_parallel_size=sizes.ep)
+        context_parallel_size=sizes.cp, expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(sizes.tp, sizes.ep))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dist_env

@@ -289,7 +289,7 @@ def build_rewards(cfg: JobConfig, shape: ModelShape):
     from megatron_rl.rewards import WeightedRewards, build_reward_fn
 
     fns, weights = {}, {}
-    for name, weight in cfg.algorithm.rewards.items():
+    for name, weight in cfg.algorithm.reward_weights.items():
         if name == "rm":
             if not cfg.algorithm.reward_model:
                 raise ConfigError("algorithm.rewards has `rm` but algorithm.reward_model is not set; give the RM "

@@ -87,6 +87,17 @@ def full_forward_reference(chunks, prompts: list[list[int]], responses: list[lis
             response_slice(packed[1].float(), prompts, lengths))
 
 
+def _with_sequence_parallel(chunks, call):
+    from megatron_rl.runtime.checkpoint import unwrap
+
+    config = unwrap(chunks[0]).config
+    config.sequence_parallel = True
+    try:
+        return call()
+    finally:
+        config.sequence_parallel = False
+
+
 def padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0) -> torch.Tensor:
     rows = [p + r for p, r in zip(prompts, responses)]
     width = max(len(r) for r in rows)
@@ -126,7 +137,7 @@ def main() -> None:
     import dataclasses
 
     cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp or 'null'}",
-                                 "algorithm.name=pretrain",
+                                 "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
     initialize(ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp), seed=cfg.run.seed)
     shape = load_model_shape("tiny-cpu")
@@ -195,6 +206,22 @@ def main() -> None:
     result["stops"] = {"eos": eos, "stop_sequence": stop_seq, "tokens": stopped.tokens,
                        "lengths": stopped.lengths, "finish_reasons": stopped.finish_reasons,
                        "logprobs": stopped.logprobs}
+
+    # Clear errors for what generation does not support or cannot do.
+    errors = {}
+    for name, call in {
+        "empty_prompt": lambda: generate(chunks, [[]], vocab_size=vocab, max_new_tokens=2),
+        "token_out_of_vocab": lambda: generate(chunks, [[vocab]], vocab_size=vocab, max_new_tokens=2),
+        "too_long": lambda: generate(chunks, [[5]], vocab_size=vocab, max_new_tokens=shape.max_position_embeddings),
+        "sequence_parallel": lambda: _with_sequence_parallel(chunks, lambda: generate(
+            chunks, [[5]], vocab_size=vocab, max_new_tokens=2)),
+    }.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except (ValueError, NotImplementedError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    result["errors"] = errors
 
     # Offload round trip inside a generation phase; weights must be untouched by generation.
     weights = [p.detach().clone() for c in chunks for p in unwrap(c).parameters()]

@@ -1,12 +1,13 @@
 """Reward model across layouts, in ONE torchrun job of 2 processes (Megatron's state is per process).
 
-    .venv/bin/python -m torch.distributed.run --nproc_per_node 2 tests/dist/rm_layouts.py OUT_DIR
+    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist/rm_layouts.py OUT_DIR
 
 Writes OUT_DIR/results.json (rank 0) with rewards of the same sequences computed:
 - from the seed at TP=1 and at TP=2 (Megatron's CPU init is layout-independent);
 - through RewardModelScorer from one saved RM checkpoint at TP=1 x DP=2, TP=2 and PP=2, with micro-batches of
   3 (right-padded rows of different lengths) and of 1 (no padding);
 - directly through the model, right-padded vs left-padded (with a causal+padding attention mask);
+- two Bradley-Terry training steps (Engine, Megatron DDP + distributed optimizer) at TP=1 x DP=2 and TP=2;
 and the result of initialising an RM from a policy (GPT) checkpoint. tests/test_rm.py makes the assertions.
 """
 
@@ -84,6 +85,40 @@ def padding_rewards(model) -> dict:
     return {"right": out_right.tolist(), "left": out_left.tolist(), "single": single}
 
 
+def train_two_steps(shape, tp: int) -> dict:
+    """Two RM optimizer steps on 4 fixed pairs from SEED's weights: loss, grad norm, and rewards after."""
+    from launcher.config.loader import load_config
+    from megatron_rl.models.reward_model import reward_forward
+    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.rm import REPORTS, PairBatcher, preference_loss
+    from megatron_rl.data.preferences import PreferenceData
+
+    cfg = load_config(None, ["algorithm.name=rm", f"parallel.tp={tp}", "algorithm.global_batch_size=4",
+                             "parallel.micro_batch_size=2", "optimizer.lr=0.01", "algorithm.rm_centering_coef=0.1"])
+    torch.manual_seed(SEED)
+    engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
+    engine.micro_batch_size = 4
+    tok = CharTokenizer()
+    seqs = [tok.encode(p + c, add_bos=True) for p, c in zip(PROMPTS, COMPLETIONS)]
+    data = PreferenceData(chosen=seqs[:4], rejected=seqs[2:], name="fixed", num_read=4, num_truncated=0,
+                          num_dropped=0)
+    batcher = PairBatcher(cfg, pad_id=tok.pad_id, max_length=32)
+
+    def loss_fn(rewards, batch):
+        return preference_loss(rewards, batch, margin=0.0, centering_coef=0.1)
+
+    out = {}
+    for step in (1, 2):
+        batches, length = batcher.micro_batches(data, [0, 1, 2, 3], pad_to=1)
+        metrics = engine.train_step(batches, loss_fn, seq_length=length, report_names=REPORTS,
+                                    forward_fn=reward_forward)
+        out[f"loss{step}"], out[f"grad_norm{step}"] = metrics["loss"], metrics["grad_norm"]
+    batches, length = batcher.micro_batches(data, [0, 1, 2, 3], pad_to=1)
+    out["after"] = engine.forward_only(batches, loss_fn, seq_length=length, report_names=REPORTS,
+                                       forward_fn=reward_forward)
+    return out
+
+
 def main(out_dir: Path) -> None:
     from megatron_rl.rewards.reward_model_scorer import RewardModelScorer
 
@@ -118,6 +153,8 @@ def main(out_dir: Path) -> None:
         use_layout(tp=tp, pp=pp)
         if name == "tp2":
             results["seed_tp2"] = seeded_rewards(shape, tp=2)
+        if name in ("tp1_dp2", "tp2"):
+            results[f"train_{name}"] = train_two_steps(shape, tp=tp)
         before = torch.get_rng_state()
         scorer = RewardModelScorer(str(rm_dir), micro_batch_size=3)
         results[f"rng_kept_{name}"] = torch.equal(before, torch.get_rng_state())
