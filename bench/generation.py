@@ -1,21 +1,25 @@
 """Tokens/s of our colocated generation against Hugging Face ``transformers`` ``generate``, same weights.
 
 Run: ``.venv/bin/python bench/generation.py`` (options: ``--batch 64 --prompt-len 8 --new-tokens 32
---repeats 9 --threads 2 --train-steps 20``). Single process, CPU, fp32, greedy, no network (HF_HUB_OFFLINE=1).
+--repeats 9 --threads 1 --train-steps 20``). Single process, CPU, fp32, greedy, no network (HF_HUB_OFFLINE=1).
+
+A third row times our generation with ``fast_attention=False`` (Megatron's attention path unchanged), to
+show what megatron_rl/generation/attention.py buys.
 
 Both sides decode the same prompts with the same weights: the tiny Llama (``tiny-cpu``) is built by our
 ``build_engine`` (Megatron DDP chunks, as in training), trained a few steps on the pretrain task so that its
 outputs are not near-uniform, and copied into a ``LlamaForCausalLM`` (fused QKV split per query group,
 fc1 split into gate and up). The bench first asserts that both produce the same tokens, then times them
-alternately (ours, theirs, ours, ...) and reports medians. Both run on the same torch threads; the HF side
-runs outside the CPU redirection of ``megatron_rl.runtime.cpu_compat`` (which only our Megatron side needs).
-The last line is one JSON object; ``speedup`` = transformers seconds / our seconds (> 1: we are faster).
+alternately (ours, theirs, ours, ...) and reports medians and minima. Both run in one process on the same
+number of torch threads (default 1: both sides are bound by per-op Python overhead at this size, and one
+thread avoids OpenMP spin-waits on a shared 2-core machine), under the same process-wide CPU patches of
+``megatron_rl.runtime.cpu_compat``. The last line is one JSON object; ``speedup`` = transformers seconds /
+our seconds (> 1: we are faster).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -33,17 +37,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def without_torch_function_modes():
-    """Run without any active TorchFunctionMode (the CPU redirection), restoring it afterwards."""
-    from torch.overrides import _pop_mode_temporarily
-
-    with contextlib.ExitStack() as stack:
-        while torch._C._len_torch_function_stack() > 0:
-            stack.enter_context(_pop_mode_temporarily())
-        yield
 
 
 def megatron_to_hf_llama(model, shape):
@@ -97,7 +90,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-steps", type=int, default=20)
     args = parser.parse_args()
 
@@ -129,37 +122,44 @@ def main() -> None:
     prompt_tensor = torch.randint(3, shape.vocab_size, (args.batch, args.prompt_len), generator=gen)
     prompts = prompt_tensor.tolist()
 
-    def ours():
+    def ours(fast_attention: bool = True):
         return generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=args.new_tokens,
-                        temperature=0.0).tokens
+                        temperature=0.0, fast_attention=fast_attention).tokens
+
+    def ours_megatron_attention():
+        return ours(fast_attention=False)
 
     def theirs():
-        with without_torch_function_modes():
-            return hf_generate(hf, prompt_tensor, args.new_tokens).tolist()
+        return hf_generate(hf, prompt_tensor, args.new_tokens).tolist()
 
     ours_tokens, hf_tokens = ours(), theirs()
     differing = [b for b in range(args.batch) if ours_tokens[b] != hf_tokens[b]]
     assert not differing, f"rows {differing[:8]} differ: ours {ours_tokens[differing[0]]} hf {hf_tokens[differing[0]]}"
+    assert ours_megatron_attention() == ours_tokens
 
-    times = {"ours": [], "transformers": []}
+    contenders = (("ours", ours), ("transformers", theirs), ("ours_megatron_attention", ours_megatron_attention))
+    times = {name: [] for name, _ in contenders}
     for _ in range(args.repeats):
-        for name, fn in (("ours", ours), ("transformers", theirs)):
+        for name, fn in contenders:
             started = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - started)
     tokens = args.batch * args.new_tokens
-    ours_s, hf_s = statistics.median(times["ours"]), statistics.median(times["transformers"])
-    print(f"{'':14}{'median s':>10}{'tokens/s':>11}   batch {args.batch}, prompt {args.prompt_len}, "
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    ours_s, hf_s = medians["ours"], medians["transformers"]
+    print(f"{'':26}{'median s':>10}{'min s':>9}{'tokens/s':>11}   batch {args.batch}, prompt {args.prompt_len}, "
           f"new {args.new_tokens}, greedy, fp32, {args.threads} threads, {args.repeats} repeats")
-    for name, sec in (("ours", ours_s), ("transformers", hf_s)):
-        print(f"{name:14}{sec:10.4f}{tokens / sec:11.0f}")
+    for name, sec in medians.items():
+        print(f"{name:26}{sec:10.4f}{min(times[name]):9.4f}{tokens / sec:11.0f}")
     print(f"speedup (transformers s / ours s): {hf_s / ours_s:.2f}; tokens equal: {not differing}")
     print(json.dumps({
         "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "threads": args.threads, "repeats": args.repeats, "dtype": "fp32", "decoding": "greedy",
         "ours_s_median": ours_s, "transformers_s_median": hf_s,
         "ours_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / hf_s,
+        "ours_megatron_attention_s_median": medians["ours_megatron_attention"],
         "ours_s_all": times["ours"], "transformers_s_all": times["transformers"],
+        "ours_megatron_attention_s_all": times["ours_megatron_attention"],
         "tokens_equal": not differing, "speedup": hf_s / ours_s,
         "transformers_version": transformers.__version__, "torch_version": torch.__version__}))
     shutdown()

@@ -3,11 +3,10 @@
 The rendered sbatch script starts one task per rank with ``srun ... python -u -m submitit.core._submit FOLDER``;
 submitit unpickles a ``TrainTask`` in each and calls it. The task exports its rank, world size and rendezvous
 from the job environment (torchrun's names: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs
-``python -m megatron_rl.main CONFIG`` as a child process and passes SIGUSR1 (Slurm's ``--signal`` before the time
-limit), SIGUSR2 (submitit's preemption signal, e.g. ``job._interrupt()``) and SIGTERM to it as a checkpoint
-request. It then exits with the trainer's code, so a preemption checkpoint (code 3) reaches the batch script,
-which requeues the job; submitit's own requeue handler is replaced so that only one place requeues.
-Imports no torch: the trainer child does.
+``python -m megatron_rl.main CONFIG`` as a child process and hands it SIGUSR1 (Slurm's ``--signal`` before the
+time limit), SIGUSR2 (submitit's preemption signal, e.g. ``job._interrupt()``) and SIGTERM as a checkpoint
+request. It exits with the trainer's code, so a preemption checkpoint (code 3) reaches the batch script, which
+requeues the job; submitit's own requeue handler is replaced so that only one place requeues. No torch here.
 """
 
 from __future__ import annotations
@@ -18,11 +17,12 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from launcher.slurm_script import REQUEUE_EXIT_CODE
 
-RESEND_S = 2.0
+POLL_S = 0.5
 FAILURE_MARK = "megatron-rl task failed:"  # the watcher looks for this line in the tasks' .err logs
 
 
@@ -40,29 +40,32 @@ class TrainTask:
 
         dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        requested = []
+        pending = []  # a checkpoint request the trainer could not take yet
 
-        def ask_to_checkpoint(signum: int, frame: Any) -> None:
-            requested.append(signum)
+        def forward(signum: int) -> None:
+            if signum != signal.SIGTERM and not catches(child.pid, signal.SIGUSR1):
+                pending[:] = [signum]  # still starting up: deliver once its handler is installed
+                return
+            pending.clear()
             try:  # os.kill, not Popen.send_signal: no locks inside a signal handler
                 os.kill(child.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGUSR1)
             except ProcessLookupError:
                 pass
 
-        # The trainer starts with SIGUSR1 ignored, so a request that comes while it still imports is not fatal;
-        # it is repeated every RESEND_S seconds until the trainer, once its handler is installed, acts on it.
+        # The trainer starts with SIGUSR1 ignored, so a request while it still imports is held back, not fatal,
+        # and is delivered once: a second one during its exit (after the save) would kill it.
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
         child = subprocess.Popen([self.python, "-u", "-m", "megatron_rl.main", self.config_path])
         for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, ask_to_checkpoint)
+            signal.signal(sig, lambda signum, frame: forward(signum))
         while True:
             try:
-                code = child.wait(timeout=RESEND_S)
+                code = child.wait(timeout=POLL_S)
                 break
             except subprocess.TimeoutExpired:
-                if requested:
-                    ask_to_checkpoint(signal.SIGUSR1, None)
+                if pending:
+                    forward(pending[0])
         if code == 0:
             return {"rank": dist.rank, "world_size": dist.world_size, "node": node,
                     "master": f"{dist.master_addr}:{dist.master_port}"}
@@ -73,3 +76,14 @@ class TrainTask:
             print(f"{FAILURE_MARK} rank {dist.rank} on {node}: the trainer {reason}", file=sys.stderr, flush=True)
         # SystemExit passes through submitit (it records only Exceptions), so srun sees the trainer's code.
         raise SystemExit(code if code > 0 else 128 - code)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (Linux /proc); True when that cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True

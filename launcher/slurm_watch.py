@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Optional, TextIO
 
 from launcher.config.schema import ClusterConfig
 from launcher.slurm_script import REQUEUE_EXIT_CODE
@@ -27,7 +27,8 @@ FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_F
                           "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"})
 SQUEUE_FAILURE_LIMIT_S = 60.0
 SACCT_WAIT_S = 30.0
-RUN_START = re.compile(r"megatron-rl \[job \d+, start \d+\]: \d+ task\(s\) on")  # each run's first line (slurm/*.sbatch)
+# The first line of each run of the job in its batch log (see slurm/*.sbatch), and srun's report of a failed task.
+RUN_START = re.compile(r"megatron-rl \[job \d+, start \d+\]: \d+ task\(s\) on")
 SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)[^:]*: (.*)")
 
 
@@ -114,8 +115,6 @@ class Watch:
     """Where logs and state changes go."""
     err: TextIO = sys.stderr
     """Where the final explanation of a failure goes."""
-    sleep: Callable[[float], None] = time.sleep
-    """Injected for tests."""
 
 
 def wait_for_job(watch: Watch) -> int:
@@ -147,11 +146,11 @@ def wait_for_job(watch: Watch) -> int:
             last = (seen.state, seen.reason)
         if seen.state == "RUNNING":
             ran, nodes = True, seen.nodes or nodes
-        watch.sleep(watch.poll_s)
+        time.sleep(watch.poll_s)
     for tail in tails:
         watch.out.write(tail.read_new())
     final = _final_state(watch, seen)
-    return explain(watch, final, nodes=nodes or final.nodes)
+    return explain(watch, final, nodes=nodes)
 
 
 def _say_state(watch: Watch, seen: JobState, *, requeued: bool) -> None:
@@ -169,7 +168,7 @@ def _final_state(watch: Watch, seen: Optional[JobState]) -> JobState:
             return record
         if time.monotonic() > deadline:
             return seen or record or JobState(state="UNKNOWN")
-        watch.sleep(0.5)
+        time.sleep(0.5)
 
 
 def explain(watch: Watch, final: JobState, *, nodes: str = "") -> int:
@@ -188,7 +187,7 @@ def explain(watch: Watch, final: JobState, *, nodes: str = "") -> int:
     elif final.state == "CANCELLED":
         message = f"{job} was CANCELLED (scancel or an administrator) after {final.elapsed or '?'}; {rerun}"
     elif final.state == "NODE_FAIL":
-        message = (f"{job} ended with NODE_FAIL: a node of {nodes or 'the job'} stopped responding"
+        message = (f"{job} ended with NODE_FAIL: a node of the job{f' ({nodes})' if nodes else ''} stopped responding"
                    f"{_down_nodes()}; {rerun}, with cluster.exclude=<node> if it stays down")
     elif final.state == "TIMEOUT":
         message = (f"{job} hit its time limit cluster.time={cluster.time} without a preemption checkpoint; raise "

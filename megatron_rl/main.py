@@ -25,8 +25,11 @@ TRAINERS = {
 def run(config_path: str) -> int:
     import warnings
 
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    # Known, harmless notices from megatron-core and torch.distributed that would bury the progress lines.
+    for pattern in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
+                    ".*full scope is deprecated.*", ".*is deprecated. Please use `torch.distributed.*",
+                    ".*The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.*"):
+        warnings.filterwarnings("ignore", message=pattern)
     from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
     from megatron_rl.trainers.common import TrainerContext
 

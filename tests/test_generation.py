@@ -3,11 +3,13 @@
 Run: ``.venv/bin/python -m pytest tests/test_generation.py -q`` (about a minute on 2 cores).
 
 The distributed cases start ``tests/dist/gen_check.py`` in their own torchrun (Megatron's parallel state is
-process-global): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2, and
-PP=2 with 2 virtual stages on a 4-layer variant. Each compares its KV-cache generation with independent
-references computed in the same process: step-by-step recomputation without a cache (TP runs), one
-training-style forward of the final sequences through Megatron's schedule (all runs), ``sequence_logprobs``
-and the model's own loss. Tolerance for log-probs: 1e-5 absolute in fp32 (measured: ~5e-7, 1.2e-6 across TP).
+process-global): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2,
+PP=2 with 2 virtual stages on a 4-layer variant, and the tiny Qwen3-MoE-like model (QK norm, 4 experts).
+Each compares its KV-cache generation with independent references computed in the same process:
+step-by-step recomputation without a cache (PP=1 runs), one training-style forward of the final sequences
+through Megatron's schedule (all runs), ``sequence_logprobs``, the model's own loss, and generation with
+Megatron's unchanged attention path. Tolerance for log-probs: 1e-5 absolute in fp32 (measured: 4.8e-7, i.e.
+one float32 ulp at |logp| ~ 4, within a layout; 1.2e-6 between TP=1 and TP=2).
 """
 
 from __future__ import annotations
@@ -176,6 +178,11 @@ def tp2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def moe_tp1(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("moe"), "--model", "tiny-cpu-moe", nproc=1)
+
+
+@pytest.fixture(scope="module")
 def pp2_vpp2(tmp_path_factory):
     return _torchrun(tmp_path_factory.mktemp("pp2"), "--pp", "2", "--vpp", "2", "--layers", "4")
 
@@ -184,7 +191,7 @@ def _runs(request, names):
     return [(name, rank) for name in names for rank in request.getfixturevalue(name)]
 
 
-@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "moe_tp1"])
 def test_kv_cache_generation_equals_recomputation(request, layout):
     """Greedy, prompts of lengths 3..9 batched together: same tokens and log-probs as decoding without cache."""
     for rank in request.getfixturevalue(layout):
@@ -195,7 +202,17 @@ def test_kv_cache_generation_equals_recomputation(request, layout):
         assert rank["greedy"]["finish_reasons"] == ["length"] * len(rank["prompts"])
 
 
-@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
+def test_fast_attention_paths_equal_megatrons_own(request, layout):
+    """SDPA core attention and RoPE-once decoding (attention.py) vs Megatron's unchanged decode path."""
+    for rank in request.getfixturevalue(layout):
+        assert rank["greedy"]["decode_attention"] == "sdpa+rope-once"
+        assert rank["megatron_path"]["decode_attention"] == "megatron"
+        assert rank["megatron_path"]["tokens"] == rank["greedy"]["tokens"]
+        assert rank["megatron_path"]["logprob_diff"] < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
 def test_generation_logprobs_equal_training_forward(request, layout):
     """What makes the colocated GRPO ratio 1: log-probs of generation == training forward, greedy and sampled."""
     for rank in request.getfixturevalue(layout):
@@ -250,7 +267,7 @@ def test_kv_cache_is_sized_as_expected_and_released(tp1_dp2):
         assert rank["greedy"]["forward_passes"] == longest + 8 - min(len(p) for p in rank["prompts"])
 
 
-@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
 def test_offload_round_trip_and_training_after_generation(request, layout):
     runs = request.getfixturevalue(layout)
     for rank in runs:

@@ -1,6 +1,6 @@
 """Reward model: Bradley-Terry math, last-token pick, preference data, layouts (TP/PP), scorer, tiny training run.
 
-    .venv/bin/python -m pytest tests/test_rm.py -q            # everything (~1.5-2.5 min on 2 cores)
+    .venv/bin/python -m pytest tests/test_rm.py -q            # everything: ~70 s of CPU, 3.4 min wall at load ~20
     .venv/bin/python -m pytest tests/test_rm.py -q -m "not slow"   # pure functions only (seconds)
 """
 
@@ -216,7 +216,7 @@ def test_synthetic_pairs_are_seeded_and_held_out_problems_disjoint():
 
 @pytest.mark.slow
 def test_layouts_tp2_pp2_padding_and_scorer(tmp_path):
-    """TP=2 and PP=2 give TP=1's rewards and TP=2 trains as TP=1; padding does not change rewards; policy init
+    """TP=2 and PP=2 give TP=1's rewards and train as TP=1 x DP=2; padding does not change rewards; policy init
     loads the trunk only."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -242,13 +242,14 @@ def test_layouts_tp2_pp2_padding_and_scorer(tmp_path):
     assert all(res[f"rng_kept_{name}"] for name in ("tp1_dp2", "tp2", "pp2"))
     assert res["init_from_policy_head_loaded"] is False and res["init_from_policy_trunk_equal"] is True
     assert res["init_from_rm_head_loaded"] is True and res["init_from_rm_head_equal"] is True
-    # two training steps (Megatron DDP, distributed optimizer, head grads) at TP=1 x DP=2 and at TP=2
-    one, two = res["train_tp1_dp2"], res["train_tp2"]
-    for key in ("loss1", "loss2", "grad_norm1", "grad_norm2"):
-        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    # two training steps (Megatron DDP, distributed optimizer, head grads) at TP=1 x DP=2, TP=2 and PP=2
+    one = res["train_tp1_dp2"]
     assert one["loss2"] != one["loss1"]  # the step changed the weights
-    for key, value in one["after"].items():
-        assert two["after"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for other in (res["train_tp2"], res["train_pp2"]):
+        for key in ("loss1", "loss2", "grad_norm1", "grad_norm2"):
+            assert other[key] == pytest.approx(one[key], rel=1e-5), key
+        for key, value in one["after"].items():
+            assert other["after"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
 
 
 def _evals(run_dir: Path) -> list[dict]:
@@ -258,7 +259,7 @@ def _evals(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_tiny_rm_reaches_held_out_accuracy_across_a_requeue(tmp_path):
     """configs/rm_tiny.yaml (DP=2), preempted after step 50 (exit 3, checkpoint), requeued, finished at 100:
-    held-out accuracy goes from chance to >= 0.9 (measured 0.92 at step 50, 0.98 at 100, 1.0 at 150)."""
+    held-out accuracy goes from chance to >= 0.9 (measured: 0.51 at step 0, 0.90 at 50, 0.99 at 100)."""
     run_dir = tmp_path / "run"
     args = ("--config", "configs/rm_tiny.yaml", f"run.dir={run_dir}", "run.steps=100", "logging.console=quiet")
     first = run_launch(*args, env={"MEGATRON_RL_STOP_AFTER_STEP": "50"}, timeout=240)

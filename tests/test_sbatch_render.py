@@ -67,7 +67,8 @@ def test_golden_grpo_every_cluster_key() -> None:
         executor="slurm", nodes=16, tasks_per_node=8, gpus_per_node=8, cpus_per_task=12, mem="0", time="2-00:00:00",
         partition="gpu", account="llm-rl", qos="high", reservation="rl-week", constraint="h100&ib",
         exclude="gpu-[013,077]", job_name="grpo 405b", sbatch_extra=["--exclusive", "--comment=grpo run 7"],
-        setup=["module load cuda/12.4", "source /opt/venv/bin/activate"], container_image="nvcr.io#nvidia/pytorch:25.01-py3",
+        setup=["module load cuda/12.4", "source /opt/venv/bin/activate"],
+        container_image="nvcr.io#nvidia/pytorch:25.01-py3",
         container_mounts=["/lustre:/lustre", "/home/me/repo:/workspace"], signal_delay_s=300, max_requeues=5)
     spec = TrainScript(algorithm="grpo", run_dir=Path("/lustre/runs/grpo-405b"),
                        config_path=Path("/lustre/runs/grpo-405b/config.yaml"), python="python3",
@@ -78,14 +79,16 @@ def test_golden_grpo_every_cluster_key() -> None:
 
 def test_golden_convert() -> None:
     text = render_convert_script(ClusterConfig(cpus_per_task=16, mem="200G", time="08:00:00", job_name="convert"),
-                                 run_dir=Path("/scratch/runs/convert"), python=PYTHON, repo_dir=Path("/opt/megatron-rl"),
-                                 convert_args=["hf-to-megatron", "--hf", "/models/Llama 3", "--tp", "8"])
+                                 run_dir=Path("/scratch/runs/convert"), python=PYTHON,
+                                 repo_dir=Path("/opt/megatron-rl"),
+                                 convert_args=["hf-to-megatron", "--hf", "/models/Llama 3", "--out", "/ckpt/llama3", "--tp", "8"])
     _golden("convert.sbatch", text)
 
 
 def test_golden_hostile_names(monkeypatch: pytest.MonkeyPatch) -> None:
     _golden("hostile-names.sbatch", _describe(monkeypatch, [
-        "algorithm.name=pretrain", f"cluster.job_name={EVIL}", f"run.dir=/scratch/runs/{EVIL}", "cluster.nodes=2", "cluster.tasks_per_node=1"]))
+        "algorithm.name=pretrain", f"cluster.job_name={EVIL}", f"run.dir=/scratch/runs/{EVIL}", "cluster.nodes=2",
+        "cluster.tasks_per_node=1"]))
 
 
 def test_training_templates_share_one_body_and_the_schema_defaults() -> None:
@@ -253,7 +256,8 @@ def test_plain_template_resolves_the_config_from_env(sandbox: Path) -> None:
         "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "PYTHONPATH": str(REPO_ROOT), "FAKE_SRUN_EXEC": "0"})
     assert result.returncode == 0, result.stderr
     srun = _args(sandbox, "srun")
-    assert srun[srun.index("task") + 1:] == [sys.executable, "-u", "-m", "megatron_rl.main", str(run_dir / "config.yaml")]
+    task = [sys.executable, "-u", "-m", "megatron_rl.main", str(run_dir / "config.yaml")]
+    assert srun[srun.index("task") + 1:] == task
     cfg = load_config(run_dir / "config.yaml")
     assert (cfg.run.steps, cfg.parallel.tp, cfg.cluster.nodes, cfg.cluster.tasks_per_node) == (7, 2, 2, 1)
     assert (cfg.run.dir, cfg.algorithm.name, cfg.cluster.executor) == (str(run_dir), "pretrain", "slurm")
@@ -279,3 +283,10 @@ def test_templates_pass_bash_and_shellcheck(name: str) -> None:
         pytest.skip("shellcheck is not installed")
     result = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_slurm_modules_and_submitit_import_no_torch() -> None:
+    code = ("import sys, submitit, launcher.executors.slurm, launcher.slurm_task, launcher.slurm_watch, "
+            "launcher.slurm_prepare; print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stderr

@@ -74,7 +74,7 @@ class _BlockPlanner:
 
     def resolve_tensor(self, read_item) -> torch.Tensor:
         dest = self.destinations[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
             dest = dest.narrow(dim, offset, length)
         return dest
 

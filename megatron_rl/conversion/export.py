@@ -148,21 +148,35 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
                             model: Union[None, str, Path, ModelShape, dict] = None,
                             hf_source: Union[None, str, Path] = None, shard_size: Union[int, str] = "2GB",
                             dtype: Optional[str] = None, overwrite: bool = False,
-                            read_budget: int = 512 * 2**20,
+                            read_budget: int = 512 * 2**20, check: Optional[Callable[[Path], None]] = None,
                             progress: Optional[Callable[[str], None]] = None) -> ExportSummary:
     """Export checkpoint ``ckpt`` (step folder or checkpoint root) to the HF folder ``out_dir``.
 
     model: HF folder/config.json, preset or YAML spec, ModelShape or HF config dict; default: what the checkpoint
     recorded. hf_source: folder to copy tokenizer files from. dtype: fp32/bf16/fp16 (default: as stored).
+    check: called with the finished (unpublished) folder; if it raises, nothing is published.
     """
     import torch
 
     from megatron_rl.conversion.dist_reader import CheckpointReader
     from megatron_rl.conversion.mapping import hf_from_megatron
-    from megatron_rl.conversion.names import (CLASSIFICATION_ARCHITECTURES, OUTPUT, REWARD_HEAD_BIAS,
-                                              REWARD_HEAD_WEIGHT, check_convertible, megatron_shape, tensor_maps)
-    from megatron_rl.conversion.safetensors_io import (PlannedTensor, ShardedSafetensorsWriter, copy_tokenizer_files,
-                                                       parse_size, plan_shards, torch_dtype_name)
+    from megatron_rl.conversion.names import (
+        CLASSIFICATION_ARCHITECTURES,
+        OUTPUT,
+        REWARD_HEAD_BIAS,
+        REWARD_HEAD_WEIGHT,
+        check_convertible,
+        megatron_shape,
+        tensor_maps,
+    )
+    from megatron_rl.conversion.safetensors_io import (
+        PlannedTensor,
+        ShardedSafetensorsWriter,
+        copy_tokenizer_files,
+        parse_size,
+        plan_shards,
+        torch_dtype_name,
+    )
 
     start = time.perf_counter()
     out = Path(out_dir).resolve()
@@ -178,7 +192,7 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
                                   Path(hf_source) if hf_source else None)
     shape = source.shape
     check_convertible(shape, source.origin)
-    reward = REWARD_HEAD_WEIGHT in reader.index
+    reward = any(ref.name == REWARD_HEAD_WEIGHT for ref in reader.index)
     maps = tensor_maps(shape, reward_head=reward)
     notes: list[str] = []
 
@@ -210,7 +224,8 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
     groups = []
     for tm in maps:
         st_dtype = torch_dtype_name(out_dtype or reader.index[tm.ref].dtype)
-        groups.append([PlannedTensor(name, st_dtype, hf_shape) for name, hf_shape in zip(tm.hf, tm.hf_shapes)])
+        groups.append([PlannedTensor(name, st_dtype, hf_shape)
+                       for name, hf_shape in zip(tm.hf, tm.hf_shapes, strict=True)])
     shards = plan_shards(groups, max_shard)
 
     hf_config = json.loads(json.dumps(source.hf_config))
@@ -262,6 +277,8 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
         if batch:
             flush()
         writer.close()
+        if check is not None:
+            check(tmp)
         publish(tmp, out)
     except BaseException:
         writer.abort()

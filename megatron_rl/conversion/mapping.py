@@ -50,14 +50,14 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def merge_fc1_tp_shards(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """Global [gate; up] from per-TP-rank fc1 shards, each [gate_i; up_i]. (A plain concat would interleave
     gate and up blocks: the bug some converters have at TP>1.)"""
-    gates, ups = zip(*(shard.chunk(2, dim=0) for shard in shards))
+    gates, ups = zip(*(shard.chunk(2, dim=0) for shard in shards), strict=True)
     return torch.cat([*gates, *ups], dim=0)
 
 
 def split_fc1_tp_shards(fc1: torch.Tensor, tp: int) -> list[torch.Tensor]:
     """Per-TP-rank fc1 shards [gate_i; up_i] of a global [gate; up]."""
     gate, up = fc1.chunk(2, dim=0)
-    return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+    return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0), strict=True)]
 
 
 def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
@@ -94,10 +94,10 @@ def hf_from_megatron(tm: TensorMap, shape: ModelShape, tensor: torch.Tensor) -> 
     if tm.kind == "vocab":
         return {tm.hf[0]: cut_vocab(tensor, tm.hf_shapes[0][0])}
     if tm.kind == "gate_up":
-        return dict(zip(tm.hf, split_gate_up(tensor)))
+        return dict(zip(tm.hf, split_gate_up(tensor), strict=True))
     if tm.kind == "qkv":
         return dict(zip(tm.hf, split_qkv(tensor, num_heads=shape.num_attention_heads,
-                                         num_groups=shape.num_query_groups, head_dim=shape.kv_channels)))
+                                         num_groups=shape.num_query_groups, head_dim=shape.kv_channels), strict=True))
     raise ValueError(tm.kind)
 
 
@@ -110,7 +110,7 @@ def megatron_region_from_hf(tm: TensorMap, shape: ModelShape, padded_rows: int, 
     """One block (``offsets``/``sizes`` in the global Megatron tensor, e.g. a TP shard) read straight from the HF
     files: only the rows this block needs are read, so each rank of a conversion reads its own share."""
     first, last = offsets[0], offsets[0] + sizes[0]
-    cols = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
+    cols = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True))
     out, row = [], 0
     for name, hf_row, rows in row_pieces(tm, shape, padded_rows):
         lo, hi = max(first, row), min(last, row + rows)

@@ -76,8 +76,10 @@ def _swap_norms(spec, old, new):
     return spec
 
 
-def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtype: torch.dtype):
-    """The GPTModel chunk of this rank (no virtual pipeline), on the CPU."""
+def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtype: torch.dtype,
+                           initialize: bool = False):
+    """The GPTModel chunk of this rank (no virtual pipeline), on the CPU. Without ``initialize`` the weights are
+    left uninitialised (they are about to be overwritten; Megatron's CPU init builds every full matrix)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -87,6 +89,7 @@ def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtyp
     sequence_parallel = shape.is_moe and tp > 1
     opts = ModelOptions(tp=tp, pp=pp, ep=ep, dtype=dtype, sequence_parallel=sequence_parallel)
     config = transformer_config(shape, opts)
+    config.perform_initialization = initialize
     if shape.is_moe:
         config.expert_tensor_parallel_size = 1
     spec = layer_spec(shape, config)

@@ -42,7 +42,8 @@ SUPPORTED_ARCHITECTURES = {
 CLASSIFICATION_ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaForSequenceClassification", "MistralForCausalLM": "MistralForSequenceClassification",
     "Qwen2ForCausalLM": "Qwen2ForSequenceClassification", "Qwen3ForCausalLM": "Qwen3ForSequenceClassification",
-    "Qwen3MoeForCausalLM": "Qwen3MoeForSequenceClassification", "MixtralForCausalLM": "MixtralForSequenceClassification",
+    "Qwen3MoeForCausalLM": "Qwen3MoeForSequenceClassification",
+    "MixtralForCausalLM": "MixtralForSequenceClassification",
 }
 FAMILY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                      "mixtral": "mixtral"}
@@ -189,6 +190,10 @@ def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: rope_scaling type {rope_type!r} is not supported by the Megatron model; "
                           f"supported: default, llama3")
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", True) and window < int(cfg.get("max_position_embeddings", 0) or 0):
+        raise ConfigError(f"{source}: sliding-window attention (sliding_window={window}) is not supported by the "
+                          "Megatron model; only full causal attention converts exactly")
     if cfg.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported (Megatron's gated MLP has no bias here)")
     if arch in ("LlamaForCausalLM", "MistralForCausalLM") and cfg.get("attention_bias"):
@@ -287,14 +292,15 @@ def tensor_maps(shape: ModelShape, *, reward_head: bool = False) -> list[TensorM
         p = f"model.layers.{layer}."
         a = p + "self_attn."
 
-        def m(name, hf, kind, shapes, expert=None):
+        def m(name, hf, kind, shapes, expert=None, layer=layer):
             maps.append(TensorMap(MegatronRef(name, layer, expert), hf, kind, shapes))
 
         m(INPUT_NORM, (p + "input_layernorm.weight",), "copy", ((h,),))
         m(QKV, (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv",
           ((n * d, h), (g * d, h), (g * d, h)))
         if shape.add_qkv_bias:
-            m(QKV_BIAS, (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv", ((n * d,), (g * d,), (g * d,)))
+            m(QKV_BIAS, (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv",
+              ((n * d,), (g * d,), (g * d,)))
         if shape.qk_layernorm:
             m(Q_NORM, (a + "q_norm.weight",), "copy", ((d,),))
             m(K_NORM, (a + "k_norm.weight",), "copy", ((d,),))
@@ -320,7 +326,7 @@ def tensor_maps(shape: ModelShape, *, reward_head: bool = False) -> list[TensorM
 
 def expected_hf_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape that a causal-LM checkpoint of ``shape`` holds."""
-    return {name: hf_shape for tm in tensor_maps(shape) for name, hf_shape in zip(tm.hf, tm.hf_shapes)}
+    return {name: hf_shape for tm in tensor_maps(shape) for name, hf_shape in zip(tm.hf, tm.hf_shapes, strict=True)}
 
 
 def megatron_shape(tm: TensorMap, stored_rows: Optional[int] = None) -> tuple[int, ...]:

@@ -249,7 +249,7 @@ class ShardedSafetensorsWriter:
         if self._next >= len(self._order):
             raise RuntimeError(f"unplanned tensor {name}")
         index, planned = self._order[self._next]
-        if planned.name != name or tuple(tensor.shape) != planned.shape or torch_dtype_name(tensor.dtype) != planned.dtype:
+        if (planned.name, planned.shape, planned.dtype) != (name, tuple(tensor.shape), torch_dtype_name(tensor.dtype)):
             raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the plan "
                                f"({planned.name} {planned.shape} {planned.dtype})")
         if index != self._file_index:

@@ -28,15 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_command(nproc: int, tasks_file: Path) -> list[str]:
+def worker_command(nproc: int, tasks_file: Path, script: Optional[str] = None) -> list[str]:
+    """The command line of the workers (``script``: another entry point that wraps the worker, e.g. in tests)."""
+    entry = [script] if script else ["-m", "megatron_rl.conversion.worker"]
     if nproc == 1:
-        return [sys.executable, "-m", "megatron_rl.conversion.worker", str(tasks_file)]
+        return [sys.executable, *entry, str(tasks_file)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "megatron_rl.conversion.worker", str(tasks_file)]
+            *entry, str(tasks_file)]
 
 
 def run_worker(tasks: list[dict[str, Any]], nproc: int, *, workdir: Optional[Path] = None,
-               timeout: Optional[float] = None, keep_workdir: bool = False) -> list[dict[str, Any]]:
+               timeout: Optional[float] = None, keep_workdir: bool = False,
+               script: Optional[str] = None) -> list[dict[str, Any]]:
     """Run ``tasks`` on ``nproc`` worker processes; returns rank 0's per-task results."""
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="convert-")) if own else Path(workdir)
@@ -54,7 +57,7 @@ def run_worker(tasks: list[dict[str, Any]], nproc: int, *, workdir: Optional[Pat
     try:
         with open(log_path, "w") as log:
             try:
-                proc = subprocess.run(worker_command(nproc, tasks_file), stdout=log, stderr=subprocess.STDOUT,
+                proc = subprocess.run(worker_command(nproc, tasks_file, script), stdout=log, stderr=subprocess.STDOUT,
                                       env=env, timeout=timeout, cwd=repo_root)
             except subprocess.TimeoutExpired:
                 failed = True

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m megatron_rl.conversion.worker TASKS.json
 
-Started by ``megatron_rl.conversion.launch.run_worker``; not meant to be run by hand. Tasks (JSON list):
+Started by ``megatron_rl.conversion.spawn.run_worker``; not meant to be run by hand. Tasks (JSON list):
 
 * ``import``: build the model at (tp, pp, ep), fill every rank's shards straight from the HF safetensors
   (each rank reads only its rows), save one of our checkpoints (step 0) into ``out``.
@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import traceback
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +44,9 @@ def _sharded_tensors(model) -> list:
     return [sh for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
 
 
-def fill_from_hf(model, shape, hf) -> None:
-    """Copy this rank's share of every parameter from the HF checkpoint ``hf`` (an HFCheckpoint)."""
+def fill_from_hf(model, shape, hf, *, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Copy this rank's share of every parameter from the HF checkpoint ``hf`` (an HFCheckpoint); parameters
+    and keys starting with ``skip_prefixes`` (e.g. a reward head) are left to the caller."""
     from megatron_rl.conversion.mapping import megatron_region_from_hf
     from megatron_rl.conversion.names import megatron_shape, parse_megatron_key, tensor_maps
 
@@ -55,6 +55,8 @@ def fill_from_hf(model, shape, hf) -> None:
         for param in model.parameters():
             param.fill_(float("nan"))
         for sh in _sharded_tensors(model):
+            if sh.key.startswith(skip_prefixes):
+                continue
             n = sh.prepend_axis_num
             ref = parse_megatron_key(sh.key, tuple(sh.global_offset[:n]))
             tm = maps.get(ref)
@@ -68,9 +70,10 @@ def fill_from_hf(model, shape, hf) -> None:
             region = megatron_region_from_hf(tm, shape, global_shape[0], tuple(sh.global_offset[n:]),
                                              tuple(sh.local_shape), hf.read_rows, sh.data.dtype)
             sh.data.copy_(region.reshape(sh.data.shape))
-        unset = [name for name, p in model.named_parameters() if torch.isnan(p).any()]
+        unset = [name for name, p in model.named_parameters()
+                 if not name.startswith(skip_prefixes) and torch.isnan(p).any()]
     if unset:
-        raise ConfigError(f"{len(unset)} model parameter(s) got no value from the HF checkpoint "
+        raise ConfigError(f"{len(unset)} model parameter(s) got no value from the HF checkpoint, or NaN from it "
                           f"(first: {unset[0]})")
 
 
@@ -113,7 +116,8 @@ def run_random(task: dict[str, Any]) -> dict[str, Any]:
     from megatron_rl.runtime.checkpoint import save_checkpoint
 
     shape = load_model_shape(task["model"])
-    model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=torch.float32)
+    model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=torch.float32,
+                                   initialize=True)
     extra = {"model": model_metadata(shape)} if task.get("record_model", True) else {}
     folder = save_checkpoint(task["out"], step=task.get("step", 0), chunks=[model], extra=extra, keep_last=1)
     return {"folder": str(folder)}

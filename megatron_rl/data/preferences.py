@@ -93,7 +93,8 @@ def load_tokenizer(path: Optional[str]):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers raises many kinds for a broken folder
-        raise ConfigError(f"model.tokenizer={path!r}: could not load a tokenizer ({type(err).__name__}: {err})") from None
+        raise ConfigError(
+            f"model.tokenizer={path!r}: could not load a tokenizer ({type(err).__name__}: {err})") from None
 
 
 def _as_messages(part: Part, role: str) -> Messages:
@@ -212,10 +213,13 @@ def synthetic_preference_records(task: str, *, split: str, num_pairs: int, seed:
         correct = problem["answer"]
         rejected = correct
         while rejected == correct:
-            if rng.random() < 0.75:
+            kind = rng.random()
+            if kind < 0.5:
                 rejected = answers[rng.randrange(len(answers))]
-            else:
+            elif kind < 0.75:
                 rejected = "".join(rng.choice(_MALFORMED_CHARS) for _ in range(rng.randint(1, 4)))
+            else:  # a hard negative: the right answer with trailing junk, which a policy otherwise learns to game
+                rejected = correct + "".join(rng.choice(_MALFORMED_CHARS) for _ in range(rng.randint(1, 3)))
         records.append(PreferenceRecord(prompt=problem["prompt"], chosen=correct, rejected=rejected,
                                         source=f"synthetic:{task}:{split}:{n}"))
     return records

@@ -25,9 +25,13 @@ Parallelism.
 * DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks.
 * Not supported (clear error): context parallelism, sequence parallelism, expert parallelism > 1.
 
-Gradients are off (``torch.no_grad``, not ``inference_mode``: Megatron caches rotary tables with
-``lru_cache``, and an inference tensor cached here would break the next backward pass). Dropout is off
-(modules in eval mode, restored afterwards).
+Speed. Decoding runs under ``torch.inference_mode``. Megatron keeps a few tensors made during a forward
+(rotary tables in an ``lru_cache``, the attention scratch buffer); inference tensors left there would break
+the next backward pass (e.g. Transformer Engine's fused RoPE saves the cached table), so those caches are
+emptied on the way out. While generating, the local spec's core attention runs as one SDPA call and decode
+steps rotate only the new token's query and key (Megatron's flash-decode hook), see attention.py;
+``fast_attention=False`` keeps Megatron's path unchanged. Dropout is off (modules in eval mode, restored
+afterwards).
 
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
 """
@@ -40,6 +44,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_rl.generation.attention import RopeOnceDecode, sdpa_core_attention
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens
 from megatron_rl.runtime.checkpoint import unwrap
 
@@ -64,6 +69,8 @@ class GenerationOutput:
     """Model forwards run (1 prefill + decode steps)."""
     kv_cache_bytes: int
     """Bytes the KV cache held on this rank; released before ``generate`` returned."""
+    decode_attention: str
+    """Attention path used: "megatron" (unchanged modules) or "+"-joined fast paths: "sdpa", "rope-once"."""
 
 
 def data_parallel_seed(seed: int) -> int:
@@ -185,6 +192,25 @@ class _KVCache:
             torch.cuda.empty_cache()
 
 
+def drop_inference_tensors_from_megatron_caches(chunks: list) -> None:
+    """Forget tensors Megatron cached during an inference-mode forward, so training recomputes them."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    for chunk in chunks:
+        getattr(chunk, "rotary_pos_emb_cache", {}).clear()
+    RotaryEmbedding.forward.cache_clear()
+    try:
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+        YarnRotaryEmbedding.forward.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+    scratch = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    for name, tensor in list(getattr(scratch, "buffer", {}).items()):
+        if isinstance(tensor, torch.Tensor) and tensor.is_inference():
+            del scratch.buffer[name]
+
+
 class _Stops:
     """Stop tokens and multi-token stop sequences, checked on the token just written at position t."""
 
@@ -209,13 +235,14 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None,
              stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[Sequence[int]] = (),
              seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             pad_id: int = 0) -> GenerationOutput:
+             pad_id: int = 0, fast_attention: bool = True) -> GenerationOutput:
     """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
     after ``eos_id``, any of ``stop_token_ids`` or any of ``stop_sequences`` (kept in the response), or after
     ``max_new_tokens``. Sampling draws from ``generator`` or, if None, a fresh one seeded with ``seed`` (0
     when None); pass the same seed on every TP/PP rank of a replica (``data_parallel_seed`` makes one).
+    ``fast_attention=False`` keeps Megatron's attention path unchanged (see attention.py).
     Returns on every rank of the model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -257,7 +284,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     cache = _KVCache(batch, total)
     forwards = 0
     try:
-        with torch.no_grad(), cache as context:
+        with torch.inference_mode(), sdpa_core_attention(chunks if fast_attention else []) as swapped, \
+                cache as context, RopeOnceDecode(chunks if fast_attention else [], context) as rope_once:
             chain = _StageChain(chunks, context, device=device)
             fed_from = 0
             for t in range(shortest, total):
@@ -265,6 +293,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 context.sequence_len_offset += t - fed_from
                 if forwards == 0:
                     context.enable_decode_mode()
+                    rope_once.begin()
                 forwards += 1
                 fed_from = t
                 local = (choose_tokens(logits, vocab_size=vocab_size, params=params, generator=generator)
@@ -283,6 +312,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 if bool(done.all()):
                     break
     finally:
+        drop_inference_tensors_from_megatron_caches(chunks)
         for chunk, flag in zip(chunks, was_training):
             chunk.train(flag)
 
@@ -296,4 +326,6 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
         sampling_logprobs=[row[s:e] for row, s, e in zip(sampling_rows, starts, ends)],
         lengths=[e - s for s, e in zip(starts, ends)],
         finish_reasons=["stop" if f else "length" for f in flags],
-        forward_passes=forwards, kv_cache_bytes=cache.nbytes)
+        forward_passes=forwards, kv_cache_bytes=cache.nbytes,
+        decode_attention="+".join(name for name, used in (("sdpa", swapped > 0), ("rope-once", rope_once.enabled))
+                                  if used) or "megatron")

@@ -125,9 +125,9 @@ def _gpt_model_class():
                 # Every TP rank then picks the same rows; the backward only splits the grad (no reduction).
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(
                     hidden, tensor_parallel_output_grad=False)
-            picked = pick_last_tokens(hidden, last_index)
+            picked = pick_last_tokens(hidden, last_index).unsqueeze(0)  # [1, batch, hidden]: Megatron's 3-D layout
             reward, _ = getattr(self, HEAD_NAME)(picked)
-            return reward.squeeze(-1).float()
+            return reward.reshape(-1).float()
 
     return GPTRewardModel
 

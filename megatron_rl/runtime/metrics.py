@@ -52,7 +52,8 @@ class MetricsLogger:
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a", buffering=1)
 
-    def log(self, step: int, metrics: dict[str, float], *, phase: Optional[str] = None) -> None:
+    def log(self, step: int, metrics: dict[str, float], *, phase: Optional[str] = None,
+            total: Optional[int] = None) -> None:
         if not self.enabled:
             return
         record = {"step": step, **({"phase": phase} if phase else {}), **{k: _clean(v) for k, v in metrics.items()}}
@@ -66,7 +67,7 @@ class MetricsLogger:
         elif self.console == "progress":
             shown = "  ".join(f"{k} {_fmt(metrics[k])}" for k in CONSOLE_KEYS if k in metrics)
             label = f"{phase} " if phase else ""
-            print(f"{label}step {step:>4}/{self.total_steps}  {shown}", file=self.stream, flush=True)
+            print(f"{label}step {step:>4}/{total or self.total_steps}  {shown}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._file is not None:

@@ -76,8 +76,13 @@ class TrainerContext:
         finally:
             t.seconds = time.perf_counter() - start
 
-    def resume(self, engine, *, init_from: Optional[str] = None) -> int:
-        """Load the newest complete checkpoint of this run (or ``init_from`` weights); return its step."""
+    def resume(self, engine, *, init_from: Optional[str] = None,
+               load_init: Optional[Callable[[str, list], str]] = None) -> int:
+        """Load the newest complete checkpoint of this run (or ``init_from`` weights); return its step.
+
+        ``load_init(path, chunks) -> description`` loads starting weights for models whose keys differ from
+        the checkpoint's (a reward model started from a policy); default: a plain model-only load.
+        """
         ckpt.remove_partial_saves(self.ckpt_dir)
         found = ckpt.latest_checkpoint(self.ckpt_dir) if self.cfg.checkpoint.resume else None
         if found is not None:
@@ -91,8 +96,11 @@ class TrainerContext:
             return engine.step
         source = init_from or self.cfg.model.init_from
         if source:
-            ckpt.load_checkpoint(source, chunks=engine.chunks, load_optimizer=False)
-            self.say(f"initialised weights from {source}")
+            if load_init is None:
+                ckpt.load_checkpoint(source, chunks=engine.chunks, load_optimizer=False)
+                self.say(f"initialised weights from {source}")
+            else:
+                self.say(f"initialised weights from {source} ({load_init(source, engine.chunks)})")
         self.logger.truncate_after(0, keep_warmup=False)
         return 0
 

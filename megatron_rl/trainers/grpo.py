@@ -105,7 +105,7 @@ class GrpoRun:
                 metrics = sft_step(self.engine, batch, global_batch_size=self.algo.global_batch_size,
                                    micro_batch_size=self.cfg.parallel.micro_batch_size, seq_length=seq_length,
                                    pad_id=self.tokenizer.pad_id)
-            self.ctx.logger.log(step, metrics, phase="sft")
+            self.ctx.logger.log(step, metrics, phase="sft", total=self.algo.sft_warmup_steps)
         self.engine.reset_optimizer_schedule()
         self.ctx.say(f"SFT warm-up: {self.algo.sft_warmup_steps} steps, final loss {metrics['loss']:.4f}")
 
@@ -296,7 +296,9 @@ def build_rewards(cfg: JobConfig, shape: ModelShape):
                                   "checkpoint folder")
             from megatron_rl.rewards.reward_model_scorer import RewardModelScorer
 
-            fns[name] = RewardModelScorer.from_job(cfg, shape)
+            fns[name] = RewardModelScorer(cfg.algorithm.reward_model, dtype=cfg.model.dtype,
+                                          micro_batch_size=cfg.parallel.micro_batch_size,
+                                          sequence_parallel=cfg.parallel.sequence_parallel)
         else:
             fns[name] = build_reward_fn(name)
         weights[name] = float(weight)

@@ -38,7 +38,6 @@ from megatron_rl.models.reward_model import (
     reward_forward,
     right_padded_batch,
 )
-from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
 from megatron_rl.trainers.common import TrainerContext
 
@@ -136,20 +135,13 @@ def reward_model_metadata(cfg: JobConfig, shape: ModelShape, *, max_length: int)
 
 
 def resume_or_init(cfg: JobConfig, ctx: TrainerContext, engine: Engine) -> int:
-    """Resume this run's newest checkpoint; else load model.init_from (policy: trunk only, head fresh); else 0.
+    """Resume this run's newest checkpoint; else load model.init_from (policy: trunk only, head fresh); else 0."""
 
-    A policy checkpoint has no ``rm_head``, so ``ctx.resume``'s plain load cannot take it: the first start of
-    a run loads init_from here.
-    """
-    ckpt.remove_partial_saves(ctx.ckpt_dir)
-    own = ckpt.latest_checkpoint(ctx.ckpt_dir) if cfg.checkpoint.resume else None
-    if own is not None or not cfg.model.init_from:
-        return ctx.resume(engine)
-    head_loaded = load_reward_model_weights(cfg.model.init_from, engine.chunks)
-    ctx.logger.truncate_after(0)
-    ctx.say(f"initialised weights from {cfg.model.init_from} "
-            f"({'reward model, head included' if head_loaded else 'trunk only; rm_head freshly initialised'})")
-    return 0
+    def load_init(path: str, chunks: list) -> str:
+        head_loaded = load_reward_model_weights(path, chunks)
+        return "reward model, head included" if head_loaded else "trunk only; rm_head freshly initialised"
+
+    return ctx.resume(engine, load_init=load_init)
 
 
 def evaluate(engine: Engine, batcher: PairBatcher, data: PreferenceData, cfg: JobConfig, loss_fn) -> dict[str, float]:

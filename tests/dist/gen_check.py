@@ -45,8 +45,6 @@ def full_forward_reference(chunks, prompts: list[list[int]], responses: list[lis
     """One training-style forward (Megatron's forward-only schedule, any TP/PP/VPP, no cache) of the final
     sequences. A causal model's logits at position j depend only on tokens <= j, so this recomputes every
     decoding step at once: per response token, the greedy choice and the log-prob of the token generated."""
-    from functools import partial
-
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -119,6 +117,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="override the tiny model's layer count")
+    parser.add_argument("--model", default="tiny-cpu", help="model preset (tiny-cpu, tiny-cpu-moe)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -136,11 +135,12 @@ def main() -> None:
 
     import dataclasses
 
-    cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp or 'null'}",
+    cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}",
+                                 f"parallel.vpp={args.vpp or 'null'}",
                                  "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
     initialize(ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp), seed=cfg.run.seed)
-    shape = load_model_shape("tiny-cpu")
+    shape = load_model_shape(args.model)
     if args.layers:
         shape = dataclasses.replace(shape, num_layers=args.layers)
     engine = build_engine(cfg, shape, total_steps=10)
@@ -157,7 +157,8 @@ def main() -> None:
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     prompts = fixed_prompts()[dp_rank::dp]
-    result: dict = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "layers": shape.num_layers, "dp": dp, "dp_rank": dp_rank, "prompts": prompts}
+    result: dict = {"model": args.model, "tp": args.tp, "pp": args.pp, "vpp": args.vpp, "layers": shape.num_layers,
+                    "dp": dp, "dp_rank": dp_rank, "prompts": prompts}
     chunks = engine.chunks
 
     started = time.perf_counter()
@@ -165,7 +166,11 @@ def main() -> None:
     result["greedy_seconds"] = time.perf_counter() - started
     result["greedy"] = {"tokens": greedy.tokens, "logprobs": greedy.logprobs, "lengths": greedy.lengths,
                         "finish_reasons": greedy.finish_reasons, "forward_passes": greedy.forward_passes,
-                        "kv_cache_bytes": greedy.kv_cache_bytes}
+                        "kv_cache_bytes": greedy.kv_cache_bytes, "decode_attention": greedy.decode_attention}
+    plain = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
+                     fast_attention=False)
+    result["megatron_path"] = {"tokens": plain.tokens, "decode_attention": plain.decode_attention,
+                               "logprob_diff": max_abs_diff(greedy.logprobs, plain.logprobs)}
 
     argmax_tokens, full_lp = full_forward_reference(chunks, prompts, greedy.tokens, vocab)
     result["full_forward_argmax"] = argmax_tokens

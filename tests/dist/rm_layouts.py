@@ -7,7 +7,8 @@ Writes OUT_DIR/results.json (rank 0) with rewards of the same sequences computed
 - through RewardModelScorer from one saved RM checkpoint at TP=1 x DP=2, TP=2 and PP=2, with micro-batches of
   3 (right-padded rows of different lengths) and of 1 (no padding);
 - directly through the model, right-padded vs left-padded (with a causal+padding attention mask);
-- two Bradley-Terry training steps (Engine, Megatron DDP + distributed optimizer) at TP=1 x DP=2 and TP=2;
+- two Bradley-Terry training steps (Engine, Megatron DDP + distributed optimizer) from the checkpoint's weights
+  at TP=1 x DP=2, TP=2 and PP=2;
 and the result of initialising an RM from a policy (GPT) checkpoint. tests/test_rm.py makes the assertions.
 """
 
@@ -85,19 +86,20 @@ def padding_rewards(model) -> dict:
     return {"right": out_right.tolist(), "left": out_left.tolist(), "single": single}
 
 
-def train_two_steps(shape, tp: int) -> dict:
-    """Two RM optimizer steps on 4 fixed pairs from SEED's weights: loss, grad norm, and rewards after."""
+def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
+    """Two RM optimizer steps on 4 fixed pairs from the weights in rm_dir: loss, grad norm, and metrics after."""
     from launcher.config.loader import load_config
     from megatron_rl.models.reward_model import reward_forward
     from megatron_rl.runtime.training import build_engine
     from megatron_rl.trainers.rm import REPORTS, PairBatcher, preference_loss
     from megatron_rl.data.preferences import PreferenceData
 
-    cfg = load_config(None, ["algorithm.name=rm", f"parallel.tp={tp}", "algorithm.global_batch_size=4",
-                             "parallel.micro_batch_size=2", "optimizer.lr=0.01", "algorithm.rm_centering_coef=0.1"])
-    torch.manual_seed(SEED)
+    cfg = load_config(None, ["algorithm.name=rm", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                             "algorithm.global_batch_size=4", "parallel.micro_batch_size=1", "optimizer.lr=1e-3",
+                             "algorithm.rm_centering_coef=0.01"])
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
-    engine.micro_batch_size = 4
+    engine.micro_batch_size = 2
+    assert load_reward_model_weights(rm_dir, engine.chunks)
     tok = CharTokenizer()
     seqs = [tok.encode(p + c, add_bos=True) for p, c in zip(PROMPTS, COMPLETIONS)]
     data = PreferenceData(chosen=seqs[:4], rejected=seqs[2:], name="fixed", num_read=4, num_truncated=0,
@@ -105,7 +107,7 @@ def train_two_steps(shape, tp: int) -> dict:
     batcher = PairBatcher(cfg, pad_id=tok.pad_id, max_length=32)
 
     def loss_fn(rewards, batch):
-        return preference_loss(rewards, batch, margin=0.0, centering_coef=0.1)
+        return preference_loss(rewards, batch, margin=0.0, centering_coef=0.01)
 
     out = {}
     for step in (1, 2):
@@ -153,8 +155,7 @@ def main(out_dir: Path) -> None:
         use_layout(tp=tp, pp=pp)
         if name == "tp2":
             results["seed_tp2"] = seeded_rewards(shape, tp=2)
-        if name in ("tp1_dp2", "tp2"):
-            results[f"train_{name}"] = train_two_steps(shape, tp=tp)
+        results[f"train_{name}"] = train_two_steps(shape, rm_dir, tp=tp, pp=pp)
         before = torch.get_rng_state()
         scorer = RewardModelScorer(str(rm_dir), micro_batch_size=3)
         results[f"rng_kept_{name}"] = torch.equal(before, torch.get_rng_state())

@@ -145,3 +145,190 @@ def slurm_cluster() -> Iterator[DevCluster]:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = previous
+
+
+# ---------------- launch.py against the dev cluster (the slurm executor and the sbatch templates) ----------------
+PRETRAIN_TWO_NODES = ("cluster.executor=slurm", "cluster.nodes=2", "cluster.tasks_per_node=1", "parallel.tp=2",
+                      "algorithm.name=pretrain", "run.steps=6")
+"""The tiny 2-node job of the Slurm tests: Megatron TP=2 over gloo, one rank on each node, 6 steps."""
+TIMING_KEYS = ("step_time_s", "tokens_per_s")
+JOB_ID = re.compile(r"submitted Slurm job (\d+)")
+HOSTILE_JOB_NAME = "it's a \"job\" $(touch {markers}/name1) `touch {markers}/name2` ;x"
+"""A job name that creates files in {markers} if any shell runs it as code."""
+HOSTILE_FOLDER = "run it's \"x\" $(touch dir1) `touch dir2` ;y"
+"""A run folder name (no slash) that creates dir1/dir2 in a shell's working folder if run as code."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchRun:
+    """A finished `python launch.py ... --wait` against the dev cluster."""
+
+    run_dir: Path
+    """The run folder (run.dir)."""
+    returncode: int
+    """launch.py's exit code."""
+    stdout: str
+    """launch.py's stdout (submission lines, streamed logs, state changes)."""
+    stderr: str
+    """launch.py's stderr (the explanation of a failure)."""
+    job_id: str
+    """The Slurm job id ("" when nothing was submitted)."""
+    seconds: float
+    """Wall time of launch.py."""
+
+    def metrics(self) -> list[dict]:
+        """metrics.jsonl without the timing keys (which differ between runs)."""
+        return Launcher.metrics(self.run_dir)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StartedLaunch:
+    """A `python launch.py ... --wait` still running."""
+
+    proc: subprocess.Popen
+    """The launch.py process."""
+    run_dir: Path
+    """Its run folder."""
+    out: Path
+    """File receiving its stdout."""
+    err: Path
+    """File receiving its stderr."""
+    started: float
+    """time.monotonic() at start."""
+
+    def job_id(self, *, timeout: float = 60.0) -> str:
+        """The job id launch.py printed once it submitted."""
+        return wait_for(lambda: (JOB_ID.search(self.out.read_text()) or [None, None])[1], timeout=timeout,
+                        what=f"job id in {self.out}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launcher:
+    """Starts `python launch.py` (the real CLI) in a subprocess that talks to the dev cluster."""
+
+    cluster: DevCluster
+    """The running dev cluster."""
+
+    pretrain_two_nodes: tuple[str, ...] = PRETRAIN_TWO_NODES
+    """The overrides of the tiny 2-node job."""
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**self.cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+    @staticmethod
+    def metrics(run_dir: Path) -> list[dict]:
+        """A run's metrics.jsonl without the timing keys (which differ between runs)."""
+        import json
+
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines if line]
+
+    def start(self, *args: str, run_dir: Path, env: dict[str, str] | None = None) -> StartedLaunch:
+        """Start launch.py ARGS run.dir=run_dir --wait; its stdout/stderr go to files next to run_dir."""
+        import sys
+
+        out = run_dir.parent / f"{run_dir.name}.launch.out"
+        err = run_dir.parent / f"{run_dir.name}.launch.err"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as stdout, err.open("w") as stderr:
+            command = [sys.executable, str(REPO_ROOT / "launch.py"), "--wait", *args, f"run.dir={run_dir}"]
+            proc = subprocess.Popen(command, cwd=REPO_ROOT, env=self.env(env), stdout=stdout, stderr=stderr,
+                                    stdin=subprocess.DEVNULL)
+        return StartedLaunch(proc=proc, run_dir=run_dir, out=out, err=err, started=time.monotonic())
+
+    def finish(self, started: StartedLaunch, *, timeout: float = 300.0) -> LaunchRun:
+        """Wait for a started launch.py (killing it after `timeout` s) and collect what it did."""
+        try:
+            started.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            started.proc.kill()
+            started.proc.wait()
+            raise AssertionError(f"launch.py still waiting after {timeout} s:\n{started.out.read_text()[-3000:]}")
+        stdout, stderr = started.out.read_text(), started.err.read_text()
+        match = JOB_ID.search(stdout)
+        return LaunchRun(run_dir=started.run_dir, returncode=started.proc.returncode, stdout=stdout, stderr=stderr,
+                         job_id=match.group(1) if match else "", seconds=time.monotonic() - started.started)
+
+    def run(self, *args: str, run_dir: Path, env: dict[str, str] | None = None, timeout: float = 300.0) -> LaunchRun:
+        return self.finish(self.start(*args, run_dir=run_dir, env=env), timeout=timeout)
+
+    def sbatch(self, template: str, *sbatch_args: str, run_dir: Path, env: dict[str, str]) -> StartedLaunch:
+        """`sbatch --wait slurm/TEMPLATE` from the repository root, as a user would, with RUN_DIR and PYTHON set."""
+        import sys
+
+        batch_log = run_dir.parent / f"{run_dir.name}.batch.out"
+        err = run_dir.parent / f"{run_dir.name}.sbatch.err"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        command = ["sbatch", "--wait", "--parsable", f"--output={batch_log}", *sbatch_args, f"slurm/{template}"]
+        with err.open("w") as stderr:
+            proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                    env=self.env({"PYTHON": sys.executable, "RUN_DIR": str(run_dir), **env}),
+                                    stdin=subprocess.DEVNULL)
+        return StartedLaunch(proc=proc, run_dir=run_dir, out=batch_log, err=err, started=time.monotonic())
+
+    def finish_sbatch(self, started: StartedLaunch, *, timeout: float = 300.0) -> LaunchRun:
+        """Wait for `sbatch --wait`; stdout of the result is the batch script's log."""
+        try:
+            parsable, _ = started.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            started.proc.kill()
+            started.proc.communicate()
+            raise AssertionError(f"sbatch --wait still waiting after {timeout} s") from None
+        log = started.out.read_text() if started.out.exists() else ""
+        return LaunchRun(run_dir=started.run_dir, returncode=started.proc.returncode, stdout=log,
+                         stderr=started.err.read_text(), job_id=parsable.strip().split(";")[0],
+                         seconds=time.monotonic() - started.started)
+
+
+def wait_for(probe, *, timeout: float, what: str, every: float = 0.1):
+    """Poll probe() until it returns something truthy and return it; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"no {what} after {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def launcher(slurm_cluster: DevCluster) -> Launcher:
+    """Runs launch.py against the dev cluster."""
+    return Launcher(cluster=slurm_cluster)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TwoNodeRuns:
+    """The same uninterrupted 2-node job, through launch.py and through plain sbatch, both with hostile names."""
+
+    launch_args: tuple[str, ...]
+    """launch.py's overrides (without run.dir)."""
+    launch: LaunchRun
+    """The run through launch.py (submitit)."""
+    plain: LaunchRun
+    """The run through `sbatch slurm/pretrain.sbatch` (stdout: its batch log)."""
+    job_name: str
+    """The job name both used."""
+    markers: Path
+    """The folder the job name would create files in, were it run as code."""
+
+
+@pytest.fixture(scope="session")
+def two_node_runs(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> TwoNodeRuns:
+    """Runs both at once (their idle waits overlap)."""
+    root = tmp_path_factory.mktemp("two-node")
+    markers = root / "markers"
+    markers.mkdir()
+    job_name = HOSTILE_JOB_NAME.format(markers=markers)
+    args = (*PRETRAIN_TWO_NODES, f"cluster.job_name={job_name}")
+    launched = launcher.start(*args, run_dir=root / "launch" / HOSTILE_FOLDER)
+    plain = launcher.sbatch("pretrain.sbatch", "--nodes=2", "--ntasks-per-node=1", f"--job-name={job_name}",
+                            run_dir=root / "plain" / HOSTILE_FOLDER, env={"OVERRIDES": "parallel.tp=2 run.steps=6"})
+    return TwoNodeRuns(launch_args=args, launch=launcher.finish(launched), plain=launcher.finish_sbatch(plain),
+                       job_name=job_name, markers=markers)
+
+
+@pytest.fixture(scope="session")
+def pretrain_baseline(two_node_runs: TwoNodeRuns) -> LaunchRun:
+    """The uninterrupted 2-node job through launch.py; other runs compare their metrics to it."""
+    return two_node_runs.launch

@@ -1,0 +1,148 @@
+"""Export throughput and peak memory of ``megatron-to-hf`` on a >= 2 GB checkpoint, against a plain copy.
+
+Run: ``.venv/bin/python bench/convert.py [--workdir DIR] [--hidden 4096 --layers 2 --vocab 32000]``
+
+1. writes a random Llama-shaped HF model (fp32; default hidden 4096, 2 layers, ffn 11008, GQA 32/8, untied
+   vocab 32000: 2.46 GB) with the streaming safetensors writer;
+2. imports it with ``convert hf-to-megatron --tp 2`` (2 processes), so the checkpoint is TP-sharded;
+3. times ``--rounds`` alternating pairs, each run after dropping the page cache (when root may write
+   /proc/sys/vm/drop_caches) and each ending with its data on disk: ``cp`` of the checkpoint's files + ``sync``,
+   then ``python launch.py convert megatron-to-hf`` as a subprocess (it fsyncs every shard); the peak RSS of
+   that process comes from wait4;
+4. removes every file it wrote.
+The last line is one JSON object: bytes, median seconds, GB/s of both, ``speedup`` = copy_s / export_s (the whole
+export process, interpreter start included; ``speedup_core`` uses the export's own timer), peak RSS, the
+largest tensor and the read budget that bound the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def write_random_llama(folder: Path, *, hidden: int, layers: int, ffn: int, heads: int, kv_heads: int,
+                       vocab: int) -> int:
+    import torch
+
+    from launcher.model_shape import shape_from_hf_config
+    from megatron_rl.conversion.names import expected_hf_tensors
+    from megatron_rl.conversion.safetensors_io import PlannedTensor, ShardedSafetensorsWriter, plan_shards
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+              "torch_dtype": "float32"}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = expected_hf_tensors(shape_from_hf_config(config, name="bench", source="bench"))
+    shards = plan_shards([[PlannedTensor(n, "F32", s)] for n, s in tensors.items()], 2 * 10**9)
+    writer = ShardedSafetensorsWriter(folder, shards)
+    generator = torch.Generator().manual_seed(0)
+    for name, shape in tensors.items():
+        writer.write(name, torch.randn(shape, generator=generator) * 0.02)
+    writer.close()
+    return writer.bytes_written
+
+
+def run_export(ckpt: Path, out: Path, shard_size: str) -> dict:
+    cmd = [sys.executable, str(REPO / "launch.py"), "convert", "megatron-to-hf", "--ckpt", str(ckpt), "--out",
+           str(out), "--shard-size", shard_size]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"export failed: {stderr.strip()[-2000:]}")
+    core = re.search(r"GB in ([0-9.]+) s", stdout)
+    return {"wall_s": wall, "core_s": float(core.group(1)) if core else wall, "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=None, help="where the big files go (default: a temp folder in /tmp)")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--ffn", type=int, default=11008)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--shard-size", default="2GB")
+    parser.add_argument("--rounds", type=int, default=3, help="copy/export pairs, alternated; medians reported")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
+    try:
+        hf, ckpt, copy, out = work / "hf", work / "ckpt", work / "copy", work / "export"
+        hf_bytes = write_random_llama(hf, hidden=args.hidden, layers=args.layers, ffn=args.ffn,
+                                      heads=args.hidden // 128, kv_heads=max(1, args.hidden // 512), vocab=args.vocab)
+        start = time.perf_counter()
+        from megatron_rl.conversion import import_hf_to_megatron
+
+        imported = import_hf_to_megatron(hf, ckpt, tp=args.tp)
+        import_s = time.perf_counter() - start
+        step = Path(imported["step_folder"])
+        ckpt_bytes = sum(p.stat().st_size for p in step.iterdir() if p.is_file())
+        shutil.rmtree(hf)
+
+        copies, exports = [], []
+        for _ in range(args.rounds):  # alternate, so that both sides see the same machine and disk load
+            dropped = drop_caches()
+            start = time.perf_counter()
+            subprocess.run(["cp", "-r", str(step), str(copy)], check=True)
+            os.sync()
+            copies.append(time.perf_counter() - start)
+            shutil.rmtree(copy)
+            drop_caches()
+            shutil.rmtree(out, ignore_errors=True)
+            exports.append(run_export(ckpt, out, args.shard_size))
+        exported = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        copy_s = statistics.median(copies)
+        export = {"wall_s": statistics.median(e["wall_s"] for e in exports),
+                  "core_s": statistics.median(e["core_s"] for e in exports),
+                  "peak_rss_bytes": max(e["peak_rss_bytes"] for e in exports)}
+        from megatron_rl.conversion.dist_reader import CheckpointReader
+
+        largest = max(t.nbytes for t in CheckpointReader(ckpt).index.values())
+        result = {
+            "checkpoint_bytes": ckpt_bytes, "hf_bytes": hf_bytes, "exported_bytes": exported,
+            "import_tp": args.tp, "import_s": round(import_s, 2),
+            "copy_s": round(copy_s, 3), "export_s": round(export["wall_s"], 3),
+            "export_core_s": round(export["core_s"], 3),
+            "copy_GBps": round(ckpt_bytes / copy_s / 1e9, 3),
+            "export_GBps": round(exported / export["wall_s"] / 1e9, 3),
+            "speedup": round(copy_s / export["wall_s"], 3), "speedup_core": round(copy_s / export["core_s"], 3),
+            "copy_rounds_s": [round(c, 3) for c in copies],
+            "export_rounds_s": [round(e["wall_s"], 3) for e in exports],
+            "peak_rss_bytes": export["peak_rss_bytes"], "largest_tensor_bytes": largest,
+            "read_budget_bytes": 512 * 2**20, "shard_size": args.shard_size, "caches_dropped": dropped,
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

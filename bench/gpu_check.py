@@ -1,0 +1,633 @@
+"""Prove the CUDA path on one GPU: a ~1B Llama in bf16 through generation, GRPO and training; one JSON line out.
+
+Run on a GPU (after ``bench/gpu_check.sh`` installed the carried wheels): ``python3 bench/gpu_check.py --out DIR``.
+Dry mode, CPU, tiny model, fp32, tiny batch, same code path: ``.venv/bin/python bench/gpu_check.py --dry-run``.
+Normally started by ``bench/gpu_check.sh [--dry-run]``; tested by ``tests/test_gpu_check.py``.
+
+What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``initialize``):
+
+1. exactness: a tiny tied-embedding Llama in fp32 on the same device: KV-cache generation log-probs against
+   the training forward (``sequence_logprobs``), and the same weights in ``transformers`` (log-probs and greedy
+   tokens). Tolerance 1e-4 absolute (fp32; the CPU tests measure ~1e-6).
+2. training MFU: ``Engine.train_step`` on next-token batches (mbs x seq, no recompute); model FLOPs from the
+   planner's ``Workload.model_flops_per_token`` (fwd+bwd, GQA/SwiGLU aware, causal attention unhalved);
+   MFU against the planner's bf16 peak for ``--gpu-type``; the planner's prediction for the same layout beside it.
+3. colocated generation throughput: greedy decoding of a batch on the training engine's own weights
+   (optimizer state resident) against ``transformers`` ``generate`` on a copy of the same weights; the KV-cache
+   log-probs of that run against the training forward, and ``transformers``' teacher-forced log-probs.
+4. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
+   rollout's KV-cache log-probs are checked against the training forward. bf16 tolerance: max |diff| <= 0.25
+   nats and mean |diff| <= 0.02 nats (bf16 keeps 8 mantissa bits; decode and full-sequence GEMMs round
+   differently).
+
+Prints progress on stderr and, last on stdout, one JSON object with every figure; writes it to
+``OUT/gpu_check.json``. Exit code 0 when every check passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import dataclasses
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+try:  # the installed wheel on the GPU machine; the source tree (editable install or checkout) elsewhere
+    import launcher  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch
+
+FP32_LOGPROB_TOL = 1e-4
+BF16_LOGPROB_MAX_TOL = 0.25
+BF16_LOGPROB_MEAN_TOL = 0.02
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckSizes:
+    """Model and workload sizes of one check run."""
+
+    model: str
+    """Megatron-style model YAML (path relative to the repository root)."""
+    dtype: str
+    """Compute dtype of the main model: bf16 or fp32."""
+    exact_model: str
+    """Model YAML of the fp32 exactness check (built with tied embeddings)."""
+    gen_batch: int
+    """Sequences decoded at once in the throughput run."""
+    gen_prompt_len: int
+    """Prompt tokens per sequence in the throughput run."""
+    gen_new_tokens: int
+    """Tokens generated per sequence in the throughput run (no early stop)."""
+    gen_repeats: int
+    """Timed runs of each generator (after one untimed run each); the median is reported."""
+    mfu_seq: int
+    """Sequence length of the training-MFU steps."""
+    mfu_micro_batch: int
+    """Micro-batch size of the training-MFU steps."""
+    mfu_global_batch: int
+    """Sequences per training-MFU step."""
+    mfu_warmup_steps: int
+    """Untimed training steps first."""
+    mfu_steps: int
+    """Timed training steps."""
+    grpo_prompts: int
+    """GRPO prompts per step."""
+    grpo_group: int
+    """GRPO completions per prompt."""
+    grpo_micro_batch: int
+    """GRPO training micro-batch size."""
+    grpo_new_tokens: int
+    """GRPO max_new_tokens."""
+    grpo_steps: int
+    """GRPO steps; the first is reported as cold, the last as warm."""
+
+
+GPU_SIZES = CheckSizes(
+    model="bench/llama-1b.yaml", dtype="bf16", exact_model="configs/models/tiny-cpu.yaml",
+    gen_batch=64, gen_prompt_len=32, gen_new_tokens=128, gen_repeats=3,
+    mfu_seq=2048, mfu_micro_batch=4, mfu_global_batch=16, mfu_warmup_steps=2, mfu_steps=3,
+    grpo_prompts=8, grpo_group=8, grpo_micro_batch=16, grpo_new_tokens=128, grpo_steps=2)
+DRY_SIZES = CheckSizes(
+    model="configs/models/tiny-cpu.yaml", dtype="fp32", exact_model="configs/models/tiny-cpu.yaml",
+    gen_batch=4, gen_prompt_len=8, gen_new_tokens=8, gen_repeats=2,
+    mfu_seq=64, mfu_micro_batch=2, mfu_global_batch=4, mfu_warmup_steps=1, mfu_steps=2,
+    grpo_prompts=2, grpo_group=4, grpo_micro_batch=4, grpo_new_tokens=8, grpo_steps=2)
+
+
+def say(message: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, seconds) with the device synchronised before and after."""
+    sync()
+    started = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - started
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face side
+def megatron_to_hf_llama(model, shape, *, dtype: torch.dtype, device: torch.device):
+    """A ``LlamaForCausalLM`` holding a copy of a TP=1, PP=1 Megatron ``GPTModel``'s weights (local spec).
+
+    Fused QKV is stored per query group as [q heads of the group, k, v]; fc1 is [gate; up]. With tied
+    embeddings Megatron has no output weight and the HF model ties lm_head to the embedding.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=shape.norm_epsilon,
+        rope_theta=shape.rotary_base, tie_word_embeddings=shape.tie_embeddings, attention_bias=False,
+        mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    with torch.device(device):
+        hf = LlamaForCausalLM(config)
+    hf.to(dtype)
+    src = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    groups, head_dim = shape.num_query_groups, shape.kv_channels
+    per_group = shape.num_attention_heads // groups
+    ffn, vocab = shape.ffn_hidden_size, shape.vocab_size
+    dst = {"model.embed_tokens.weight": src["embedding.word_embeddings.weight"][:vocab],
+           "model.norm.weight": src["decoder.final_layernorm.weight"]}
+    if not shape.tie_embeddings:
+        dst["lm_head.weight"] = src["output_layer.weight"][:vocab]
+    for i in range(shape.num_layers):
+        pre, out = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = src[pre + "self_attention.linear_qkv.weight"].view(groups, per_group + 2, head_dim, -1)
+        fc1 = src[pre + "mlp.linear_fc1.weight"]
+        dst.update({
+            out + "input_layernorm.weight": src[pre + "self_attention.linear_qkv.layer_norm_weight"]
+            if pre + "self_attention.linear_qkv.layer_norm_weight" in src else src[pre + "input_layernorm.weight"],
+            out + "self_attn.q_proj.weight": qkv[:, :per_group].reshape(groups * per_group * head_dim, -1),
+            out + "self_attn.k_proj.weight": qkv[:, per_group].reshape(groups * head_dim, -1),
+            out + "self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(groups * head_dim, -1),
+            out + "self_attn.o_proj.weight": src[pre + "self_attention.linear_proj.weight"],
+            out + "post_attention_layernorm.weight": src[pre + "mlp.linear_fc1.layer_norm_weight"]
+            if pre + "mlp.linear_fc1.layer_norm_weight" in src else src[pre + "pre_mlp_layernorm.weight"],
+            out + "mlp.gate_proj.weight": fc1[:ffn], out + "mlp.up_proj.weight": fc1[ffn:],
+            out + "mlp.down_proj.weight": src[pre + "mlp.linear_fc2.weight"]})
+    missing, unexpected = hf.load_state_dict(dst, strict=False)
+    allowed_missing = {"lm_head.weight"} if shape.tie_embeddings else set()
+    if unexpected or set(missing) - allowed_missing:
+        raise RuntimeError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
+    if shape.tie_embeddings and hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr():
+        raise RuntimeError("transformers did not tie lm_head to the embedding")
+    return hf.eval()
+
+
+def hf_generate(hf, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.inference_mode():
+        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                          use_cache=True)
+    return out[:, prompts.shape[1]:]
+
+
+def hf_logprobs(hf, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] float32 log-probs of tokens[:, 1:] under the HF model (one teacher-forced forward)."""
+    with torch.inference_mode():
+        logits = hf(input_ids=tokens[:, :-1]).logits.float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------ comparisons
+def compare_logprobs(prompt_lens: list[int], responses: list[list[int]], kv_logprobs: list[list[float]],
+                     reference: torch.Tensor) -> dict:
+    """max / mean |KV-cache log-prob - reference| over response tokens; reference is [B, S-1] of tokens[:, 1:]."""
+    ref = reference.float().cpu()
+    diffs = []
+    for row, (start, response, lps) in enumerate(zip(prompt_lens, responses, kv_logprobs)):
+        if response:
+            want = ref[row, start - 1:start - 1 + len(response)]
+            diffs.append((torch.tensor(lps, dtype=torch.float32) - want).abs())
+    all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
+    return {"tokens": int(all_diffs.numel()),
+            "max_abs_diff": float(all_diffs.max()) if all_diffs.numel() else 0.0,
+            "mean_abs_diff": float(all_diffs.mean()) if all_diffs.numel() else 0.0}
+
+
+def judge(stats: dict, *, dtype: str) -> dict:
+    """Attach the tolerance for dtype and whether the stats meet it."""
+    if dtype == "fp32":
+        tol = {"max_abs": FP32_LOGPROB_TOL}
+        ok = stats["max_abs_diff"] <= FP32_LOGPROB_TOL
+    else:
+        tol = {"max_abs": BF16_LOGPROB_MAX_TOL, "mean_abs": BF16_LOGPROB_MEAN_TOL}
+        ok = stats["max_abs_diff"] <= BF16_LOGPROB_MAX_TOL and stats["mean_abs_diff"] <= BF16_LOGPROB_MEAN_TOL
+    return {**stats, "tolerance": tol, "passed": bool(ok and stats["tokens"] > 0)}
+
+
+def padded_sequences(prompts: list[list[int]], responses: list[list[int]], device) -> torch.Tensor:
+    """prompt + response rows, right-padded with 0, as one [B, S] tensor."""
+    rows = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Rows decoded identically, and the mean number of leading tokens that agree."""
+    def prefix(a, b):
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    return {"rows_equal_fraction": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
+            "mean_agreeing_prefix": statistics.fmean(prefix(a, b) for a, b in zip(ours, theirs))}
+
+
+# ------------------------------------------------------------------------------------------ the parts
+def exactness_check(exact_yaml: str, device: torch.device) -> dict:
+    """fp32 tiny tied Llama: KV-cache vs training-forward log-probs, and the same weights in transformers."""
+    # IEEE fp32 matmuls for this part only: TF32 would round to 10 mantissa bits and hide nothing but noise
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _exactness_check(exact_yaml, device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+
+
+def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.generation import generate, sequence_logprobs
+    from megatron_rl.models.builder import ModelOptions, build_gpt_model
+
+    shape = dataclasses.replace(load_model_shape(str(REPO_ROOT / exact_yaml)), tie_embeddings=True)
+    model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7))
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randint(3, shape.vocab_size, (8, 6), generator=gen).tolist()
+    prompts[1] = prompts[1][:3]  # ragged prompts: decode feeds prompt tokens to the short rows
+    sampled = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=16, temperature=1.0, seed=7)
+    tokens = padded_sequences(prompts, sampled.tokens, device)
+    ours = sequence_logprobs(model, tokens)
+    hf = megatron_to_hf_llama(model, shape, dtype=torch.float32, device=device)
+    theirs = hf_logprobs(hf, tokens)
+    lens = [len(p) for p in prompts]
+    mask = torch.zeros_like(ours, dtype=torch.bool)
+    for row, (start, response) in enumerate(zip(lens, sampled.tokens)):
+        mask[row, start - 1:start - 1 + len(response)] = True
+    hf_diff = (ours - theirs).abs()[mask]
+    even = [p[:6] + [p[0]] * (6 - len(p)) for p in prompts]
+    greedy = generate(model, even, vocab_size=shape.vocab_size, max_new_tokens=16, temperature=0.0).tokens
+    hf_greedy = hf_generate(hf, torch.tensor(even, device=device), 16).tolist()
+    del hf
+    return {
+        "model": f"{shape.name} (tied embeddings), fp32",
+        "kv_cache_vs_training_forward": judge(compare_logprobs(lens, sampled.tokens, sampled.logprobs, ours),
+                                              dtype="fp32"),
+        "transformers_vs_training_forward": judge({"tokens": int(hf_diff.numel()),
+                                                   "max_abs_diff": float(hf_diff.max()),
+                                                   "mean_abs_diff": float(hf_diff.mean())}, dtype="fp32"),
+        "greedy_tokens_vs_transformers": token_agreement(greedy, hf_greedy),
+    }
+
+
+def training_mfu(engine, shape, sizes: CheckSizes, gpu_type: str) -> dict:
+    """Timed next-token training steps on the engine; model FLOPs and MFU from the planner's cost model."""
+    from launcher.planner.costs import Workload
+    from launcher.planner.gpus import get_gpu
+    from megatron_rl.runtime.phases import training_phase
+    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+
+    gpu = get_gpu(gpu_type)
+    workload = Workload(shape=shape, gpu=gpu, num_gpus=1, seq_length=sizes.mfu_seq,
+                        global_batch_size=sizes.mfu_global_batch)
+    flops_per_token = workload.model_flops_per_token()
+    saved_mbs, engine.micro_batch_size = engine.micro_batch_size, sizes.mfu_micro_batch
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    try:
+        with training_phase(engine):
+            for step in range(sizes.mfu_warmup_steps + sizes.mfu_steps):
+                rows = progression_batch(seed=11, step=step, batch_size=sizes.mfu_global_batch,
+                                         seq_length=sizes.mfu_seq, vocab_size=shape.vocab_size)
+                micro = [collate_lm(rows[i:i + sizes.mfu_micro_batch])
+                         for i in range(0, sizes.mfu_global_batch, sizes.mfu_micro_batch)]
+                metrics, seconds = timed(lambda: engine.train_step(micro, lm_loss, seq_length=sizes.mfu_seq,
+                                                                   report_names=("loss",)))
+                losses.append(metrics["loss"])
+                if step >= sizes.mfu_warmup_steps:
+                    times.append(seconds)
+    finally:
+        engine.micro_batch_size = saved_mbs
+    step_s = statistics.median(times)
+    tokens = sizes.mfu_global_batch * sizes.mfu_seq
+    achieved = flops_per_token * tokens / step_s
+    return {
+        "seq_length": sizes.mfu_seq, "micro_batch_size": sizes.mfu_micro_batch,
+        "global_batch_size": sizes.mfu_global_batch, "recompute": "none", "timed_steps": len(times),
+        "step_time_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s,
+        "model_flops_per_token": flops_per_token,
+        "flops_source": "launcher.planner.costs.Workload.model_flops_per_token (fwd+bwd = 3x fwd; "
+                        "fwd = 2*(attention+MLP params) + 2*seq*heads*(dqk+dv) per layer + 2*hidden*vocab)",
+        "achieved_tflops": achieved / 1e12, "peak_tflops": gpu.bf16_tflops, "peak_source": f"{gpu.name} bf16 dense",
+        "mfu": achieved / (gpu.bf16_tflops * 1e12),
+        "loss_first": losses[0], "loss_last": losses[-1],
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    }
+
+
+def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, device: torch.device) -> dict:
+    """Greedy decoding on the training engine vs transformers generate on a copy of the weights."""
+    from megatron_rl.generation import generate, sequence_logprobs
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.phases import generation_phase
+    from megatron_rl.trainers.pretrain import progression_batch
+
+    prompt_tensor = progression_batch(seed=5, step=0, batch_size=sizes.gen_batch,
+                                      seq_length=sizes.gen_prompt_len - 1, vocab_size=shape.vocab_size)
+    prompts = prompt_tensor.tolist()
+    prompt_on_device = prompt_tensor.to(device)
+    hf = megatron_to_hf_llama(unwrap(engine.chunks[0]), shape, dtype=dtype, device=device)
+
+    def ours():
+        with generation_phase(engine):
+            return generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
+                            max_new_tokens=sizes.gen_new_tokens, temperature=0.0)
+
+    def theirs():
+        return hf_generate(hf, prompt_on_device, sizes.gen_new_tokens).tolist()
+
+    (first, ours_first_s), (hf_tokens, hf_first_s) = timed(ours), timed(theirs)
+    times: dict[str, list[float]] = {"ours": [], "transformers": []}
+    for _ in range(sizes.gen_repeats):
+        for name, fn in (("ours", ours), ("transformers", theirs)):
+            times[name].append(timed(fn)[1])
+    tokens = padded_sequences(prompts, first.tokens, device)
+    with generation_phase(engine):
+        reference = sequence_logprobs(engine.chunks, tokens)
+    theirs_lp = hf_logprobs(hf, tokens)
+    start = sizes.gen_prompt_len - 1
+    hf_diff = (reference[:, start:] - theirs_lp[:, start:]).abs()
+    attn = getattr(hf.config, "_attn_implementation", None)
+    del hf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    new_tokens = sizes.gen_batch * sizes.gen_new_tokens
+    ours_s, hf_s = statistics.median(times["ours"]), statistics.median(times["transformers"])
+    return {
+        "batch": sizes.gen_batch, "prompt_len": sizes.gen_prompt_len, "new_tokens": sizes.gen_new_tokens,
+        "decoding": "greedy", "repeats": sizes.gen_repeats,
+        "ours_s_median": ours_s, "ours_tokens_per_s": new_tokens / ours_s, "ours_s_all": times["ours"],
+        "ours_first_call_s": ours_first_s, "forward_passes": first.forward_passes,
+        "kv_cache_gib": first.kv_cache_bytes / 2**30,
+        "transformers_s_median": hf_s, "transformers_tokens_per_s": new_tokens / hf_s,
+        "transformers_s_all": times["transformers"], "transformers_first_call_s": hf_first_s,
+        "transformers_attn_implementation": attn,
+        "speedup_vs_transformers": hf_s / ours_s,
+        "greedy_tokens_vs_transformers": token_agreement(first.tokens, hf_tokens),
+        "kv_cache_vs_training_forward": judge(compare_logprobs([len(p) for p in prompts], first.tokens,
+                                                               first.logprobs, reference), dtype=sizes.dtype),
+        "transformers_vs_training_forward": {"tokens": int(hf_diff.numel()), "max_abs_diff": float(hf_diff.max()),
+                                             "mean_abs_diff": float(hf_diff.mean())},
+    }
+
+
+def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
+    """GRPO steps (generate, score, train); the rollout log-prob check sits outside the timed phases."""
+    from megatron_rl.generation import sequence_logprobs
+    from megatron_rl.runtime.phases import generation_phase
+
+    steps, checks = [], []
+    for _ in range(sizes.grpo_steps):
+        prompts = run.sampler.next_batch()
+        rollout, t_gen = timed(lambda: run.generate(prompts))
+        _, t_score = timed(lambda: run.score(rollout))
+        tokens = padded_sequences(rollout.prompt_ids, rollout.response_ids, device)
+        with generation_phase(run.engine):
+            reference = sequence_logprobs(run.engine.chunks, tokens)
+        checks.append(compare_logprobs([len(p) for p in rollout.prompt_ids], rollout.response_ids,
+                                       rollout.logprobs, reference))
+        train, t_train = timed(lambda: run.train_on(rollout))
+        metrics = run.step_metrics(rollout, train, t_gen, t_score, t_train)
+        steps.append({k: metrics[k] for k in (
+            "time_generate_s", "time_score_s", "time_train_s", "step_time_s", "generate_tokens_per_s",
+            "train_tokens_per_s", "response_length", "reward_mean", "loss", "first_ratio_min", "first_ratio_max")
+            if k in metrics} | {"completions": len(rollout.response_ids), "train_seq_length": rollout.seq_length})
+    merged = {"tokens": sum(c["tokens"] for c in checks),
+              "max_abs_diff": max(c["max_abs_diff"] for c in checks),
+              "mean_abs_diff": sum(c["mean_abs_diff"] * c["tokens"] for c in checks)
+              / max(1, sum(c["tokens"] for c in checks))}
+    return {"prompts_per_step": sizes.grpo_prompts, "group_size": sizes.grpo_group,
+            "max_new_tokens": sizes.grpo_new_tokens, "temperature": 1.0, "steps": len(steps),
+            "cold": steps[0], "warm": steps[-1],
+            "kv_cache_vs_training_forward": judge(merged, dtype=sizes.dtype)}
+
+
+def planner_predictions(shape, model_yaml: str, sizes: CheckSizes, gpu_type: str, grpo: dict) -> dict:
+    """The planner's single-GPU predictions for the measured training step and GRPO step."""
+    from launcher.planner import GrpoSizing, Runtime, evaluate
+
+    layout = f"tp=1,pp=1,mbs={sizes.mfu_micro_batch},recompute=none"
+    common = dict(num_gpus=1, gpu_type=gpu_type, seq_length=sizes.mfu_seq,
+                  global_batch_size=sizes.mfu_global_batch, mode="pretrain")
+    default = evaluate(shape, layout, **common)
+    unfused = evaluate(shape, layout, runtime=Runtime(flash_attention=False), **common)
+    seq = grpo.get("warm", {}).get("train_seq_length", 16 + sizes.grpo_new_tokens - 1) + 1
+    prompt_len = seq - sizes.grpo_new_tokens
+    completions = sizes.grpo_prompts * sizes.grpo_group
+    grpo_plan = evaluate(shape, f"tp=1,pp=1,mbs={sizes.grpo_micro_batch},recompute=none", num_gpus=1,
+                         gpu_type=gpu_type, seq_length=seq, global_batch_size=completions,
+                         mode="grpo", runtime=Runtime(flash_attention=False),
+                         grpo=GrpoSizing(rollout_batch_size=completions, max_prompt_length=max(1, prompt_len),
+                                         max_response_length=sizes.grpo_new_tokens, reference_model=False,
+                                         kv_cache_released_for_training=True))
+    def predicted(plan) -> dict:
+        e = plan.estimate
+        return {"step_time_s": e.step_time_s, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s_per_gpu,
+                "memory_total_gib": plan.memory["total"], "fits": plan.fits}
+
+    return {
+        "cli": f"python launch.py plan --model {model_yaml} --gpus 1 --gpu-type {gpu_type} --layout {layout} "
+               f"--seq-len {sizes.mfu_seq} --global-batch-size {sizes.mfu_global_batch} --json",
+        "training_default_runtime": {**predicted(default),
+                                     "note": "planner default: flash attention (Transformer Engine)"},
+        "training_unfused_attention": {**predicted(unfused),
+                                       "note": "Runtime(flash_attention=False): what the local spec runs"},
+        "grpo_step_unfused_attention": predicted(grpo_plan),
+    }
+
+
+# ------------------------------------------------------------------------------------------ main
+def environment(device: torch.device) -> dict:
+    import megatron.core
+
+    from megatron_rl.models.builder import have_transformer_engine
+    from megatron_rl.runtime import cpu_compat
+
+    try:
+        import transformers
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = None
+    import launcher as launcher_pkg
+    import megatron_rl
+
+    return {
+        "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "megatron_core": getattr(megatron.core, "__version__", None), "transformers": hf_version,
+        "transformer_engine": have_transformer_engine(),
+        "layer_spec": "transformer_engine" if have_transformer_engine() else "local",
+        "cpu_redirection_active": cpu_compat.is_active(),
+        "cpu_redirections": sum(cpu_compat.redirect_counts().values()),
+        "package_path": str(Path(megatron_rl.__file__).parent.parent),
+        "launcher_path": str(Path(launcher_pkg.__file__).parent),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+    }
+
+
+def job_overrides(sizes: CheckSizes, run_dir: str) -> list[str]:
+    completions = sizes.grpo_prompts * sizes.grpo_group
+    return [f"model.name={REPO_ROOT / sizes.model}", f"model.dtype={sizes.dtype}", f"run.dir={run_dir}",
+            "run.steps=100", "run.seed=1234", "algorithm.name=grpo",
+            f"algorithm.prompts_per_step={sizes.grpo_prompts}", f"algorithm.group_size={sizes.grpo_group}",
+            f"algorithm.global_batch_size={completions}", "algorithm.kl_coef=0.0", "algorithm.sft_warmup_steps=0",
+            f"parallel.micro_batch_size={sizes.grpo_micro_batch}", f"generation.max_new_tokens={sizes.grpo_new_tokens}",
+            "generation.temperature=1.0", "optimizer.lr=1.0e-4", "optimizer.lr_warmup_steps=0",
+            "logging.console=quiet", "logging.tensorboard=false",
+            "checkpoint.save_at_end=false", "checkpoint.resume=false"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, fp32, tiny batch")
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for the JSON")
+    parser.add_argument("--gpu-type", default="h200-141gb", help="planner GPU type for MFU and predictions")
+    parser.add_argument("--install-summary", default=None, help="gpu_check.sh: what step 1 installed")
+    parser.add_argument("--install-rc", type=int, default=None, help="gpu_check.sh: step 1 exit code")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                        help="main model dtype (default: bf16 on the GPU, fp32 in the dry run)")
+    args = parser.parse_args(argv)
+    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    if args.dtype:
+        sizes = dataclasses.replace(sizes, dtype=args.dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    if not args.dry_run and not torch.cuda.is_available():
+        say("CUDA is not available: run on a GPU, or pass --dry-run for the CPU check")
+        return 2
+    started = time.perf_counter()
+
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from megatron_rl.trainers.common import TrainerContext
+    from megatron_rl.trainers.grpo import GrpoRun
+
+    result: dict[str, Any] = {"mode": "dry-run" if args.dry_run else "gpu", "sizes": asdict(sizes)}
+    if args.install_summary is not None or args.install_rc is not None:
+        result["install"] = {"rc": args.install_rc, "summary": args.install_summary}
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    errors: list[str] = []
+
+    def attempt(key: str, fn: Callable[[], Any]) -> Any:
+        """One part of the check; its failure is recorded and the independent parts still run."""
+        say(key)
+        try:
+            result[key] = fn()
+        except StoppedBySigterm:
+            raise
+        except Exception as exc:
+            traceback.print_exc()
+            result[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            errors.append(key)
+            return None
+        return result[key]
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_run_") as run_dir:
+        try:
+            cfg = load_config(None, job_overrides(sizes, run_dir))
+            initialize(ParallelSizes(), seed=cfg.run.seed)
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+            dtype = torch.bfloat16 if sizes.dtype == "bf16" else torch.float32
+            result["environment"] = environment(device)
+            say(f"environment: {json.dumps(result['environment'])}")
+            attempt("exactness_fp32", lambda: exactness_check(sizes.exact_model, device))
+            shape = load_model_shape(str(REPO_ROOT / sizes.model))
+            holder: dict[str, Any] = {}
+
+            def build() -> dict:
+                holder["run"], build_s = timed(lambda: GrpoRun(cfg, shape, TrainerContext(cfg)))
+                signal.signal(signal.SIGTERM, _stop_on_sigterm)  # TrainerContext installed its preemption flag
+                params = sum(p.numel() for chunk in holder["run"].engine.chunks for p in chunk.parameters())
+                return {"name": shape.name, "yaml": sizes.model, "dtype": sizes.dtype, "params": params,
+                        "planner_params": shape.num_params(), "build_s": build_s,
+                        "core_attention": type(unwrap(holder["run"].engine.chunks[0]).decoder.layers[0]
+                                               .self_attention.core_attention).__name__}
+
+            if attempt("model", build) is not None:
+                engine = holder["run"].engine
+                attempt("training", lambda: training_mfu(engine, shape, sizes, args.gpu_type))
+                attempt("generation", lambda: generation_throughput(engine, shape, sizes, dtype, device))
+                attempt("grpo", lambda: grpo_steps(holder["run"], sizes, device))
+            attempt("planner", lambda: planner_predictions(shape, sizes.model, sizes, args.gpu_type,
+                                                           result.get("grpo", {})))
+            if torch.cuda.is_available():
+                result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        except Exception as exc:  # the JSON line must still come out, with what failed
+            traceback.print_exc()
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            shutdown()
+    if errors:
+        result["failed_parts"] = errors
+    result["checks"] = checks_of(result, dry_run=args.dry_run)
+    result["passed"] = all(result["checks"].values()) and "error" not in result and not errors
+    result["wall_s"] = time.perf_counter() - started
+    line = json.dumps(result)
+    (out / "gpu_check.json").write_text(line + "\n")
+    print(line, flush=True)
+    return 0 if result["passed"] else 1
+
+
+class StoppedBySigterm(RuntimeError):
+    """gpu_check.sh's timeout fired: the JSON still goes out with the figures measured so far."""
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    raise StoppedBySigterm("SIGTERM (time limit) before the check finished")
+
+
+def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
+    """Named pass/fail flags; the CPU redirection must be on in dry mode and off on a GPU."""
+    env = result.get("environment", {})
+
+    def flag(*path: str) -> bool:
+        node: Any = result
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return False
+            node = node[key]
+        return bool(node)
+
+    checks = {
+        "cpu_redirection_as_expected": env.get("cpu_redirection_active") is dry_run
+        and (dry_run or env.get("cpu_redirections") == 0),
+        "exact_kv_cache_logprobs": flag("exactness_fp32", "kv_cache_vs_training_forward", "passed"),
+        "exact_transformers_logprobs": flag("exactness_fp32", "transformers_vs_training_forward", "passed"),
+        "generation_kv_cache_logprobs": flag("generation", "kv_cache_vs_training_forward", "passed"),
+        "grpo_kv_cache_logprobs": flag("grpo", "kv_cache_vs_training_forward", "passed"),
+    }
+    if result.get("install", {}).get("rc") is not None:
+        checks["install"] = result["install"]["rc"] == 0
+    return checks
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,478 @@
+"""Seconds per GRPO step (generate + score + train) of our trainer against TRL's ``GRPOTrainer``, same run.
+
+Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small --steps 12 --block 3 --warmup 2
+--threads 2 --prompts 8 --group 8 --new-tokens 16 --profile``). Needs ``trl datasets accelerate`` (the ``bench``
+extra). CPU, fp32, no network (``HF_HUB_OFFLINE=1``).
+
+Each side runs in its own worker process (ours: ``GrpoRun`` on Megatron Core, world size 1, gloo; TRL:
+``GRPOTrainer`` on a ``LlamaForCausalLM``), both on ``--threads`` torch threads. This process only hands out
+blocks of ``--block`` steps, alternating which side goes first, so both share the machine's noise; a worker
+waits, idle, while the other runs. Steps are timed inside the workers from the start of one step to the
+start of the next (TRL: between ``on_step_begin`` callbacks, so its batch fetch and logging count; ours:
+prompts, generate, score, train, metrics and the metrics.jsonl line). ``--warmup`` steps per side are dropped.
+
+Matched settings: the same prompts in the same order (our ``PromptSampler`` over the synthetic task; TRL gets
+them unshuffled), ``--prompts`` x ``--group`` completions, one optimizer step per rollout (one micro-batch of
+all completions on both sides), no reference model (``kl_coef=0`` / ``beta=0``), token-mean (DAPO) loss, clip
+0.2, std-normalised group advantages, grad clip 1.0, constant lr 1e-6, no warm-up, no gradient checkpointing,
+the same exact-match reward function, sampling at temperature 1. Every completion is exactly
+``--new-tokens`` long on both sides: ours generates with no end-of-sequence id, TRL with ``min_new_tokens``.
+The TRL model is a ``LlamaForCausalLM`` with the same sizes as ours (random weights; timing only) and the
+tokenizer is our character vocabulary as a ``PreTrainedTokenizerFast`` (ids padded to the model's vocabulary
+with unused tokens).
+
+Sizes: ``tiny`` = the ``tiny-cpu`` preset (hidden 64, 2 layers, 4 heads / 2 KV heads, ffn 128, vocab 128);
+``small`` = hidden 256, 4 layers, 8 heads / 4 KV heads, ffn 704, vocab 512. The main figure is the first size.
+The last line is one JSON object; ``speedup`` = TRL seconds / our seconds (> 1: we are faster).
+``--profile`` adds a cProfile of our step (top functions by cumulative and by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMALL_SHAPE_YAML = """\
+name: small-cpu-bench
+family: llama
+hf_architecture: LlamaForCausalLM
+num_layers: 4
+hidden_size: 256
+ffn_hidden_size: 704
+num_attention_heads: 8
+num_query_groups: 4
+kv_channels: 32
+vocab_size: 512
+seq_length: 64
+max_position_embeddings: 128
+gated_linear_unit: true
+normalization: RMSNorm
+norm_epsilon: 1.0e-5
+position_embedding_type: rope
+rotary_base: 10000.0
+tie_embeddings: false
+"""
+LEARNING_RATE = 1e-6
+WORKER_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    """What both sides run; sent to each worker process."""
+
+    model: str
+    """Model shape spec for ``load_model_shape`` (a preset name or a YAML path)."""
+    prompts: int
+    """Prompts per GRPO step."""
+    group: int
+    """Completions per prompt."""
+    new_tokens: int
+    """Tokens generated per completion (exactly: end-of-sequence is disabled on both sides)."""
+    threads: int
+    """torch.set_num_threads in each worker."""
+    seed: int
+    """Seed of weights, prompt order and sampling."""
+    total_steps: int
+    """Steps each side will be asked for (warm-up included); sizes TRL's prompt list."""
+    work_dir: str
+    """Scratch folder of this size (run dirs, TRL output dir)."""
+
+
+# ------------------------------------------------------------------------------------------- shared helpers
+def char_tokenizer_as_hf(vocab_size: int):
+    """Our CharTokenizer as a ``PreTrainedTokenizerFast``: same ids, <bos> prepended, padded to vocab_size ids."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_rl.data.tokenizer import CHARACTERS, SPECIAL_TOKENS, CharTokenizer
+
+    ours = CharTokenizer()
+    if vocab_size < ours.vocab_size:
+        raise ValueError(f"model vocabulary {vocab_size} is smaller than the tokenizer's {ours.vocab_size}")
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update({char: ours.encode(char)[0] for char in CHARACTERS})
+    unused = [f"<unused_{i}>" for i in range(ours.vocab_size, vocab_size)]
+    vocab.update({token: ours.vocab_size + i for i, token in enumerate(unused)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + unused)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", ours.bos_id)])
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def prompt_sequence(settings: BenchSettings) -> list[dict]:
+    """The prompts our GrpoRun draws, step after step, as TRL records (each prompt once; TRL repeats it)."""
+    from megatron_rl.data.prompts import PromptDataset, PromptSampler
+    from megatron_rl.data.synthetic import write_synthetic_dataset
+
+    data_dir = Path(settings.work_dir) / "trl_data"
+    # What megatron_rl.trainers.grpo.load_prompt_data writes for data.task=last_digit and run.seed.
+    paths = write_synthetic_dataset(data_dir, task="last_digit", seed=settings.seed, sft_answers="random")
+    sampler = PromptSampler(PromptDataset.from_jsonl(paths["train"]), settings.prompts, seed=settings.seed)
+    return [{"prompt": r.prompt, "answer": r.answer} for _ in range(settings.total_steps) for r in sampler.next_batch()]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _isolate_worker_env(threads: int) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        os.environ.pop(key, None)
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                       "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
+                       "OMP_NUM_THREADS": str(threads)})
+
+
+# ------------------------------------------------------------------------------------------------ our side
+def ours_worker(conn, settings: BenchSettings) -> None:
+    """Our GrpoRun in this process; answers {"steps": k} with k step timings, {"profile": k} with a cProfile."""
+    _isolate_worker_env(settings.threads)
+    os.environ["MASTER_PORT"] = str(_free_port())
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from megatron_rl.trainers.common import TrainerContext
+    from megatron_rl.trainers.grpo import GrpoRun
+
+    completions = settings.prompts * settings.group
+    cfg = load_config(None, [
+        f"model.name={settings.model}", "model.dtype=fp32", "cluster.executor=local", "cluster.tasks_per_node=1",
+        f"algorithm.prompts_per_step={settings.prompts}", f"algorithm.group_size={settings.group}",
+        f"algorithm.global_batch_size={completions}", f"parallel.micro_batch_size={completions}",
+        "algorithm.kl_coef=0", "algorithm.sft_warmup_steps=0", "algorithm.loss_aggregation=token-mean",
+        "algorithm.advantage=std", "algorithm.clip_eps_low=0.2", "algorithm.clip_eps_high=0.2",
+        f"generation.max_new_tokens={settings.new_tokens}", "generation.temperature=1.0",
+        f"optimizer.lr={LEARNING_RATE}", "optimizer.lr_decay_style=constant", "optimizer.clip_grad=1.0",
+        "data.task=last_digit", f"run.seed={settings.seed}", f"run.dir={Path(settings.work_dir) / 'ours'}",
+        "run.steps=1000000", "checkpoint.resume=false", "checkpoint.save_at_end=false",
+        "logging.console=quiet", "logging.tensorboard=false"])
+    initialize(ParallelSizes(), seed=cfg.run.seed, backend="gloo")
+    shape = load_model_shape(settings.model)
+    ctx = TrainerContext(cfg)
+    run = GrpoRun(cfg, shape, ctx)
+    run.resume_or_warm_up()
+    run.tokenizer.eos_id = None  # every completion runs to max_new_tokens, as TRL's min_new_tokens does there
+    step = 0
+
+    def one_step() -> dict:
+        nonlocal step
+        step += 1
+        t0 = time.perf_counter()
+        prompts = run.sampler.next_batch()
+        rollout = run.generate(prompts)
+        t1 = time.perf_counter()
+        run.score(rollout)
+        t2 = time.perf_counter()
+        train_metrics = run.train_on(rollout)
+        t3 = time.perf_counter()
+        metrics = run.step_metrics(rollout, train_metrics, t1 - t0, t2 - t1, t3 - t2)
+        ctx.end_step(run.engine, step, metrics)
+        t4 = time.perf_counter()
+        return {"total": t4 - t0, "generate": t1 - t0, "score": t2 - t1, "train": t3 - t2, "other": t4 - t3,
+                "prompts": rollout.prompts if step == 1 else None,
+                "response_tokens": sum(len(r) for r in rollout.response_ids),
+                "first_ratio": [metrics.get("first_ratio_min"), metrics.get("first_ratio_max")]}
+
+    conn.send({"ready": True, "threads": torch.get_num_threads(), "torch": torch.__version__})
+    while True:
+        message = conn.recv()
+        if "steps" in message:
+            conn.send({"times": [one_step() for _ in range(message["steps"])], "threads": torch.get_num_threads()})
+        elif "profile" in message:
+            conn.send({"profile": _profile(lambda: [one_step() for _ in range(message["profile"])])})
+        else:
+            break
+    ctx.logger.close()
+    shutdown()
+
+
+def _profile(fn) -> dict:
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    wall = time.perf_counter() - started
+    out = {"wall_s": wall}
+    for key in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).strip_dirs().sort_stats(key).print_stats(30)
+        out[key] = text.getvalue()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ TRL side
+class _StopTraining(Exception):
+    pass
+
+
+def trl_worker(conn, settings: BenchSettings) -> None:
+    """TRL's GRPOTrainer in this process; its training loop hands control back between blocks of steps."""
+    _isolate_worker_env(settings.threads)
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    import datasets
+    import transformers
+    import trl
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.rewards import build_reward_fn
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    shape = load_model_shape(settings.model)
+    tokenizer = char_tokenizer_as_hf(shape.vocab_size)
+    torch.manual_seed(settings.seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+        max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=shape.norm_epsilon,
+        rope_theta=shape.rotary_base, tie_word_embeddings=shape.tie_embeddings, attention_bias=False,
+        mlp_bias=False, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)).float()
+    exact = build_reward_fn("exact")
+    first_prompts: list = []
+
+    def exact_match(prompts, completions, answer, **kwargs):
+        if not first_prompts:
+            first_prompts.extend(prompts)
+        return exact(prompts, completions, answer)
+
+    split = {"generate": 0.0, "score": 0.0}
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super()._generate(*args, **kwargs)
+            finally:
+                split["generate"] += time.perf_counter() - started
+
+        def _calculate_rewards(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super()._calculate_rewards(*args, **kwargs)
+            finally:
+                split["score"] += time.perf_counter() - started
+
+    completions = settings.prompts * settings.group
+    args = GRPOConfig(
+        output_dir=str(Path(settings.work_dir) / "trl"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=completions, gradient_accumulation_steps=1,
+        num_generations=settings.group, max_completion_length=settings.new_tokens,
+        generation_kwargs={"min_new_tokens": settings.new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, loss_type="dapo", epsilon=0.2, scale_rewards="group", num_iterations=1,
+        learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, shuffle_dataset=False, max_steps=settings.total_steps + 1, seed=settings.seed,
+        report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        use_vllm=False)
+
+    class Handoff(TrainerCallback):
+        """Times each step (on_step_begin to the next) and waits for the next block at block boundaries."""
+
+        def __init__(self) -> None:
+            self.left, self.started, self.times, self.step = 0, None, [], 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            if self.started is not None:
+                self.times.append({"total": now - self.started, "generate": split["generate"],
+                                   "score": split["score"],
+                                   "train": now - self.started - split["generate"] - split["score"],
+                                   "prompts": list(first_prompts) if self.step == 1 else None})
+            if self.left == 0:
+                conn.send({"times": self.times, "threads": torch.get_num_threads()} if self.step else
+                          {"ready": True, "threads": torch.get_num_threads(), "trl": trl.__version__,
+                           "transformers": transformers.__version__})
+                message = conn.recv()
+                if "steps" not in message:
+                    raise _StopTraining()
+                self.left, self.times = message["steps"], []
+            self.left -= 1
+            self.step += 1
+            split["generate"] = split["score"] = 0.0
+            self.started = time.perf_counter()
+
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=[exact_match], args=args, processing_class=tokenizer,
+                               train_dataset=datasets.Dataset.from_list(prompt_sequence(settings)),
+                               callbacks=[Handoff()])
+    try:
+        trainer.train()
+    except _StopTraining:
+        pass
+
+
+# --------------------------------------------------------------------------------------------- orchestrator
+class Worker:
+    """One worker process and its end of the pipe."""
+
+    def __init__(self, name: str, target, settings: BenchSettings) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.name = name
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=target, args=(child, settings), name=f"grpo-bench-{name}")
+        self.process.start()
+        child.close()
+
+    def ask(self, message: dict | None = None) -> dict:
+        if message is not None:
+            self.conn.send(message)
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the {self.name} worker died (exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {self.name} worker gave no answer in {WORKER_TIMEOUT_S} s")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send({"stop": True})
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+
+
+def measure_size(size: str, model: str, args, work_root: Path) -> dict:
+    """Interleaved blocks of steps on both sides for one model size; medians and splits."""
+    total = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
+    blocks = [args.warmup] + [args.block] * (args.steps // args.block) + (
+        [args.steps % args.block] if args.steps % args.block else [])
+    settings = BenchSettings(model=model, prompts=args.prompts, group=args.group, new_tokens=args.new_tokens,
+                             threads=args.threads, seed=args.seed, total_steps=total,
+                             work_dir=str(work_root / size))
+    load_before = os.getloadavg()[0]
+    ours = Worker("ours", ours_worker, settings)
+    theirs = Worker("trl", trl_worker, settings)
+    try:
+        ready = {"ours": ours.ask(), "trl": theirs.ask()}
+        times: dict[str, list[dict]] = {"ours": [], "trl": []}
+        threads_seen = {"ours": {ready["ours"]["threads"]}, "trl": {ready["trl"]["threads"]}}
+        for index, steps in enumerate(blocks):
+            order = (ours, theirs) if index % 2 == 0 else (theirs, ours)
+            for worker in order:
+                answer = worker.ask({"steps": steps})
+                threads_seen[worker.name].add(answer["threads"])
+                times[worker.name].extend(answer["times"])
+        profile = ours.ask({"profile": args.profile_steps})["profile"] if args.profile else None
+    finally:
+        ours.stop()
+        theirs.stop()
+    first = {name: times[name][0]["prompts"] for name in times}
+    if first["ours"] != first["trl"]:
+        raise RuntimeError(f"the two sides saw different prompts at step 1: {first['ours'][:3]} vs {first['trl'][:3]}")
+    expected_tokens = args.prompts * args.group * args.new_tokens
+    lengths = {t["response_tokens"] for t in times["ours"]}
+    if lengths != {expected_tokens}:
+        raise RuntimeError(f"our completions held {sorted(lengths)} tokens per step, expected {expected_tokens}")
+    timed = {name: runs[args.warmup:] for name, runs in times.items()}
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(t[key] for t in timed[name])
+
+    result = {
+        "model": model, "ours_s": median("ours", "total"), "trl_s": median("trl", "total"),
+        "ours_split_s": {k: median("ours", k) for k in ("generate", "score", "train", "other")},
+        "trl_split_s": {k: median("trl", k) for k in ("generate", "score", "train")},
+        "ours_s_all": [t["total"] for t in timed["ours"]], "trl_s_all": [t["total"] for t in timed["trl"]],
+        "steps_timed": len(timed["ours"]), "warmup_steps": args.warmup, "block": args.block,
+        "threads": {name: sorted(seen) for name, seen in threads_seen.items()},
+        "first_ratio_ours": times["ours"][-1]["first_ratio"],
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "versions": {"torch": ready["ours"]["torch"], "trl": ready["trl"]["trl"],
+                     "transformers": ready["trl"]["transformers"]},
+    }
+    result["speedup"] = result["trl_s"] / result["ours_s"]
+    if profile is not None:
+        result["profile"] = profile
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,small", help="comma list of tiny, small; the first is the main one")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per side and size")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
+    parser.add_argument("--block", type=int, default=3, help="steps per turn before the other side runs")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--profile", action="store_true", help="also cProfile our step and print the top")
+    parser.add_argument("--profile-steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not sizes or any(s not in ("tiny", "small") for s in sizes):
+        parser.error("--sizes takes a comma list of tiny and small")
+    if min(args.steps, args.block, args.threads) < 1 or args.warmup < 1:
+        parser.error("--steps, --block, --threads and --warmup must be >= 1")
+
+    with tempfile.TemporaryDirectory(prefix="grpo_step_bench_") as tmp:
+        work_root = Path(tmp)
+        small_yaml = work_root / "small-cpu-bench.yaml"
+        small_yaml.write_text(SMALL_SHAPE_YAML)
+        models = {"tiny": "tiny-cpu", "small": str(small_yaml)}
+        results = {}
+        for size in sizes:
+            results[size] = measure_size(size, models[size], args, work_root)
+            results[size]["model"] = size if size == "tiny" else "small-cpu-bench (hidden 256, 4 layers, vocab 512)"
+
+    print(f"GRPO step, {args.prompts} prompts x {args.group} completions x {args.new_tokens} new tokens, fp32, "
+          f"{args.threads} torch threads per side, medians of {args.steps} steps after {args.warmup} warm-up, "
+          f"blocks of {args.block} alternating")
+    for size, r in results.items():
+        o, t = r["ours_split_s"], r["trl_split_s"]
+        print(f"{size:6} ours {r['ours_s']:.4f} s (generate {o['generate']:.4f}, score {o['score']:.4f}, "
+              f"train {o['train']:.4f}, other {o['other']:.4f})")
+        print(f"{'':6} TRL  {r['trl_s']:.4f} s (generate {t['generate']:.4f}, score {t['score']:.4f}, "
+              f"train+rest {t['train']:.4f})   speedup TRL/ours {r['speedup']:.2f}")
+        if "profile" in r:
+            print(f"--- cProfile of our step ({size}, {args.profile_steps} steps, {r['profile']['wall_s']:.2f} s)")
+            print(r["profile"]["cumulative"])
+            print(r["profile"]["tottime"])
+    main_size = sizes[0]
+    summary = {
+        "benchmark": "grpo_step", "main_size": main_size, "speedup": results[main_size]["speedup"],
+        "speedups": {size: r["speedup"] for size, r in results.items()},
+        "settings": {"prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
+                     "threads": args.threads, "steps": args.steps, "warmup": args.warmup, "block": args.block,
+                     "dtype": "fp32", "lr": LEARNING_RATE, "eos": "disabled (exact new_tokens per completion)"},
+        "sizes": {size: {k: v for k, v in r.items() if k != "profile"} for size, r in results.items()},
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
