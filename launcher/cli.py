@@ -59,7 +59,7 @@ def run_job(argv: list[str]) -> int:
     from launcher.executors import get_executor
     from launcher.job import prepare
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     job = prepare(cfg)
     executor = get_executor(job.executor)

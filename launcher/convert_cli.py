@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from launcher.errors import ConfigError
 
@@ -101,10 +102,17 @@ def _megatron_to_hf(args) -> int:
         if not report["ok"]:
             raise VerificationFailed()
 
+    last = [time.monotonic()]
+
+    def progress(message: str) -> None:  # big exports: a line every 10 s on stderr (Slurm logs)
+        if time.monotonic() - last[0] >= 10:
+            last[0] = time.monotonic()
+            print(message, file=sys.stderr, flush=True)
+
     try:
         summary = export_checkpoint_to_hf(args.ckpt, args.out, model=args.model, hf_source=args.hf_source,
                                           shard_size=args.shard_size, dtype=args.dtype, overwrite=args.overwrite,
-                                          check=check if args.verify else None)
+                                          check=check if args.verify else None, progress=progress)
     except VerificationFailed:
         print(json.dumps({k: report[k] for k in ("max_abs_logit_diff", "argmax_agreement", "tensors_equal")}))
         print(f"error: verification failed ({report['detail']['tensors']}; tolerance {args.tolerance}); "

@@ -110,18 +110,15 @@ class Template:
 
 
 def load_template(name: str) -> Template:
+    """slurm/NAME split at its marker lines."""
     path = TEMPLATE_DIR / name
     if not path.is_file():
         raise ConfigError(f"sbatch template {path} not found; the launcher needs the repository's slurm/ folder")
     lines = path.read_text().splitlines(keepends=True)
-    try:
-        end = next(i for i, line in enumerate(lines) if line.startswith(SETTINGS_END))
-        lines_before = [line for line in lines[:end] if line.startswith(("#SBATCH", SETUP_START, SETTINGS_START))]
-    except StopIteration:
-        raise ValueError(f"{path} lacks the line {SETTINGS_END!r}") from None
-    if not any(line.startswith(SETUP_START) for line in lines_before):
-        raise ValueError(f"{path} lacks a line starting with {SETUP_START!r}")
-    header = [line.rstrip("\n") for line in lines_before if line.startswith("#SBATCH")]
+    end = next((i for i, line in enumerate(lines) if line.startswith(SETTINGS_END)), None)
+    if end is None or not any(line.startswith(SETUP_START) for line in lines[:end]):
+        raise ValueError(f"{path} lacks the marker lines {SETUP_START!r}... and {SETTINGS_END!r}")
+    header = [line.rstrip("\n") for line in lines[:end] if line.startswith("#SBATCH")]
     return Template(name=name, header=header, body="".join(lines[end:]))
 
 

@@ -25,6 +25,10 @@ TRAINERS = {
 def run(config_path: str) -> int:
     import warnings
 
+    from megatron_rl.trainers.common import install_stop_handlers
+
+    install_stop_handlers()  # before the slow imports, so an early preemption signal is not lost
+
     # Known, harmless notices from megatron-core and torch.distributed that would bury the progress lines.
     for pattern in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
                     ".*full scope is deprecated.*", ".*is deprecated. Please use `torch.distributed.*",

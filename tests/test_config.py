@@ -12,7 +12,7 @@ from launcher.config.validate import check_layout
 from launcher.errors import ConfigError
 from launcher.model_shape import load_model_shape
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 SHIPPED = sorted(p for p in (REPO_ROOT / "configs").glob("*.yaml"))
 

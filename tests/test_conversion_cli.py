@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, run_launch
+from helpers import REPO_ROOT, run_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 

@@ -167,6 +167,21 @@ def test_transformers5_config_spellings_are_folded():
         normalize_hf_config({**cfg, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn"}}, "cfg")
 
 
+def test_configs_the_megatron_model_cannot_reproduce_are_refused():
+    llama = _hf_config("llama")
+    llama31 = {**llama, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    assert shape_from_config(llama31, "llama3.1").rope_scaling["factor"] == 8.0
+    odd = {**llama31, "rope_scaling": {**llama31["rope_scaling"], "original_max_position_embeddings": 256}}
+    with pytest.raises(ConfigError, match="original_max_position_embeddings"):
+        normalize_hf_config(odd, "cfg")
+    with pytest.raises(ConfigError, match="sliding-window"):
+        normalize_hf_config({**llama, "architectures": ["MistralForCausalLM"], "sliding_window": 64}, "cfg")
+    assert normalize_hf_config({**_hf_config("qwen2"), "sliding_window": 64, "use_sliding_window": False}, "cfg")
+    with pytest.raises(ConfigError, match="attention_bias"):
+        normalize_hf_config({**llama, "attention_bias": True}, "cfg")
+
+
 @pytest.mark.parametrize("kind", list(TINY_HF))
 def test_generated_config_describes_the_same_model(kind):
     shape = shape_from_config(_hf_config(kind), kind)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import read_metrics
+from helpers import read_metrics
 
 SHORT = ["cluster.executor=local", "logging.tensorboard=false", "algorithm.sft_warmup_steps=5",
          "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=8",

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import read_metrics
+from helpers import read_metrics
 
 from megatron_rl.runtime.cpu_compat import KNOWN_SITES
 
@@ -25,7 +25,7 @@ def _run(launch, run_dir, *extra, env=None):
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    from conftest import run_launch
+    from helpers import run_launch
     run_dir = tmp_path_factory.mktemp("tp1")
     return _run(run_launch, run_dir, "parallel.tp=1", "parallel.pp=1"), run_dir
 

@@ -29,7 +29,7 @@ from megatron_rl.data.preferences import (
 from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.models.reward_model import last_token_index, padded_length, pick_last_tokens, right_padded_batch
 from megatron_rl.trainers.rm import bradley_terry_terms, pair_order, preference_loss
-from conftest import REPO_ROOT, read_metrics, run_launch
+from helpers import REPO_ROOT, read_metrics, run_launch
 
 
 def softplus(x: float) -> float:

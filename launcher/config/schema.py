@@ -200,7 +200,7 @@ class AlgorithmConfig:
     rm_centering_coef: float = 0.0
     """RM: coefficient of the reward-centering term mean((r_c + r_r)^2)."""
     sft_warmup_steps: int = 30
-    """Supervised steps run before GRPO on the same prompts' reference answers (0 = none)."""
+    """Supervised steps run before GRPO (0 = none); the data is set by data.warmup_task."""
 
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)
@@ -300,6 +300,9 @@ class DataConfig:
     """Examples over max_length: truncate or drop (both are counted)."""
     eval_interval: int = 0
     """Evaluate every N steps (0 = never)."""
+    warmup_task: Optional[str] = "first_digit"
+    """SFT warm-up data for GRPO: correct answers of this synthetic task, teaching the answer format and to read
+    the prompt; null uses data.task's prompts with random well-formed answers (format only)."""
 
     def __post_init__(self) -> None:
         _one_of("data", "truncation", self.truncation, TRUNCATION_POLICIES)

@@ -144,6 +144,54 @@ def publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def check_stored_tensors(reader, maps: list, shape: ModelShape, origin: str, reward: bool) -> None:
+    """Every tensor the model needs is stored with its shape, and the checkpoint holds nothing unexplained."""
+    from megatron_rl.conversion.names import OUTPUT, REWARD_HEAD_BIAS, REWARD_HEAD_WEIGHT, megatron_shape
+
+    missing = [tm.ref for tm in maps if tm.ref not in reader.index]
+    if missing:
+        raise ConfigError(f"--ckpt {reader.folder}: lacks {len(missing)} tensor(s) that {origin} needs "
+                          f"(first: {missing[0]}); is it a complete checkpoint of this model?")
+    for tm in maps:
+        stored = reader.index[tm.ref].shape
+        expected = megatron_shape(tm, stored[0] if tm.kind == "vocab" else None)
+        ok = stored == expected or (tm.ref.name == REWARD_HEAD_WEIGHT and stored == (shape.hidden_size,))
+        if not ok or (tm.kind == "vocab" and stored[0] < tm.hf_shapes[0][0]):
+            raise ConfigError(f"mismatched shapes: checkpoint tensor {tm.ref} is {list(stored)} but {origin} "
+                              f"implies {list(expected)}; is --model the right model for this checkpoint?")
+    ignorable = {OUTPUT} if shape.tie_embeddings or reward else set()
+    if reward:
+        ignorable.add(REWARD_HEAD_BIAS)  # no place for it in HF's score layer; recorded in config.json
+    mapped = {tm.ref for tm in maps}
+    extra = sorted(str(r) for r in reader.index if r not in mapped and r.name not in ignorable)
+    if extra:
+        raise ConfigError(f"--ckpt {reader.folder}: holds {len(extra)} tensor(s) that {origin} does not "
+                          f"describe (first: {extra[0]}); is --model the right model for this checkpoint?")
+
+
+def export_config(hf_config: dict, reader, dtype_name: str, reward: bool) -> tuple[dict, list[str]]:
+    """config.json of the export (a reward model becomes *ForSequenceClassification) and notes for the user."""
+    from megatron_rl.conversion.names import CLASSIFICATION_ARCHITECTURES, REWARD_HEAD_BIAS
+
+    cfg = json.loads(json.dumps(hf_config))
+    notes: list[str] = []
+    if reward:
+        arch = CLASSIFICATION_ARCHITECTURES.get(cfg["architectures"][0], cfg["architectures"][0])
+        cfg.update(architectures=[arch], num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        bias_ref = next((r for r in reader.index if r.name == REWARD_HEAD_BIAS), None)
+        if bias_ref is not None:
+            bias = float(reader.read([bias_ref])[bias_ref].reshape(-1)[0])
+            cfg["reward_bias"] = bias
+            if bias != 0.0:
+                notes.append(f"the reward head's bias {bias:.6g} has no place in HF's score layer: exported scores "
+                             "are the checkpoint's rewards minus it (stored as config.json reward_bias)")
+    cfg["torch_dtype"] = dtype_name
+    if "dtype" in cfg:
+        cfg["dtype"] = dtype_name
+    cfg.pop("transformers_version", None)
+    return cfg, notes
+
+
 def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *,
                             model: Union[None, str, Path, ModelShape, dict] = None,
                             hf_source: Union[None, str, Path] = None, shard_size: Union[int, str] = "2GB",
@@ -160,15 +208,7 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
 
     from megatron_rl.conversion.dist_reader import CheckpointReader
     from megatron_rl.conversion.mapping import hf_from_megatron
-    from megatron_rl.conversion.names import (
-        CLASSIFICATION_ARCHITECTURES,
-        OUTPUT,
-        REWARD_HEAD_BIAS,
-        REWARD_HEAD_WEIGHT,
-        check_convertible,
-        megatron_shape,
-        tensor_maps,
-    )
+    from megatron_rl.conversion.names import REWARD_HEAD_WEIGHT, check_convertible, tensor_maps
     from megatron_rl.conversion.safetensors_io import (
         PlannedTensor,
         ShardedSafetensorsWriter,
@@ -194,31 +234,8 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
     check_convertible(shape, source.origin)
     reward = any(ref.name == REWARD_HEAD_WEIGHT for ref in reader.index)
     maps = tensor_maps(shape, reward_head=reward)
-    notes: list[str] = []
 
-    missing = [tm.ref for tm in maps if tm.ref not in reader.index]
-    if missing:
-        raise ConfigError(f"--ckpt {reader.folder}: lacks {len(missing)} tensor(s) that {source.origin} needs "
-                          f"(first: {missing[0]}); is it a complete checkpoint of this model?")
-    for tm in maps:
-        stored = reader.index[tm.ref].shape
-        expected = megatron_shape(tm, stored[0] if tm.kind == "vocab" else None)
-        ok = stored == expected or (tm.ref.name == REWARD_HEAD_WEIGHT and stored == (shape.hidden_size,))
-        if tm.kind == "vocab" and stored[0] < tm.hf_shapes[0][0]:
-            ok = False
-        if not ok:
-            raise ConfigError(f"mismatched shapes: checkpoint tensor {tm.ref} is {list(stored)} but {source.origin} "
-                              f"implies {list(expected)}; is --model the right model for this checkpoint?")
-    mapped = {tm.ref for tm in maps}
-    ignorable = set()
-    if shape.tie_embeddings or reward:
-        ignorable.add(OUTPUT)
-    if reward:
-        ignorable.add(REWARD_HEAD_BIAS)
-    extra = sorted(str(r) for r in reader.index if r not in mapped and r.name not in ignorable)
-    if extra:
-        raise ConfigError(f"--ckpt {reader.folder}: holds {len(extra)} tensor(s) that {source.origin} does not "
-                          f"describe (first: {extra[0]}); is --model the right model for this checkpoint?")
+    check_stored_tensors(reader, maps, shape, source.origin, reward)
 
     out_dtype = getattr(torch, DTYPES[dtype]) if dtype else None
     groups = []
@@ -228,23 +245,9 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
                        for name, hf_shape in zip(tm.hf, tm.hf_shapes, strict=True)])
     shards = plan_shards(groups, max_shard)
 
-    hf_config = json.loads(json.dumps(source.hf_config))
-    arch = (hf_config.get("architectures") or ["?"])[0]
-    if reward:
-        arch = CLASSIFICATION_ARCHITECTURES.get(arch, arch)
-        hf_config.update(architectures=[arch], num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-        bias_ref = next((r for r in reader.index if r.name == REWARD_HEAD_BIAS), None)
-        if bias_ref is not None:
-            bias = float(reader.read([bias_ref])[bias_ref].reshape(-1)[0])
-            hf_config["reward_bias"] = bias
-            if bias != 0.0:
-                notes.append(f"the reward head's bias {bias:.6g} has no place in HF's score layer: exported scores "
-                             "are the checkpoint's rewards minus it (stored as config.json reward_bias)")
-    written_dtype = str(out_dtype or reader.index[maps[0].ref].dtype).replace("torch.", "")
-    for key in ("torch_dtype", "dtype"):
-        if key in hf_config or key == "torch_dtype":
-            hf_config[key] = written_dtype
-    hf_config.pop("transformers_version", None)
+    out_dtype_name = str(out_dtype or reader.index[maps[0].ref].dtype).replace("torch.", "")
+    hf_config, notes = export_config(source.hf_config, reader, out_dtype_name, reward)
+    arch = hf_config["architectures"][0]
 
     tmp = prepare_output(out, overwrite)
     writer = ShardedSafetensorsWriter(tmp, shards)

@@ -190,6 +190,12 @@ def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: rope_scaling type {rope_type!r} is not supported by the Megatron model; "
                           f"supported: default, llama3")
+    if rope_type == "llama3":
+        fixed = {"low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+        odd = {k: scaling.get(k) for k, v in fixed.items() if scaling.get(k, v) != v}
+        if odd:
+            raise ConfigError(f"{source}: llama3 rope_scaling with {odd} is not supported: Megatron's RoPE uses "
+                              f"{fixed} (only the factor is configurable)")
     window = cfg.get("sliding_window")
     if window and cfg.get("use_sliding_window", True) and window < int(cfg.get("max_position_embeddings", 0) or 0):
         raise ConfigError(f"{source}: sliding-window attention (sliding_window={window}) is not supported by the "

@@ -102,7 +102,8 @@ def check_generation_layout(chunks: list) -> None:
         raise NotImplementedError("generation with expert_model_parallel_size > 1 is not supported: data-parallel "
                                   "ranks would need to run the same number of decode steps for the expert all-to-all")
     if getattr(config, "flash_decode", False):
-        raise NotImplementedError("generation does not use Megatron's flash_decode; set flash_decode=False")
+        raise NotImplementedError("generation switches config.flash_decode itself for its decode steps; build the "
+                                  "model with flash_decode=False")
 
 
 class _StageChain:

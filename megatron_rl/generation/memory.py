@@ -63,6 +63,11 @@ def weight_storages(chunks: list) -> set[int]:
     return ptrs
 
 
+def _bytes_of(storage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage`` (for device-to-host copies with the tensor API)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 @dataclass
 class HostOffload:
     """Device storages moved to host memory and freed; ``restore`` reallocates them in place."""
@@ -84,8 +89,8 @@ class HostOffload:
             seen.add(ptr)
             host = None
             if self.keep_values:
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").untyped_storage()
-                host.copy_(storage)
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                host.copy_(_bytes_of(storage))
             storage.resize_(0)
             self.parked.append((storage, nbytes, host))
             self.device_bytes_freed += nbytes
@@ -94,9 +99,9 @@ class HostOffload:
         for storage, nbytes, host in self.parked:
             storage.resize_(nbytes)
             if host is not None:
-                storage.copy_(host)
+                _bytes_of(storage).copy_(host)
             else:
-                storage.fill_(0)
+                _bytes_of(storage).zero_()
         self.parked = []
 
 

@@ -26,6 +26,18 @@ from megatron_rl.runtime.metrics import MetricsLogger
 REQUEUE_EXIT_CODE = 3  # the job scripts requeue on this exit code
 
 
+_stop_signal = {"received": False}
+
+
+def install_stop_handlers() -> None:
+    """Catch SIGUSR1/SIGTERM from the first moment of the process: the flag waits for the next step's end."""
+    def request_stop(signum: int, frame: Any) -> None:
+        _stop_signal["received"] = True
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, request_stop)
+
+
 class Preempted(SystemExit):
     """Raised after the preemption checkpoint is saved; exits the process with REQUEUE_EXIT_CODE."""
 
@@ -45,7 +57,6 @@ class TrainerContext:
     cfg: JobConfig
     logger: MetricsLogger = field(init=False)
     extra_state: Callable[[], dict] = field(default=lambda: {})
-    _stop_requested: bool = field(default=False, init=False)
     resumed_extra: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -53,8 +64,7 @@ class TrainerContext:
         self.logger = MetricsLogger(self.cfg.run.dir, total_steps=self.cfg.run.steps,
                                     console=self.cfg.logging.console, tensorboard=self.cfg.logging.tensorboard,
                                     enabled=self.rank == 0)
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._request_stop)
+        install_stop_handlers()
         if os.environ.get("MEGATRON_RL_STOP_AFTER_STEP"):
             self._stop_after = int(os.environ["MEGATRON_RL_STOP_AFTER_STEP"])
         else:
@@ -63,9 +73,6 @@ class TrainerContext:
     @property
     def ckpt_dir(self) -> Path:
         return Path(self.cfg.checkpoint.dir or os.path.join(self.cfg.run.dir, "checkpoints"))
-
-    def _request_stop(self, signum: int, frame: Any) -> None:
-        self._stop_requested = True
 
     @contextlib.contextmanager
     def timer(self) -> Iterator[_Timer]:
@@ -117,7 +124,7 @@ class TrainerContext:
             raise Preempted()
 
     def _agree_on_stop(self, step: int) -> bool:
-        local = self._stop_requested or (self._stop_after is not None and step >= self._stop_after)
+        local = _stop_signal["received"] or (self._stop_after is not None and step >= self._stop_after)
         flag = torch.tensor([1.0 if local else 0.0])
         if torch.cuda.is_available():
             flag = flag.cuda()

@@ -266,11 +266,14 @@ def load_prompt_data(cfg: JobConfig, run_dir: Path):
     from megatron_rl.data.synthetic import TASKS, write_synthetic_dataset
     from megatron_rl.trainers.sft import read_sft_jsonl
 
+    if cfg.data.warmup_task is not None and cfg.data.warmup_task not in TASKS:
+        raise ConfigError(f"data.warmup_task={cfg.data.warmup_task!r} is not a synthetic task ({', '.join(TASKS)}); "
+                          "or set it to null")
     if cfg.data.train_path:
         dataset = PromptDataset.from_jsonl(cfg.data.train_path, prompt_key=cfg.data.prompt_key,
                                            answer_key=cfg.data.answer_key)
         sft = [{"prompt": r.prompt, "completion": str(r.answer)} for r in dataset]
-        return dataset, sft
+        return dataset, _warmup_records(cfg) or sft
     if cfg.data.task not in TASKS:
         raise ConfigError(f"data.task={cfg.data.task!r} is not a synthetic task ({', '.join(TASKS)}); "
                           "or set data.train_path to a JSONL file")
@@ -281,7 +284,17 @@ def load_prompt_data(cfg: JobConfig, run_dir: Path):
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     dataset = PromptDataset.from_jsonl(data_dir / "train.jsonl")
-    return dataset, read_sft_jsonl(data_dir / "sft.jsonl")
+    return dataset, _warmup_records(cfg) or read_sft_jsonl(data_dir / "sft.jsonl")
+
+
+def _warmup_records(cfg: JobConfig) -> list[dict]:
+    """Correct prompt/completion pairs of data.warmup_task (a related task), or [] when it is null."""
+    from megatron_rl.data.synthetic import sft_records, split_problems
+
+    if cfg.data.warmup_task is None:
+        return []
+    problems, _ = split_problems(cfg.data.warmup_task, seed=cfg.run.seed)
+    return sft_records(problems, task=cfg.data.warmup_task, answers="correct")
 
 
 def build_rewards(cfg: JobConfig, shape: ModelShape):

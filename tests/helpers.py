@@ -1,0 +1,23 @@
+"""Helpers shared by the tests: run launch.py (the real CLI) in a subprocess and read a run's metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_launch(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python launch.py ARGS` from the repo root; returns the completed process (text output)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO_ROOT / "launch.py"), *args], cwd=REPO_ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
