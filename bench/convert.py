@@ -137,7 +137,7 @@ def main() -> None:
             "copy_rounds_s": [round(c, 3) for c in copies],
             "export_rounds_s": [round(e["wall_s"], 3) for e in exports],
             "peak_rss_bytes": export["peak_rss_bytes"], "largest_tensor_bytes": largest,
-            "read_budget_bytes": 512 * 2**20, "shard_size": args.shard_size, "caches_dropped": dropped,
+            "read_budget_bytes": 256 * 2**20, "shard_size": args.shard_size, "caches_dropped": dropped,
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

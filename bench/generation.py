@@ -3,8 +3,9 @@
 Run: ``.venv/bin/python bench/generation.py`` (options: ``--batch 64 --prompt-len 8 --new-tokens 32
 --repeats 9 --threads 1 --train-steps 20``). Single process, CPU, fp32, greedy, no network (HF_HUB_OFFLINE=1).
 
-A third row times our generation with ``fast_attention=False`` (Megatron's attention path unchanged), to
-show what megatron_rl/generation/attention.py buys.
+Two more rows time our generation with ``fast_decode=False`` (decode steps through the ``GPTModel``
+modules instead of the lean step of megatron_rl/generation/lean_decode.py) and with ``fast_attention=False``
+(Megatron's attention and module path unchanged), to show what each layer of speed-up buys.
 
 Both sides decode the same prompts with the same weights: the tiny Llama (``tiny-cpu``) is built by our
 ``build_engine`` (Megatron DDP chunks, as in training), trained a few steps on the pretrain task so that its
@@ -122,9 +123,12 @@ def main() -> None:
     prompt_tensor = torch.randint(3, shape.vocab_size, (args.batch, args.prompt_len), generator=gen)
     prompts = prompt_tensor.tolist()
 
-    def ours(fast_attention: bool = True):
+    def ours(fast_attention: bool = True, fast_decode: bool = True):
         return generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=args.new_tokens,
-                        temperature=0.0, fast_attention=fast_attention).tokens
+                        temperature=0.0, fast_attention=fast_attention, fast_decode=fast_decode).tokens
+
+    def ours_megatron_modules():
+        return ours(fast_decode=False)
 
     def ours_megatron_attention():
         return ours(fast_attention=False)
@@ -135,9 +139,12 @@ def main() -> None:
     ours_tokens, hf_tokens = ours(), theirs()
     differing = [b for b in range(args.batch) if ours_tokens[b] != hf_tokens[b]]
     assert not differing, f"rows {differing[:8]} differ: ours {ours_tokens[differing[0]]} hf {hf_tokens[differing[0]]}"
-    assert ours_megatron_attention() == ours_tokens
+    assert ours_megatron_attention() == ours_tokens and ours_megatron_modules() == ours_tokens
+    decode_path = generate(engine.chunks, prompts[:2], vocab_size=shape.vocab_size, max_new_tokens=2,
+                           temperature=0.0).decode_path
 
-    contenders = (("ours", ours), ("transformers", theirs), ("ours_megatron_attention", ours_megatron_attention))
+    contenders = (("ours", ours), ("transformers", theirs), ("ours_megatron_modules", ours_megatron_modules),
+                  ("ours_megatron_attention", ours_megatron_attention))
     times = {name: [] for name, _ in contenders}
     for _ in range(args.repeats):
         for name, fn in contenders:
@@ -157,8 +164,10 @@ def main() -> None:
         "threads": args.threads, "repeats": args.repeats, "dtype": "fp32", "decoding": "greedy",
         "ours_s_median": ours_s, "transformers_s_median": hf_s,
         "ours_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / hf_s,
+        "decode_path": decode_path, "ours_megatron_modules_s_median": medians["ours_megatron_modules"],
         "ours_megatron_attention_s_median": medians["ours_megatron_attention"],
         "ours_s_all": times["ours"], "transformers_s_all": times["transformers"],
+        "ours_megatron_modules_s_all": times["ours_megatron_modules"],
         "ours_megatron_attention_s_all": times["ours_megatron_attention"],
         "tokens_equal": not differing, "speedup": hf_s / ours_s,
         "transformers_version": transformers.__version__, "torch_version": torch.__version__}))

@@ -1,7 +1,7 @@
 """Seconds per GRPO step (generate + score + train) of our trainer against TRL's ``GRPOTrainer``, same run.
 
-Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small --steps 12 --block 3 --warmup 2
---threads 2 --prompts 8 --group 8 --new-tokens 16 --profile``). Needs ``trl datasets accelerate`` (the ``bench``
+Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small --steps 16 --block 2 --warmup 2
+--threads 1 --prompts 8 --group 8 --new-tokens 16 --profile``). Needs ``trl datasets accelerate`` (the ``bench``
 extra). CPU, fp32, no network (``HF_HUB_OFFLINE=1``).
 
 Each side runs in its own worker process (ours: ``GrpoRun`` on Megatron Core, world size 1, gloo; TRL:
@@ -24,6 +24,9 @@ with unused tokens).
 Sizes: ``tiny`` = the ``tiny-cpu`` preset (hidden 64, 2 layers, 4 heads / 2 KV heads, ffn 128, vocab 128);
 ``small`` = hidden 256, 4 layers, 8 heads / 4 KV heads, ffn 704, vocab 512. The main figure is the first size.
 The last line is one JSON object; ``speedup`` = TRL seconds / our seconds (> 1: we are faster).
+Threads: 1 by default. On this 2-core machine, shared with other jobs, 2 OpenMP threads per side measure
+the neighbours more than the trainers (TRL's 2-thread steps swung between 0.1 s and 10 s while ours stayed
+near 0.13 s); ``--threads 2`` is meaningful only on an idle machine.
 ``--profile`` adds a cProfile of our step (top functions by cumulative and by own time).
 """
 
@@ -38,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,6 +135,11 @@ def _free_port() -> int:
 
 
 def _isolate_worker_env(threads: int) -> None:
+    """Single-process, offline, quiet: library prints go to stderr so stdout holds only the bench's lines."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.stdout = sys.stderr
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         os.environ.pop(key, None)
     os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -140,16 +148,11 @@ def _isolate_worker_env(threads: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ our side
-def ours_worker(conn, settings: BenchSettings) -> None:
-    """Our GrpoRun in this process; answers {"steps": k} with k step timings, {"profile": k} with a cProfile."""
-    _isolate_worker_env(settings.threads)
-    os.environ["MASTER_PORT"] = str(_free_port())
-    import torch
-
-    torch.set_num_threads(settings.threads)
+def build_our_run(settings: BenchSettings):
+    """(GrpoRun, TrainerContext) of our trainer with the matched settings; starts torch.distributed (world 1)."""
     from launcher.config.loader import load_config
     from launcher.model_shape import load_model_shape
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from megatron_rl.runtime.distributed import ParallelSizes, initialize
     from megatron_rl.trainers.common import TrainerContext
     from megatron_rl.trainers.grpo import GrpoRun
 
@@ -166,11 +169,23 @@ def ours_worker(conn, settings: BenchSettings) -> None:
         "run.steps=1000000", "checkpoint.resume=false", "checkpoint.save_at_end=false",
         "logging.console=quiet", "logging.tensorboard=false"])
     initialize(ParallelSizes(), seed=cfg.run.seed, backend="gloo")
-    shape = load_model_shape(settings.model)
     ctx = TrainerContext(cfg)
-    run = GrpoRun(cfg, shape, ctx)
+    run = GrpoRun(cfg, load_model_shape(settings.model), ctx)
     run.resume_or_warm_up()
     run.tokenizer.eos_id = None  # every completion runs to max_new_tokens, as TRL's min_new_tokens does there
+    return run, ctx
+
+
+def ours_worker(conn, settings: BenchSettings) -> None:
+    """Our GrpoRun in this process; answers {"steps": k} with k step timings, {"profile": k} with a cProfile."""
+    _isolate_worker_env(settings.threads)
+    os.environ["MASTER_PORT"] = str(_free_port())
+    import torch
+
+    torch.set_num_threads(settings.threads)
+    from megatron_rl.runtime.distributed import shutdown
+
+    run, ctx = build_our_run(settings)
     step = 0
 
     def one_step() -> dict:
@@ -421,10 +436,11 @@ def measure_size(size: str, model: str, args, work_root: Path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="tiny,small", help="comma list of tiny, small; the first is the main one")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per side and size")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per side and size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
-    parser.add_argument("--block", type=int, default=3, help="steps per turn before the other side runs")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    parser.add_argument("--block", type=int, default=2, help="steps per turn before the other side runs")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of each side (1: see the module docstring)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)

@@ -44,7 +44,7 @@ def run(config_path: str) -> int:
                backend=par.backend)
     trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
     try:
-        trainer.train(cfg, shape, TrainerContext(cfg))
+        trainer.train(cfg, shape, TrainerContext(cfg, shape=shape))
     finally:
         _write_cpu_redirects(cfg.run.dir)
         shutdown()

@@ -1,6 +1,12 @@
 """Colocated generation: sampling maths in process; KV-cache decoding on real Megatron engines under torchrun.
 
-Run: ``.venv/bin/python -m pytest tests/test_generation.py -q`` (about a minute on 2 cores).
+Run: ``.venv/bin/python -m pytest tests/test_generation.py -q`` (about 100 s on 2 cores).
+
+The lean decode step (lean_decode.py) is checked by this file's own ``--lean-worker`` mode under torchrun
+(TP=1 and TP=2): for model variants (GQA, QKV bias + QK-norm, MHA + bias linears + tied embeddings, LayerNorm +
+GeLU without gating), parameters perturbed so that zero-initialised biases and unit norm weights matter, and
+prompts of lengths 3..9 batched together, greedy and sampled (same seed), the lean path must give the same
+tokens as the module path and log-probs within 1e-5 of it and of the training forward (``sequence_logprobs``).
 
 The distributed cases start ``tests/dist/gen_check.py`` in their own torchrun (Megatron's parallel state is
 process-global): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2,
@@ -204,7 +210,8 @@ def test_kv_cache_generation_equals_recomputation(request, layout):
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
 def test_fast_attention_paths_equal_megatrons_own(request, layout):
-    """SDPA core attention and RoPE-once decoding (attention.py) vs Megatron's unchanged decode path."""
+    """SDPA core attention, RoPE-once decoding (attention.py) and, where it applies, the lean decode step
+    (lean_decode.py) vs Megatron's unchanged decode path."""
     for rank in request.getfixturevalue(layout):
         assert rank["greedy"]["decode_attention"] == "sdpa+rope-once"
         assert rank["megatron_path"]["decode_attention"] == "megatron"
@@ -293,3 +300,118 @@ def test_clear_errors(tp2):
     assert errors["token_out_of_vocab"].startswith("ValueError: prompt token ids")
     assert errors["too_long"].startswith("ValueError: longest prompt")
     assert errors["sequence_parallel"].startswith("NotImplementedError: generation with sequence_parallel")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Lean decode step: this file's own worker under torchrun (python tests/test_generation.py --lean-worker ...).
+
+LEAN_VARIANTS = {
+    "gqa": {},
+    "qkv_bias_qk_norm": {"add_qkv_bias": True, "qk_layernorm": True},
+    "mha_bias_tied": {"num_query_groups": 4, "add_bias_linear": True, "tie_embeddings": True},
+    "layernorm_gelu": {"normalization": "LayerNorm", "gated_linear_unit": False, "activation": "gelu"},
+}
+LEAN_PROMPT_LENGTHS = (5, 9, 3, 7, 9, 4)
+LEAN_NEW_TOKENS = 8
+
+
+def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def _lean_worker(out: Path, tp: int) -> None:
+    import dataclasses
+
+    torch.set_num_threads(1)
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.generation import generate, sequence_logprobs
+    from megatron_rl.runtime.distributed import ParallelSizes, initialize
+    from megatron_rl.runtime.training import build_engine
+
+    cfg = load_config(overrides=[f"parallel.tp={tp}", "algorithm.name=pretrain", "parallel.micro_batch_size=1",
+                                 "algorithm.global_batch_size=4", "run.seed=5"])
+    initialize(ParallelSizes(tp=tp), seed=cfg.run.seed)
+    base = load_model_shape("tiny-cpu")
+    gen = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(3, base.vocab_size, (n,), generator=gen).tolist() for n in LEAN_PROMPT_LENGTHS]
+    results = {}
+    for name, overrides in LEAN_VARIANTS.items():
+        shape = dataclasses.replace(base, **overrides)
+        engine = build_engine(cfg, shape, total_steps=1)
+        noise = torch.Generator().manual_seed(7)  # same draws on every TP rank: replicated tensors stay equal
+        with torch.no_grad():
+            for param in engine.chunks[0].parameters():
+                param.add_(torch.randn(param.shape, generator=noise) * 0.1)
+        variant = {}
+        for mode, kwargs in (("greedy", dict(temperature=0.0)),
+                             ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=11))):
+            lean = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=LEAN_NEW_TOKENS,
+                            **kwargs)
+            modules = generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
+                               max_new_tokens=LEAN_NEW_TOKENS, fast_decode=False, **kwargs)
+            rows = [p + r for p, r in zip(prompts, lean.tokens)]
+            width = max(len(r) for r in rows)
+            full = sequence_logprobs(engine.chunks, torch.tensor([r + [0] * (width - len(r)) for r in rows]))
+            training = [full[b, len(p) - 1:len(p) - 1 + n].tolist()
+                        for b, (p, n) in enumerate(zip(prompts, lean.lengths))]
+            variant[mode] = {
+                "paths": [lean.decode_path, modules.decode_path], "tokens": lean.tokens,
+                "tokens_equal": lean.tokens == modules.tokens, "lengths": lean.lengths,
+                "forward_passes": [lean.forward_passes, modules.forward_passes],
+                "vs_modules": _max_abs_diff(lean.logprobs, modules.logprobs),
+                "sampling_vs_modules": _max_abs_diff(lean.sampling_logprobs, modules.sampling_logprobs),
+                "vs_training_forward": _max_abs_diff(lean.logprobs, training),
+                "kv_cache_bytes": [lean.kv_cache_bytes, modules.kv_cache_bytes]}
+        results[name] = variant
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps({"tp": tp, "variants": results}))
+    torch.distributed.barrier()
+
+
+def _lean_run(out: Path, tp: int) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
+           str(_free_port()), str(Path(__file__).resolve()), "--lean-worker", "--tp", str(tp), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)]
+
+
+@pytest.fixture(scope="module")
+def lean_runs(tmp_path_factory):
+    return {tp: _lean_run(tmp_path_factory.mktemp(f"lean_tp{tp}"), tp) for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("variant", list(LEAN_VARIANTS))
+def test_lean_decode_equals_module_path_and_training_forward(lean_runs, tp, variant):
+    for rank in lean_runs[tp]:
+        for mode in ("greedy", "sampled"):
+            run = rank["variants"][variant][mode]
+            assert run["paths"] == ["lean", "modules"]
+            assert run["tokens_equal"], (variant, mode)
+            assert run["vs_modules"] < LOGPROB_TOL and run["sampling_vs_modules"] < LOGPROB_TOL
+            assert run["vs_training_forward"] < LOGPROB_TOL
+            assert run["lengths"] == [LEAN_NEW_TOKENS] * len(LEAN_PROMPT_LENGTHS)
+            assert run["forward_passes"][0] == run["forward_passes"][1] == 9 + LEAN_NEW_TOKENS - 3
+            assert run["kv_cache_bytes"][0] == run["kv_cache_bytes"][1] > 0
+
+
+@pytest.mark.parametrize("variant", list(LEAN_VARIANTS))
+def test_lean_decode_tp2_ranks_agree(lean_runs, variant):
+    """Both TP=2 ranks return the same tokens (vocab-gathered logits, shared generator, TP-rank-0 broadcast).
+    TP=2 is not compared with TP=1 here: the parameter perturbation is drawn per shard."""
+    a, b = (rank["variants"][variant] for rank in lean_runs[2])
+    assert a["greedy"]["tokens"] == b["greedy"]["tokens"] and a["sampled"]["tokens"] == b["sampled"]["tokens"]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lean-worker", action="store_true", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=True)
+    cli = parser.parse_args()
+    _lean_worker(cli.out, cli.tp)

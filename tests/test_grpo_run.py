@@ -62,3 +62,15 @@ def test_dynamic_sampling_and_aggregations_run(launch, tmp_path):
     metrics = _grpo(launch, tmp_path / "run", "algorithm.drop_zero_signal_groups=true",
                     "algorithm.loss_aggregation=seq-mean-token-sum-norm", "algorithm.advantage=mean")
     assert len(metrics) == 4
+
+
+@pytest.mark.slow
+def test_default_job_reward_climbs(launch, tmp_path):
+    """The README's main job (fewer steps): the exact-match reward climbs from chance to > 0.8."""
+    run_dir = tmp_path / "default"
+    result = launch(f"run.dir={run_dir}", "run.steps=220", "logging.console=quiet", "logging.tensorboard=false",
+                    timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rewards = [m["reward_mean"] for m in read_metrics(run_dir) if m.get("phase") is None]
+    start, end = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert start < 0.2 and end > 0.8, (start, end)

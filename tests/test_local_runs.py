@@ -14,6 +14,7 @@ from helpers import read_metrics
 from megatron_rl.runtime.cpu_compat import KNOWN_SITES
 
 PRETRAIN = ["cluster.executor=local", "algorithm.name=pretrain", "run.steps=4", "algorithm.global_batch_size=4",
+            "parallel.micro_batch_size=1",
             "logging.tensorboard=false", "checkpoint.save_at_end=false"]
 
 

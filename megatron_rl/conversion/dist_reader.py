@@ -7,13 +7,22 @@ PP stages and EP expert groups are reassembled by their recorded offsets, whatev
 
 Before anything is read, every storage file named in the metadata is checked to exist and to be long enough,
 so a missing or truncated shard is a one-line error instead of a failure halfway through an export.
+
+``raw_chunks(ref)`` locates the raw bytes of each saved chunk of a tensor inside its storage file (each chunk is
+a torch.save record: an uncompressed zip whose ``data/0`` entry holds the elements), after checking from the
+record's own pickle that the chunk is stored whole, contiguous and with the expected shape. The exporter then
+copies those byte ranges file to file in the kernel; anything unusual returns None and goes through ``read``.
 """
 
 from __future__ import annotations
 
+import collections
+import io
 import json
 import math
 import pickle
+import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -40,6 +49,72 @@ class StoredTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """The raw, contiguous bytes of one saved chunk of a tensor."""
+
+    path: Path
+    """Storage file."""
+    data_offset: int
+    """Byte offset of the chunk's first element in that file."""
+    offsets: tuple[int, ...]
+    """Offsets of the chunk in the ref's tensor."""
+    sizes: tuple[int, ...]
+    """Shape of the chunk."""
+
+
+class _FileView(io.RawIOBase):
+    """A read-only window [start, start + length) of an open file (one torch.save record)."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
+
+
+class _TensorRecordUnpickler(pickle.Unpickler):
+    """Reads a torch.save pickle of ONE plain tensor without building it: returns (storage id, offset, size,
+    stride); anything else in the pickle raises."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest, **kw: (storage, offset, tuple(size), tuple(stride))
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(size):
+        strides.append(step)
+        step *= s
+    return tuple(reversed(strides))
 
 
 def checkpoint_step_folder(path: str | Path) -> Path:
@@ -121,6 +196,53 @@ class CheckpointReader:
             if path.stat().st_size < end:
                 raise ConfigError(f"--ckpt {self.folder}: shard file {name} is truncated "
                                   f"({path.stat().st_size} bytes, needs {end})")
+
+    def raw_chunks(self, ref: MegatronRef) -> Optional[list[RawChunk]]:
+        """Where the raw bytes of every saved chunk of ``ref`` are, or None if any chunk is not plainly stored."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        stored = self.index[ref]
+        n = len(stored.prepend)
+        md = self.metadata.state_dict_metadata[stored.key]
+        itemsize = torch.empty((), dtype=stored.dtype).element_size()
+        chunks = []
+        for chunk in md.chunks:
+            if tuple(chunk.offsets[:n]) != stored.prepend:
+                continue
+            if any(s != 1 for s in chunk.sizes[:n]):
+                return None
+            info = self.metadata.storage_data.get(MetadataIndex(stored.key, chunk.offsets))
+            offset = None if info is None else self._raw_offset(info, tuple(chunk.sizes), itemsize)
+            if offset is None:
+                return None
+            chunks.append(RawChunk(self.folder / info.relative_path, offset, tuple(chunk.offsets[n:]),
+                                   tuple(chunk.sizes[n:])))
+        if sum(math.prod(c.sizes) for c in chunks) != math.prod(stored.shape):
+            return None
+        return chunks
+
+    def _raw_offset(self, info, sizes: tuple[int, ...], itemsize: int) -> Optional[int]:
+        if getattr(info, "transform_descriptors", None):
+            return None
+        try:
+            with open(self.folder / info.relative_path, "rb") as f:
+                archive = zipfile.ZipFile(_FileView(f, info.offset, info.length))
+                prefix = archive.namelist()[0].split("/", 1)[0]
+                if archive.read(f"{prefix}/byteorder").strip() not in (b"little",):
+                    return None
+                storage, offset, size, stride = _TensorRecordUnpickler(
+                    io.BytesIO(archive.read(f"{prefix}/data.pkl"))).load()
+                entry = archive.getinfo(f"{prefix}/data/{storage[2]}")
+                f.seek(info.offset + entry.header_offset)
+                header = f.read(30)
+        except (OSError, KeyError, ValueError, TypeError, IndexError, pickle.UnpicklingError, zipfile.BadZipFile):
+            return None
+        if (offset, size, stride) != (0, sizes, _contiguous_strides(sizes)) or header[:4] != b"PK\x03\x04":
+            return None
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != math.prod(sizes) * itemsize:
+            return None
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        return info.offset + entry.header_offset + 30 + name_len + extra_len
 
     def common_state(self) -> dict[str, Any]:
         """The checkpoint's common state (step, layout, extra) from common.pt."""

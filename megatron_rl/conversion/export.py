@@ -9,16 +9,19 @@ or in-process (rank 0 of a trainer, no process group needed)::
 
 No model is built: tensors are read from the checkpoint's global (layout-free) keys in groups of at most
 ``read_budget`` bytes, converted (QKV split per query group, [gate; up] split, padded vocab rows cut) and streamed
-into planned safetensors shards. Peak memory is about one read group plus its converted copy. Everything is
+into planned safetensors shards; the next group is read while one is written. Peak memory is about two read
+groups (or the largest tensor, if bigger) plus one converted copy, whatever the model size. Everything is
 written into a hidden temporary folder that is renamed to ``out`` only when complete.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -192,17 +195,71 @@ def export_config(hf_config: dict, reader, dtype_name: str, reward: bool) -> tup
     return cfg, notes
 
 
+def raw_copy_plan(tm, shape: ModelShape, reader) -> Optional[dict[str, list[tuple[Path, int, int]]]]:
+    """Byte ranges of the checkpoint's files that make up each HF tensor of ``tm``, when its saved chunks are
+    whole rows (TP=1, or sharded on dim 0) so that every HF tensor is a sequence of contiguous byte ranges;
+    None otherwise (row-parallel weights at TP>1, unusual records), and those go through memory."""
+    from megatron_rl.conversion.names import hf_row_sources
+
+    chunks = reader.raw_chunks(tm.ref)
+    stored = reader.index[tm.ref]
+    if chunks is None or not stored.shape:
+        return None
+    if any(c.offsets[1:] != (0,) * (len(stored.shape) - 1) or c.sizes[1:] != stored.shape[1:] for c in chunks):
+        return None
+    row_bytes = math.prod(stored.shape[1:]) * torch_itemsize(stored.dtype)
+    chunks = sorted(chunks, key=lambda c: c.offsets[0])
+    plan = {}
+    for name, blocks in hf_row_sources(tm, shape, stored.shape[0]).items():
+        segments: list[tuple[Path, int, int]] = []
+        for first, rows in blocks:
+            for c in chunks:
+                lo, hi = max(first, c.offsets[0]), min(first + rows, c.offsets[0] + c.sizes[0])
+                if lo >= hi:
+                    continue
+                start, nbytes = c.data_offset + (lo - c.offsets[0]) * row_bytes, (hi - lo) * row_bytes
+                if segments and segments[-1][0] == c.path and segments[-1][1] + segments[-1][2] == start:
+                    segments[-1] = (c.path, segments[-1][1], segments[-1][2] + nbytes)
+                else:
+                    segments.append((c.path, start, nbytes))
+        plan[name] = segments
+    return plan
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def read_batches(maps: list, reader, budget: int) -> list[list]:
+    """Consecutive tensor groups of at most ``budget`` stored bytes (a bigger tensor is a batch of its own)."""
+    batches: list[list] = [[]]
+    size = 0
+    for tm in maps:
+        nbytes = reader.index[tm.ref].nbytes
+        if batches[-1] and size + nbytes > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(tm)
+        size += nbytes
+    return batches
+
+
 def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *,
                             model: Union[None, str, Path, ModelShape, dict] = None,
                             hf_source: Union[None, str, Path] = None, shard_size: Union[int, str] = "2GB",
                             dtype: Optional[str] = None, overwrite: bool = False,
-                            read_budget: int = 512 * 2**20, check: Optional[Callable[[Path], None]] = None,
+                            read_budget: int = 256 * 2**20, kernel_copy: bool = True,
+                            check: Optional[Callable[[Path], None]] = None,
                             progress: Optional[Callable[[str], None]] = None) -> ExportSummary:
     """Export checkpoint ``ckpt`` (step folder or checkpoint root) to the HF folder ``out_dir``.
 
     model: HF folder/config.json, preset or YAML spec, ModelShape or HF config dict; default: what the checkpoint
     recorded. hf_source: folder to copy tokenizer files from. dtype: fp32/bf16/fp16 (default: as stored).
     check: called with the finished (unpublished) folder; if it raises, nothing is published.
+    kernel_copy: copy tensors whose bytes need no change (TP=1 or dim-0 shards, no dtype cast) file to file with
+    copy_file_range instead of through memory.
     """
     import torch
 
@@ -255,30 +312,27 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if source.tokenizer_dir is not None:
             copy_tokenizer_files(Path(source.tokenizer_dir), tmp)
-        batch: list = []
-        batch_bytes = 0
-        done = 0
-
-        def flush() -> None:
-            nonlocal done
-            tensors = reader.read([tm.ref for tm in batch])
-            for tm in batch:
+        raw = {} if out_dtype is not None or not kernel_copy else {tm.ref: raw_copy_plan(tm, shape, reader)
+                                                                   for tm in maps}
+        batches = read_batches([tm for tm in maps if raw.get(tm.ref) is None], reader, read_budget)
+        with ThreadPoolExecutor(max_workers=1) as pool:  # read the next batch while this one is written
+            pending = pool.submit(reader.read, [tm.ref for tm in batches[0]])
+            next_batch = 1
+            tensors: dict = {}
+            for i, tm in enumerate(maps):
+                if raw.get(tm.ref) is not None:
+                    for name, segments in raw[tm.ref].items():
+                        writer.copy_ranges(name, segments)
+                    continue
+                if tm.ref not in tensors:
+                    tensors = pending.result()
+                    if next_batch < len(batches):
+                        pending = pool.submit(reader.read, [t.ref for t in batches[next_batch]])
+                        next_batch += 1
                 for name, tensor in hf_from_megatron(tm, shape, tensors.pop(tm.ref)).items():
                     writer.write(name, tensor if out_dtype is None else tensor.to(out_dtype))
-            done += len(batch)
-            batch.clear()
-            if progress:
-                progress(f"exported {done}/{len(maps)} tensor groups ({writer.bytes_written / 1e9:.2f} GB)")
-
-        for tm in maps:
-            size = reader.index[tm.ref].nbytes
-            if batch and batch_bytes + size > read_budget:
-                flush()
-                batch_bytes = 0
-            batch.append(tm)
-            batch_bytes += size
-        if batch:
-            flush()
+                if progress:
+                    progress(f"exported {i + 1}/{len(maps)} tensor groups ({writer.bytes_written / 1e9:.2f} GB)")
         writer.close()
         if check is not None:
             check(tmp)

@@ -363,3 +363,21 @@ def row_pieces(tm: TensorMap, shape: ModelShape, padded_rows: int) -> list[tuple
             pieces += [(tm.hf[0], group * q_rows, q_rows), (tm.hf[1], group * d, d), (tm.hf[2], group * d, d)]
         return pieces
     raise ValueError(f"unknown kind {tm.kind}")
+
+
+def hf_row_sources(tm: TensorMap, shape: ModelShape, stored_rows: int) -> dict[str, list[tuple[int, int]]]:
+    """For each HF tensor of ``tm``: the (first row, rows) blocks of the global Megatron tensor it is made of, in
+    order (``stored_rows``: rows of the stored tensor, for plain copies). The inverse of ``row_pieces``."""
+    if tm.kind == "copy":
+        return {tm.hf[0]: [(0, stored_rows)]}
+    if tm.kind == "vocab":
+        return {tm.hf[0]: [(0, tm.hf_shapes[0][0])]}
+    if tm.kind == "gate_up":
+        gate_rows = tm.hf_shapes[0][0]
+        return {tm.hf[0]: [(0, gate_rows)], tm.hf[1]: [(gate_rows, tm.hf_shapes[1][0])]}
+    d, groups = shape.kv_channels, shape.num_query_groups
+    q_rows = shape.num_attention_heads // groups * d
+    block = q_rows + 2 * d
+    return {tm.hf[0]: [(g * block, q_rows) for g in range(groups)],
+            tm.hf[1]: [(g * block + q_rows, d) for g in range(groups)],
+            tm.hf[2]: [(g * block + q_rows + d, d) for g in range(groups)]}

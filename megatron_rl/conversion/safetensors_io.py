@@ -24,6 +24,7 @@ SINGLE_FILE = "model.safetensors"
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E5M2": 1}
 # Files copied next to the weights when present (tokenizer, chat template, generation defaults).
+WRITE_CHUNK = 64 * 2**20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -227,6 +228,7 @@ class ShardedSafetensorsWriter:
         self._next = 0
         self._file = None
         self._file_index = -1
+        self._sources: dict[Path, int] = {}
         self.bytes_written = 0
 
     def _open(self, index: int) -> None:
@@ -238,24 +240,48 @@ class ShardedSafetensorsWriter:
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._file = open(self.folder / shard_file_name(index, len(self.shards)), "wb")
+        self._file = open(self.folder / shard_file_name(index, len(self.shards)), "wb", buffering=0)
         self._file.write(struct.pack("<Q", len(raw)))
         self._file.write(raw)
         self._file_index = index
 
-    def write(self, name: str, tensor) -> None:
-        import torch
-
+    def _next_planned(self, name: str) -> PlannedTensor:
         if self._next >= len(self._order):
             raise RuntimeError(f"unplanned tensor {name}")
         index, planned = self._order[self._next]
-        if (planned.name, planned.shape, planned.dtype) != (name, tuple(tensor.shape), torch_dtype_name(tensor.dtype)):
-            raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the plan "
-                               f"({planned.name} {planned.shape} {planned.dtype})")
+        if planned.name != name:
+            raise RuntimeError(f"tensor {name} arrived out of plan order (expected {planned.name})")
         if index != self._file_index:
             self._open(index)
-        data = tensor.detach().contiguous().cpu()
-        self._file.write(data.reshape(-1).view(torch.uint8).numpy().data)
+        return planned
+
+    def write(self, name: str, tensor) -> None:
+        """Append ``tensor``'s bytes (it must match the planned shape and dtype)."""
+        import torch
+
+        planned = self._next_planned(name)
+        if (planned.shape, planned.dtype) != (tuple(tensor.shape), torch_dtype_name(tensor.dtype)):
+            raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the plan "
+                               f"({planned.shape} {planned.dtype})")
+        data = memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        for start in range(0, len(data), WRITE_CHUNK):  # one huge write() is several times slower on Linux
+            self._file.write(data[start:start + WRITE_CHUNK])
+        self.bytes_written += planned.nbytes
+        self._next += 1
+
+    def copy_ranges(self, name: str, segments: list[tuple[Path, int, int]]) -> None:
+        """Append the planned tensor ``name`` by copying byte ranges (file, offset, length) of other files, in the
+        kernel (copy_file_range) where the filesystem allows it: no trip through this process's memory."""
+        planned = self._next_planned(name)
+        if sum(n for _, _, n in segments) != planned.nbytes:
+            raise RuntimeError(f"tensor {name}: copied ranges hold {sum(n for _, _, n in segments)} bytes, "
+                               f"the plan {planned.nbytes}")
+        dst = self._file.fileno()
+        for path, offset, nbytes in segments:
+            src = self._sources.get(path)
+            if src is None:
+                src = self._sources[path] = os.open(path, os.O_RDONLY)
+            _copy_range(src, dst, offset, nbytes)
         self.bytes_written += planned.nbytes
         self._next += 1
 
@@ -270,6 +296,7 @@ class ShardedSafetensorsWriter:
         if self._next != len(self._order):
             raise RuntimeError(f"only {self._next} of {len(self._order)} planned tensors were written")
         self._finish_file()
+        self._close_sources()
         weight_map = {t.name: shard_file_name(i, len(self.shards)) for i, shard in enumerate(self.shards)
                       for t in shard}
         total = sum(t.nbytes for shard in self.shards for t in shard)
@@ -280,6 +307,36 @@ class ShardedSafetensorsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._close_sources()
+
+    def _close_sources(self) -> None:
+        for fd in self._sources.values():
+            os.close(fd)
+        self._sources.clear()
+
+
+_KERNEL_COPY = [hasattr(os, "copy_file_range")]
+
+
+def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at ``offset`` of ``src`` to the current position of ``dst`` (kernel copy, else pread)."""
+    position = os.lseek(dst, 0, os.SEEK_CUR)
+    done = 0
+    while done < nbytes and _KERNEL_COPY[0]:
+        try:
+            n = os.copy_file_range(src, dst, min(nbytes - done, WRITE_CHUNK), offset + done, position + done)
+        except OSError:  # other filesystem, old kernel: fall back to reading through memory
+            _KERNEL_COPY[0] = False
+            break
+        if n == 0:
+            raise RuntimeError("source file ended early during copy")
+        done += n
+    while done < nbytes:
+        data = os.pread(src, min(nbytes - done, WRITE_CHUNK), offset + done)
+        if not data:
+            raise RuntimeError("source file ended early during copy")
+        done += os.pwrite(dst, data, position + done)
+    os.lseek(dst, position + nbytes, os.SEEK_SET)
 
 
 _TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",

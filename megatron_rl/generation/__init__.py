@@ -1,7 +1,8 @@
 """Colocated generation on the training model: KV-cache decoding, sampling, training-forward log-probs, memory phases.
 
 Public API: ``generate`` / ``GenerationOutput`` (decoding.py), ``sequence_logprobs`` (logprobs.py),
-``SamplingParams`` / ``choose_tokens`` (sampling.py), ``generation_phase`` (memory.py).
+``SamplingParams`` / ``choose_tokens`` (sampling.py), ``generation_phase`` (memory.py); decode steps run through
+``LeanDecoder`` (lean_decode.py) where it applies, else the ``GPTModel`` modules.
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``; benchmark: ``.venv/bin/python bench/generation.py``.
 """
 

@@ -30,8 +30,11 @@ Speed. Decoding runs under ``torch.inference_mode``. Megatron keeps a few tensor
 the next backward pass (e.g. Transformer Engine's fused RoPE saves the cached table), so those caches are
 emptied on the way out. While generating, the local spec's core attention runs as one SDPA call and decode
 steps rotate only the new token's query and key (Megatron's flash-decode hook), see attention.py;
-``fast_attention=False`` keeps Megatron's path unchanged. Dropout is off (modules in eval mode, restored
-afterwards).
+``fast_attention=False`` keeps Megatron's path unchanged. After the prefill, decode steps of dense local-spec
+models at PP=1 (any TP) skip the modules altogether: ``LeanDecoder`` (lean_decode.py) computes the same maths
+from the same parameters and cache, without the per-module Python overhead (``fast_decode=False``, or
+``fast_attention=False``, keeps the module path; ``GenerationOutput.decode_path`` says which ran). Dropout is
+off (modules in eval mode, restored afterwards).
 
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
 """
@@ -45,6 +48,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_rl.generation.attention import RopeOnceDecode, sdpa_core_attention
+from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsupported
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens
 from megatron_rl.runtime.checkpoint import unwrap
 
@@ -71,6 +75,8 @@ class GenerationOutput:
     """Bytes the KV cache held on this rank; released before ``generate`` returned."""
     decode_attention: str
     """Attention path used: "megatron" (unchanged modules) or "+"-joined fast paths: "sdpa", "rope-once"."""
+    decode_path: str
+    """How decode steps ran: "lean" (``LeanDecoder`` on the parameters) or "modules" (``GPTModel.forward``)."""
 
 
 def data_parallel_seed(seed: int) -> int:
@@ -236,14 +242,16 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None,
              stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[Sequence[int]] = (),
              seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             pad_id: int = 0, fast_attention: bool = True) -> GenerationOutput:
+             pad_id: int = 0, fast_attention: bool = True, fast_decode: bool = True) -> GenerationOutput:
     """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
     after ``eos_id``, any of ``stop_token_ids`` or any of ``stop_sequences`` (kept in the response), or after
     ``max_new_tokens``. Sampling draws from ``generator`` or, if None, a fresh one seeded with ``seed`` (0
     when None); pass the same seed on every TP/PP rank of a replica (``data_parallel_seed`` makes one).
-    ``fast_attention=False`` keeps Megatron's attention path unchanged (see attention.py).
+    ``fast_attention=False`` keeps Megatron's attention path unchanged (see attention.py) and implies
+    ``fast_decode=False``; ``fast_decode=False`` runs every decode step through the modules instead of
+    ``LeanDecoder`` (which is also skipped, silently, for layouts it does not reproduce: PP > 1, MoE, TE, ...).
     Returns on every rank of the model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -284,17 +292,24 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
         chunk.eval()
     cache = _KVCache(batch, total)
     forwards = 0
+    lean, used_lean = None, False
     try:
         with torch.inference_mode(), sdpa_core_attention(chunks if fast_attention else []) as swapped, \
                 cache as context, RopeOnceDecode(chunks if fast_attention else [], context) as rope_once:
             chain = _StageChain(chunks, context, device=device)
             fed_from = 0
             for t in range(shortest, total):
-                logits = chain.forward(tokens[:, fed_from:t], positions[:, fed_from:t])
+                if lean is not None:
+                    logits = lean.step(tokens[:, t - 1], t - 1)
+                else:
+                    logits = chain.forward(tokens[:, fed_from:t], positions[:, fed_from:t])
                 context.sequence_len_offset += t - fed_from
                 if forwards == 0:
                     context.enable_decode_mode()
                     rope_once.begin()
+                    if fast_decode and rope_once.enabled and lean_decode_unsupported(chunks) is None:
+                        lean = LeanDecoder(chunks[0], context, batch=batch)
+                        used_lean = True
                 forwards += 1
                 fed_from = t
                 local = (choose_tokens(logits, vocab_size=vocab_size, params=params, generator=generator)
@@ -313,6 +328,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 if bool(done.all()):
                     break
     finally:
+        lean = None
         drop_inference_tensors_from_megatron_caches(chunks)
         for chunk, flag in zip(chunks, was_training):
             chunk.train(flag)
@@ -329,4 +345,5 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
         finish_reasons=["stop" if f else "length" for f in flags],
         forward_passes=forwards, kv_cache_bytes=cache.nbytes,
         decode_attention="+".join(name for name, used in (("sdpa", swapped > 0), ("rope-once", rope_once.enabled))
-                                  if used) or "megatron")
+                                  if used) or "megatron",
+        decode_path="lean" if used_lean else "modules")

@@ -55,6 +55,8 @@ class TrainerContext:
     """Run folder, metrics, checkpoints and the preemption flag for one training process."""
 
     cfg: JobConfig
+    shape: Optional[Any] = None
+    """The model's ModelShape, stored in every checkpoint so it exports to Hugging Face without extra input."""
     logger: MetricsLogger = field(init=False)
     extra_state: Callable[[], dict] = field(default=lambda: {})
     resumed_extra: dict = field(default_factory=dict, init=False)
@@ -132,14 +134,35 @@ class TrainerContext:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item() > 0) and step < self.cfg.run.steps
 
-    def save(self, engine, step: int) -> Path:
-        return ckpt.save_checkpoint(self.ckpt_dir, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
-                                    scheduler=engine.scheduler, extra=self.extra_state(),
-                                    keep_last=self.cfg.checkpoint.keep_last)
+    def save(self, engine, step: int, *, final: bool = False) -> Path:
+        extra = dict(self.extra_state())
+        if self.shape is not None:
+            from megatron_rl.conversion.export import model_metadata
+
+            extra["model"] = model_metadata(self.shape, tokenizer_dir=self.cfg.model.tokenizer)
+        folder = ckpt.save_checkpoint(self.ckpt_dir, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
+                                      scheduler=engine.scheduler, extra=extra,
+                                      keep_last=self.cfg.checkpoint.keep_last)
+        self._saves = getattr(self, "_saves", 0) + 1
+        every = self.cfg.checkpoint.export_hf_every
+        if self.cfg.checkpoint.export_hf and (final or (every and self._saves % every == 0)):
+            self.export_hf(folder, final=final)
+        return folder
+
+    def export_hf(self, folder: Path, *, final: bool) -> None:
+        """Hugging Face export of a saved checkpoint on this job's own nodes (rank 0 reads it tensor by tensor)."""
+        from megatron_rl.conversion.export import export_checkpoint_to_hf
+
+        out = Path(self.cfg.run.dir) / "hf" / ("final" if final else folder.name)
+        if self.rank == 0:
+            summary = export_checkpoint_to_hf(folder, out, hf_source=self.cfg.model.tokenizer, overwrite=True)
+            self.say(f"exported {folder.name} to Hugging Face format: {out} ({summary.num_shards} shard(s))")
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
     def finish(self, engine) -> None:
         if self.cfg.checkpoint.save_at_end and engine.step > 0:
-            folder = self.save(engine, engine.step)
+            folder = self.save(engine, engine.step, final=True)
             self.say(f"saved final checkpoint {folder}")
         self.logger.close()
 
