@@ -140,7 +140,7 @@ def test_cli_rejects_bad_input_with_one_line_and_exit_2(launch, tmp_path, args, 
 
 def test_dry_run_prints_config_and_processes_and_starts_nothing(launch, tmp_path):
     run_dir = tmp_path / "dry run"
-    result = launch("--dry-run", "cluster.executor=local", f"run.dir={run_dir}", "run.steps=3", timeout=60)
+    result = launch("cluster.executor=local", "--dry-run", f"run.dir={run_dir}", "run.steps=3", timeout=60)
     assert result.returncode == 0, result.stderr
     assert "# resolved config" in result.stdout and "steps: 3" in result.stdout
     assert result.stdout.count("-m megatron_rl.main") == 2
