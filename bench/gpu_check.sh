@@ -43,7 +43,6 @@ GPU_TESTS=(
   "$G::test_policy_logprobs_use_raw_logits_over_the_padded_vocabulary"
   "$G::test_same_generator_state_gives_the_same_tokens" "$G::test_sampling_params_are_checked"
   "$G::test_host_offload_frees_storage_and_restores_values_and_views_exactly"
-  --deselect tests/test_grpo_math.py::test_grpo_teaches_the_synthetic_task_from_chance
 )
 
 if [ "$MODE" = prepare ]; then

@@ -121,7 +121,8 @@ def _megatron_to_hf(args) -> int:
     for note in summary.notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {summary.out_dir}: {summary.architecture}, {summary.num_tensors} tensors in {summary.num_shards} "
-          f"shard(s), {summary.bytes_written / 1e9:.3f} GB in {summary.seconds:.1f} s")
+          f"shard(s), {summary.bytes_written / 1e9:.3f} GB in {summary.seconds:.1f} s "
+          f"({summary.bytes_copied_in_kernel / max(summary.bytes_written, 1):.0%} copied file to file)")
     if args.verify:
         print(json.dumps({k: report[k] for k in ("max_abs_logit_diff", "argmax_agreement", "tensors_equal")}))
     return 0

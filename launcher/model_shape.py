@@ -361,8 +361,24 @@ def _hf_act(act: str, source: str) -> str:
     return table[act]
 
 
+def fold_transformers5_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers-5 spellings in the classic keys: ``rope_parameters`` -> rope_theta / rope_scaling, and
+    Qwen3-MoE's ``num_local_experts`` -> num_experts (read wrongly, they silently give theta 10000 or a dense model)."""
+    cfg = dict(cfg)
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict):
+        if cfg.get("rope_theta") is None and rope.get("rope_theta") is not None:
+            cfg["rope_theta"] = rope["rope_theta"]
+        if cfg.get("rope_scaling") is None and rope.get("rope_type") not in (None, "default"):
+            cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if cfg.get("model_type") == "qwen3_moe" and cfg.get("num_experts") is None and cfg.get("num_local_experts"):
+        cfg["num_experts"] = cfg["num_local_experts"]
+    return cfg
+
+
 def shape_from_hf_config(cfg: dict[str, Any], *, name: str, source: str) -> ModelShape:
     """Build a shape from a Hugging Face config.json dict."""
+    cfg = fold_transformers5_keys(cfg)
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
     if model_type not in HF_MODEL_TYPES:

@@ -132,6 +132,17 @@ def test_moe_expert_keys_and_ep_gathering(work, exports, kind):
     assert sorted(c.offsets[0] for c in chunks) == [0, 1, 2, 3] and len(saving_ranks) == 2
 
 
+def test_kernel_copies_equal_the_in_memory_path(work, exports):
+    """Most bytes of a TP=2 x PP=2 checkpoint are copied file to file (copy_file_range); the same export through
+    memory only gives identical files."""
+    assert 0 < exports["qwen3"].bytes_copied_in_kernel < exports["qwen3"].bytes_written  # o_proj/down_proj: memory
+    slow = export_checkpoint_to_hf(work / "mg_qwen3", work / "out_qwen3_memory", shard_size="40KB",
+                                   kernel_copy=False)
+    assert slow.bytes_copied_in_kernel == 0
+    for path in sorted((work / "out_qwen3").glob("*.safetensors")):
+        assert path.read_bytes() == (work / "out_qwen3_memory" / path.name).read_bytes()
+
+
 def test_tp2_export_equals_tp1_export(work):
     """A model trained/saved at TP=2 x PP=2 and the same weights resharded to TP=1 export to identical files,
     and the TP=2 Megatron logits match transformers on the export (model described by --model tiny-cpu)."""

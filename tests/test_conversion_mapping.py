@@ -27,6 +27,7 @@ from megatron_rl.conversion.names import (  # noqa: E402
     MegatronRef,
     expected_hf_tensors,
     hf_config_from_shape,
+    hf_row_sources,
     layout_world_size,
     normalize_hf_config,
     parse_megatron_key,
@@ -120,6 +121,8 @@ def test_region_reads_equal_slices_of_the_whole_tensor(kind):
             assert torch.equal(block, whole[:, cols:])
         back = mapping.hf_from_megatron(tm, shape, whole)
         assert all(torch.equal(back[name], hf[name]) for name in tm.hf)
+        for name, blocks in hf_row_sources(tm, shape, whole.shape[0]).items():  # the file-to-file copy plan
+            assert torch.equal(torch.cat([whole[first:first + rows] for first, rows in blocks]), hf[name])
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3"])
@@ -207,9 +210,13 @@ def test_streaming_writer_round_trips_through_safetensors(tmp_path):
     groups = [[PlannedTensor(n, {"a": "F32", "b": "BF16", "c": "I64"}[n], tuple(t.shape))] for n, t in tensors.items()]
     shards = plan_shards(groups, 64)
     assert [len(s) for s in shards] == [1, 2]  # 60 bytes; then 14 + 48 bytes
+    raw = tmp_path / "raw.bin"  # "c" arrives as two byte ranges of another file, copied in the kernel
+    c_bytes = tensors["c"].numpy().tobytes()
+    raw.write_bytes(b"x" * 5 + c_bytes[:16] + b"y" * 3 + c_bytes[16:])
     writer = ShardedSafetensorsWriter(tmp_path, shards)
-    for name, t in tensors.items():
-        writer.write(name, t)
+    writer.write("a", tensors["a"])
+    writer.write("b", tensors["b"])
+    writer.copy_ranges("c", [(raw, 5, 16), (raw, 24, len(c_bytes) - 16)])
     writer.close()
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",

@@ -183,3 +183,18 @@ def test_errors(tmp_path):
                     "moe_router_topk: 8\nmoe_ffn_hidden_size: 32\n")
     with pytest.raises(ConfigError, match="moe_router_topk"):
         load_model_shape(str(topk))
+
+
+def test_transformers5_rope_parameters_and_qwen3_moe_experts_are_read(tmp_path):
+    import json
+
+    from launcher.model_shape import load_model_shape
+
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2,
+           "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+           "intermediate_size": 128, "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = load_model_shape(str(tmp_path))
+    assert shape.rotary_base == 1000000.0
+    assert shape.num_experts == 4 and shape.moe_layers == (True, True)

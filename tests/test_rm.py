@@ -249,7 +249,7 @@ def test_layouts_tp2_pp2_padding_and_scorer(tmp_path):
         for key in ("loss1", "loss2", "grad_norm1", "grad_norm2"):
             assert other[key] == pytest.approx(one[key], rel=1e-5), key
         for key, value in one["after"].items():
-            assert other["after"][key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+            assert other["after"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key  # after 2 Adam steps
 
 
 def _evals(run_dir: Path) -> list[dict]:

@@ -64,6 +64,8 @@ class ExportSummary:
     """Tensor bytes written."""
     seconds: float
     """Wall time of the export."""
+    bytes_copied_in_kernel: int = 0
+    """Part of bytes_written copied file to file (copy_file_range) rather than through memory."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know (dropped reward bias, ignored tensors)."""
 
@@ -319,10 +321,12 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
             pending = pool.submit(reader.read, [tm.ref for tm in batches[0]])
             next_batch = 1
             tensors: dict = {}
+            kernel_bytes = 0
             for i, tm in enumerate(maps):
                 if raw.get(tm.ref) is not None:
                     for name, segments in raw[tm.ref].items():
                         writer.copy_ranges(name, segments)
+                        kernel_bytes += sum(n for _, _, n in segments)
                     continue
                 if tm.ref not in tensors:
                     tensors = pending.result()
@@ -343,4 +347,4 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
         raise
     return ExportSummary(out_dir=out, architecture=arch, num_tensors=sum(len(g) for g in groups),
                          num_shards=len(shards), bytes_written=writer.bytes_written,
-                         seconds=time.perf_counter() - start, notes=notes)
+                         seconds=time.perf_counter() - start, notes=notes, bytes_copied_in_kernel=kernel_bytes)

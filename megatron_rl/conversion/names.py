@@ -165,15 +165,9 @@ def refs_in_stored_tensor(key: str, size: tuple[int, ...]) -> Iterator[tuple[Meg
 def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """Fold transformers-5 spellings (``rope_parameters``, ``num_local_experts`` for Qwen3-MoE) into the classic
     keys that ``launcher.model_shape`` reads, and reject what the Megatron model cannot reproduce."""
-    cfg = dict(cfg)
-    rope = cfg.get("rope_parameters")
-    if isinstance(rope, dict):
-        if cfg.get("rope_theta") is None and rope.get("rope_theta") is not None:
-            cfg["rope_theta"] = rope["rope_theta"]
-        if cfg.get("rope_scaling") is None and rope.get("rope_type") not in (None, "default"):
-            cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if cfg.get("model_type") == "qwen3_moe" and cfg.get("num_experts") is None and cfg.get("num_local_experts"):
-        cfg["num_experts"] = cfg["num_local_experts"]
+    from launcher.model_shape import fold_transformers5_keys
+
+    cfg = fold_transformers5_keys(cfg)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES and cfg.get("model_type") in FAMILY_MODEL_TYPE and not archs:

@@ -124,9 +124,12 @@ def run_random(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_model(task: dict[str, Any]):
+    """The model at the task's layout, loaded the way trainers load (``runtime.checkpoint.load_checkpoint``);
+    a reward-model checkpoint (no LM head) loads its trunk only."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.conversion.model_build import build_conversion_model
+    from megatron_rl.runtime.checkpoint import load_checkpoint
 
     source, reader = _model_source(task)
     model = build_conversion_model(source.shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=torch.float32)
@@ -134,10 +137,16 @@ def _load_model(task: dict[str, Any]):
     stored = set(reader.metadata.state_dict_metadata)
     drop = [k for k, v in request["model0"].items() if getattr(v, "key", None) is not None and v.key not in stored
             and v.key.startswith("output_layer.")]
-    for k in drop:  # reward models may have no LM head
+    if not drop:
+        load_checkpoint(reader.folder, chunks=[model], load_optimizer=False)
+        return model, source, reader
+    for k in drop:
         request["model0"].pop(k)
     loaded = dist_checkpointing.load(request, str(reader.folder))
-    model.load_state_dict(loaded["model0"], strict=not drop)
+    missing, unexpected = model.load_state_dict(loaded["model0"], strict=False)
+    bad = [k for k in missing if not k.startswith("output_layer.") and not k.endswith("_extra_state")]
+    if bad or unexpected:
+        raise ConfigError(f"{reader.folder}: does not fit the model (missing {bad[:3]}, unexpected {unexpected[:3]})")
     return model, source, reader
 
 

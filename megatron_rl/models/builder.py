@@ -146,8 +146,12 @@ def layout_invariant_init(seed: int):
 
 
 def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional[int] = None,
-                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
-    """One model chunk of ``shape`` for this rank's pipeline stage (and virtual stage ``vp_stage``)."""
+                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                    model_class=None, tie_embeddings: Optional[bool] = None):
+    """One model chunk of ``shape`` for this rank's pipeline stage (and virtual stage ``vp_stage``).
+
+    ``model_class``: a GPTModel subclass (the reward model); ``tie_embeddings`` overrides the shape's.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -158,12 +162,12 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     rope_scaling = shape.rope_scaling or {}
     with layout_invariant_init(opts.init_seed):
-        model = GPTModel(
+        model = (model_class or GPTModel)(
             config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage),
             vocab_size=padded_vocab_size(shape.vocab_size, opts.tp),
             max_sequence_length=shape.max_position_embeddings,
             pre_process=pre_process, post_process=post_process,
-            share_embeddings_and_output_weights=shape.tie_embeddings,
+            share_embeddings_and_output_weights=shape.tie_embeddings if tie_embeddings is None else tie_embeddings,
             position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
             rope_scaling=rope_scaling.get("rope_type") == "llama3",
             rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),

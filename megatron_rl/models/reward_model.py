@@ -28,7 +28,7 @@ import torch
 
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
-from megatron_rl.models.builder import ModelOptions, layer_spec, padded_vocab_size, transformer_config
+from megatron_rl.models.builder import ModelOptions, build_gpt_model
 
 HEAD_NAME = "rm_head"
 HEAD_KEYS = (f"{HEAD_NAME}.weight", f"{HEAD_NAME}.bias", f"{HEAD_NAME}._extra_state")
@@ -146,30 +146,12 @@ def reward_model_class():
 def build_reward_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional[int] = None,
                        pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
     """One reward-model chunk of ``shape`` for this rank's pipeline stage (and virtual stage ``vp_stage``)."""
-    from megatron.core import parallel_state
-
     if opts.cp > 1:
         raise ConfigError(f"parallel.cp={opts.cp}: the reward model does not support context parallelism yet; "
                           "set parallel.cp=1")
-    config = transformer_config(shape, opts)
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    rope_scaling = shape.rope_scaling or {}
-    model = reward_model_class()(
-        config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage),
-        vocab_size=padded_vocab_size(shape.vocab_size, opts.tp),
-        max_sequence_length=shape.max_position_embeddings,
-        pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=False,  # no output layer to tie; the embedding key is unchanged
-        position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
-        rope_scaling=rope_scaling.get("rope_type") == "llama3",
-        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),
-        vp_stage=vp_stage)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
+    # No output layer to tie; the embedding key is unchanged.
+    return build_gpt_model(shape, opts, vp_stage=vp_stage, pre_process=pre_process, post_process=post_process,
+                           model_class=reward_model_class(), tie_embeddings=False)
 
 
 def build_reward_model_chunks(shape: ModelShape, opts: ModelOptions) -> list:
