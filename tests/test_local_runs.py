@@ -71,3 +71,36 @@ def test_preempted_run_resumes_with_identical_metrics(launch, tmp_path):
     for a, b in zip(whole, resumed, strict=True):
         assert {k: v for k, v in a.items() if k not in ("step_time_s", "tokens_per_s")} == \
                {k: v for k, v in b.items() if k not in ("step_time_s", "tokens_per_s")}
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(launch, tmp_path):
+    """Every rank is SIGKILLed after writing step 4's files but before publishing them: the half-written save
+    must not count, the rerun resumes from step 2 and ends where an uninterrupted run ends."""
+    whole = _run(launch, tmp_path / "whole", "run.steps=6")
+    run_dir = tmp_path / "killed"
+    args = (*PRETRAIN, f"run.dir={run_dir}", "run.steps=6", "checkpoint.save_interval=2", "checkpoint.keep_last=5")
+    killed = launch(*args, env={"MEGATRON_RL_FAULT": "kill-during-save:4"})
+    assert killed.returncode != 0
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert (ckpts / ".tmp-step_00000004").is_dir() and not (ckpts / "step_00000004").exists()
+    resumed = launch(*args)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "step_00000002 (step 2" in resumed.stdout
+    assert not (ckpts / ".tmp-step_00000004").exists()
+    drop = ("step_time_s", "tokens_per_s")
+    assert [{k: v for k, v in m.items() if k not in drop} for m in read_metrics(run_dir)] == \
+           [{k: v for k, v in m.items() if k not in drop} for m in whole]
+
+
+def test_tp2_pp2_checkpoint_resumes_at_tp1_with_the_same_loss(launch, tmp_path):
+    """Save at TP=2 x PP=2 (4 processes), resume at TP=1 on one process: the next losses match a TP=1 run."""
+    reference = _run(launch, tmp_path / "tp1", "run.steps=5", "cluster.tasks_per_node=1")
+    run_dir = tmp_path / "resharded"
+    _run(launch, run_dir, "run.steps=3", "parallel.tp=2", "parallel.pp=2", "cluster.tasks_per_node=4",
+         "checkpoint.save_at_end=true")
+    resumed = _run(launch, run_dir, "run.steps=5", "cluster.tasks_per_node=1")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
+    for ref, got in zip(reference[3:], resumed[3:], strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], abs=1e-4), (ref, got)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)

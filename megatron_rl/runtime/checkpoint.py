@@ -154,6 +154,8 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
         state["scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(state, str(tmp))
     _barrier()
+    if os.environ.get("MEGATRON_RL_FAULT") == f"kill-during-save:{step}":  # fault injection for the crash tests
+        os.kill(os.getpid(), 9)
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
