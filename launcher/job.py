@@ -55,16 +55,22 @@ def resolve_executor(name: str) -> str:
 
 def apply_plan(cfg: JobConfig, shape: ModelShape):
     """Run the planner for cfg's GPUs and write its layout into cfg.parallel; returns (cfg, PlanResult)."""
-    from launcher.planner import GrpoSizing, plan
+    from launcher.planner import GrpoSizing, evaluate
 
     cluster, algo = cfg.cluster, cfg.algorithm
     grpo = None
     if algo.name == "grpo":
         grpo = GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=cfg.generation.max_new_tokens,
                           reference_model=algo.kl_coef > 0, kv_cache_released_for_training=True)
-    result = plan(shape, num_gpus=cluster.world_size, gpu_type=cluster.gpu_type,
-                  seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
-                  mode=PLANNER_MODES[algo.name], grpo=grpo)
+    # Restricted to what the trainers run today: no context parallelism, MoE layers at tp=1.
+    runnable = {"cp": 1, **({"tp": 1} if shape.is_moe else {})}
+    result = evaluate(shape, runnable, num_gpus=cluster.world_size, gpu_type=cluster.gpu_type,
+                      seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
+                      mode=PLANNER_MODES[algo.name], grpo=grpo)
+    if not result.fits:
+        raise ConfigError(f"no layout for {shape.name} on {cluster.world_size} x {cluster.gpu_type} fits in memory "
+                          f"(best needs {result.memory['total']:.1f} GiB of {result.memory['capacity']:.1f}); "
+                          "add nodes (see `python launch.py plan`) or shorten model.seq_length")
     layout = result.layout
     if layout.first_stage_layers is not None or layout.last_stage_layers is not None:
         raise ConfigError(f"the planner chose an uneven pipeline split ({layout.split_name()}) that this runtime "

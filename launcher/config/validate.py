@@ -50,4 +50,10 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     if seq > shape.max_position_embeddings:
         raise ConfigError(f"model.seq_length={seq} exceeds {shape.name}'s max_position_embeddings "
                           f"{shape.max_position_embeddings}")
+    if par.cp > 1:
+        raise ConfigError(f"parallel.cp={par.cp}: the trainers do not split sequences over context-parallel ranks "
+                          "yet; set parallel.cp=1 (the planner still models cp for sizing)")
+    if shape.is_moe and par.tp > 1:
+        raise ConfigError(f"{shape.name} is an MoE model: the trainers build MoE layers at parallel.tp=1 only so far "
+                          "(use parallel.ep for the experts); conversion supports MoE at any tp")
     return dp
