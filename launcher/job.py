@@ -62,8 +62,11 @@ def apply_plan(cfg: JobConfig, shape: ModelShape):
     if algo.name == "grpo":
         grpo = GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=cfg.generation.max_new_tokens,
                           reference_model=algo.kl_coef > 0, kv_cache_released_for_training=True)
-    # Restricted to what the trainers run today: no context parallelism, MoE layers at tp=1.
+    # Restricted to what the trainers run today: no context parallelism, MoE layers at tp=1, and for GRPO what
+    # colocated generation supports (no sequence parallelism, no expert parallelism).
     runnable = {"cp": 1, **({"tp": 1} if shape.is_moe else {})}
+    if algo.name == "grpo":
+        runnable.update(sequence_parallel=False, ep=1)
     result = evaluate(shape, runnable, num_gpus=cluster.world_size, gpu_type=cluster.gpu_type,
                       seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
                       mode=PLANNER_MODES[algo.name], grpo=grpo)
@@ -71,15 +74,22 @@ def apply_plan(cfg: JobConfig, shape: ModelShape):
         raise ConfigError(f"no layout for {shape.name} on {cluster.world_size} x {cluster.gpu_type} fits in memory "
                           f"(best needs {result.memory['total']:.1f} GiB of {result.memory['capacity']:.1f}); "
                           "add nodes (see `python launch.py plan`) or shorten model.seq_length")
-    layout = result.layout
-    if layout.first_stage_layers is not None or layout.last_stage_layers is not None:
-        raise ConfigError(f"the planner chose an uneven pipeline split ({layout.split_name()}) that this runtime "
-                          "cannot build yet; set parallel.auto=false and give tp/pp explicitly")
+    even = [e.layout for e in (result.estimate, *result.alternatives) if e.fits and _even_split(e.layout)]
+    if not even:
+        raise ConfigError(f"the planner's layouts for {shape.name} need an uneven pipeline split "
+                          f"({result.layout.split_name()}) that the trainers cannot build yet; set parallel.auto=false "
+                          "and give tp/pp explicitly")
+    layout = even[0]
     parallel = dataclasses.replace(
         cfg.parallel, tp=layout.tp, pp=layout.pp, vpp=layout.vpp if layout.vpp > 1 else None, cp=layout.cp,
         ep=layout.ep, micro_batch_size=layout.micro_batch_size, recompute=layout.recompute,
         sequence_parallel=layout.sequence_parallel)
     return dataclasses.replace(cfg, parallel=parallel), result
+
+
+def _even_split(layout) -> bool:
+    return (layout.first_stage_layers is None and layout.last_stage_layers is None
+            and not layout.account_for_embedding and not layout.account_for_loss)
 
 
 def prepare(cfg: JobConfig) -> PreparedJob:

@@ -53,6 +53,9 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     if par.cp > 1:
         raise ConfigError(f"parallel.cp={par.cp}: the trainers do not split sequences over context-parallel ranks "
                           "yet; set parallel.cp=1 (the planner still models cp for sizing)")
+    if cfg.algorithm.name == "grpo" and (par.sequence_parallel or par.ep > 1):
+        raise ConfigError("GRPO's colocated generation does not run with parallel.sequence_parallel=true or "
+                          "parallel.ep > 1 yet; set them to false / 1")
     if shape.is_moe and par.tp > 1:
         raise ConfigError(f"{shape.name} is an MoE model: the trainers build MoE layers at parallel.tp=1 only so far "
                           "(use parallel.ep for the experts); conversion supports MoE at any tp")
