@@ -31,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import megatron_to_hf_llama  # noqa: E402  (the shared Megatron -> HF Llama weight copy)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -38,43 +41,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def megatron_to_hf_llama(model, shape):
-    """A ``LlamaForCausalLM`` holding the weights of a TP=1, PP=1 Megatron ``GPTModel`` (local spec)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
-        max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=shape.norm_epsilon,
-        rope_theta=shape.rotary_base, tie_word_embeddings=shape.tie_embeddings, attention_bias=False,
-        mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    hf = LlamaForCausalLM(config)
-    src = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    groups, per_group, head_dim = shape.num_query_groups, shape.num_attention_heads // shape.num_query_groups, \
-        shape.kv_channels
-    ffn, vocab = shape.ffn_hidden_size, shape.vocab_size
-    dst = {"model.embed_tokens.weight": src["embedding.word_embeddings.weight"][:vocab],
-           "model.norm.weight": src["decoder.final_layernorm.weight"],
-           "lm_head.weight": src["output_layer.weight"][:vocab]}
-    for i in range(shape.num_layers):
-        pre, out = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = src[pre + "self_attention.linear_qkv.weight"].view(groups, per_group + 2, head_dim, -1)
-        fc1 = src[pre + "mlp.linear_fc1.weight"]
-        dst.update({
-            out + "input_layernorm.weight": src[pre + "input_layernorm.weight"],
-            out + "self_attn.q_proj.weight": qkv[:, :per_group].reshape(groups * per_group * head_dim, -1),
-            out + "self_attn.k_proj.weight": qkv[:, per_group].reshape(groups * head_dim, -1),
-            out + "self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(groups * head_dim, -1),
-            out + "self_attn.o_proj.weight": src[pre + "self_attention.linear_proj.weight"],
-            out + "post_attention_layernorm.weight": src[pre + "pre_mlp_layernorm.weight"],
-            out + "mlp.gate_proj.weight": fc1[:ffn], out + "mlp.up_proj.weight": fc1[ffn:],
-            out + "mlp.down_proj.weight": src[pre + "mlp.linear_fc2.weight"]})
-    missing, unexpected = hf.load_state_dict({k: v.clone() for k, v in dst.items()}, strict=True)
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf.eval()
 
 
 def hf_generate(hf, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -117,7 +83,7 @@ def main() -> None:
     for step in range(1, args.train_steps + 1):
         rows = progression_batch(seed=3, step=step, batch_size=16, seq_length=32, vocab_size=shape.vocab_size)
         engine.train_step([collate_lm(rows)], lm_loss, seq_length=32, report_names=("loss",))
-    hf = megatron_to_hf_llama(unwrap(engine.chunks[0]), shape)
+    hf = megatron_to_hf_llama(unwrap(engine.chunks[0]), shape, dtype=torch.float32, device=torch.device("cpu"))
 
     gen = torch.Generator().manual_seed(0)
     prompt_tensor = torch.randint(3, shape.vocab_size, (args.batch, args.prompt_len), generator=gen)
