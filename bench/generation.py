@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import megatron_to_hf_llama  # noqa: E402  (the shared Megatron -> HF Llama weight copy)
+from gpu_check import hf_generate, megatron_to_hf_llama  # noqa: E402  (shared with the GPU check)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,14 +41,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def hf_generate(hf, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    with torch.inference_mode():
-        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-                          use_cache=True)
-    return out[:, prompts.shape[1]:]
 
 
 def main() -> None:

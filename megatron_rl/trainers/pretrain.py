@@ -25,15 +25,20 @@ def progression_batch(*, seed: int, step: int, batch_size: int, seq_length: int,
     return (start + stride * torch.arange(seq_length + 1)) % vocab_size
 
 
-def collate_lm(rows: torch.Tensor) -> dict:
-    """A micro-batch for next-token prediction from full rows (inputs are rows[:, :-1], labels rows[:, 1:])."""
-    tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
-    batch = {"tokens": tokens, "labels": labels, "position_ids": positions,
-             "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
+def lm_batch(rows: torch.Tensor, row_mask: torch.Tensor) -> dict:
+    """A next-token micro-batch from full rows: inputs rows[:, :-1], labels rows[:, 1:]; ``row_mask`` says which
+    row tokens are targets (it is shifted onto the label positions)."""
+    tokens = rows[:, :-1].contiguous()
+    batch = {"tokens": tokens, "labels": rows[:, 1:].contiguous(), "loss_mask": row_mask[:, 1:].float().contiguous(),
+             "position_ids": torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()}
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     return batch
+
+
+def collate_lm(rows: torch.Tensor) -> dict:
+    """A micro-batch where every token after the first is a target."""
+    return lm_batch(rows, torch.ones_like(rows, dtype=torch.float32))
 
 
 def lm_loss(per_token_loss: torch.Tensor, batch: dict):

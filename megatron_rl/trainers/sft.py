@@ -19,6 +19,7 @@ from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
+from megatron_rl.trainers.pretrain import lm_batch, lm_loss
 from megatron_rl.trainers.common import TrainerContext
 
 REPORTS = ("loss",)
@@ -64,19 +65,7 @@ def collate_sft(examples: list[tuple[list[int], list[int]]], *, seq_length: int,
     for i, (ids, mask) in enumerate(examples):
         rows[i, :len(ids)] = torch.tensor(ids)
         masks[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
-    tokens = rows[:, :-1].contiguous()
-    batch = {"tokens": tokens, "labels": rows[:, 1:].contiguous(), "loss_mask": masks[:, 1:].contiguous(),
-             "position_ids": torch.arange(seq_length).unsqueeze(0).expand_as(tokens).contiguous()}
-    if torch.cuda.is_available():
-        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-    return batch
-
-
-def masked_lm_loss(per_token_loss: torch.Tensor, batch: dict):
-    mask = batch["loss_mask"]
-    loss_sum = (per_token_loss.float() * mask).sum()
-    count = mask.sum().to(torch.int)
-    return loss_sum, count, {"loss": (loss_sum.detach(), count)}
+    return lm_batch(rows, masks)
 
 
 def sft_step(engine: Engine, examples: list, *, global_batch_size: int, micro_batch_size: int, seq_length: int,
@@ -84,7 +73,7 @@ def sft_step(engine: Engine, examples: list, *, global_batch_size: int, micro_ba
     """One optimizer step of SFT on ``examples`` (the global batch, identical on every rank)."""
     micro = data_parallel_slice(examples[:global_batch_size], micro_batch_size=micro_batch_size)
     batches = [collate_sft(mb, seq_length=seq_length, pad_id=pad_id) for mb in micro]
-    return engine.train_step(batches, masked_lm_loss, seq_length=seq_length, report_names=REPORTS)
+    return engine.train_step(batches, lm_loss, seq_length=seq_length, report_names=REPORTS)
 
 
 def batch_for_step(examples: list, *, step: int, batch_size: int, seed: int) -> list:
