@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,15 +31,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import hf_generate, megatron_to_hf_llama  # noqa: E402  (shared with the GPU check)
+from gpu_check import hf_generate, megatron_to_hf  # noqa: E402  (shared with the GPU check)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from launcher.ports import free_port  # noqa: E402
 
 
 def main() -> None:
@@ -54,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.set_num_threads(args.threads)
     import transformers
 
@@ -75,7 +69,7 @@ def main() -> None:
     for step in range(1, args.train_steps + 1):
         rows = progression_batch(seed=3, step=step, batch_size=16, seq_length=32, vocab_size=shape.vocab_size)
         engine.train_step([collate_lm(rows)], lm_loss, seq_length=32, report_names=("loss",))
-    hf = megatron_to_hf_llama(unwrap(engine.chunks[0]), shape, dtype=torch.float32, device=torch.device("cpu"))
+    hf = megatron_to_hf(unwrap(engine.chunks[0]), shape, dtype=torch.float32, device=torch.device("cpu"))
 
     gen = torch.Generator().manual_seed(0)
     prompt_tensor = torch.randint(3, shape.vocab_size, (args.batch, args.prompt_len), generator=gen)

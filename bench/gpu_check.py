@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -48,6 +47,8 @@ except ImportError:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch
+
+from launcher.ports import free_port
 
 FP32_LOGPROB_TOL = 1e-4
 BF16_LOGPROB_MAX_TOL = 0.25
@@ -124,55 +125,22 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - started
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ------------------------------------------------------------------------------------------ Hugging Face side
-def megatron_to_hf_llama(model, shape, *, dtype: torch.dtype, device: torch.device):
-    """A ``LlamaForCausalLM`` holding a copy of a TP=1, PP=1 Megatron ``GPTModel``'s weights (local spec).
+def megatron_to_hf(model, shape, *, dtype: torch.dtype, device: torch.device):
+    """A transformers model holding a copy of a TP=1, PP=1 Megatron ``GPTModel``'s weights, mapped by the
+    project's converter (``megatron_rl.conversion``); no BOS/EOS ids, so ``generate`` runs every new token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    Fused QKV is stored per query group as [q heads of the group, k, v]; fc1 is [gate; up]. With tied
-    embeddings Megatron has no output weight and the HF model ties lm_head to the embedding.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from megatron_rl.conversion.mapping import hf_tensors_from_state_dict
+    from megatron_rl.conversion.names import hf_config_from_shape
 
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
-        max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=shape.norm_epsilon,
-        rope_theta=shape.rotary_base, tie_word_embeddings=shape.tie_embeddings, attention_bias=False,
-        mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    fields = {**hf_config_from_shape(shape), "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device(device):
-        hf = LlamaForCausalLM(config)
+        hf = AutoModelForCausalLM.from_config(config)
     hf.to(dtype)
-    src = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    groups, head_dim = shape.num_query_groups, shape.kv_channels
-    per_group = shape.num_attention_heads // groups
-    ffn, vocab = shape.ffn_hidden_size, shape.vocab_size
-    dst = {"model.embed_tokens.weight": src["embedding.word_embeddings.weight"][:vocab],
-           "model.norm.weight": src["decoder.final_layernorm.weight"]}
-    if not shape.tie_embeddings:
-        dst["lm_head.weight"] = src["output_layer.weight"][:vocab]
-    for i in range(shape.num_layers):
-        pre, out = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = src[pre + "self_attention.linear_qkv.weight"].view(groups, per_group + 2, head_dim, -1)
-        fc1 = src[pre + "mlp.linear_fc1.weight"]
-        dst.update({
-            out + "input_layernorm.weight": src[pre + "self_attention.linear_qkv.layer_norm_weight"]
-            if pre + "self_attention.linear_qkv.layer_norm_weight" in src else src[pre + "input_layernorm.weight"],
-            out + "self_attn.q_proj.weight": qkv[:, :per_group].reshape(groups * per_group * head_dim, -1),
-            out + "self_attn.k_proj.weight": qkv[:, per_group].reshape(groups * head_dim, -1),
-            out + "self_attn.v_proj.weight": qkv[:, per_group + 1].reshape(groups * head_dim, -1),
-            out + "self_attn.o_proj.weight": src[pre + "self_attention.linear_proj.weight"],
-            out + "post_attention_layernorm.weight": src[pre + "mlp.linear_fc1.layer_norm_weight"]
-            if pre + "mlp.linear_fc1.layer_norm_weight" in src else src[pre + "pre_mlp_layernorm.weight"],
-            out + "mlp.gate_proj.weight": fc1[:ffn], out + "mlp.up_proj.weight": fc1[ffn:],
-            out + "mlp.down_proj.weight": src[pre + "mlp.linear_fc2.weight"]})
-    missing, unexpected = hf.load_state_dict(dst, strict=False)
+    weights = hf_tensors_from_state_dict(model.state_dict(), shape)
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
     allowed_missing = {"lm_head.weight"} if shape.tie_embeddings else set()
     if unexpected or set(missing) - allowed_missing:
         raise RuntimeError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
@@ -258,7 +226,8 @@ def exactness_check(exact_yaml: str, device: torch.device) -> dict:
 
 def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
     from launcher.model_shape import load_model_shape
-    from megatron_rl.generation import generate, sequence_logprobs
+    from megatron_rl.generation import generate
+    from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
 
     shape = dataclasses.replace(load_model_shape(str(REPO_ROOT / exact_yaml)), tie_embeddings=True)
@@ -269,7 +238,7 @@ def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
     sampled = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=16, temperature=1.0, seed=7)
     tokens = padded_sequences(prompts, sampled.tokens, device)
     ours = sequence_logprobs(model, tokens)
-    hf = megatron_to_hf_llama(model, shape, dtype=torch.float32, device=device)
+    hf = megatron_to_hf(model, shape, dtype=torch.float32, device=device)
     theirs = hf_logprobs(hf, tokens)
     lens = [len(p) for p in prompts]
     mask = torch.zeros_like(ours, dtype=torch.bool)
@@ -339,7 +308,8 @@ def training_mfu(engine, shape, sizes: CheckSizes, gpu_type: str) -> dict:
 
 def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, device: torch.device) -> dict:
     """Greedy decoding on the training engine vs transformers generate on a copy of the weights."""
-    from megatron_rl.generation import generate, sequence_logprobs
+    from megatron_rl.generation import generate
+    from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.checkpoint import unwrap
     from megatron_rl.runtime.phases import generation_phase
     from megatron_rl.trainers.pretrain import progression_batch
@@ -348,7 +318,7 @@ def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, 
                                       seq_length=sizes.gen_prompt_len - 1, vocab_size=shape.vocab_size)
     prompts = prompt_tensor.tolist()
     prompt_on_device = prompt_tensor.to(device)
-    hf = megatron_to_hf_llama(unwrap(engine.chunks[0]), shape, dtype=dtype, device=device)
+    hf = megatron_to_hf(unwrap(engine.chunks[0]), shape, dtype=dtype, device=device)
 
     def ours():
         with generation_phase(engine):
@@ -395,7 +365,7 @@ def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, 
 
 def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
     """GRPO steps (generate, score, train); the rollout log-prob check sits outside the timed phases."""
-    from megatron_rl.generation import sequence_logprobs
+    from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase
 
     steps, checks = [], []

@@ -36,7 +36,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from launcher.ports import free_port  # noqa: E402
 
 SMALL_SHAPE_YAML = """\
 name: small-cpu-bench
@@ -128,12 +128,6 @@ def prompt_sequence(settings: BenchSettings) -> list[dict]:
     return [{"prompt": r.prompt, "answer": r.answer} for _ in range(settings.total_steps) for r in sampler.next_batch()]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _isolate_worker_env(threads: int) -> None:
     """Single-process, offline, quiet: library prints go to stderr so stdout holds only the bench's lines."""
     import warnings
@@ -179,7 +173,7 @@ def build_our_run(settings: BenchSettings):
 def ours_worker(conn, settings: BenchSettings) -> None:
     """Our GrpoRun in this process; answers {"steps": k} with k step timings, {"profile": k} with a cProfile."""
     _isolate_worker_env(settings.threads)
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     import torch
 
     torch.set_num_threads(settings.threads)

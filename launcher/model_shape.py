@@ -19,17 +19,16 @@ print one: ``.venv/bin/python -m launcher.model_shape llama-3.1-405b``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, did_you_mean
+from launcher.resources import presets_dir
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt")
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 # Default training sequence length taken from an HF config when it gives none: long-context windows are
 # reached by extension, not by pretraining at that length, so cap it.
 HF_DEFAULT_SEQ_CAP = 8192
@@ -239,11 +238,6 @@ YAML_KEYS = {
 YAML_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
-def _did_you_mean(word: str, options) -> str:
-    close = difflib.get_close_matches(word, sorted(options), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def _moe_pattern(num_layers: int, num_experts: int, freq: Any, first_dense: int, source: str) -> tuple[bool, ...]:
     if not num_experts:
         return ()
@@ -267,7 +261,7 @@ def _validate(shape: ModelShape, source: str) -> ModelShape:
         raise ConfigError(f"{source}: {msg}")
 
     if shape.family not in FAMILIES:
-        bad(f"family '{shape.family}' unknown; use one of {', '.join(FAMILIES)}{_did_you_mean(shape.family, FAMILIES)}")
+        bad(f"family '{shape.family}' unknown; use one of {', '.join(FAMILIES)}{did_you_mean(shape.family, FAMILIES)}")
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "vocab_size", "seq_length", "max_position_embeddings"):
         value = getattr(shape, key)
@@ -306,7 +300,7 @@ def shape_from_megatron_dict(cfg: dict[str, Any], *, name: str, source: str) -> 
         raise ConfigError(f"{source}: expected a mapping of Megatron-style model fields")
     for key in cfg:
         if key not in YAML_KEYS:
-            raise ConfigError(f"{source}: unknown key '{key}'{_did_you_mean(str(key), YAML_KEYS)}")
+            raise ConfigError(f"{source}: unknown key '{key}'{did_you_mean(str(key), YAML_KEYS)}")
     missing = [k for k in YAML_REQUIRED if k not in cfg]
     if missing:
         raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
@@ -454,7 +448,7 @@ def _read_yaml(path: Path) -> Any:
 
 def list_presets() -> list[str]:
     """Preset names available under configs/models/."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
 
 
 def load_model_shape(spec: str) -> ModelShape:
@@ -486,9 +480,9 @@ def load_model_shape(spec: str) -> ModelShape:
     presets = {p.lower(): p for p in list_presets()}
     key = spec.lower()
     if key not in presets:
-        raise ConfigError(f"model '{spec}': no such preset under configs/models/{_did_you_mean(key, presets)}; "
+        raise ConfigError(f"model '{spec}': no such preset under configs/models/{did_you_mean(key, presets)}; "
                           f"presets: {', '.join(presets.values())}")
-    preset = PRESETS_DIR / f"{presets[key]}.yaml"
+    preset = presets_dir() / f"{presets[key]}.yaml"
     return shape_from_megatron_dict(_read_yaml(preset), name=presets[key], source=str(preset))
 
 

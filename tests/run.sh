@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e '.[dev]'
 
 export DEV_CLUSTER_DIR="${DEV_CLUSTER_DIR:-/tmp/megatron-rl-dev-cluster}"
 started_cluster=0

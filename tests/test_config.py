@@ -9,7 +9,7 @@ import yaml
 
 from launcher.config import JobConfig, load_config, to_yaml
 from launcher.config.validate import check_layout
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, did_you_mean
 from launcher.model_shape import load_model_shape
 
 from helpers import REPO_ROOT
@@ -94,10 +94,41 @@ def test_yaml_errors_name_the_file(tmp_path):
         load_config(bad)
     nested = tmp_path / "nested.yaml"
     nested.write_text(yaml.safe_dump({"model": {"nmae": "tiny-cpu"}}))
-    with pytest.raises(ConfigError, match=r"nested.yaml; did you mean 'model.name'"):
+    with pytest.raises(ConfigError, match=r"nested.yaml \(did you mean 'model.name'"):
         load_config(nested)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("spec", ["grpo_tiny", "grpo_tiny.yaml"])
+def test_a_shipped_config_loads_by_name_from_any_folder(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(spec) == load_config(REPO_ROOT / "configs" / "grpo_tiny.yaml")
+
+
+def test_a_real_file_wins_over_the_shipped_config_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "grpo_tiny.yaml").write_text("run:\n  steps: 3\n")
+    assert load_config("grpo_tiny.yaml").run.steps == 3
+    assert load_config("grpo_tiny").run.steps == load_config(REPO_ROOT / "configs" / "grpo_tiny.yaml").run.steps != 3
+
+
+def test_an_unknown_config_name_lists_the_shipped_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config("grpo_tinny")
+    text = str(err.value)
+    assert "config file grpo_tinny not found" in text and "(did you mean 'grpo_tiny'?)" in text
+    assert text.endswith("shipped configs: " + ", ".join(p.stem for p in SHIPPED)) and "\n" not in text
+    with pytest.raises(ConfigError, match="check the path"):
+        load_config("elsewhere/grpo_tiny.yaml")
+
+
+def test_did_you_mean_suggests_only_close_options():
+    assert did_you_mean("stpes", ["seed", "steps"]) == " (did you mean 'steps'?)"
+    assert did_you_mean("stpes", ["steps"], prefix="run.") == " (did you mean 'run.steps'?)"
+    assert did_you_mean("b200", ["b200-180gb"]) == ""
+    assert did_you_mean("b200", ["b200-180gb"], cutoff=0.5) == " (did you mean 'b200-180gb'?)"
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -123,6 +154,7 @@ def test_layouts_that_cannot_run_are_rejected(overrides, message):
     (["run.stpes=3"], "did you mean 'run.steps'"),
     (["run.steps=abc"], "could not be converted to Integer"),
     (["--config", "no/such/file.yaml"], "config file no/such/file.yaml not found"),
+    (["--config", "grpo_tinny"], "(did you mean 'grpo_tiny'?); shipped configs: grpo_llama70b, grpo_tiny"),
     (["parallel.tp=3"], "does not divide the 4 attention heads"),
     (["parallel.pp=4", "cluster.tasks_per_node=4"], "does not divide the 2 layers"),
     (["parallel.tp=2", "parallel.pp=2", "cluster.executor=local"], "does not divide the world size 2"),

@@ -3,7 +3,8 @@
 Run: .venv/bin/python -m pytest tests/test_conversion_cli.py -q
 
 One tiny Qwen3 model goes HF -> Megatron (1 process) -> HF with --verify through the real CLI; the bad-input
-cases reuse (copies of) those folders.
+cases reuse (copies of) those folders. The --slurm cases check the job script (--dry-run) and the refusals here;
+tests/slurm/test_conversion_job.py submits a real conversion to the dev cluster.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO_ROOT, run_launch
+
+from launcher.config.schema import ClusterConfig
+from launcher.slurm.script import render_convert_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 
@@ -158,8 +162,36 @@ def test_bad_layout_is_refused_before_any_process(converted, tmp_path):
     _fails_cleanly(result, "--tp 3 must divide")
 
 
-def test_convert_cli_does_not_import_torch():
-    code = ("import sys, launcher.convert_cli as c; c.build_parser(); "
+def test_convert_command_does_not_import_torch():
+    code = ("import sys, launcher.cli.convert as c; c.build_parser(); "
             "import megatron_rl.conversion, megatron_rl.conversion.names, megatron_rl.conversion.importer; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+def test_slurm_dry_run_prints_the_job_script_and_writes_nothing(tmp_path):
+    hf, out = tmp_path / "it's $(touch PWNED)", tmp_path / "ckpt"
+    result = run_launch("convert", "hf-to-megatron", "--hf", str(hf), "--out", str(out), "--tp", "2", "--dtype",
+                        "bf16", "--slurm", "--dry-run", "cluster.partition=cpu", "cluster.cpus_per_task=16",
+                        f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr
+    cluster = ClusterConfig(partition="cpu", cpus_per_task=16, job_name="megatron-rl-convert")
+    assert result.stdout == render_convert_script(cluster, run_dir=tmp_path / "run", python=sys.executable,
+                                                  convert_args=["hf-to-megatron", "--hf", str(hf), "--out", str(out),
+                                                                "--dtype", "bf16", "--tp", "2"])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--hf", "/models/a\n#SBATCH --x\ntouch PWNED", "--out", "o", "--slurm", "--dry-run"], "holds a line break"),
+    (["--hf", "a", "--out", "o", "--dry-run"], "--dry-run applies to a Slurm job; add --slurm"),
+    (["--hf", "a", "--out", "o", "cluster.partition=cpu"], "need --slurm"),
+    (["--hf", "a", "--out", "o", "--slurm", "cluster.nodes=2"], "one CPU task on one node"),
+    (["--hf", "a", "--out", "o", "--slurm", "model.name=x"], "takes cluster.* and run.dir overrides"),
+    (["--hf", "a", "--out", "o", "--slurm", "--dry-run", "cluster.partiton=cpu"], "did you mean 'cluster.partition'"),
+    (["--hf", "a", "--out", "o", "--slurm"], "convert --slurm needs `sbatch` on PATH"),
+])
+def test_slurm_conversion_refuses_bad_input_in_one_line(tmp_path, args, needle):
+    result = run_launch("convert", "hf-to-megatron", *args, env={"PATH": str(tmp_path)})
+    _fails_cleanly(result, needle)
+    assert not list(tmp_path.iterdir()) and not (REPO_ROOT / "PWNED").exists()

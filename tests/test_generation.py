@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.generation.memory import HostOffload
+from megatron_rl.runtime.phases import HostOffload
+from launcher.ports import free_port
 from megatron_rl.generation.sampling import SamplingParams, choose_tokens, sampling_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -158,15 +158,9 @@ def test_host_offload_frees_storage_and_restores_values_and_views_exactly():
 # ----------------------------------------------------------------------------------------------------------
 # Distributed runs.
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _torchrun(out: Path, *args: str, nproc: int = 2) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), str(SCRIPT), "--out", str(out), *args]
+           "--master-port", str(free_port()), str(SCRIPT), "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -325,9 +319,9 @@ def _lean_worker(out: Path, tp: int) -> None:
     torch.set_num_threads(1)
     from launcher.config.loader import load_config
     from launcher.model_shape import load_model_shape
-    from megatron_rl.generation import generate, sequence_logprobs
+    from megatron_rl.generation import generate
     from megatron_rl.runtime.distributed import ParallelSizes, initialize
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.runtime.training import build_engine, sequence_logprobs
 
     cfg = load_config(overrides=[f"parallel.tp={tp}", "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=5"])
@@ -371,7 +365,7 @@ def _lean_worker(out: Path, tp: int) -> None:
 
 def _lean_run(out: Path, tp: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-           str(_free_port()), str(Path(__file__).resolve()), "--lean-worker", "--tp", str(tp), "--out", str(out)]
+           str(free_port()), str(Path(__file__).resolve()), "--lean-worker", "--tp", str(tp), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -8,24 +8,27 @@ import math
 import pytest
 import torch
 
+from launcher.config.schema import AlgorithmConfig
 from launcher.errors import ConfigError
-from megatron_rl.grpo import (
+from megatron_rl.algorithms.advantages import expand_group_mask, group_advantages, groups_with_signal
+from megatron_rl.algorithms.policy_loss import (
     GRPOLossConfig,
     aggregate,
-    entropy_from_full_logits,
-    expand_group_mask,
-    group_advantages,
-    groups_with_signal,
     grpo_loss,
     kl_penalty,
     local_normalisers,
     policy_ratio_loss,
-    token_logprobs_from_full_logits,
 )
+from megatron_rl.rollout.batch import make_grpo_loss
 
 
 def t(values):
     return torch.tensor(values, dtype=torch.float32)
+
+
+def loss_config(max_response_len: int = 4, **algorithm) -> GRPOLossConfig:
+    """The loss the trainer builds from an ``algorithm:`` section (schema defaults for what is not given)."""
+    return GRPOLossConfig.from_algorithm(AlgorithmConfig(**algorithm), max_response_len=max_response_len)
 
 
 # ---------------------------------------------------------------- advantages
@@ -200,7 +203,7 @@ def test_grpo_loss_combines_pg_and_kl():
     ref = logp - t([[0.5, 0.0, -0.5]])  # log ratios to the reference 0.5, 0, -0.5: k2 = [0.125, 0, 0.125]
     adv = t([[1.0, -1.0, 2.0]])
     mask = torch.ones(1, 3)
-    cfg = GRPOLossConfig(kl_coef=0.1, kl_kind="k2", loss_agg_mode="token-mean")
+    cfg = loss_config(kl_coef=0.1, kl_estimator="k2", loss_aggregation="token-mean")
     loss, metrics = grpo_loss(logp, old, adv, mask, config=cfg, ref_logp=ref, entropy=t([[1.0, 2.0, 3.0]]))
     # -0.63333 + 0.1 * (0.25 / 3) = -0.625
     assert loss.item() == pytest.approx(-0.625, abs=1e-4)
@@ -213,11 +216,11 @@ def test_grpo_loss_combines_pg_and_kl():
 
 def test_kl_coef_zero_needs_no_reference():
     logp = t([[-1.0, -2.0]])
-    loss, metrics = grpo_loss(logp, logp, t([1.0]), torch.ones(1, 2), config=GRPOLossConfig())
+    loss, metrics = grpo_loss(logp, logp, t([1.0]), torch.ones(1, 2), config=loss_config(kl_coef=0.0))
     assert loss.item() == pytest.approx(-1.0)
     assert metrics["kl"].item() == 0.0
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(logp, logp, t([1.0]), torch.ones(1, 2), config=GRPOLossConfig(kl_coef=0.01))
+        grpo_loss(logp, logp, t([1.0]), torch.ones(1, 2), config=loss_config(kl_coef=0.01))
 
 
 def test_on_policy_gradient_is_the_plain_policy_gradient():
@@ -225,32 +228,85 @@ def test_on_policy_gradient_is_the_plain_policy_gradient():
     # Sequence 0 (A=1, 2 tokens): -1/2/2 = -0.25 per token; sequence 1 (A=-2, 1 token): 2/1/2 = 1.0.
     logp = t([[-0.3, -0.7], [-1.1, -9.0]]).requires_grad_()
     mask = t([[1, 1], [1, 0]])
-    loss, metrics = grpo_loss(logp, logp.detach(), t([1.0, -2.0]), mask, config=GRPOLossConfig())
+    loss, metrics = grpo_loss(logp, logp.detach(), t([1.0, -2.0]), mask,
+                              config=loss_config(kl_coef=0.0, loss_aggregation="seq-mean-token-mean"))
     loss.backward()
     torch.testing.assert_close(logp.grad, t([[-0.25, -0.25], [1.0, 0.0]]))
     assert metrics["ratio_min"].item() == metrics["ratio_max"].item() == 1.0
     assert metrics["clip_fraction"].item() == 0.0
 
 
-def test_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match="max_response_len"):
-        GRPOLossConfig(loss_agg_mode="seq-mean-token-sum-norm")
-    with pytest.raises(ConfigError, match="loss_agg_mode"):
-        GRPOLossConfig(loss_agg_mode="sum")
-    with pytest.raises(ConfigError, match="dual_clip"):
-        GRPOLossConfig(dual_clip=0.5)
-    with pytest.raises(ConfigError, match="kl_kind"):
-        GRPOLossConfig(kl_kind="k4")
+def test_the_schema_is_the_one_source_of_defaults_and_checks():
+    assert loss_config().loss_agg_mode == AlgorithmConfig().loss_aggregation == "token-mean"
+    assert loss_config().kl_kind == AlgorithmConfig().kl_estimator
+    for bad, key in ((dict(loss_aggregation="sum"), "algorithm.loss_aggregation"),
+                     (dict(dual_clip=0.5), "algorithm.dual_clip"), (dict(kl_estimator="k4"), "algorithm.kl_estimator"),
+                     (dict(clip_eps_low=1.0), "algorithm.clip_eps_low")):
+        with pytest.raises(ConfigError, match=key):
+            loss_config(**bad)
+    with pytest.raises(ValueError, match="max_response_len"):
+        GRPOLossConfig(eps_low=0.2, eps_high=0.2, kl_coef=0.0, kl_kind="k3", loss_agg_mode="seq-mean-token-sum-norm")
 
 
-# ---------------------------------------------------------------- full-logit helpers
+# ---------------------------------------------------------------- the trainer's Megatron loss function
 
 
-def test_full_logit_helpers():
-    assert entropy_from_full_logits(torch.zeros(1, 2, 4))[0].tolist() == pytest.approx([math.log(4)] * 2)
-    logits = t([[[0.0, math.log(3.0)]]])  # p = [0.25, 0.75]
-    assert token_logprobs_from_full_logits(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.75))
-    assert entropy_from_full_logits(logits).item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+@pytest.fixture(scope="module")
+def tensor_parallel_group():
+    """A one-process gloo group with Megatron's parallel state (TP=1), for the vocab-parallel kernels."""
+    import datetime
+
+    from megatron.core import parallel_state
+
+    from launcher.ports import free_port
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                         world_size=1, timeout=datetime.timedelta(seconds=60))
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_trainer_loss_function_is_grpo_loss_on_logits(tensor_parallel_group, mode):
+    """make_grpo_loss (what Engine.train_step runs) on logits = grpo_loss on log_softmax of the same logits,
+    as (sum, denominator): the per-micro-batch share Megatron sums and divides over the global batch."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 11, generator=gen)
+    labels = torch.randint(0, 11, (3, 4), generator=gen)
+    mask = t([[0, 1, 1, 1], [0, 0, 1, 0], [0, 1, 1, 0]])
+    old = torch.randn(3, 4, generator=gen) * 0.1 - 2.0
+    ref = torch.randn(3, 4, generator=gen) * 0.1 - 2.0
+    adv = t([1.0, -0.5, 2.0])
+    cfg = loss_config(kl_coef=0.05, loss_aggregation=mode, max_response_len=4)
+    batch = {"labels": labels, "loss_mask": mask, "old_logp": old, "ref_logp": ref, "advantages": adv}
+    loss_sum, denominator, reports = make_grpo_loss(cfg)(logits.clone().requires_grad_(), batch)
+
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    expected, metrics = grpo_loss(logp, old, adv, mask, config=cfg, ref_logp=ref)
+    expected_denominator = 6 if mode == "token-mean" else 3
+    assert int(denominator) == expected_denominator
+    assert (loss_sum / denominator).item() == pytest.approx(expected.item(), rel=1e-5)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    total, count = reports["entropy"]
+    assert (total / count).item() == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-5)
+    assert (reports["kl"][0] / reports["kl"][1]).item() == pytest.approx(metrics["kl"].item(), rel=1e-5)
+    assert reports["ratio_max"][0].item() == pytest.approx(metrics["ratio_max"].item())
+    loss_sum.backward()  # differentiable through Megatron's vocab-parallel cross entropy
+
+
+def test_trainer_loss_without_reference_reports_zero_kl(tensor_parallel_group):
+    logits = torch.zeros(1, 2, 5)
+    batch = {"labels": torch.tensor([[1, 2]]), "loss_mask": torch.ones(1, 2), "old_logp": torch.full((1, 2), -math.log(5)),
+             "advantages": t([1.0])}
+    loss_sum, denominator, reports = make_grpo_loss(loss_config(kl_coef=0.0))(logits, batch)
+    assert (loss_sum / denominator).item() == pytest.approx(-1.0)  # ratio 1, A = 1: -A
+    assert reports["kl"][0].item() == 0.0
+    assert (reports["entropy"][0] / reports["entropy"][1]).item() == pytest.approx(math.log(5))
+    with pytest.raises(ValueError, match="ref_logp"):
+        make_grpo_loss(loss_config(kl_coef=0.1))(logits, batch)
 
 
 # ---------------------------------------------------------------- end to end on the synthetic task

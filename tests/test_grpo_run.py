@@ -49,8 +49,11 @@ def test_tp2_matches_tp1(launch, tmp_path):
 
 
 def test_preempted_grpo_resumes_exactly(launch, tmp_path):
-    """Save-and-exit after step 2 (the preemption path), resume: every metric equals an uninterrupted run's."""
-    whole = _grpo(launch, tmp_path / "whole", "algorithm.kl_coef=0.05")
+    """Save-and-exit after step 2 (the preemption path), resume: every metric equals an uninterrupted run's.
+
+    The uninterrupted run also parks optimizer state and grads in host memory while it generates
+    (generation.offload_optimizer, as the 70B config does), so this also shows that the offload is exact."""
+    whole = _grpo(launch, tmp_path / "whole", "algorithm.kl_coef=0.05", "generation.offload_optimizer=true")
     run_dir = tmp_path / "split"
     _grpo(launch, run_dir, "algorithm.kl_coef=0.05", env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
     resumed = _grpo(launch, run_dir, "algorithm.kl_coef=0.05")

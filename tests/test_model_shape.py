@@ -12,6 +12,8 @@ import pytest
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape, list_presets, load_model_shape
 
+from helpers import REPO_ROOT
+
 TINY_HF = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -92,6 +94,10 @@ def test_every_preset_loads():
             "tiny-cpu-moe"} <= set(names)
     for name in names:
         assert isinstance(load_model_shape(name), ModelShape)
+
+
+def test_presets_are_the_files_of_configs_models():
+    assert list_presets() == sorted(p.stem for p in (REPO_ROOT / "configs" / "models").glob("*.yaml"))
 
 
 def test_deepseek_v3_preset_structure():

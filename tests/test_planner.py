@@ -11,7 +11,7 @@ import pytest
 from launcher.errors import ConfigError
 from launcher.model_shape import load_model_shape, shape_from_megatron_dict
 from launcher.planner import GrpoSizing, NoFeasibleLayout, Runtime, evaluate, parse_layout, plan
-from launcher.planner.cli import main as cli_main
+from launcher.cli.plan import main as cli_main
 from launcher.planner.costs import Workload
 from launcher.planner.estimate import Layout, estimate, virtual_stage_layers
 from launcher.planner.gpus import GPUS, get_gpu

@@ -12,11 +12,11 @@ from megatron_rl.data import CharTokenizer, PromptDataset, PromptSampler
 from megatron_rl.data.synthetic import (
     TASKS,
     answer_space,
-    encode_sft_example,
     problem_space,
     split_problems,
     write_synthetic_dataset,
 )
+from megatron_rl.data.sft import encode_sft_example, read_sft_jsonl
 from megatron_rl.rewards import build_reward_fn
 
 # ---------------------------------------------------------------- tokenizer
@@ -205,3 +205,14 @@ def test_encode_sft_example_masks_the_prompt():
     ids, mask = encode_sft_example(tok, "3+4=", "7")
     assert ids == [tok.bos_id, *tok.encode("3+4=7"), tok.eos_id]
     assert mask == [0, 0, 0, 0, 0, 1, 1]
+    assert encode_sft_example(tok, "3+4=", "7", max_length=6) == (ids[:6], mask[:6])
+
+
+def test_sft_jsonl_reads_completion_or_answer_and_names_bad_lines(tmp_path):
+    path = tmp_path / "sft.jsonl"
+    path.write_text('{"q": "1+1=", "completion": "2"}\n\n{"q": "2+2=", "answer": 4}\n')
+    assert read_sft_jsonl(path, prompt_key="q") == [{"prompt": "1+1=", "completion": "2"},
+                                                   {"prompt": "2+2=", "completion": "4"}]
+    path.write_text('{"q": "1+1=", "completion": "2"}\n{"prompt": "x"}\n')
+    with pytest.raises(ConfigError, match=rf"{path}:2: needs string fields 'q' and 'completion'"):
+        read_sft_jsonl(path, prompt_key="q")

@@ -20,13 +20,11 @@ from launcher.errors import ConfigError
 from megatron_rl.data.preferences import (
     PreferenceRecord,
     SequenceEncoder,
-    load_tokenizer,
-    parse_preference_line,
     read_preference_jsonl,
     synthetic_preference_records,
     tokenize_pairs,
 )
-from megatron_rl.data.tokenizer import CharTokenizer
+from megatron_rl.data.tokenizer import CharTokenizer, load_tokenizer
 from megatron_rl.models.reward_model import last_token_index, padded_length, pick_last_tokens, right_padded_batch
 from megatron_rl.trainers.rm import bradley_terry_terms, pair_order, preference_loss
 from helpers import REPO_ROOT, read_metrics, run_launch
@@ -137,17 +135,19 @@ def test_jsonl_text_and_chat_formats(tmp_path):
 
 @pytest.mark.parametrize("line, message", [
     (b"{not json", "not valid JSON"),
-    (b'["a"]', "expected an object"),
+    (b'["a"]', "expected a JSON object"),
     (b'{"prompt": "p", "chosen": "a"}', "no 'rejected' field"),
     (b'{"prompt": "p", "chosen": "", "rejected": "b"}', "'chosen' is an empty string"),
     (b'{"prompt": "p", "chosen": [{"role": "x"}], "rejected": "b"}', "'chosen' must be a string"),
     (b'{"prompt": "p", "messages": [], "chosen": "a", "rejected": "b"}', "not both"),
     (b"\xff\xfe", "not UTF-8"),
 ])
-def test_bad_lines_name_file_and_line(line, message):
+def test_bad_lines_name_file_and_line(tmp_path, line, message):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n\n' + line + b"\n")
     with pytest.raises(ConfigError, match=message) as err:
-        parse_preference_line(line, "data.jsonl:7")
-    assert str(err.value).startswith("data.jsonl:7: ")
+        read_preference_jsonl(path)
+    assert str(err.value).startswith(f"{path}:3: ")
 
 
 def test_missing_file_is_a_config_error(tmp_path):

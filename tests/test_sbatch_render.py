@@ -1,4 +1,4 @@
-"""sbatch templates and their rendering, without a cluster: golden files, quoting, the job script's shell logic.
+"""The sbatch template and its rendering, without a cluster: golden files, quoting, the job script's shell logic.
 
     .venv/bin/python -m pytest tests/test_sbatch_render.py -q
     UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch_render.py -q     # rewrite tests/golden/*.sbatch
@@ -10,7 +10,6 @@ their arguments, so the quoting, the preemption mark and the requeue rule are ch
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -22,12 +21,14 @@ import pytest
 from launcher.config import load_config
 from launcher.config.schema import ClusterConfig
 from launcher.errors import ConfigError
-from launcher.executors import slurm as slurm_executor
 from launcher.job import prepare
-from launcher.slurm_prepare import allocation_overrides
-from launcher.slurm_script import (
-    CONVERT_TEMPLATE, REQUEUE_EXIT_CODE, SETTINGS_END, TEMPLATE_DIR, TRAIN_TEMPLATES, TrainScript, load_template,
-    render_convert_script, render_train_script, sbatch_options, slurm_time_seconds,
+from launcher.resources import templates_dir
+from launcher.slurm import REQUEUE_EXIT_CODE
+from launcher.slurm import executor as slurm_executor
+from launcher.slurm.prepare import allocation_overrides
+from launcher.slurm.script import (
+    SETTINGS_END, TEMPLATE, TrainScript, load_template, render_convert_script, render_train_script, sbatch_options,
+    slurm_time_seconds,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def test_golden_pretrain_two_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_golden_rm(monkeypatch: pytest.MonkeyPatch) -> None:
-    _golden("rm.sbatch", _describe(monkeypatch, ["algorithm.name=rm", "run.dir=/scratch/runs/rm",
+    _golden("rm-1day.sbatch", _describe(monkeypatch, ["algorithm.name=rm", "run.dir=/scratch/runs/rm",
                                                  "cluster.partition=batch", "cluster.time=1-00:00:00"]))
 
 
@@ -78,10 +79,11 @@ def test_golden_grpo_every_cluster_key() -> None:
 
 
 def test_golden_convert() -> None:
-    text = render_convert_script(ClusterConfig(cpus_per_task=16, mem="200G", time="08:00:00", job_name="convert"),
-                                 run_dir=Path("/scratch/runs/convert"), python=PYTHON,
-                                 repo_dir=Path("/opt/megatron-rl"),
-                                 convert_args=["hf-to-megatron", "--hf", "/models/Llama 3", "--out", "/ckpt/llama3", "--tp", "8"])
+    # The cluster's training values (8 GPU tasks, a checkpoint signal, requeues) do not reach the one-task job.
+    cluster = ClusterConfig(tasks_per_node=8, gpus_per_node=8, cpus_per_task=16, mem="200G", time="08:00:00",
+                            job_name="convert", partition="cpu", max_requeues=5)
+    text = render_convert_script(cluster, run_dir=Path("/scratch/runs/convert"), python=PYTHON, convert_args=[
+        "hf-to-megatron", "--hf", f"/models/Llama 3 {EVIL}", "--out", "/ckpt/llama3", "--tp", "8"])
     _golden("convert.sbatch", text)
 
 
@@ -91,16 +93,12 @@ def test_golden_hostile_names(monkeypatch: pytest.MonkeyPatch) -> None:
         "cluster.tasks_per_node=1"]))
 
 
-def test_training_templates_share_one_body_and_the_schema_defaults() -> None:
-    names = [*TRAIN_TEMPLATES.values(), CONVERT_TEMPLATE]
-    bodies = {name: load_template(name).body for name in names}
-    assert len(set(bodies.values())) == 1, "the templates' bodies drifted apart; keep them identical"
+def test_template_header_has_the_schema_defaults() -> None:
     defaults = ClusterConfig()
-    for name in TRAIN_TEMPLATES.values():
-        header = dict(line.removeprefix("#SBATCH ").partition("=")[::2] for line in load_template(name).header)
-        assert header["--nodes"] == str(defaults.nodes) and header["--ntasks-per-node"] == str(defaults.tasks_per_node)
-        assert header["--time"] == defaults.time and header["--signal"] == f"USR1@{defaults.signal_delay_s}"
-        assert "--no-requeue" in header
+    header = dict(line.removeprefix("#SBATCH ").partition("=")[::2] for line in load_template(TEMPLATE).header)
+    assert header["--job-name"] == defaults.job_name and header["--nodes"] == str(defaults.nodes)
+    assert header["--ntasks-per-node"] == str(defaults.tasks_per_node) and header["--time"] == defaults.time
+    assert header["--signal"] == f"USR1@{defaults.signal_delay_s}" and "--no-requeue" in header
 
 
 def test_rendered_sbatch_lines_round_trip_hostile_values() -> None:
@@ -140,11 +138,6 @@ def test_requeue_flag_in_sbatch_extra_replaces_no_requeue() -> None:
     ("30", 1800), ("30:15", 1815), ("04:00:00", 14400), ("1-00", 86400), ("2-03:04", 183840), ("1-00:00:05", 86405)])
 def test_slurm_time_formats(text: str, seconds: int) -> None:
     assert slurm_time_seconds(text) == seconds
-
-
-def test_launcher_requeue_code_is_the_trainers() -> None:
-    source = (REPO_ROOT / "megatron_rl" / "trainers" / "common.py").read_text()
-    assert re.search(r"^REQUEUE_EXIT_CODE = (\d+)", source, re.M).group(1) == str(REQUEUE_EXIT_CODE)
 
 
 def test_sbatch_error_names_the_partition_key() -> None:
@@ -248,12 +241,43 @@ def test_failing_task_exit_code_is_the_jobs(sandbox: Path) -> None:
     assert not (sandbox / "scontrol.args").exists()
 
 
+def test_rendered_script_without_a_task_runs_the_trainer_on_its_config(sandbox: Path) -> None:
+    spec = TrainScript(algorithm="rm", run_dir=sandbox / "run", config_path=sandbox / "run" / "config.yaml",
+                       python=PYTHON)
+    result = _run_script(sandbox, render_train_script(ClusterConfig(), spec), env={"FAKE_SRUN_EXEC": "0"})
+    assert result.returncode == 0, result.stderr
+    srun = _args(sandbox, "srun")
+    assert srun[srun.index("task") + 1:] == [PYTHON, "-u", "-m", "megatron_rl.main", str(spec.config_path)]
+
+
+def test_rendered_convert_script_runs_launch_py_convert_with_the_arguments_unchanged(sandbox: Path) -> None:
+    convert_args = ["megatron-to-hf", "--ckpt", str(sandbox / EVIL), "--out", "hf $(touch PWNED)", "--verify"]
+    script = render_convert_script(ClusterConfig(), run_dir=sandbox / "run", convert_args=convert_args,
+                                   python=PYTHON)
+    result = _run_script(sandbox, script, env={"FAKE_SRUN_EXEC": "0"})
+    assert result.returncode == 0, result.stderr
+    srun = _args(sandbox, "srun")
+    assert srun[srun.index("task") + 1:] == [PYTHON, "-u", "-m", "launcher.cli", "convert", *convert_args]
+    assert not list(sandbox.rglob("PWNED*"))
+
+
+@pytest.mark.parametrize("bad", ["/models/a\n#!/bin/sh touch PWNED", "x\ry"])
+def test_convert_argument_with_a_line_break_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="holds a line break"):
+        render_convert_script(ClusterConfig(), run_dir=Path("/r"), convert_args=["hf-to-megatron", "--hf", bad],
+                              python=PYTHON)
+
+
+def _plain_env(**env: str) -> dict[str, str]:
+    return {"PYTHON": sys.executable, "PYTHONPATH": str(REPO_ROOT), **env}
+
+
 def test_plain_template_resolves_the_config_from_env(sandbox: Path) -> None:
     run_dir = sandbox / f"plain {EVIL}"
-    script = (TEMPLATE_DIR / "pretrain.sbatch").read_text()
-    result = _run_script(sandbox, script, env={
-        "RUN_DIR": str(run_dir), "OVERRIDES": "run.steps=7 parallel.tp=2", "PYTHON": sys.executable,
-        "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "PYTHONPATH": str(REPO_ROOT), "FAKE_SRUN_EXEC": "0"})
+    script = (templates_dir() / TEMPLATE).read_text()
+    result = _run_script(sandbox, script, env=_plain_env(
+        ALGORITHM="pretrain", RUN_DIR=str(run_dir), OVERRIDES="run.steps=7 parallel.tp=2",
+        SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="2", FAKE_SRUN_EXEC="0"))
     assert result.returncode == 0, result.stderr
     srun = _args(sandbox, "srun")
     task = [sys.executable, "-u", "-m", "megatron_rl.main", str(run_dir / "config.yaml")]
@@ -264,21 +288,43 @@ def test_plain_template_resolves_the_config_from_env(sandbox: Path) -> None:
     assert not list(sandbox.rglob("PWNED*"))
 
 
+def test_plain_template_trains_grpo_in_runs_grpo_by_default(sandbox: Path) -> None:
+    result = _run_script(sandbox, (templates_dir() / TEMPLATE).read_text(), env=_plain_env(
+        OVERRIDES="run.steps=1", FAKE_SRUN_EXEC="0"))
+    assert result.returncode == 0, result.stderr
+    cfg = load_config(sandbox / "runs" / "grpo" / "config.yaml")
+    assert (cfg.algorithm.name, cfg.run.dir) == ("grpo", str(sandbox / "runs" / "grpo"))
+
+
 def test_plain_template_reports_a_bad_override(sandbox: Path) -> None:
-    result = _run_script(sandbox, (TEMPLATE_DIR / "grpo.sbatch").read_text(), env={
-        "RUN_DIR": str(sandbox / "run"), "OVERRIDES": "cluster.partitoin=gpu", "PYTHON": sys.executable,
-        "PYTHONPATH": str(REPO_ROOT)})
+    result = _run_script(sandbox, (templates_dir() / TEMPLATE).read_text(), env=_plain_env(
+        RUN_DIR=str(sandbox / "run"), OVERRIDES="cluster.partitoin=gpu"))
     assert result.returncode == 2
     assert "unknown config key 'cluster.partitoin'" in result.stderr
     assert "could not resolve the job's config" in result.stdout
     assert not (sandbox / "srun.args").exists()
 
 
-@pytest.mark.parametrize("name", [*TRAIN_TEMPLATES.values(), CONVERT_TEMPLATE])
+def test_plain_convert_template_hands_over_to_the_shared_body(sandbox: Path) -> None:
+    script = (templates_dir() / "convert.sbatch").read_text()
+    result = _run_script(sandbox, script, env=_plain_env(
+        CONVERT_ARGS="megatron-to-hf --ckpt runs/a --out 'b' $(touch PWNED)", FAKE_SRUN_EXEC="0"))
+    assert result.returncode == 0, result.stderr
+    srun = _args(sandbox, "srun")
+    assert srun[srun.index("task") + 1:] == [sys.executable, "-u", "-m", "launcher.cli", "convert", "megatron-to-hf",
+                                             "--ckpt", "runs/a", "--out", "'b'", "$(touch", "PWNED)"]
+    assert "--output=runs/convert/slurm/%j_%t_log.out" in srun and (sandbox / "runs" / "convert" / "slurm").is_dir()
+    assert not list(sandbox.rglob("PWNED*"))
+    missing = _run_script(sandbox, script, env=_plain_env())
+    assert missing.returncode == 2 and "set CONVERT_ARGS" in missing.stderr
+
+
+@pytest.mark.parametrize("name", [TEMPLATE, "convert.sbatch"])
 def test_templates_pass_bash_and_shellcheck(name: str) -> None:
-    path = TEMPLATE_DIR / name
+    path = templates_dir() / name
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
-    assert load_template(name).body.startswith(SETTINGS_END)
+    if name == TEMPLATE:
+        assert load_template(name).body.startswith(SETTINGS_END)
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed")
     result = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
@@ -286,7 +332,8 @@ def test_templates_pass_bash_and_shellcheck(name: str) -> None:
 
 
 def test_slurm_modules_and_submitit_import_no_torch() -> None:
-    code = ("import sys, submitit, launcher.executors.slurm, launcher.slurm_task, launcher.slurm_watch, "
-            "launcher.slurm_prepare; print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    code = ("import sys, submitit, launcher.slurm.executor, launcher.slurm.task, launcher.slurm.watch, "
+            "launcher.slurm.prepare, launcher.cli.convert; "
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stderr

@@ -1,12 +1,13 @@
 """Load a job config: ``OmegaConf.structured(JobConfig)`` <- YAML file <- ``key=value`` overrides -> ``JobConfig``.
 
+The YAML file is a path or the name of a shipped config (``grpo_tiny``, see ``configs/``); a real path wins.
+
 Every OmegaConf or YAML failure is turned into a one-line ``ConfigError`` that names the key or file and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -15,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, did_you_mean
+from launcher.resources import configs_dir
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> JobConfig:
@@ -23,7 +25,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     merged: DictConfig = OmegaConf.structured(JobConfig)
     required: set[str] = set()
     if path is not None:
-        file_config = _read_yaml(Path(path))
+        path = find_config(path)
+        file_config = _read_yaml(path)
         required = set(OmegaConf.missing_keys(file_config))
         merged = _merge(merged, file_config, source=str(path))
     if overrides:
@@ -47,10 +50,27 @@ def to_yaml(config: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
+def shipped_configs() -> list[str]:
+    """Names of the configs that ship with the launcher (``configs/*.yaml``), usable as ``--config NAME``."""
+    return sorted(p.stem for p in configs_dir().glob("*.yaml"))
+
+
+def find_config(spec: str | Path) -> Path:
+    """The config file ``spec`` names: that file if it exists, else the shipped config ``spec`` (``.yaml`` optional)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise ConfigError(f"config file {path} not found (it is a folder; give the YAML file inside it)")
+    shipped, name, bare = shipped_configs(), path.name.removesuffix(".yaml"), path.parent == Path(".")
+    if bare and name in shipped:
+        return configs_dir() / f"{name}.yaml"
+    where = "no such file and no shipped config of that name" if bare else "check the path"
+    raise ConfigError(f"config file {spec} not found: {where}{did_you_mean(name, shipped)}; "
+                      f"shipped configs: {', '.join(shipped)}")
+
+
 def _read_yaml(path: Path) -> DictConfig:
-    if not path.is_file():
-        hint = "it is a folder; give the YAML file inside it" if path.is_dir() else "check the path"
-        raise ConfigError(f"config file {path} not found ({hint}); shipped configs are under configs/")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
@@ -87,9 +107,8 @@ def _translate(exc: OmegaConfBaseException, source: str) -> ConfigError:
     if isinstance(exc, ConfigKeyError):
         key = getattr(exc, "key", None) or full_key.rsplit(".", 1)[-1]
         valid = _valid_keys(getattr(exc, "object_type", None))
-        guess = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-        hint = f"did you mean '{_parent(full_key)}{guess[0]}'? " if guess else ""
-        return ConfigError(f"unknown config key {full_key!r} in {source}; {hint}valid keys here: {', '.join(valid)}")
+        hint = did_you_mean(str(key), valid, prefix=_parent(full_key))
+        return ConfigError(f"unknown config key {full_key!r} in {source}{hint}; valid keys here: {', '.join(valid)}")
     if isinstance(exc, ValidationError):
         return ConfigError(f"config key {full_key!r} in {source}: {_first_line(exc)}; fix its value or type")
     return ConfigError(f"config error at {full_key!r} in {source}: {_first_line(exc)}")

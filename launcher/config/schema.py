@@ -214,6 +214,9 @@ class AlgorithmConfig:
                       sft_warmup_steps=self.sft_warmup_steps)
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
+        if self.clip_eps_low >= 1:
+            raise ConfigError(f"algorithm.clip_eps_low={self.clip_eps_low} must be below 1 (the ratio is clipped "
+                              "at 1 - clip_eps_low)")
         if self.name == "grpo":
             completions = self.prompts_per_step * self.group_size
             if completions % self.global_batch_size:
@@ -243,7 +246,8 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings, in addition to the tokenizer's end-of-sequence token."""
     offload_optimizer: bool = False
-    """GPUs only: move optimizer state and grads to host memory while generating."""
+    """Move optimizer state and grads to host memory while generating (frees GPU memory for the KV cache; on
+    CPU it runs the same code for nothing)."""
 
     def __post_init__(self) -> None:
         _positive("generation", max_new_tokens=self.max_new_tokens)

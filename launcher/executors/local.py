@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,9 @@ import time
 from pathlib import Path
 
 from launcher.job import PreparedJob
+from launcher.ports import free_port
 
 STOP_GRACE_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_command(config_path: Path) -> list[str]:

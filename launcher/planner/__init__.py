@@ -6,7 +6,7 @@ memory per GPU and speed, and refuse what cannot run. Pure Python (no torch/mega
     print(plan(load_model_shape("llama-3.1-405b"), num_gpus=16384, gpu_type="h100-80gb",
                global_batch_size=2048).explain())
 
-CLI: ``.venv/bin/python -m launcher.planner.cli --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb``.
+CLI: ``python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb``.
 Tests: ``.venv/bin/python -m pytest tests/test_planner.py tests/test_planner_calibration.py -q``.
 """
 
@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, did_you_mean
 from launcher.model_shape import ModelShape
 from launcher.planner.costs import GrpoSizing, Runtime, Workload
 from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout
@@ -146,11 +146,7 @@ def parse_layout(text: str) -> dict:
             out[key] = value
         else:
             known = sorted(ints | bools | {"recompute"} | set(aliases))
-            import difflib
-
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"--layout: unknown field '{key}'{hint}; known: {', '.join(known)}")
+            raise ConfigError(f"--layout: unknown field '{key}'{did_you_mean(key, known)}; known: {', '.join(known)}")
     return out
 
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from launcher.config.schema import RECOMPUTE_MODES
 from launcher.planner.costs import GIB, IB_LATENCY_S, NVLINK_LATENCY_S, OVERLAP_CONTENTION, Workload
-
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)

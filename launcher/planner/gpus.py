@@ -9,10 +9,9 @@ List it: ``.venv/bin/python -c "from launcher.planner.gpus import GPUS; print(li
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, did_you_mean
 
 GIB = 1024**3
 
@@ -69,7 +68,6 @@ def get_gpu(name: str) -> GpuSpec:
     """Catalogue entry for `name` (case-insensitive); ConfigError naming the choices otherwise."""
     key = str(name).strip().lower()
     if key not in GPUS:
-        close = difflib.get_close_matches(key, list(GPUS), n=1, cutoff=0.5)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"--gpu-type '{name}' unknown{hint}; choose one of {', '.join(GPUS)}")
+        raise ConfigError(f"--gpu-type '{name}' unknown{did_you_mean(key, GPUS, cutoff=0.5)}; "
+                          f"choose one of {', '.join(GPUS)}")
     return GPUS[key]

@@ -1,6 +1,6 @@
 """Human-readable plan: the chosen layout, memory breakdown, predicted speed, alternatives, constraints.
 
-Print one: ``.venv/bin/python -m launcher.planner.cli --model llama-3.3-70b --gpus 64 --gpu-type h100-80gb``.
+Print one: ``python launch.py plan --model llama-3.3-70b --gpus 64 --gpu-type h100-80gb``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from launcher.model_shape import ModelShape
-from megatron_rl.conversion.names import TensorMap, row_pieces
+from megatron_rl.conversion.names import TensorMap, is_model_key, parse_megatron_key, row_pieces, tensor_maps
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_groups: int, head_dim: int) -> torch.Tensor:
@@ -123,3 +123,15 @@ def megatron_region_from_hf(tm: TensorMap, shape: ModelShape, padded_rows: int, 
     if row < last:
         raise ValueError(f"{tm.ref}: block rows {first}:{last} exceed the tensor's {row} rows")
     return torch.cat(out, dim=0) if len(out) > 1 else out[0]
+
+
+def hf_tensors_from_state_dict(state_dict: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """Every HF tensor of a whole model held in one process (TP = PP = EP = 1): its ``state_dict`` keys (TE or
+    local spec) folded to Megatron refs, then each ``TensorMap`` split into its HF tensors (padding rows cut)."""
+    by_ref = {parse_megatron_key(key): value for key, value in state_dict.items() if is_model_key(key)}
+    hf: dict[str, torch.Tensor] = {}
+    for tm in tensor_maps(shape):
+        if tm.ref not in by_ref:
+            raise KeyError(f"the model has no {tm.ref} (is it split over TP/PP/EP ranks?)")
+        hf.update(hf_from_megatron(tm, shape, by_ref[tm.ref]))
+    return hf

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,12 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from launcher.errors import ConfigError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launcher.ports import free_port
 
 
 def worker_command(nproc: int, tasks_file: Path, script: Optional[str] = None) -> list[str]:
@@ -51,7 +45,7 @@ def run_worker(tasks: list[dict[str, Any]], nproc: int, *, workdir: Optional[Pat
         p for p in (repo_root, os.environ.get("PYTHONPATH", "")) if p)}
     env.setdefault("OMP_NUM_THREADS", "1")
     if nproc == 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     log_path = work / "worker.log"
     failed = False
     try:

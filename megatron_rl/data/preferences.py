@@ -29,13 +29,13 @@ Test: `.venv/bin/python -m pytest tests/test_rm.py -q`
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from launcher.errors import ConfigError
 from megatron_rl.data import synthetic
+from megatron_rl.data.jsonl import read_jsonl
 from megatron_rl.data.tokenizer import CharTokenizer
 
 Messages = list[dict]
@@ -81,22 +81,6 @@ class PreferenceData:
         return len(self.chosen)
 
 
-def load_tokenizer(path: Optional[str]):
-    """The built-in CharTokenizer for None, else a local Hugging Face tokenizer folder (no network)."""
-    if path is None:
-        return CharTokenizer()
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.tokenizer={path!r} is not a folder; give a local Hugging Face tokenizer folder "
-                          "(or null for the built-in character tokenizer)")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as err:  # transformers raises many kinds for a broken folder
-        raise ConfigError(
-            f"model.tokenizer={path!r}: could not load a tokenizer ({type(err).__name__}: {err})") from None
-
-
 def _as_messages(part: Part, role: str) -> Messages:
     return [{"role": role, "content": part}] if isinstance(part, str) else list(part)
 
@@ -105,31 +89,25 @@ class SequenceEncoder:
     """Token ids of (prompt, response) the way the reward model sees them (see the module docstring)."""
 
     def __init__(self, tokenizer) -> None:
+        """``tokenizer``: what ``megatron_rl.data.tokenizer.load_tokenizer`` returns."""
         self.tokenizer = tokenizer
         self.is_char = isinstance(tokenizer, CharTokenizer)
-        if self.is_char:
-            self.pad_id, self.bos_id, self.eos_id = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
-            self.has_chat_template = False
-        else:
-            self.eos_id = tokenizer.eos_token_id
-            self.bos_id = tokenizer.bos_token_id
-            pad = tokenizer.pad_token_id
-            self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
-            self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.pad_id, self.bos_id, self.eos_id = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+        self.has_chat_template = not self.is_char and bool(getattr(tokenizer.hf, "chat_template", None))
 
     def encode(self, prompt: Optional[Part], response: Part) -> list[int]:
         if (prompt is None or isinstance(prompt, str)) and isinstance(response, str):
             return self._encode_text((prompt or "") + response)
         messages = ([] if prompt is None else _as_messages(prompt, "user")) + _as_messages(response, "assistant")
         if self.has_chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            text = self.tokenizer.hf.apply_chat_template(messages, tokenize=False)
+            return list(self.tokenizer.hf(text, add_special_tokens=False)["input_ids"])
         return self._encode_text("".join(f"{m['role']}: {m['content']}\n" for m in messages))
 
     def _encode_text(self, text: str) -> list[int]:
         if self.is_char:
             return self.tokenizer.encode(text, add_bos=True)
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        ids = list(self.tokenizer.hf(text, add_special_tokens=True)["input_ids"])
         if self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
             ids.append(self.eos_id)
         return ids
@@ -155,20 +133,8 @@ def _check_part(value: Any, key: str, where: str) -> Part:
                       "messages")
 
 
-def parse_preference_line(raw: bytes, where: str) -> Optional[PreferenceRecord]:
-    """One JSONL line as a PreferenceRecord (None for a blank line); ConfigError naming ``where`` otherwise."""
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{where}: not UTF-8 ({err.reason})") from None
-    if not text:
-        return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f'{where}: expected an object like {{"prompt": ..., "chosen": ..., "rejected": ...}}')
+def parse_preference(obj: dict, where: str) -> PreferenceRecord:
+    """One JSONL object as a PreferenceRecord; ConfigError naming ``where`` otherwise."""
     for key in ("chosen", "rejected"):
         if key not in obj:
             raise ConfigError(f"{where}: no {key!r} field (a preference pair needs chosen and rejected)")
@@ -183,15 +149,9 @@ def parse_preference_line(raw: bytes, where: str) -> Optional[PreferenceRecord]:
 
 
 def read_preference_jsonl(path: str | Path) -> list[PreferenceRecord]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"preference file {path} not found: point data.train_path / data.eval_path at a JSONL file")
-    records = []
-    with path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            record = parse_preference_line(raw, f"{path}:{line_number}")
-            if record is not None:
-                records.append(record)
+    records = [parse_preference(obj, where) for obj, where in read_jsonl(
+        path, what="preference file", fix="point data.train_path / data.eval_path at a JSONL file",
+        example='{"prompt": ..., "chosen": ..., "rejected": ...}')]
     if not records:
         raise ConfigError(f"preference file {path} holds no pairs")
     return records

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import ConfigError
+from megatron_rl.data.jsonl import read_jsonl
 
 SAMPLER_STATE_VERSION = 1
 
@@ -67,15 +68,11 @@ class PromptDataset(Sequence[PromptRecord]):
             paths = [paths]
         records: list[PromptRecord] = []
         digest = hashlib.sha256()
-        for path in map(Path, paths):
-            if not path.is_file():
-                raise ConfigError(f"prompt file {path} not found: point the dataset path at an existing JSONL file")
-            with path.open("rb") as handle:
-                for line_number, raw in enumerate(handle, start=1):
-                    digest.update(raw)
-                    record = _parse_line(raw, f"{path}:{line_number}", prompt_key, answer_key, require_answer)
-                    if record is not None:
-                        records.append(record)
+        example = f'{{"{prompt_key}": ..., "{answer_key}": ...}}'
+        for path in paths:
+            for obj, where in read_jsonl(path, what="prompt file", example=example, digest=digest,
+                                         fix="point the dataset path (data.train_path) at an existing JSONL file"):
+                records.append(_parse_record(obj, where, prompt_key, answer_key, require_answer))
         if not records:
             raise ConfigError(f"prompt file(s) {', '.join(map(str, paths))} hold no prompts")
         return cls(records, fingerprint=digest.hexdigest()[:16])
@@ -87,19 +84,7 @@ class PromptDataset(Sequence[PromptRecord]):
         return self.records[index]
 
 
-def _parse_line(raw: bytes, where: str, prompt_key: str, answer_key: str, require_answer: bool) -> PromptRecord | None:
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{where}: not UTF-8 ({error.reason})") from None
-    if not text:
-        return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f'{where}: expected a JSON object like {{"{prompt_key}": ..., "{answer_key}": ...}}')
+def _parse_record(obj: dict, where: str, prompt_key: str, answer_key: str, require_answer: bool) -> PromptRecord:
     prompt = obj.get(prompt_key)
     if not isinstance(prompt, str) or not prompt:
         raise ConfigError(

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launcher.errors import ConfigError
-from megatron_rl.data.tokenizer import CharTokenizer
 
 TASKS: tuple[str, ...] = ("last_digit", "first_digit", "add", "reverse")
 _REVERSE_LETTERS = "abcde"
@@ -93,16 +92,6 @@ def sft_records(records: Sequence[dict], *, task: str, answers: str = "random", 
         choices = answer_space(task)
         return [{"prompt": r["prompt"], "completion": rng.choice(choices)} for r in records]
     raise ConfigError(f"synthetic SFT data: answers={answers!r} must be 'random' (format only) or 'correct'")
-
-
-def encode_sft_example(tokenizer: CharTokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) for next-token SFT: <bos> prompt completion <eos>; the mask is 1 on completion+eos.
-
-    mask[i] says whether ids[i] is a target, so the loss at position i-1 (predicting ids[i]) counts.
-    """
-    prompt_ids = tokenizer.encode(prompt, add_bos=True)
-    completion_ids = tokenizer.encode(completion, add_eos=True)
-    return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
 
 
 def write_jsonl(path: str | Path, records: Sequence[dict]) -> Path:

@@ -61,12 +61,19 @@ class HFTokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        from launcher.errors import ConfigError
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as err:  # transformers raises many kinds for a broken folder
+            raise ConfigError(f"model.tokenizer={path!r}: could not load a tokenizer ({type(err).__name__}: "
+                              f"{err})") from None
         self.name = path
         self.vocab_size = len(self.hf)
         self.eos_id = self.hf.eos_token_id
         self.bos_id = self.hf.bos_token_id
-        self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+        pad = self.hf.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
         self.special_ids = frozenset(self.hf.all_special_ids)
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
@@ -96,5 +103,6 @@ def load_tokenizer(path: str | None):
     from launcher.errors import ConfigError
 
     if not Path(path).is_dir():
-        raise ConfigError(f"model.tokenizer={path} is not a folder; give a local Hugging Face tokenizer folder")
+        raise ConfigError(f"model.tokenizer={path!r} is not a folder; give a local Hugging Face tokenizer folder "
+                          "(or null for the built-in character tokenizer)")
     return HFTokenizer(path)

@@ -83,7 +83,7 @@ def data_parallel_seed(seed: int) -> int:
     """A sampling seed distinct per data-parallel rank and equal across the TP/PP ranks of one replica."""
     from megatron.core import parallel_state
 
-    return seed * 1_000_003 + parallel_state.get_data_parallel_rank()
+    return seed + parallel_state.get_data_parallel_rank()
 
 
 def model_chunks(models) -> list:

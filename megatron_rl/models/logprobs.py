@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(labels) from vocab-parallel logits [..., V/tp]; differentiable (Megatron's parallel cross entropy).
 
     Megatron's cross entropy overwrites float32 logits in place: read anything else from them first.
@@ -21,7 +21,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_si
 
 
 @torch.no_grad()
-def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax over the full vocabulary from vocab-parallel logits [..., V/tp] (no gradient)."""
     from megatron.core import parallel_state
 

@@ -27,7 +27,8 @@ import torch
 
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
-from megatron_rl.data.preferences import SequenceEncoder, load_tokenizer
+from megatron_rl.data.preferences import SequenceEncoder
+from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.models.builder import ModelOptions, compute_dtype
 from megatron_rl.models.reward_model import (
     build_reward_model_chunks,

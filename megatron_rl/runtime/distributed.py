@@ -12,9 +12,11 @@ import datetime
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,3 +116,19 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def global_rank() -> int:
+    """This process's rank in the job (0 without a process group)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def on_rank_zero(fn: Callable[[], T]) -> Optional[T]:
+    """Run ``fn`` on global rank 0 only (shared-file writes), then hold every rank until it is done.
+
+    Returns fn's result on rank 0 and None elsewhere.
+    """
+    result = fn() if global_rank() == 0 else None
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return result

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -31,6 +32,87 @@ ForwardFn = Callable[[Any, dict], torch.Tensor]
 def lm_forward(model, batch: dict) -> torch.Tensor:
     """GPTModel forward: per-token cross entropy when the batch has labels, else (vocab-parallel) logits."""
     return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"))
+
+
+def logits_forward(model, batch: dict) -> torch.Tensor:
+    """Vocab-parallel logits [batch, seq, vocab/tp], even when the batch has labels (for losses that need
+    log-probs and entropy rather than Megatron's cross entropy)."""
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+
+
+def logprob_collector(sink: list):
+    """A forward-only 'loss' that appends each micro-batch's per-token log-probs of its labels to ``sink``.
+
+    Only the last pipeline stage computes losses, so only there does ``sink`` fill.
+    """
+    from megatron_rl.models.logprobs import vocab_parallel_logprobs
+
+    def loss_fn(logits: torch.Tensor, batch: dict):
+        sink.append(vocab_parallel_logprobs(logits, batch["labels"]).detach().float())
+        zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+        return zero, torch.ones((), dtype=torch.int, device=logits.device), {}
+
+    return loss_fn
+
+
+def forward_logprobs(chunks: list, microbatches: list[dict], *, seq_length: int,
+                     micro_batch_size: int) -> list[torch.Tensor]:
+    """Per-token log-probs [mbs, seq_length] of each micro-batch's ``labels`` under ``chunks``: a forward-only
+    pass through Megatron's schedule (so TP/PP/VPP apply), in eval mode, without gradients. The log-probs are
+    Megatron's vocab-parallel cross entropy over the padded vocabulary, exactly as in the training loss.
+
+    Returns one tensor per micro-batch on the last pipeline stage and an empty list on the other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    sink: list[torch.Tensor] = []
+    was_training = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_fn=logprob_collector(sink), forward_fn=logits_forward),
+                data_iterator=_data_iterators(chunks, microbatches), model=chunks,
+                num_microbatches=len(microbatches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+                forward_only=True)
+    finally:
+        for chunk, mode in zip(chunks, was_training):
+            chunk.train(mode)
+    return sink
+
+
+def sequence_logprobs(chunks, tokens: torch.Tensor, *, micro_batch_size: Optional[int] = None) -> torch.Tensor:
+    """``[B, S - 1]`` float32 log-probs of ``tokens[:, 1:]`` (right padding allowed; the caller masks it), on
+    every rank of the model replica: ``forward_logprobs`` over whole sequences, shared along the pipeline.
+
+    The same path gives the GRPO trainer its reference log-probs; tests and the GPU check use it as the
+    training-forward side when they check generation's log-probs. ``micro_batch_size`` splits the batch
+    (default: all at once, or pp micro-batches under virtual pipelining, whose schedule needs at least pp).
+    """
+    from megatron.core import parallel_state as ps
+
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    device = next(chunks[0].parameters()).device
+    tokens = tokens.to(device=device, dtype=torch.long)
+    batch, seq = tokens.shape
+    if seq < 2:
+        raise ValueError("sequence_logprobs needs sequences of at least 2 tokens")
+    pp = ps.get_pipeline_model_parallel_world_size()
+    mbs = micro_batch_size or (batch // pp if len(chunks) > 1 and batch % pp == 0 else batch)
+    if batch % mbs:
+        raise ValueError(f"batch {batch} is not divisible by micro_batch_size {mbs}")
+    positions = torch.arange(seq - 1, device=device).unsqueeze(0).expand(batch, -1)
+    microbatches = [{"tokens": tokens[i:i + mbs, :-1], "position_ids": positions[i:i + mbs],
+                     "labels": tokens[i:i + mbs, 1:]} for i in range(0, batch, mbs)]
+    logprobs = forward_logprobs(chunks, microbatches, seq_length=seq - 1, micro_batch_size=mbs)
+    result = torch.empty((batch, seq - 1), dtype=torch.float32, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        torch.cat(logprobs, dim=0, out=result)
+    if pp > 1:
+        torch.distributed.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
+    return result
 
 
 def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
@@ -68,7 +150,7 @@ class Engine:
         self.optimizer.zero_grad()
         reports = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
-            data_iterator=self._iterators(microbatches), model=self.chunks,
+            data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
             num_microbatches=len(microbatches), seq_length=seq_length,
             micro_batch_size=self.micro_batch_size, forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
@@ -87,15 +169,35 @@ class Engine:
         with torch.no_grad():
             reports = get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
-                data_iterator=self._iterators(microbatches), model=self.chunks,
+                data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
                 num_microbatches=len(microbatches), seq_length=seq_length,
                 micro_batch_size=self.micro_batch_size, forward_only=True)
         return reduce_reports(reports, report_names)
 
-    def _iterators(self, microbatches: list[dict]):
-        if len(self.chunks) == 1:
-            return iter(microbatches)
-        return [iter(microbatches) for _ in self.chunks]
+    def reference_logprobs(self, reference: list, microbatches: list[dict], *, seq_length: int) -> None:
+        """Store the frozen ``reference`` chunks' log-probs of each micro-batch's labels as ``ref_logp``
+        (on the last pipeline stage, the only one that computes the loss)."""
+        logprobs = forward_logprobs(reference, microbatches, seq_length=seq_length,
+                                    micro_batch_size=self.micro_batch_size)
+        for batch, ref in zip(microbatches, logprobs):
+            batch["ref_logp"] = ref
+
+    def frozen_copy(self, folder: Path) -> list:
+        """Chunks with this engine's current weights, frozen (no grad, eval mode), saved in ``folder``; when
+        ``folder`` already holds them (a resumed run), they are loaded from there instead."""
+        from megatron_rl.runtime import checkpoint as ckpt
+
+        copies = build_model_chunks(self.shape, self.opts)
+        if ckpt.latest_checkpoint(folder) is None:
+            for copy, chunk in zip(copies, self.chunks):
+                copy.load_state_dict(ckpt.unwrap(chunk).state_dict())
+            ckpt.save_checkpoint(folder, step=0, chunks=copies, keep_last=1)
+        else:
+            ckpt.load_checkpoint(folder, chunks=copies, load_optimizer=False)
+        for copy in copies:
+            copy.eval()
+            copy.requires_grad_(False)
+        return copies
 
     def reset_optimizer_schedule(self) -> None:
         """A fresh optimizer and LR schedule on the current weights (a new training stage starts at step 0)."""
@@ -105,6 +207,13 @@ class Engine:
     def train(self, mode: bool = True) -> None:
         for chunk in self.chunks:
             chunk.train(mode)
+
+
+def _data_iterators(chunks: list, microbatches: list[dict]):
+    """One iterator for a single chunk; one per chunk under virtual pipelining (each chunk reads every batch)."""
+    if len(chunks) == 1:
+        return iter(microbatches)
+    return [iter(microbatches) for _ in chunks]
 
 
 def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn, forward_fn: ForwardFn):
@@ -196,14 +305,34 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
                   micro_batch_size=cfg.parallel.micro_batch_size, make_optimizer=make_optimizer)
 
 
-def data_parallel_slice(items: list, *, micro_batch_size: int) -> list[list]:
-    """This DP rank's share of a global batch, cut into micro-batches (every rank sees the same global list)."""
+def data_parallel_share(items: list) -> list:
+    """This DP rank's contiguous share of a list every rank holds (rank r gets the r-th of dp equal parts)."""
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
-    rank = parallel_state.get_data_parallel_rank()
-    if len(items) % (dp * micro_batch_size):
-        raise ValueError(f"global batch {len(items)} is not divisible by dp={dp} x micro_batch_size={micro_batch_size}")
+    if len(items) % dp:
+        raise ValueError(f"{len(items)} items do not split evenly over dp={dp} data-parallel ranks")
     per_rank = len(items) // dp
-    mine = items[rank * per_rank:(rank + 1) * per_rank]
-    return [mine[i:i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
+    rank = parallel_state.get_data_parallel_rank()
+    return items[rank * per_rank:(rank + 1) * per_rank]
+
+
+def data_parallel_slice(items: list, *, micro_batch_size: int) -> list[list]:
+    """This DP rank's share of a global batch, cut into micro-batches (every rank sees the same global list)."""
+    mine = data_parallel_share(items)
+    if len(mine) % micro_batch_size:
+        raise ValueError(f"global batch {len(items)} is not divisible by dp x micro_batch_size={micro_batch_size}")
+    return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def gather_data_parallel(items: list) -> list:
+    """The inverse of ``data_parallel_share``: every DP rank's list, concatenated in rank order, on every rank."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    world = torch.distributed.get_world_size(group)
+    if world == 1:
+        return list(items)
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, list(items), group=group)
+    return [item for part in gathered for item in part]

@@ -20,10 +20,10 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from launcher.config.schema import JobConfig
+from launcher.slurm import REQUEUE_EXIT_CODE
 from megatron_rl.runtime import checkpoint as ckpt
+from megatron_rl.runtime.distributed import global_rank, on_rank_zero
 from megatron_rl.runtime.metrics import MetricsLogger
-
-REQUEUE_EXIT_CODE = 3  # the job scripts requeue on this exit code
 
 
 _stop_signal = {"received": False}
@@ -62,7 +62,7 @@ class TrainerContext:
     resumed_extra: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.rank = global_rank()
         self.logger = MetricsLogger(self.cfg.run.dir, total_steps=self.cfg.run.steps,
                                     console=self.cfg.logging.console, tensorboard=self.cfg.logging.tensorboard,
                                     enabled=self.rank == 0)
@@ -154,11 +154,10 @@ class TrainerContext:
         from megatron_rl.conversion.export import export_checkpoint_to_hf
 
         out = Path(self.cfg.run.dir) / "hf" / ("final" if final else folder.name)
-        if self.rank == 0:
-            summary = export_checkpoint_to_hf(folder, out, hf_source=self.cfg.model.tokenizer, overwrite=True)
+        summary = on_rank_zero(lambda: export_checkpoint_to_hf(folder, out, hf_source=self.cfg.model.tokenizer,
+                                                               overwrite=True))
+        if summary is not None:
             self.say(f"exported {folder.name} to Hugging Face format: {out} ({summary.num_shards} shard(s))")
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
 
     def finish(self, engine) -> None:
         if self.cfg.checkpoint.save_at_end and engine.step > 0:

@@ -22,13 +22,14 @@ import torch
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
-from megatron_rl.grpo.advantages import group_advantages, groups_with_signal
-from megatron_rl.grpo.loss import GRPOLossConfig
-from megatron_rl.grpo.rollout import (REPORTS, Rollout, collate_rollout, logits_forward, make_grpo_loss,
-                                      make_logprob_collector, rollout_rows)
+from megatron_rl.algorithms.advantages import expand_group_mask, group_advantages, groups_with_signal
+from megatron_rl.algorithms.policy_loss import GRPOLossConfig
+from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
 from megatron_rl.runtime import checkpoint as ckpt
+from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
-from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
+from megatron_rl.runtime.training import (Engine, build_engine, data_parallel_share, data_parallel_slice,
+                                          gather_data_parallel, logits_forward)
 from megatron_rl.trainers.common import TrainerContext
 
 RULE_VERIFIERS = ("exact", "math")
@@ -68,10 +69,8 @@ class GrpoRun:
 
         self.sampler = PromptSampler(self.dataset, self.algo.prompts_per_step, seed=cfg.run.seed)
         self.rewards = build_rewards(cfg, shape)
-        self.loss_config = GRPOLossConfig(
-            eps_low=self.algo.clip_eps_low, eps_high=self.algo.clip_eps_high, dual_clip=self.algo.dual_clip,
-            kl_coef=self.algo.kl_coef, kl_kind=self.algo.kl_estimator, loss_agg_mode=self.algo.loss_aggregation,
-            max_response_len=cfg.generation.max_new_tokens)
+        self.loss_fn = make_grpo_loss(GRPOLossConfig.from_algorithm(self.algo,
+                                                                    max_response_len=cfg.generation.max_new_tokens))
         self.engine: Engine = build_engine(cfg, shape)
         self.reference = None
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
@@ -89,8 +88,8 @@ class GrpoRun:
             self.generator.set_state(extra["generator"])
         elif self.algo.sft_warmup_steps:
             self.warm_up()
-        if self.algo.kl_coef > 0:
-            self.reference = self.load_or_freeze_reference()
+        if self.algo.kl_coef > 0:  # the weights GRPO started from, kept with the run's checkpoints
+            self.reference = self.engine.frozen_copy(self.ctx.ckpt_dir / "reference")
         return start
 
     def warm_up(self) -> None:
@@ -109,45 +108,25 @@ class GrpoRun:
         self.engine.reset_optimizer_schedule()
         self.ctx.say(f"SFT warm-up: {self.algo.sft_warmup_steps} steps, final loss {metrics['loss']:.4f}")
 
-    def load_or_freeze_reference(self):
-        """The frozen reference policy: the weights GRPO started from, kept in ``checkpoints/reference``."""
-        from megatron_rl.models.builder import build_model_chunks
-
-        ref_chunks = build_model_chunks(self.shape, self.engine.opts)
-        ref_dir = self.ctx.ckpt_dir / "reference"
-        if ckpt.latest_checkpoint(ref_dir) is None:
-            for ref, pol in zip(ref_chunks, self.engine.chunks):
-                ref.load_state_dict(ckpt.unwrap(pol).state_dict())
-            ckpt.save_checkpoint(ref_dir, step=0, chunks=ref_chunks, keep_last=1)
-        else:
-            ckpt.load_checkpoint(ref_dir, chunks=ref_chunks, load_optimizer=False)
-        for chunk in ref_chunks:
-            chunk.eval()
-            chunk.requires_grad_(False)
-        return ref_chunks
-
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: list) -> Rollout:
         """group_size completions per prompt; each data-parallel rank samples its share, then all see all."""
-        from megatron.core import parallel_state
-
-        from megatron_rl.generation import generate
+        from megatron_rl.generation import data_parallel_seed, generate
 
         group = self.algo.group_size
         texts = [p.prompt for p in prompts for _ in range(group)]
         prompt_ids = [self.tokenizer.encode(t, add_bos=True) for t in texts]
-        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        share = len(prompt_ids) // dp
-        mine = slice(dp_rank * share, (dp_rank + 1) * share)
         gen = self.cfg.generation
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         with generation_phase(self.engine, offload_optimizer=gen.offload_optimizer):
             out = generate(
-                [ckpt.unwrap(c) for c in self.engine.chunks], prompt_ids[mine], max_new_tokens=gen.max_new_tokens,
-                temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, eos_id=self.tokenizer.eos_id,
-                stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
-                vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=step_seed + dp_rank)
-        responses, logprobs = _all_gather_dp(list(out.tokens), [list(map(float, lp)) for lp in out.logprobs])
+                [ckpt.unwrap(c) for c in self.engine.chunks], data_parallel_share(prompt_ids),
+                max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                eos_id=self.tokenizer.eos_id, stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
+                vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=data_parallel_seed(step_seed))
+        sampled = gather_data_parallel([(list(tokens), list(map(float, lp)))
+                                        for tokens, lp in zip(out.tokens, out.logprobs)])
+        responses, logprobs = [tokens for tokens, _ in sampled], [lp for _, lp in sampled]
         completions = [self.tokenizer.decode(r) for r in responses]
         return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, prompts=texts,
                        completions=completions, answers=[p.answer for p in prompts for _ in range(group)])
@@ -165,8 +144,8 @@ class GrpoRun:
         """One optimizer step per mini-batch of global_batch_size completions."""
         rows = rollout_rows(rollout)
         if self.algo.drop_zero_signal_groups:
-            keep = groups_with_signal(rollout.rewards, self.algo.group_size)
-            rows = [row for i, row in enumerate(rows) if keep[i // self.algo.group_size]]
+            keep = expand_group_mask(groups_with_signal(rollout.rewards, self.algo.group_size), self.algo.group_size)
+            rows = [row for row, kept in zip(rows, keep.tolist()) if kept]
         gbs = self.algo.global_batch_size
         usable = len(rows) - len(rows) % gbs
         if usable == 0:
@@ -178,9 +157,8 @@ class GrpoRun:
                 micro = data_parallel_slice(rows[start:start + gbs], micro_batch_size=self.cfg.parallel.micro_batch_size)
                 batches = [collate_rollout(mb, seq_length=seq_length, pad_id=self.tokenizer.pad_id) for mb in micro]
                 if self.reference is not None:
-                    self.fill_reference_logprobs(batches, seq_length)
-                loss_fn = make_grpo_loss(self.loss_config, self.shape.vocab_size, use_ref=self.reference is not None)
-                metrics = self.engine.train_step(batches, loss_fn, seq_length=seq_length, report_names=REPORTS,
+                    self.engine.reference_logprobs(self.reference, batches, seq_length=seq_length)
+                metrics = self.engine.train_step(batches, self.loss_fn, seq_length=seq_length, report_names=REPORTS,
                                                  forward_fn=logits_forward)
                 for key, value in metrics.items():
                     totals.setdefault(key, []).append(value)
@@ -188,23 +166,6 @@ class GrpoRun:
                     totals["first_ratio_min"] = [metrics["ratio_min"]]
                     totals["first_ratio_max"] = [metrics["ratio_max"]]
         return _combine_minibatches(totals)
-
-    def fill_reference_logprobs(self, batches: list[dict], seq_length: int) -> None:
-        """Per-token log-probs of the frozen reference, stored in the batches (last pipeline stage)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from megatron_rl.runtime.training import _forward_step
-
-        sink: list[torch.Tensor] = []
-        iterator = iter(batches) if len(self.reference) == 1 else [iter(batches) for _ in self.reference]
-        with torch.no_grad():
-            get_forward_backward_func()(
-                forward_step_func=lambda it, model: _forward_step(
-                    it, model, loss_fn=make_logprob_collector(self.shape.vocab_size, sink), forward_fn=logits_forward),
-                data_iterator=iterator, model=self.reference, num_microbatches=len(batches), seq_length=seq_length,
-                micro_batch_size=self.cfg.parallel.micro_batch_size, forward_only=True)
-        for batch, ref in zip(batches, sink):
-            batch["ref_logp"] = ref.to(batch["tokens"].device)
 
     # ------------------------------------------------------------------ metrics and end
     def step_metrics(self, rollout: Rollout, train: dict, t_gen: float, t_score: float, t_train: float) -> dict:
@@ -248,23 +209,11 @@ def _combine_minibatches(totals: dict[str, list[float]]) -> dict[str, float]:
     return combined
 
 
-def _all_gather_dp(responses: list, logprobs: list) -> tuple[list, list]:
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group()
-    world = torch.distributed.get_world_size(group)
-    if world == 1:
-        return responses, logprobs
-    gathered: list[Any] = [None] * world
-    torch.distributed.all_gather_object(gathered, (responses, logprobs), group=group)
-    return [r for part in gathered for r in part[0]], [lp for part in gathered for lp in part[1]]
-
-
 def load_prompt_data(cfg: JobConfig, run_dir: Path):
     """(PromptDataset, SFT examples) from data.train_path, or the synthetic data.task written under run.dir/data."""
     from megatron_rl.data.prompts import PromptDataset
     from megatron_rl.data.synthetic import TASKS, write_synthetic_dataset
-    from megatron_rl.trainers.sft import read_sft_jsonl
+    from megatron_rl.data.sft import read_sft_jsonl
 
     if cfg.data.warmup_task is not None and cfg.data.warmup_task not in TASKS:
         raise ConfigError(f"data.warmup_task={cfg.data.warmup_task!r} is not a synthetic task ({', '.join(TASKS)}); "
@@ -278,11 +227,8 @@ def load_prompt_data(cfg: JobConfig, run_dir: Path):
         raise ConfigError(f"data.task={cfg.data.task!r} is not a synthetic task ({', '.join(TASKS)}); "
                           "or set data.train_path to a JSONL file")
     data_dir = run_dir / "data"
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        write_synthetic_dataset(data_dir, task=cfg.data.task, seed=cfg.run.seed, sft_answers="random")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    on_rank_zero(lambda: write_synthetic_dataset(data_dir, task=cfg.data.task, seed=cfg.run.seed,
+                                                 sft_answers="random"))
     dataset = PromptDataset.from_jsonl(data_dir / "train.jsonl")
     return dataset, _warmup_records(cfg) or read_sft_jsonl(data_dir / "sft.jsonl")
 

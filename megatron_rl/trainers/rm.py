@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
-from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits, load_tokenizer
+from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits
+from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.models.reward_model import (
     build_reward_model_chunks,
     load_reward_model_weights,

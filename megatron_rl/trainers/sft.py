@@ -4,20 +4,19 @@
 
 Also the warm-up stage of the default GRPO job (``algorithm.sft_warmup_steps``): a short SFT pass that teaches
 a fresh tiny model the answer format, so GRPO starts from a policy that answers (at chance level).
-JSONL lines hold ``prompt`` and ``completion`` (keys from ``data.prompt_key`` and ``data.answer_key`` fall back).
+Data: ``megatron_rl.data.sft`` (JSONL lines with ``prompt`` and ``completion``).
 """
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import torch
 
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
+from megatron_rl.data.sft import encode_sft_example, read_sft_jsonl
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
 from megatron_rl.trainers.pretrain import lm_batch, lm_loss
 from megatron_rl.trainers.common import TrainerContext
@@ -25,37 +24,9 @@ from megatron_rl.trainers.common import TrainerContext
 REPORTS = ("loss",)
 
 
-def read_sft_jsonl(path: str | Path, *, prompt_key: str = "prompt") -> list[dict]:
-    """[{"prompt", "completion"}] from a JSONL file; errors name file:line."""
-    records = []
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"SFT data file {path} not found (data.train_path)")
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        completion = obj.get("completion", obj.get("answer"))
-        if not isinstance(obj.get(prompt_key), str) or completion is None:
-            raise ConfigError(f"{path}:{number}: needs string fields {prompt_key!r} and 'completion'")
-        records.append({"prompt": obj[prompt_key], "completion": str(completion)})
-    if not records:
-        raise ConfigError(f"SFT data file {path} holds no examples")
-    return records
-
-
 def encode_examples(tokenizer, records: list[dict], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) per example: <bos> prompt completion <eos>, the mask covering completion + eos."""
-    encoded = []
-    for record in records:
-        prompt = tokenizer.encode(record["prompt"], add_bos=True)
-        completion = tokenizer.encode(record["completion"], add_eos=True)
-        ids, mask = (prompt + completion)[:max_length], ([0] * len(prompt) + [1] * len(completion))[:max_length]
-        encoded.append((ids, mask))
-    return encoded
+    """(ids, loss mask) per record (``encode_sft_example``)."""
+    return [encode_sft_example(tokenizer, r["prompt"], r["completion"], max_length) for r in records]
 
 
 def collate_sft(examples: list[tuple[list[int], list[int]]], *, seq_length: int, pad_id: int) -> dict:

@@ -126,8 +126,9 @@ def main() -> None:
 
     from launcher.config.loader import load_config
     from launcher.model_shape import load_model_shape
-    from megatron_rl.generation import generate, generation_phase, sequence_logprobs
-    from megatron_rl.generation.memory import grad_buffer_tensors, optimizer_tensors
+    from megatron_rl.generation import generate
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.runtime.phases import generation_phase, grad_buffer_tensors, optimizer_tensors
     from megatron_rl.runtime.checkpoint import unwrap
     from megatron_rl.runtime.distributed import ParallelSizes, initialize
     from megatron_rl.runtime.training import build_engine, data_parallel_slice
@@ -232,7 +233,7 @@ def main() -> None:
     weights = [p.detach().clone() for c in chunks for p in unwrap(c).parameters()]
     opt_before = [t.detach().clone() for t in optimizer_tensors(engine.optimizer)]
     grads_before = [t.detach().clone() for t in grad_buffer_tensors(chunks)]
-    with generation_phase(chunks, optimizer=engine.optimizer, offload_optimizer=True, keep_grads=True) as parked:
+    with generation_phase(engine, offload_optimizer=True, keep_grads=True) as parked:
         opt_parked, grad_parked = parked
         freed = [t.untyped_storage().nbytes() == 0 for t in optimizer_tensors(engine.optimizer)]
         inside = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
@@ -246,7 +247,7 @@ def main() -> None:
         "grads_nonzero_before": any(bool(g.abs().sum() > 0) for g in grads_before),
         "tokens_equal_inside_phase": inside.tokens == greedy.tokens, "eval_inside": eval_inside,
         "train_mode_after": all(unwrap(c).training for c in chunks)}
-    with generation_phase(chunks, optimizer=engine.optimizer, offload_optimizer=True, keep_grads=False):
+    with generation_phase(engine, offload_optimizer=True, keep_grads=False):
         pass
     result["offload"]["grads_zero_without_keep"] = all(bool((t == 0).all()) for t in grad_buffer_tensors(chunks))
     result["weights_untouched"] = all(torch.equal(a, p) for a, p in

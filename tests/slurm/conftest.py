@@ -306,7 +306,7 @@ class TwoNodeRuns:
     launch: LaunchRun
     """The run through launch.py (submitit)."""
     plain: LaunchRun
-    """The run through `sbatch slurm/pretrain.sbatch` (stdout: its batch log)."""
+    """The run through `sbatch slurm/train.sbatch` with ALGORITHM=pretrain (stdout: its batch log)."""
     job_name: str
     """The job name both used."""
     markers: Path
@@ -322,8 +322,9 @@ def two_node_runs(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) 
     job_name = HOSTILE_JOB_NAME.format(markers=markers)
     args = (*PRETRAIN_TWO_NODES, f"cluster.job_name={job_name}")
     launched = launcher.start(*args, run_dir=root / "launch" / HOSTILE_FOLDER)
-    plain = launcher.sbatch("pretrain.sbatch", "--nodes=2", "--ntasks-per-node=1", f"--job-name={job_name}",
-                            run_dir=root / "plain" / HOSTILE_FOLDER, env={"OVERRIDES": "parallel.tp=2 run.steps=6"})
+    plain = launcher.sbatch("train.sbatch", "--nodes=2", "--ntasks-per-node=1", f"--job-name={job_name}",
+                            run_dir=root / "plain" / HOSTILE_FOLDER,
+                            env={"ALGORITHM": "pretrain", "OVERRIDES": "parallel.tp=2 run.steps=6"})
     return TwoNodeRuns(launch_args=args, launch=launcher.finish(launched), plain=launcher.finish_sbatch(plain),
                        job_name=job_name, markers=markers)
 

@@ -2,7 +2,8 @@
 
 All tensors are [batch, T] over response positions with a 0/1 `mask` (1 = a generated token that counts).
 Pure torch; nothing here knows about tensor parallelism, so the log-probs passed in must already be full
-(gathered across vocab shards by the caller). Functions that need full-vocabulary logits say so in their name.
+(the trainer gets them from vocab-parallel logits with ``megatron_rl.models.logprobs``). The GRPO trainer's
+Megatron loss function (``megatron_rl.rollout.batch.make_grpo_loss``) calls ``grpo_loss`` on every micro-batch.
 
 Sign convention: every function returns a quantity to MINIMISE (the negated GRPO objective).
 
@@ -12,63 +13,53 @@ Test: `.venv/bin/python -m pytest tests/test_grpo_math.py -q`
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import torch
 
-from launcher.errors import ConfigError
-
-LossAggMode = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
-LOSS_AGG_MODES: tuple[str, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-KlKind = Literal["k1", "k2", "k3"]
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+from launcher.config.schema import KL_ESTIMATORS, LOSS_AGGREGATIONS, AlgorithmConfig
 
 Number = int | float | torch.Tensor
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class GRPOLossConfig:
-    """Knobs of the GRPO loss. Defaults follow DeepSeekMath with no reference model (kl_coef 0)."""
+    """Knobs of the GRPO loss. The defaults and checks of the values a user sets live in the config schema
+    (``AlgorithmConfig``); ``from_algorithm`` is how the trainer builds this."""
 
-    eps_low: float = 0.2
+    eps_low: float
     """Lower clip: the ratio is clipped at 1 - eps_low."""
-    eps_high: float = 0.2
+    eps_high: float
     """Upper clip: the ratio is clipped at 1 + eps_high (DAPO clip-higher uses 0.28)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 (verl uses 3): for A < 0 the per-token loss is capped at -A * c. None = off."""
-    kl_coef: float = 0.0
+    kl_coef: float
     """Weight of the per-token KL to the reference model; 0 switches the reference off."""
-    kl_kind: KlKind = "k3"
-    """KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1."""
+    kl_kind: str
+    """KL estimator, one of the schema's KL_ESTIMATORS: k1 = logp - ref, k2 = (logp - ref)^2 / 2,
+    k3 = exp(ref - logp) - (ref - logp) - 1."""
     kl_clamp: float | None = 10.0
     """Clamp of the per-token KL to [-kl_clamp, kl_clamp] (NeMo RL uses 10); None = no clamp."""
     kl_log_ratio_clamp: float | None = 20.0
     """Clamp of logp - ref before the KL estimator, so k3's exp cannot overflow (NeMo RL uses 20); None = off."""
-    loss_agg_mode: LossAggMode = "seq-mean-token-mean"
-    """seq-mean-token-mean (DeepSeekMath), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)."""
+    loss_agg_mode: str
+    """One of the schema's LOSS_AGGREGATIONS: seq-mean-token-mean (DeepSeekMath), token-mean (DAPO) or
+    seq-mean-token-sum-norm (Dr. GRPO)."""
     max_response_len: int | None = None
     """Constant normaliser for seq-mean-token-sum-norm (the generation length limit); required in that mode."""
 
+    @classmethod
+    def from_algorithm(cls, algo: AlgorithmConfig, *, max_response_len: int) -> "GRPOLossConfig":
+        """The loss of a job's ``algorithm`` section (already checked by the schema)."""
+        return cls(eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip,
+                   kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator, loss_agg_mode=algo.loss_aggregation,
+                   max_response_len=max_response_len)
+
     def __post_init__(self) -> None:
-        if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:
-            raise ConfigError(
-                f"grpo loss: eps_low={self.eps_low}, eps_high={self.eps_high}: need 0 <= eps_low < 1 and eps_high >= 0"
-            )
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(f"grpo loss: dual_clip={self.dual_clip} must be > 1 (e.g. 3.0) or null to switch it off")
-        if self.kl_coef < 0:
-            raise ConfigError(f"grpo loss: kl_coef={self.kl_coef} must be >= 0")
-        if self.kl_kind not in KL_KINDS:
-            raise ConfigError(f"grpo loss: kl_kind={self.kl_kind!r} is not one of {', '.join(KL_KINDS)}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ConfigError(
-                f"grpo loss: loss_agg_mode={self.loss_agg_mode!r} is not one of {', '.join(LOSS_AGG_MODES)}"
-            )
+        if self.kl_kind not in KL_ESTIMATORS or self.loss_agg_mode not in LOSS_AGGREGATIONS:
+            raise ValueError(f"kl_kind={self.kl_kind!r} / loss_agg_mode={self.loss_agg_mode!r}: use one of "
+                             f"{KL_ESTIMATORS} / {LOSS_AGGREGATIONS}")
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.max_response_len:
-            raise ConfigError(
-                "grpo loss: loss_agg_mode=seq-mean-token-sum-norm needs max_response_len (set it to the generation "
-                "max_new_tokens)"
-            )
+            raise ValueError("loss_agg_mode=seq-mean-token-sum-norm needs max_response_len")
 
 
 def _check_shapes(mask: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -140,7 +131,7 @@ def policy_ratio_loss(
 def kl_penalty(
     logp: torch.Tensor,
     ref_logp: torch.Tensor,
-    kind: KlKind = "k3",
+    kind: str = "k3",
     clamp: float | None = None,
     *,
     log_ratio_clamp: float | None = None,
@@ -160,7 +151,7 @@ def kl_penalty(
     elif kind == "k3":
         kl = torch.exp(-log_ratio) + log_ratio - 1.0
     else:
-        raise ValueError(f"unknown KL estimator {kind!r}; use one of {KL_KINDS}")
+        raise ValueError(f"unknown KL estimator {kind!r}; use one of {KL_ESTIMATORS}")
     if clamp is not None:
         kl = kl.clamp(-clamp, clamp)
     return kl
@@ -179,7 +170,7 @@ def local_normalisers(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
-    mode: LossAggMode,
+    mode: str,
     *,
     max_response_len: int | None = None,
     global_num_tokens: Number | None = None,
@@ -212,7 +203,7 @@ def aggregate(
         if not max_response_len:
             raise ValueError("seq-mean-token-sum-norm needs max_response_len (the constant normaliser)")
         return masked.sum() / (num_seqs * max_response_len)
-    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGG_MODES}")
+    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGGREGATIONS}")
 
 
 def grpo_loss(
@@ -280,18 +271,3 @@ def grpo_loss(
             "num_seqs": num_seqs,
         }
     return loss, metrics
-
-
-def token_logprobs_from_full_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(tokens) from FULL-vocabulary logits [batch, T, V] (not vocab-parallel shards) -> [batch, T].
-
-    logits[:, t] must be the prediction for tokens[:, t] (shift before calling).
-    """
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return log_probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_full_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy from FULL-vocabulary logits [batch, T, V] (not vocab-parallel shards): [batch, T]."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_probs.exp() * log_probs).sum(dim=-1)

@@ -1,8 +1,8 @@
-"""Resolve the job's config inside a plain ``sbatch slurm/<x>.sbatch`` job and write RUN_DIR/config.yaml.
+"""Resolve the job's config inside a plain ``sbatch slurm/train.sbatch`` job and write RUN_DIR/config.yaml.
 
-    python -m launcher.slurm_prepare --run-dir runs/x --algorithm grpo [--config FILE] -- [key=value ...]
+    python -m launcher.slurm.prepare --run-dir runs/x --algorithm grpo [--config FILE] -- [key=value ...]
 
-The sbatch templates run this once per start of the job (when CONFIG_PATH is not given); it prints the path of
+The sbatch template runs this once per start of the job (when CONFIG_PATH is not given); it prints the path of
 the written config.yaml as its only stdout line. The allocation decides the world size: cluster.nodes and
 cluster.tasks_per_node are taken from SLURM_JOB_NUM_NODES and SLURM_NTASKS. Errors are one line on stderr, exit 2.
 """
@@ -43,9 +43,9 @@ def resolve(*, run_dir: str, algorithm: str, config: Optional[str], overrides: l
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.slurm_prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launcher.slurm.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", required=True, help="run folder (run.dir)")
-    parser.add_argument("--algorithm", required=True, help="algorithm.name of the template")
+    parser.add_argument("--algorithm", required=True, help="algorithm.name (the template's ALGORITHM)")
     parser.add_argument("--config", default=None, help="YAML config (optional)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)

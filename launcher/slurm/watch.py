@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from launcher.config.schema import ClusterConfig
-from launcher.slurm_script import REQUEUE_EXIT_CODE
-from launcher.slurm_task import FAILURE_MARK
+from launcher.slurm import REQUEUE_EXIT_CODE
+from launcher.slurm.task import FAILURE_MARK
 
 FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                           "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"})
 SQUEUE_FAILURE_LIMIT_S = 60.0
 SACCT_WAIT_S = 30.0
-# The first line of each run of the job in its batch log (see slurm/*.sbatch), and srun's report of a failed task.
+# The first line of each run of the job in its batch log (see slurm/train.sbatch), and srun's report of a failed task.
 RUN_START = re.compile(r"megatron-rl \[job \d+, start \d+\]: \d+ task\(s\) on")
 SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)[^:]*: (.*)")
 
@@ -176,7 +176,8 @@ def explain(watch: Watch, final: JobState, *, nodes: str = "") -> int:
     job, cluster = f"slurm: job {watch.job_id}", watch.cluster
     rerun = "rerun with the same run.dir to resume from its newest checkpoint"
     if final.state == "COMPLETED":
-        print(f"{job} COMPLETED in {final.elapsed or '?'}; {placement(watch)}", file=watch.out, flush=True)
+        where = placement(watch) or f"ran on {final.nodes or nodes or '?'}"
+        print(f"{job} COMPLETED in {final.elapsed or '?'}; {where}", file=watch.out, flush=True)
         return 0
     code = _exit_code(final.exit_code)
     if final.state == "FAILED" and code == REQUEUE_EXIT_CODE:
@@ -209,16 +210,17 @@ def _exit_code(text: str) -> int:
 
 
 def placement(watch: Watch) -> str:
-    """`rank 0 on n1, rank 1 on n2` from the tasks' submitit results."""
-    ranks = []
+    """`rank 0 on n1, rank 1 on n2` from the tasks' submitit results; "" when no task left one (a plain job)."""
+    ranks, found = [], False
     for task in range(watch.num_tasks):
         try:
             with (watch.log_dir / f"{watch.job_id}_{task}_result.pkl").open("rb") as handle:
                 outcome, result = pickle.load(handle)
             ranks.append(f"rank {result['rank']} on {result['node']}")
+            found = True
         except (OSError, pickle.UnpicklingError, KeyError, TypeError, ValueError):
             ranks.append(f"rank {task}: no result")
-    return ", ".join(ranks)
+    return ", ".join(ranks) if found else ""
 
 
 def first_failed_task(batch_log: Path) -> Optional[tuple[int, str]]:

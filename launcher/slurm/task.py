@@ -5,8 +5,8 @@ submitit unpickles a ``TrainTask`` in each and calls it. The task exports its ra
 from the job environment (torchrun's names: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), runs
 ``python -m megatron_rl.main CONFIG`` as a child process and hands it SIGUSR1 (Slurm's ``--signal`` before the
 time limit), SIGUSR2 (submitit's preemption signal, e.g. ``job._interrupt()``) and SIGTERM as a checkpoint
-request. It exits with the trainer's code, so a preemption checkpoint (code 3) reaches the batch script, which
-requeues the job; submitit's own requeue handler is replaced so that only one place requeues. No torch here.
+request. It exits with the trainer's code, so a preemption checkpoint (``REQUEUE_EXIT_CODE``) reaches the batch
+script, which requeues the job; submitit's own requeue handler is replaced so that only one place requeues.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.slurm_script import REQUEUE_EXIT_CODE
+from launcher.slurm import REQUEUE_EXIT_CODE
 
 POLL_S = 0.5
 FAILURE_MARK = "megatron-rl task failed:"  # the watcher looks for this line in the tasks' .err logs

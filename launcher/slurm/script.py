@@ -1,17 +1,20 @@
-"""Render the sbatch templates of ``slurm/`` for a job: the script ``launch.py`` submits and ``--dry-run`` prints.
+"""Render ``slurm/train.sbatch`` for a job: the script ``launch.py`` submits and ``--dry-run`` prints.
 
     python launch.py cluster.executor=slurm cluster.nodes=2 --dry-run      # shows the rendered script
     UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_sbatch_render.py  # rewrite tests/golden/*.sbatch
 
-Each template also works on its own (``sbatch slurm/grpo.sbatch`` with environment variables). Rendering
-replaces three marked parts: the ``#SBATCH`` header (from ``cluster.*``), the setup lines (``cluster.setup``,
-verbatim: they are commands) and the job settings (fixed values, each one shell-quoted). The body below them is
-kept byte for byte, so launch.py and a plain sbatch share the srun, signal and requeue logic. Values that would
-end an ``#SBATCH`` comment line (newlines) are rejected, since bash would run the rest of the line.
+One template serves every job: each training algorithm (``ALGORITHM``) and checkpoint conversion (a different
+``TASK``); it also works on its own (``sbatch slurm/train.sbatch`` with environment variables, and
+``slurm/convert.sbatch``, which hands over to it). Rendering replaces three marked parts: the ``#SBATCH`` header
+(from ``cluster.*``), the setup lines (``cluster.setup``, verbatim: they are commands) and the job settings (fixed
+values, each one shell-quoted). The body below them is kept byte for byte, so launch.py and a plain sbatch share
+the srun, signal and requeue logic. Values that would end a comment line (newlines) are rejected, since bash would
+run the rest of the line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from dataclasses import dataclass
@@ -20,11 +23,9 @@ from typing import Optional, Sequence
 
 from launcher.config.schema import ClusterConfig
 from launcher.errors import ConfigError
+from launcher.resources import templates_dir
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
-TRAIN_TEMPLATES = {"grpo": "grpo.sbatch", "rm": "rm.sbatch", "sft": "sft.sbatch", "pretrain": "pretrain.sbatch"}
-CONVERT_TEMPLATE = "convert.sbatch"
-REQUEUE_EXIT_CODE = 3  # megatron_rl.trainers.common.REQUEUE_EXIT_CODE; the templates requeue on it
+TEMPLATE = "train.sbatch"
 PREEMPT_SIGNAL = "USR1"
 SETUP_START, SETUP_END = "# ---- setup:", "# ---- end of setup ----"
 SETTINGS_START, SETTINGS_END = "# ---- job settings", "# ---- end of job settings ----"
@@ -54,9 +55,9 @@ def slurm_time_seconds(text: str) -> int:
     return first * 60 + (second or 0)  # MM[:SS]
 
 
-def _comment_safe(key: str, value: str) -> str:
+def _one_line(value: str, what: str) -> str:
     if any(ch in value for ch in "\n\r\0"):
-        raise ConfigError(f"{key}={value!r} holds a line break; remove it (an #SBATCH line ends at a line break)")
+        raise ConfigError(f"{what} holds a line break; remove it (a comment line of the job script ends there)")
     return value
 
 
@@ -79,7 +80,7 @@ def sbatch_options(cluster: ClusterConfig, *, output: str) -> list[str]:
          "cluster.signal_delay_s"),
         ("--output", output, "run.dir"), ("--open-mode", "append", "-"),
     ]
-    options = [f"{flag}={shlex.quote(_comment_safe(key, str(value)))}" for flag, value, key in values
+    options = [f"{flag}={shlex.quote(_one_line(str(value), f'{key}={str(value)!r}'))}" for flag, value, key in values
                if value is not None]
     extra = [_extra_flag(item) for item in cluster.sbatch_extra]
     if not any(flag.split("=")[0] in ("--requeue", "--no-requeue") for flag in extra):
@@ -94,7 +95,7 @@ def _extra_flag(item: str) -> str:
     if flag in OWNED_FLAGS:
         raise ConfigError(f"cluster.sbatch_extra entry {item!r} sets {flag}, which {OWNED_FLAGS[flag]} already "
                           "sets; use that instead")
-    return flag + (f"={shlex.quote(_comment_safe('cluster.sbatch_extra', value))}" if sep else "")
+    return flag + (f"={shlex.quote(_one_line(value, f'cluster.sbatch_extra={value!r}'))}" if sep else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +103,7 @@ class Template:
     """A template split into its replaceable parts."""
 
     name: str
-    """File name under slurm/, e.g. grpo.sbatch."""
+    """File name under slurm/, e.g. train.sbatch."""
     header: list[str]
     """The #SBATCH lines."""
     body: str
@@ -111,9 +112,9 @@ class Template:
 
 def load_template(name: str) -> Template:
     """slurm/NAME split at its marker lines."""
-    path = TEMPLATE_DIR / name
+    path = templates_dir() / name
     if not path.is_file():
-        raise ConfigError(f"sbatch template {path} not found; the launcher needs the repository's slurm/ folder")
+        raise ConfigError(f"sbatch template {path} not found; reinstall megatron-rl (its slurm/ folder is missing)")
     lines = path.read_text().splitlines(keepends=True)
     end = next((i for i, line in enumerate(lines) if line.startswith(SETTINGS_END)), None)
     if end is None or not any(line.startswith(SETUP_START) for line in lines[:end]):
@@ -147,7 +148,7 @@ class TrainScript:
     """What render_train_script needs besides the cluster section."""
 
     algorithm: str
-    """algorithm.name; picks the template."""
+    """algorithm.name (the template's ALGORITHM)."""
     run_dir: Path
     """Absolute run folder; logs go to run_dir/slurm."""
     config_path: Path
@@ -168,37 +169,42 @@ def log_dir(run_dir: Path) -> Path:
 
 
 def render_train_script(cluster: ClusterConfig, spec: TrainScript) -> str:
-    """The sbatch script of a training job, from the algorithm's template."""
-    template = load_template(TRAIN_TEMPLATES[spec.algorithm])
-    options = sbatch_options(cluster, output=str(log_dir(spec.run_dir) / "%j_batch.log"))
-    settings = [
-        assign("ALGORITHM", spec.algorithm), assign("RUN_DIR", spec.run_dir), "CONFIG=''", "OVERRIDES=''",
-        assign("CONFIG_PATH", spec.config_path), assign("MAX_REQUEUES", cluster.max_requeues),
-        assign("PYTHON", spec.python), *_container_settings(cluster),
-        assign_array("TASK", list(spec.task) if spec.task is not None else []),
-        *(f"export {assign(name, value)}" for name, value in spec.exports),
-    ]
-    return render(template, options=options, setup=cluster.setup, settings=settings,
-                  note=f"run folder {shlex.quote(str(spec.run_dir))}")
+    """The sbatch script of a training job."""
+    settings = job_settings(cluster, algorithm=spec.algorithm, run_dir=spec.run_dir, config_path=spec.config_path,
+                            max_requeues=cluster.max_requeues, python=spec.python, task=spec.task or ())
+    settings += [f"export {assign(name, value)}" for name, value in spec.exports]
+    return _render_job(cluster, spec.run_dir, settings, note=f"run folder {shlex.quote(str(spec.run_dir))}")
 
 
-def render_convert_script(cluster: ClusterConfig, *, run_dir: Path, convert_args: Sequence[str], python: str,
-                          repo_dir: Path) -> str:
+def conversion_cluster(cluster: ClusterConfig) -> ClusterConfig:
+    """``cluster`` as a conversion job runs it: one task, no checkpoint signal, no requeue (it starts over)."""
+    return dataclasses.replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=0, signal_delay_s=0,
+                               max_requeues=0)
+
+
+def render_convert_script(cluster: ClusterConfig, *, run_dir: Path, convert_args: Sequence[str], python: str) -> str:
     """The sbatch script of ``launch.py convert CONVERT_ARGS`` as a one-task job (resources from ``cluster``)."""
-    template = load_template(CONVERT_TEMPLATE)
-    options = sbatch_options(cluster, output=str(log_dir(run_dir) / "%j_batch.log"))
-    settings = [
-        assign("RUN_DIR", run_dir), assign("MAX_REQUEUES", 0), assign("PYTHON", python),
-        *_container_settings(cluster),
-        assign_array("TASK", [python, str(repo_dir / "launch.py"), "convert", *convert_args]),
-    ]
-    return render(template, options=options, setup=cluster.setup, settings=settings,
-                  note=f"converts with: launch.py convert {shlex.join(convert_args)}")
+    for arg in convert_args:
+        _one_line(arg, f"the convert argument {arg!r}")
+    task = [python, "-u", "-m", "launcher.cli", "convert", *convert_args]  # as the template's CONVERT_ARGS runs it
+    settings = job_settings(cluster, algorithm="", run_dir=run_dir, config_path="", max_requeues=0, python=python,
+                            task=task)
+    return _render_job(conversion_cluster(cluster), run_dir, settings,
+                       note=f"converts with: launch.py convert {shlex.join(convert_args)}")
 
 
-def _container_settings(cluster: ClusterConfig) -> list[str]:
+def job_settings(cluster: ClusterConfig, *, algorithm: str, run_dir: Path, config_path: Path | str, max_requeues: int,
+                 python: str, task: Sequence[str]) -> list[str]:
+    """Every job setting of the template, fixed and shell-quoted."""
     for mount in cluster.container_mounts:
         if "," in mount or ":" not in mount:
             raise ConfigError(f"cluster.container_mounts entry {mount!r} must look like /src:/dst (no commas)")
-    return [assign("CONTAINER_IMAGE", cluster.container_image or ""),
-            assign("CONTAINER_MOUNTS", ",".join(cluster.container_mounts))]
+    return [assign("ALGORITHM", algorithm), assign("RUN_DIR", run_dir), "CONFIG=''", "OVERRIDES=''",
+            assign("CONFIG_PATH", config_path), "CONVERT_ARGS=''", assign("MAX_REQUEUES", max_requeues),
+            assign("PYTHON", python), assign("CONTAINER_IMAGE", cluster.container_image or ""),
+            assign("CONTAINER_MOUNTS", ",".join(cluster.container_mounts)), assign_array("TASK", list(task))]
+
+
+def _render_job(cluster: ClusterConfig, run_dir: Path, settings: list[str], *, note: str) -> str:
+    options = sbatch_options(cluster, output=str(log_dir(run_dir) / "%j_batch.log"))
+    return render(load_template(TEMPLATE), options=options, setup=cluster.setup, settings=settings, note=note)

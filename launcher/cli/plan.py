@@ -1,6 +1,6 @@
-"""`python launch.py plan ...`: search or evaluate a layout and print it (table or --json).
+"""``python launch.py plan ...``: search or evaluate a layout and print it (table or --json).
 
-Run: ``.venv/bin/python -m launcher.planner.cli --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb
+Run: ``python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb
 --global-batch-size 2048 [--seq-len 8192] [--mode pretrain|grpo|rm] [--precision bf16|fp8]
 [--layout tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,recompute=selective,sp=true] [--json]``.
 Exit codes: 0 plan printed (also for --layout that does not fit: it prints fits false); 2 bad input or
@@ -13,20 +13,16 @@ import argparse
 import json
 import sys
 
+from launcher.cli import CliParser
 from launcher.errors import ConfigError
 
 EXIT_NO_FIT = 3
 DEFAULT_GLOBAL_BATCH = 1024
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse errors are user errors: one line, exit 2
-        raise ConfigError(f"plan: {message}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of the plan subcommand."""
-    p = _Parser(prog="launch.py plan", description="Pick or evaluate a Megatron parallel layout.")
+    p = CliParser(prog="launch.py plan", description="Pick or evaluate a Megatron parallel layout.")
     p.add_argument("--model", required=True, help="preset name, HF config.json (or folder), or Megatron-style YAML")
     p.add_argument("--gpus", type=int, required=True, help="total GPU count")
     p.add_argument("--gpu-type", default="h100-80gb", help="a100-80gb | h100-80gb | h200-141gb | ...")
@@ -63,10 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NO_FIT
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     print(result.to_json() if args.json else result.explain())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

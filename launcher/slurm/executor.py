@@ -1,10 +1,12 @@
-"""Slurm executor: submit through submitit, as the rendered ``slurm/<algorithm>.sbatch`` template; --wait follows it.
+"""Slurm executor: submit a training job through submitit, or a conversion with sbatch, as the rendered
+``slurm/train.sbatch``; --wait follows either to its end.
 
     python launch.py cluster.executor=slurm cluster.nodes=2 cluster.tasks_per_node=1 parallel.tp=2 --wait
     python launch.py cluster.executor=slurm --dry-run     # the exact sbatch script that would be submitted
+    python launch.py convert hf-to-megatron --hf DIR --out DIR --tp 8 --slurm cluster.partition=cpu --wait
 
-submitit pickles a ``launcher.slurm_task.TrainTask`` and submits the sbatch script; the script is our template
-(``launcher.slurm_script``) rather than submitit's own, so ``--dry-run``, ``sbatch slurm/<x>.sbatch`` and this
+submitit pickles a ``launcher.slurm.task.TrainTask`` and submits the sbatch script; the script is our template
+(``launcher.slurm.script``) rather than submitit's own, so ``--dry-run``, ``sbatch slurm/train.sbatch`` and this
 executor share one srun line, one signal setup and one requeue rule. Files go to run.dir/slurm: submitit's
 pickles and results, ``<jobid>_batch.log`` (the batch script) and ``<jobid>_<rank>_log.out/.err`` (each task).
 """
@@ -15,15 +17,19 @@ import contextlib
 import io
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from launcher.config.schema import ClusterConfig
 from launcher.errors import ConfigError
 from launcher.job import PreparedJob
-from launcher.slurm_script import TrainScript, log_dir, render_train_script, slurm_time_seconds
-from launcher.slurm_task import TrainTask
-from launcher.slurm_watch import Watch, wait_for_job
+from launcher.slurm.script import (
+    TrainScript, conversion_cluster, log_dir, render_convert_script, render_train_script, slurm_time_seconds,
+)
+from launcher.slurm.task import TrainTask
+from launcher.slurm.watch import Watch, wait_for_job
 
 SUBMIT_TOOLS = ("sbatch", "srun", "scontrol")
 WAIT_TOOLS = ("squeue", "sacct")
@@ -65,12 +71,12 @@ def describe(job: PreparedJob) -> str:
             f"{shlex.quote(str(log_dir(job.run_dir)))}\n" + script_for(job))
 
 
-def require_tools(names: tuple[str, ...]) -> None:
+def require_tools(names: tuple[str, ...], *, what: str = "cluster.executor=slurm",
+                  otherwise: str = "set cluster.executor=local") -> None:
     missing = [name for name in names if shutil.which(name) is None]
     if missing:
-        raise ConfigError(f"cluster.executor=slurm needs {', '.join(f'`{n}`' for n in missing)} on PATH, which this "
-                          "machine lacks; run from a Slurm login node (with accounting for --wait) or set "
-                          "cluster.executor=local")
+        raise ConfigError(f"{what} needs {', '.join(f'`{n}`' for n in missing)} on PATH, which this machine lacks; "
+                          f"run from a Slurm login node (with accounting for --wait) or {otherwise}")
 
 
 def sbatch_error(stderr: str, cluster: ClusterConfig) -> ConfigError:
@@ -120,16 +126,71 @@ def run(job: PreparedJob, *, wait: bool = False) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     cluster = job.cfg.cluster
     job_id = submit(job, script)
-    print(f"submitted Slurm job {job_id} ({cluster.nodes} node(s) x {cluster.tasks_per_node} task(s)) through "
-          f"submitit\n  run folder: {job.run_dir}\n  batch log:  {folder / f'{job_id}_batch.log'}\n"
-          f"  rank logs:  {folder / job_id}_<rank>_log.out and .err\n"
+    _announce(job_id, job.run_dir, f"({cluster.nodes} node(s) x {cluster.tasks_per_node} task(s)) through submitit")
+    if not wait:
+        return 0
+    return _follow(Watch(job_id=job_id, log_dir=folder, num_tasks=cluster.world_size, cluster=cluster))
+
+
+# ---------------- checkpoint conversion as a one-task job ----------------
+CONVERSION_DEFAULTS = ("run.dir=runs/convert", "cluster.job_name=megatron-rl-convert")
+CONVERSION_FIXED_KEYS = ("nodes", "tasks_per_node", "gpus_per_node", "signal_delay_s", "max_requeues")
+
+
+def conversion_job(overrides: Sequence[str]) -> tuple[ClusterConfig, Path]:
+    """The cluster section and run folder of a conversion job, from ``cluster.*`` and ``run.dir`` overrides."""
+    from launcher.config import load_config
+
+    for item in overrides:
+        key = item.partition("=")[0]
+        if not key.startswith("cluster.") and key != "run.dir":
+            raise ConfigError(f"convert --slurm takes cluster.* and run.dir overrides; {item!r} is neither")
+        if key.removeprefix("cluster.") in CONVERSION_FIXED_KEYS:
+            raise ConfigError(f"convert --slurm runs one CPU task on one node and never requeues; drop {item!r}")
+    cfg = load_config(None, [*CONVERSION_DEFAULTS, *overrides])
+    return cfg.cluster, Path(cfg.run.dir).expanduser().resolve()
+
+
+def conversion_script(cluster: ClusterConfig, run_dir: Path, convert_args: Sequence[str]) -> str:
+    """The sbatch script that runs ``launch.py convert CONVERT_ARGS``."""
+    return render_convert_script(cluster, run_dir=run_dir, convert_args=convert_args, python=task_python(cluster))
+
+
+def run_conversion(cluster: ClusterConfig, run_dir: Path, convert_args: Sequence[str], *, dry_run: bool = False,
+                   wait: bool = False) -> int:
+    """Submit ``launch.py convert CONVERT_ARGS`` with sbatch (``dry_run``: print the script instead)."""
+    script = conversion_script(cluster, run_dir, convert_args)
+    if dry_run:
+        print(script, end="")
+        return 0
+    require_tools(("sbatch",) + (WAIT_TOOLS if wait else ()), what="convert --slurm",
+                  otherwise="drop --slurm to convert on this machine")
+    folder = log_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise sbatch_error(result.stderr, cluster)
+    job_id = result.stdout.strip().split(";")[0]
+    (folder / f"{job_id}_submission.sh").write_text(script)
+    _announce(job_id, run_dir, f"(one task: launch.py convert {shlex.join(convert_args)})")
+    if not wait:
+        return 0
+    return _follow(Watch(job_id=job_id, log_dir=folder, num_tasks=1, cluster=conversion_cluster(cluster)))
+
+
+def _announce(job_id: str, run_dir: Path, what: str) -> None:
+    folder = log_dir(run_dir)
+    print(f"submitted Slurm job {job_id} {what}\n  run folder: {run_dir}\n"
+          f"  batch log:  {folder / f'{job_id}_batch.log'}\n  rank logs:  {folder / job_id}_<rank>_log.out and .err\n"
           f"  script:     {folder / f'{job_id}_submission.sh'}\n"
           f"  follow with: tail -f {shlex.quote(str(folder / f'{job_id}_0_log.out'))}; cancel with: scancel {job_id}",
           flush=True)
-    if not wait:
-        return 0
+
+
+def _follow(watch: Watch) -> int:
     try:
-        return wait_for_job(Watch(job_id=job_id, log_dir=folder, num_tasks=cluster.world_size, cluster=cluster))
+        return wait_for_job(watch)
     except KeyboardInterrupt:
-        print(f"\nstopped waiting; job {job_id} keeps running (cancel it with: scancel {job_id})", file=sys.stderr)
+        print(f"\nstopped waiting; job {watch.job_id} keeps running (cancel it with: scancel {watch.job_id})",
+              file=sys.stderr)
         return 130

@@ -1,0 +1,42 @@
+"""Command line of ``launch.py`` and the ``megatron-rl`` script: run a job, plan a layout, or convert a checkpoint.
+
+    python launch.py [--config FILE] [--dry-run] [--wait] [key=value ...]   run locally or on Slurm (cli/run.py)
+    python launch.py plan --model MODEL --gpus N --gpu-type TYPE [...]        size a layout, run nothing (cli/plan.py)
+    python launch.py convert hf-to-megatron|megatron-to-hf ... [--slurm]    convert checkpoints (cli/convert.py)
+
+Each module parses its arguments, calls the launcher and prints; bad input is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional
+
+from launcher.errors import ConfigError
+
+SUBCOMMANDS = {
+    "plan": "size the parallel layout for a model and GPU count (no job is started)",
+    "convert": "convert checkpoints between Megatron and Hugging Face formats (here or as a Slurm job)",
+}
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one-line ConfigErrors (exit 2) instead of a usage dump."""
+
+    def error(self, message: str) -> None:
+        command = self.prog.removeprefix("launch.py").strip()
+        raise ConfigError(f"{command + ': ' if command else ''}{message} (see python {self.prog} --help)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name, rest = (argv[0], argv[1:]) if argv and argv[0] in SUBCOMMANDS else ("run", argv)
+    try:
+        return importlib.import_module(f"launcher.cli.{name}").main(rest)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,57 @@
+"""``python launch.py [--config FILE] [--dry-run] [--wait] [key=value ...]``: run a job locally or on Slurm."""
+
+from __future__ import annotations
+
+import argparse
+
+from launcher.cli import SUBCOMMANDS, CliParser
+
+EPILOG = """\
+subcommands:
+{subcommands}
+
+examples:
+  python launch.py                                  # default job: GRPO on a tiny model, 2 local CPU processes
+  python launch.py --config configs/grpo_tiny.yaml run.steps=50 parallel.tp=2
+  python launch.py --config configs/grpo_llama70b.yaml cluster.nodes=8 --wait
+  python launch.py --dry-run                        # print the resolved config and what would start
+  python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb
+
+Overrides are section.key=value for the sections model, parallel, cluster, algorithm, generation,
+optimizer, data, checkpoint, logging and run (see configs/ and launcher/config/schema.py).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    subcommands = "\n".join(f"  {name:<9} {summary}" for name, summary in SUBCOMMANDS.items())
+    parser = CliParser(prog="launch.py", description="Launch Megatron-Core RL post-training (GRPO, reward models) "
+                       "on local processes or a Slurm cluster.", epilog=EPILOG.format(subcommands=subcommands),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="YAML config file, or the name of a shipped config such as "
+                        "grpo_tiny (default: the built-in tiny CPU job)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config, the layout and the "
+                        "processes or sbatch script that would run; start nothing")
+    parser.add_argument("--wait", action="store_true", help="Slurm: block until the job ends, stream its progress "
+                        "and exit with its status (local runs always wait)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. run.steps=10")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    from launcher.config import load_config, to_yaml
+    from launcher.executors import get_executor
+    from launcher.job import prepare
+
+    args = build_parser().parse_intermixed_args(argv)
+    job = prepare(load_config(args.config, args.overrides))
+    executor = get_executor(job.executor)
+    if not args.dry_run:
+        return executor.run(job, wait=args.wait)
+    print("# resolved config")
+    print(to_yaml(job.cfg).rstrip())
+    if job.plan is not None:
+        print("\n# layout chosen by the planner")
+        print(job.plan.explain().rstrip())
+    print(f"\n# what would run ({job.executor} executor)")
+    print(executor.describe(job))
+    return 0

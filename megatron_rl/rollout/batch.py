@@ -1,0 +1,97 @@
+"""Rollouts as training data: prompt + response rows, aligned log-probs and advantages, and the GRPO loss
+(``megatron_rl.algorithms.policy_loss.grpo_loss``) in the form Megatron's schedule wants: a sum and its
+denominator (see ``megatron_rl.runtime.training``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
+from megatron_rl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+
+REPORTS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_min", "ratio_max")
+
+
+@dataclass
+class Rollout:
+    """One rollout batch: every completion of every prompt, in group order (prompt-major)."""
+
+    prompt_ids: list[list[int]]
+    """Prompt tokens per completion (each prompt repeated group_size times)."""
+    response_ids: list[list[int]]
+    """Generated tokens per completion (ending with eos when it stopped)."""
+    logprobs: list[list[float]]
+    """Log-prob of each generated token under the policy that sampled it."""
+    prompts: list[str]
+    completions: list[str]
+    answers: list[Any]
+    rewards: Optional[torch.Tensor] = None
+    per_fn: dict[str, list[float]] = field(default_factory=dict)
+    advantages: Optional[torch.Tensor] = None
+
+    @property
+    def seq_length(self) -> int:
+        """Padded training length: the longest prompt + response, minus the last token (inputs are shifted)."""
+        return max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)) - 1
+
+
+def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
+    """A training micro-batch of rollout rows, right-padded; loss_mask marks the response's label positions.
+
+    The reference model's log-probs, when there is one, are added as ``ref_logp`` by its forward pass."""
+    batch_size = len(rows)
+    tokens = torch.full((batch_size, seq_length + 1), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((batch_size, seq_length), dtype=torch.float32)
+    old_logp = torch.zeros((batch_size, seq_length), dtype=torch.float32)
+    advantages = torch.zeros(batch_size, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        seq = prompt + response
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        start, end = len(prompt) - 1, len(seq) - 1  # label positions of the response tokens
+        loss_mask[i, start:end] = 1.0
+        old_logp[i, start:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
+        advantages[i] = row["advantage"]
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
+             "old_logp": old_logp, "advantages": advantages,
+             "position_ids": torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1).contiguous()}
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    return batch
+
+
+def rollout_rows(rollout: Rollout) -> list[dict]:
+    rows = []
+    for i in range(len(rollout.response_ids)):
+        rows.append({"prompt_ids": rollout.prompt_ids[i], "response_ids": rollout.response_ids[i],
+                     "logprobs": rollout.logprobs[i], "advantage": float(rollout.advantages[i])})
+    return rows
+
+
+def make_grpo_loss(config: GRPOLossConfig):
+    """The loss function handed to ``Engine.train_step``: ``grpo_loss`` of one micro-batch as (sum, denominator,
+    reports). The denominator is the micro-batch's token count (token-mean) or sequence count (the other modes);
+    Megatron sums both over micro-batches and data-parallel ranks, so the step's loss is the global one."""
+
+    def loss_fn(logits: torch.Tensor, batch: dict):
+        mask = batch["loss_mask"]
+        entropy = vocab_parallel_entropy(logits)  # before the cross entropy, which works in place
+        logp = vocab_parallel_logprobs(logits, batch["labels"])
+        loss_sum, metrics = grpo_loss(logp, batch["old_logp"], batch["advantages"], mask, config=config,
+                                      ref_logp=batch.get("ref_logp"), entropy=entropy,
+                                      global_num_tokens=1, global_num_seqs=1)
+        tokens = metrics["num_tokens"]
+        denominator = (tokens if config.loss_agg_mode == "token-mean" else metrics["num_seqs"]).to(torch.int)
+        one = torch.ones((), dtype=torch.float64)
+        reports = {
+            "loss": (metrics["loss"], denominator), "pg_loss": (metrics["pg_loss"], denominator),
+            **{name: (metrics[name] * tokens, tokens) for name in ("kl", "entropy", "clip_fraction")},
+            "ratio_min": (metrics["ratio_min"], one), "ratio_max": (metrics["ratio_max"], one),
+        }
+        return loss_sum, denominator, reports
+
+    return loss_fn
