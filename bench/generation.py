@@ -56,14 +56,14 @@ def main() -> None:
     from launcher.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.runtime.checkpoint import unwrap
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
     from megatron_rl.runtime.training import build_engine
     from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
 
     cfg = load_config(overrides=["algorithm.name=pretrain", "algorithm.global_batch_size=16", "optimizer.lr=0.01",
                                  "parallel.micro_batch_size=16",
                                  "run.seed=3"])
-    initialize(ParallelSizes(), seed=cfg.run.seed)
+    initialize(job_dims(), seed=cfg.run.seed)
     shape = load_model_shape("tiny-cpu")
     engine = build_engine(cfg, shape, total_steps=max(args.train_steps, 1))
     for step in range(1, args.train_steps + 1):

@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.config.loader import load_config
     from launcher.model_shape import load_model_shape
     from megatron_rl.runtime.checkpoint import unwrap
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
     from megatron_rl.trainers.common import TrainerContext
     from megatron_rl.trainers.grpo import GrpoRun
 
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_run_") as run_dir:
         try:
             cfg = load_config(None, job_overrides(sizes, run_dir))
-            initialize(ParallelSizes(), seed=cfg.run.seed)
+            initialize(job_dims(), seed=cfg.run.seed)
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
             dtype = torch.bfloat16 if sizes.dtype == "bf16" else torch.float32

@@ -146,7 +146,7 @@ def build_our_run(settings: BenchSettings):
     """(GrpoRun, TrainerContext) of our trainer with the matched settings; starts torch.distributed (world 1)."""
     from launcher.config.loader import load_config
     from launcher.model_shape import load_model_shape
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize
+    from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.trainers.common import TrainerContext
     from megatron_rl.trainers.grpo import GrpoRun
 
@@ -162,7 +162,7 @@ def build_our_run(settings: BenchSettings):
         "data.task=last_digit", f"run.seed={settings.seed}", f"run.dir={Path(settings.work_dir) / 'ours'}",
         "run.steps=1000000", "checkpoint.resume=false", "checkpoint.save_at_end=false",
         "logging.console=quiet", "logging.tensorboard=false"])
-    initialize(ParallelSizes(), seed=cfg.run.seed, backend="gloo")
+    initialize(job_dims(), seed=cfg.run.seed, backend="gloo")
     ctx = TrainerContext(cfg)
     run = GrpoRun(cfg, load_model_shape(settings.model), ctx)
     run.resume_or_warm_up()

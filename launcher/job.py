@@ -9,11 +9,12 @@ import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from launcher.config import JobConfig, to_yaml
-from launcher.config.validate import check_layout
+from launcher.config.validate import check_layout, with_pipeline_split
 from launcher.errors import ConfigError
+from launcher.limits import check_limits, trainer_limits
 from launcher.model_shape import ModelShape, load_model_shape
 
 PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain"}
@@ -53,47 +54,65 @@ def resolve_executor(name: str) -> str:
     return name
 
 
-def apply_plan(cfg: JobConfig, shape: ModelShape):
-    """Run the planner for cfg's GPUs and write its layout into cfg.parallel; returns (cfg, PlanResult)."""
-    from launcher.planner import GrpoSizing, evaluate
+def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = frozenset(), precision: str = "bf16",
+             top_k: int = 5):
+    """The one sizing call for a job, made by ``prepare`` (parallel.auto=true) and by ``launch.py plan``: the
+    planner's search for cfg's world size, GPU type, sequence length, global batch and trainer, and for GRPO its
+    rollout size, response length (generation.max_new_tokens), reference model (algorithm.kl_coef > 0), KV cache
+    release and optimizer offload (generation.offload_optimizer). It keeps the ``parallel.*`` keys named in
+    ``given`` (``launcher.config.loader.given_keys``) and the trainer limits (``launcher.limits``).
+    Returns the PlanResult; NoFeasibleLayout when nothing fits, ConfigError when a given key cannot be kept."""
+    from launcher.planner import PLANNED_KEYS, GrpoSizing, NoFeasibleLayout, Runtime, plan
 
-    cluster, algo = cfg.cluster, cfg.algorithm
+    algo, par = cfg.algorithm, cfg.parallel
+    limits = trainer_limits(shape, algo.name)
+    given_parallel = {key.removeprefix("parallel.") for key in given if key.startswith("parallel.")}
+    check_limits({key: getattr(par, key) for key in given_parallel}, limits)
+    if shape.is_moe and "etp" in given_parallel:
+        raise ConfigError(f"parallel.etp={par.etp}: the planner models experts at etp=1 under ep > 1 and etp=tp "
+                          "otherwise; leave parallel.etp unset, or give the whole layout with parallel.auto=false")
+    fixed = {key: getattr(par, key) for key in PLANNED_KEYS if key in given_parallel}
+    if "vpp" in fixed:
+        fixed["vpp"] = fixed["vpp"] or 1  # null: plain 1F1B
     grpo = None
     if algo.name == "grpo":
         grpo = GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=cfg.generation.max_new_tokens,
-                          reference_model=algo.kl_coef > 0, kv_cache_released_for_training=True)
-    # Restricted to what the trainers run today: no context parallelism, MoE layers at tp=1, and for GRPO what
-    # colocated generation supports (no sequence parallelism, no expert parallelism).
-    runnable = {"cp": 1, **({"tp": 1} if shape.is_moe else {})}
-    if algo.name == "grpo":
-        runnable.update(sequence_parallel=False, ep=1)
-    result = evaluate(shape, runnable, num_gpus=cluster.world_size, gpu_type=cluster.gpu_type,
-                      seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
-                      mode=PLANNER_MODES[algo.name], grpo=grpo)
-    if not result.fits:
-        raise ConfigError(f"no layout for {shape.name} on {cluster.world_size} x {cluster.gpu_type} fits in memory "
-                          f"(best needs {result.memory['total']:.1f} GiB of {result.memory['capacity']:.1f}); "
-                          "add nodes (see `python launch.py plan`) or shorten model.seq_length")
-    even = [e.layout for e in (result.estimate, *result.alternatives) if e.fits and _even_split(e.layout)]
-    if not even:
-        raise ConfigError(f"the planner's layouts for {shape.name} need an uneven pipeline split "
-                          f"({result.layout.split_name()}) that the trainers cannot build yet; set parallel.auto=false "
-                          "and give tp/pp explicitly")
-    layout = even[0]
+                          reference_model=algo.kl_coef > 0, kv_cache_released_for_training=True,
+                          optimizer_offloaded_for_generation=cfg.generation.offload_optimizer)
+    try:
+        return plan(shape, num_gpus=cfg.cluster.world_size, gpu_type=cfg.cluster.gpu_type,
+                    seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
+                    mode=PLANNER_MODES[algo.name], precision=precision, grpo=grpo, top_k=top_k,
+                    runtime=Runtime(distributed_optimizer=par.distributed_optimizer), fixed=fixed, limits=limits)
+    except NoFeasibleLayout:
+        raise
+    except ConfigError as exc:  # the search names held keys as --layout ones; here they are parallel.* keys
+        raise ConfigError(str(exc).replace("--layout ", "parallel.", 1)) from None
+
+
+def apply_plan(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = frozenset()):
+    """``plan_job`` and its layout written into cfg.parallel; returns (cfg, PlanResult). Nothing fitting is a
+    ConfigError naming the node count that would fit."""
+    from launcher.planner import NoFeasibleLayout
+
+    try:
+        result = plan_job(cfg, shape, given=given)
+    except NoFeasibleLayout as exc:
+        nodes = -(-exc.smallest_gpus // cfg.cluster.tasks_per_node) if exc.smallest_gpus else None
+        raise ConfigError(f"parallel.auto: {exc}" + (f"; set cluster.nodes={nodes}" if nodes else "")) from None
+    layout = result.layout
     parallel = dataclasses.replace(
         cfg.parallel, tp=layout.tp, pp=layout.pp, vpp=layout.vpp if layout.vpp > 1 else None, cp=layout.cp,
         ep=layout.ep, micro_batch_size=layout.micro_batch_size, recompute=layout.recompute,
-        sequence_parallel=layout.sequence_parallel)
+        sequence_parallel=layout.sequence_parallel, first_stage_layers=layout.first_stage_layers,
+        last_stage_layers=layout.last_stage_layers, account_for_embedding=layout.account_for_embedding,
+        account_for_loss=layout.account_for_loss, etp=None)  # None: 1 under EP, else tp, as the planner models
     return dataclasses.replace(cfg, parallel=parallel), result
 
 
-def _even_split(layout) -> bool:
-    return (layout.first_stage_layers is None and layout.last_stage_layers is None
-            and not layout.account_for_embedding and not layout.account_for_loss)
-
-
-def prepare(cfg: JobConfig) -> PreparedJob:
-    """Load the shape, pick the executor and the layout, and check that the job can run."""
+def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset()) -> PreparedJob:
+    """Load the shape, pick the executor and the layout, and check that the job can run. ``given``: the keys the
+    user set (``given_keys`` of the same file and overrides); with parallel.auto the planner keeps those."""
     shape = load_model_shape(cfg.model.name)
     executor = resolve_executor(cfg.cluster.executor)
     if executor == "local" and cfg.cluster.nodes != 1:
@@ -101,7 +120,8 @@ def prepare(cfg: JobConfig) -> PreparedJob:
                           "set cluster.nodes=1 for a local run or run from a Slurm login node")
     result = None
     if cfg.parallel.auto:
-        cfg, result = apply_plan(cfg, shape)
+        cfg, result = apply_plan(cfg, shape, given=given)
+    cfg = with_pipeline_split(cfg, shape)
     dp = check_layout(cfg, shape)
     run_dir = Path(cfg.run.dir).expanduser().resolve()
     return PreparedJob(cfg=cfg, shape=shape, executor=executor, run_dir=run_dir, data_parallel_size=dp,

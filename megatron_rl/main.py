@@ -34,14 +34,14 @@ def run(config_path: str) -> int:
                     ".*full scope is deprecated.*", ".*is deprecated. Please use `torch.distributed.*",
                     ".*The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.*"):
         warnings.filterwarnings("ignore", message=pattern)
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown
+    from launcher.parallel import ParallelDims
+    from megatron_rl.runtime.distributed import initialize, read_dist_env, shutdown
     from megatron_rl.trainers.common import TrainerContext
 
     cfg = load_config(config_path)
     shape = load_model_shape(cfg.model.name)
-    par = cfg.parallel
-    initialize(ParallelSizes(tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep), seed=cfg.run.seed,
-               backend=par.backend)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=read_dist_env().world_size)
+    initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend)
     trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
     try:
         trainer.train(cfg, shape, TrainerContext(cfg, shape=shape))

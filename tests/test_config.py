@@ -132,9 +132,11 @@ def test_did_you_mean_suggests_only_close_options():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.tp=3"], "parallel.tp=3 does not divide the 4 attention heads"),
+    (["parallel.tp=3", "cluster.tasks_per_node=3"], "parallel.tp=3 does not divide the 4 attention heads"),
+    (["parallel.tp=3"], "parallel.tp*pp*cp = 3*1*1 = 3 does not divide the world size 2"),
     (["parallel.tp=4", "cluster.tasks_per_node=4"], "does not divide the 2 query groups"),
-    (["parallel.pp=3", "cluster.tasks_per_node=3"], "parallel.pp=3 does not divide the 2 layers"),
+    (["parallel.pp=3", "cluster.tasks_per_node=3"], "2 layers over parallel.pp=3 is not legal: num_layers 2 not "
+                                                     "divisible by pp=3"),
     (["parallel.tp=2", "parallel.pp=2"], "tp*pp*cp = 2*2*1 = 4 does not divide the world size 2"),
     (["parallel.cp=2", "parallel.tp=2"], "does not divide the world size 2"),
     (["parallel.ep=2"], "has no experts"),
@@ -154,9 +156,9 @@ def test_layouts_that_cannot_run_are_rejected(overrides, message):
     (["run.stpes=3"], "did you mean 'run.steps'"),
     (["run.steps=abc"], "could not be converted to Integer"),
     (["--config", "no/such/file.yaml"], "config file no/such/file.yaml not found"),
-    (["--config", "grpo_tinny"], "(did you mean 'grpo_tiny'?); shipped configs: grpo_llama70b, grpo_tiny"),
-    (["parallel.tp=3"], "does not divide the 4 attention heads"),
-    (["parallel.pp=4", "cluster.tasks_per_node=4"], "does not divide the 2 layers"),
+    (["--config", "grpo_tinny"], "(did you mean 'grpo_tiny'?); shipped configs: grpo_llama405b, grpo_llama70b"),
+    (["parallel.tp=3", "cluster.tasks_per_node=3"], "does not divide the 4 attention heads"),
+    (["parallel.pp=4", "cluster.tasks_per_node=4"], "2 layers over parallel.pp=4 is not legal"),
     (["parallel.tp=2", "parallel.pp=2", "cluster.executor=local"], "does not divide the world size 2"),
     (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0 must be positive"),
     (["--no-such-flag"], "unrecognized arguments"),

@@ -293,7 +293,8 @@ def test_clear_errors(tp2):
     assert errors["empty_prompt"].startswith("ValueError: every prompt needs at least one token")
     assert errors["token_out_of_vocab"].startswith("ValueError: prompt token ids")
     assert errors["too_long"].startswith("ValueError: longest prompt")
-    assert errors["sequence_parallel"].startswith("NotImplementedError: generation with sequence_parallel")
+    sequence_parallel = tp2[0]["sequence_parallel_config"]  # switched off for generation, then back on
+    assert sequence_parallel["tokens_equal"] and sequence_parallel["flag_after_generate"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -320,12 +321,12 @@ def _lean_worker(out: Path, tp: int) -> None:
     from launcher.config.loader import load_config
     from launcher.model_shape import load_model_shape
     from megatron_rl.generation import generate
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize
+    from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
 
     cfg = load_config(overrides=[f"parallel.tp={tp}", "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=5"])
-    initialize(ParallelSizes(tp=tp), seed=cfg.run.seed)
+    initialize(job_dims(tp=tp), seed=cfg.run.seed)
     base = load_model_shape("tiny-cpu")
     gen = torch.Generator().manual_seed(99)
     prompts = [torch.randint(3, base.vocab_size, (n,), generator=gen).tolist() for n in LEAN_PROMPT_LENGTHS]

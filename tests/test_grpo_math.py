@@ -194,6 +194,46 @@ def test_sharded_aggregation_sums_to_whole_batch(mode):
     assert sum(parts).item() == pytest.approx(whole.item())
 
 
+# Context parallelism cuts every row along T: CP rank 0 holds positions {0, 3}, rank 1 holds {1, 2}.
+CP_PARTS = ([0, 3], [1, 2])
+
+
+def test_sequence_parts_with_whole_lengths_by_hand():
+    """seq-mean-token-mean of part of each row divides by the WHOLE row's length (given as seq_lengths)."""
+    lengths = RAGGED_MASK.sum(-1)  # 3, 1, 2, 0
+    part = RAGGED_LOSS[:, [1, 2]], RAGGED_MASK[:, [1, 2]]  # rank 1: tokens 2, 3 of row 0; 6 of row 2
+    # row means of the part: (2+3)/3, 0/1, 6/2; counted rows: 3 (the empty row has whole length 0)
+    got = aggregate(*part, "seq-mean-token-mean", seq_lengths=lengths)
+    assert got.item() == pytest.approx((5 / 3 + 0 + 3) / 3)
+    # without them the part's own lengths would be used: (5/2 + 6/1) / 2 sequences
+    assert aggregate(*part, "seq-mean-token-mean").item() == pytest.approx((2.5 + 6) / 2)
+    # token-mean of a part: its sum over the whole token count 6
+    assert aggregate(*part, "token-mean", seq_lengths=lengths).item() == pytest.approx(11 / 6)
+    assert local_normalisers(part[1], lengths) == (3.0, 3.0)  # own tokens, whole sequences
+    with pytest.raises(ValueError, match="seq_lengths shape"):
+        aggregate(*part, "token-mean", seq_lengths=lengths[:2])
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_context_parallel_parts_sum_to_whole_rows(mode):
+    """The parts of every row, each aggregated with the whole rows' lengths, sum to the whole-row loss; and so
+    does the full GRPO loss (the Megatron adapter all-reduces the lengths over the CP group to get them)."""
+    lengths = RAGGED_MASK.sum(-1)
+    whole = aggregate(RAGGED_LOSS, RAGGED_MASK, mode, max_response_len=4)
+    parts = [aggregate(RAGGED_LOSS[:, cols], RAGGED_MASK[:, cols], mode, max_response_len=4, seq_lengths=lengths)
+             for cols in CP_PARTS]
+    assert sum(parts).item() == pytest.approx(whole.item())
+
+    gen = torch.Generator().manual_seed(3)
+    logp, old, ref = (torch.randn(4, 4, generator=gen) * 0.3 - 1.0 for _ in range(3))
+    adv = t([1.0, -2.0, 0.5, 1.5])
+    cfg = loss_config(kl_coef=0.1, loss_aggregation=mode, max_response_len=4)
+    expected, _ = grpo_loss(logp, old, adv, RAGGED_MASK, config=cfg, ref_logp=ref)
+    got = sum(grpo_loss(logp[:, c], old[:, c], adv, RAGGED_MASK[:, c], config=cfg, ref_logp=ref[:, c],
+                        seq_lengths=lengths)[0] for c in CP_PARTS)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
 # ---------------------------------------------------------------- combined loss
 
 

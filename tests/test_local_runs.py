@@ -104,3 +104,43 @@ def test_tp2_pp2_checkpoint_resumes_at_tp1_with_the_same_loss(launch, tmp_path):
     for ref, got in zip(reference[3:], resumed[3:], strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], abs=1e-4), (ref, got)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+
+
+def _tiny_with_layers(folder, num_layers: int) -> str:
+    """model.name of a tiny-cpu variant with ``num_layers`` layers (a Megatron-style YAML in ``folder``)."""
+    import yaml
+
+    from launcher.resources import presets_dir
+
+    preset = yaml.safe_load((presets_dir() / "tiny-cpu.yaml").read_text())
+    model = folder / f"tiny-{num_layers}-layers.yaml"
+    model.write_text(yaml.safe_dump({**preset, "name": f"tiny-{num_layers}-layers", "num_layers": num_layers}))
+    return f"model.name={model}"
+
+
+def _assert_same_losses(reference, metrics):
+    for ref, got in zip(reference, metrics, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-3), (ref, got)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+
+
+def test_uneven_pipeline_split_matches_one_stage(launch, tmp_path):
+    """5 layers on pp=2: the launcher picks the 3 + 2 split itself, and training equals the 1-stage run (DP=2)."""
+    import yaml
+
+    model = _tiny_with_layers(tmp_path, 5)
+    one_stage = _run(launch, tmp_path / "pp1", model)
+    two_stages = _run(launch, tmp_path / "pp2", model, "parallel.pp=2")
+    resolved = yaml.safe_load((tmp_path / "pp2" / "config.yaml").read_text())["parallel"]
+    assert (resolved["first_stage_layers"], resolved["last_stage_layers"]) == (3, 2)
+    _assert_same_losses(one_stage, two_stages)
+
+
+def test_embedding_and_loss_counted_as_layers_matches_one_stage(launch, tmp_path):
+    """4 layers on pp=3 with the embedding and the loss counted as layers (the split the planner picks for the
+    405B): stages of 1, 2 and 1 decoder layers, trained like one stage (DP=3)."""
+    model, batch = _tiny_with_layers(tmp_path, 4), ["cluster.tasks_per_node=3", "algorithm.global_batch_size=6"]
+    one_stage = _run(launch, tmp_path / "pp1", model, *batch)
+    three_stages = _run(launch, tmp_path / "pp3", model, *batch, "parallel.pp=3", "parallel.account_for_embedding=true",
+                        "parallel.account_for_loss=true")
+    _assert_same_losses(one_stage, three_stages)

@@ -8,12 +8,14 @@ import time
 
 import pytest
 
+from launcher.config.schema import ParallelConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import load_model_shape, shape_from_megatron_dict
 from launcher.planner import GrpoSizing, NoFeasibleLayout, Runtime, evaluate, parse_layout, plan
 from launcher.cli.plan import main as cli_main
 from launcher.planner.costs import Workload
-from launcher.planner.estimate import Layout, estimate, virtual_stage_layers
+from launcher.parallel import virtual_stage_layers
+from launcher.planner.estimate import Layout, estimate
 from launcher.planner.gpus import GPUS, get_gpu
 from launcher.planner.search import search
 
@@ -51,7 +53,7 @@ def test_gpu_catalogue_has_required_parts():
     ("llama-3.3-70b", "tp=8,pp=1,cp=1,mbs=3", r"global batch 1024 not divisible by dp\*mbs=384"),
     ("llama-3.3-70b", "cp=3", r"not divisible by 2\*cp=6"),
     ("llama-3.3-70b", "tp=8,pp=4,cp=1,vpp=2,mbs=16", r"interleaving needs micro-batches \(2\) divisible by pp=4"),
-    ("llama-3.3-70b", "tp=8,pp=4,cp=1,dp=3", "give dp"),
+    ("llama-3.3-70b", dict(tp=8, pp=4, cp=1, dp=3), "give dp"),  # dp is no parallel: key, so not in --layout
 ])
 def test_illegal_layouts_are_rejected_with_the_reason(model, layout, reason):
     with pytest.raises(ConfigError, match=reason):
@@ -62,6 +64,14 @@ def test_parse_layout():
     assert parse_layout("tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,recompute=selective,sp=true") == {
         "tp": 8, "pp": 16, "vpp": 4, "cp": 1, "ep": 1, "micro_batch_size": 1, "recompute": "selective",
         "sequence_parallel": True}
+    # the names are the parallel: keys (and the planner's JSON layout keys)
+    every = ("tp=8,pp=16,vpp=1,cp=1,ep=1,etp=1,micro_batch_size=1,recompute=none,sequence_parallel=false,"
+             "first_stage_layers=7,last_stage_layers=7,account_for_embedding=false,account_for_loss=false")
+    assert set(parse_layout(every)) == set(ParallelConfig.__dataclass_fields__) - {"auto", "distributed_optimizer",
+                                                                                   "backend"}
+    assert set(Layout.__dataclass_fields__) - {"dp"} == set(parse_layout(every)) - {"etp"}
+    with pytest.raises(ConfigError, match="unknown field 'dp'"):
+        parse_layout("dp=4")
     with pytest.raises(ConfigError, match="did you mean 'recompute'"):
         parse_layout("recomput=full")
     with pytest.raises(ConfigError, match="recompute=some"):
@@ -147,6 +157,30 @@ def test_grpo_adds_kv_cache_and_reference_model_and_rm_has_no_logits():
     assert grpo.predicted["step_time_s"] > pre.predicted["step_time_s"]  # rollouts and log-prob passes cost
     assert rm.estimate.activations < pre.estimate.activations  # no vocab logits
     assert rm.estimate.weights < pre.estimate.weights  # scalar head instead of the output layer
+
+
+def test_a_released_kv_cache_reuses_training_only_memory_and_offload_adds_grads_and_optimizer():
+    # GRPO's phases: generation holds weights + reference + KV cache, training weights + reference + grads +
+    # optimizer + activations. Released, the cache reuses the activations' memory; with the optimizer offloaded
+    # while generating, also the grads' and the optimizer's. One pipeline rank, so every variant's worst rank is
+    # the same GPU.
+    kw = dict(num_gpus=64, gpu_type=H100, global_batch_size=512, seq_length=4096, mode="grpo")
+    layout = dict(tp=8, pp=1, vpp=1, cp=1, ep=1, mbs=1, recompute="selective", sequence_parallel=True)
+    shape, sizing = load_model_shape("llama-3.3-70b"), dict(rollout_batch_size=2048, max_response_length=2048)
+
+    def peak(**flags):
+        return evaluate(shape, layout, grpo=GrpoSizing(**sizing, **flags), **kw).estimate
+
+    kept, released = peak(), peak(kv_cache_released_for_training=True)
+    offloaded = peak(kv_cache_released_for_training=True, optimizer_offloaded_for_generation=True)
+    kv = kept.kv_cache  # the whole cache: 2048 rollouts / dp 8 x 3072 tokens x 80 layers x K,V x 1 group x 128 x 2 B
+    assert kv == pytest.approx(256 * 3072 * 80 * 2 * 128 * 2, rel=1e-9)
+    assert released.kv_cache == pytest.approx(kv - released.activations, rel=1e-9) and released.kv_cache > 0
+    training_only = offloaded.activations + offloaded.gradients + offloaded.optimizer
+    assert offloaded.kv_cache == pytest.approx(max(0.0, kv - training_only), abs=1.0)
+    assert offloaded.total < released.total < kept.total
+    # an offloaded optimizer frees nothing while the cache stays through training
+    assert peak(optimizer_offloaded_for_generation=True).total == pytest.approx(kept.total, rel=1e-12)
 
 
 def test_mla_kv_cache_is_the_latent():
@@ -273,10 +307,10 @@ def test_cli_json_and_table(capsys):
 def test_cli_errors(capsys):
     assert cli_main(["--model", "llama-3.1-405b", "--gpus", "1024", "--layout", "tp=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --layout tp=3: num_attention_heads")
+    assert len(err) == 1 and err[0].startswith("error: parallel.tp=3: num_attention_heads")  # --layout = parallel.*
     assert cli_main(["--model", "llama-3.1-405b", "--gpus", "8", "--seq-len", "8192"]) == 3
     assert "smallest GPU count that fits is" in capsys.readouterr().err
     assert cli_main(["--model", "no-such-model", "--gpus", "8"]) == 2
     assert "no such preset" in capsys.readouterr().err
-    assert cli_main(["--model", "tiny-cpu", "--gpus", "8", "--mode", "sft"]) == 2
+    assert cli_main(["--model", "tiny-cpu", "--gpus", "8", "--mode", "dpo"]) == 2
     assert capsys.readouterr().err.startswith("error: plan: argument --mode")

@@ -1,10 +1,18 @@
-"""``python launch.py plan ...``: search or evaluate a layout and print it (table or --json).
+"""``python launch.py plan [--config FILE] [key=value ...] [flags] [--json]``: plan the job that ``python launch.py
+[--config FILE] [key=value ...]`` would launch (same loader, overrides and defaults) and print it.
 
-Run: ``python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb
---global-batch-size 2048 [--seq-len 8192] [--mode pretrain|grpo|rm] [--precision bf16|fp8]
-[--layout tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,recompute=selective,sp=true] [--json]``.
-Exit codes: 0 plan printed (also for --layout that does not fit: it prints fits false); 2 bad input or
-illegal layout; 3 nothing fits (the message names the smallest GPU count that would).
+The flags are shorthands for config keys: ``--model`` model.name, ``--gpus N`` N GPUs in all (cluster.nodes x
+cluster.tasks_per_node, one task per GPU, in nodes of the config file's cluster.gpus_per_node or else of the GPU
+type's node size), ``--gpu-type`` cluster.gpu_type, ``--seq-len`` model.seq_length, ``--global-batch-size``
+algorithm.global_batch_size, ``--mode`` algorithm.name, ``--layout tp=8,pp=16,mbs=1,sp=true,...`` the parallel.*
+keys of the same names. With --config the file's values are the defaults and flags override them; a key given by
+a flag and by key=value is an error. Without --config, ``--model`` sizes a pretraining job unless --mode or
+algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU model).
+
+The search keeps every parallel.* key that is given (file, key=value or --layout) and holds the trainer limits
+(``launcher/limits.py``); the plan lists both. Example: ``python launch.py plan --model llama-3.1-405b --gpus 16384
+--gpu-type h100-80gb --global-batch-size 2048``.
+Exit codes: 0 plan printed; 2 bad input; 3 nothing fits (the message names the smallest GPU count that would).
 """
 
 from __future__ import annotations
@@ -14,51 +22,116 @@ import json
 import sys
 
 from launcher.cli import CliParser
+from launcher.config.schema import ALGORITHMS, JobConfig
 from launcher.errors import ConfigError
 
 EXIT_NO_FIT = 3
-DEFAULT_GLOBAL_BATCH = 1024
+SHORTHANDS = {"model": "model.name", "gpu_type": "cluster.gpu_type", "seq_len": "model.seq_length",
+              "global_batch_size": "algorithm.global_batch_size", "mode": "algorithm.name"}
+"""plan's flags (argparse names) -> the config key each one sets."""
+GPUS_KEYS = ("cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node")
+"""What --gpus sets (it reads cluster.gpus_per_node, the node size, from the config file when that gives it)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of the plan subcommand."""
-    p = CliParser(prog="launch.py plan", description="Pick or evaluate a Megatron parallel layout.")
-    p.add_argument("--model", required=True, help="preset name, HF config.json (or folder), or Megatron-style YAML")
-    p.add_argument("--gpus", type=int, required=True, help="total GPU count")
-    p.add_argument("--gpu-type", default="h100-80gb", help="a100-80gb | h100-80gb | h200-141gb | ...")
-    p.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: model's)")
-    p.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH,
-                   help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
-    p.add_argument("--mode", default="pretrain", choices=["pretrain", "grpo", "rm"])
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
-    p.add_argument("--layout", default=None, help="evaluate this (partial) layout instead of searching")
+    p = CliParser(prog="launch.py plan", description="Plan the parallel layout of the job that launch.py with the "
+                  "same --config and key=value overrides would launch.")
+    p.add_argument("--config", metavar="FILE", help="YAML config file or shipped config name (as for launch.py)")
+    p.add_argument("--model", help="model.name: preset, HF config.json (or folder), or Megatron-style YAML")
+    p.add_argument("--gpus", type=int, help="GPUs in all: sets cluster.nodes, tasks_per_node and gpus_per_node")
+    p.add_argument("--gpu-type", help="cluster.gpu_type: a100-80gb | h100-80gb | h200-141gb | ...")
+    p.add_argument("--seq-len", type=int, help="model.seq_length (default: the model's)")
+    p.add_argument("--global-batch-size", type=int, help="algorithm.global_batch_size: sequences per optimizer step")
+    p.add_argument("--mode", choices=ALGORITHMS, help="algorithm.name, the trainer")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="planning precision")
+    p.add_argument("--layout", help="parallel.* keys to keep, e.g. tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,"
+                   "recompute=selective,sp=true")
     p.add_argument("--top-k", type=int, default=5, help="alternatives to show")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for launch.py")
     return p
+
+
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides that plan's flags (but --gpus) and key=value arguments stand for."""
+    from launcher.limits import as_yaml
+    from launcher.planner import parse_layout
+
+    flags = [f"{key}={getattr(args, name)}" for name, key in SHORTHANDS.items() if getattr(args, name) is not None]
+    flags += [f"parallel.{key}={as_yaml(value)}" for key, value in parse_layout(args.layout or "").items()]
+    _refuse_twice(flags, args.overrides)
+    if args.gpus is not None:
+        _refuse_twice([f"{key}=" for key in GPUS_KEYS], args.overrides, flag="--gpus")
+    default_mode = ([] if args.model is None or args.config is not None or args.mode is not None
+                    else ["algorithm.name=pretrain"])
+    return [*default_mode, *flags, *args.overrides]
+
+
+def gpus_overrides(gpus: int, cfg: JobConfig, given: frozenset[str]) -> list[str]:
+    """cluster.nodes / tasks_per_node / gpus_per_node for ``gpus`` GPUs in all, one task per GPU: whole nodes of
+    cfg.cluster.gpus_per_node GPUs (or the GPU type's node size), or one node when ``gpus`` is below that. A job
+    over several nodes also gets cluster.executor=auto unless the config gives an executor (local is one node)."""
+    from launcher.planner.gpus import get_gpu
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: give a positive GPU count")
+    size, source = cfg.cluster.gpus_per_node, "cluster.gpus_per_node of the config"
+    if not size:
+        size, source = get_gpu(cfg.cluster.gpu_type).gpus_per_node, f"the node size of {cfg.cluster.gpu_type}"
+    if gpus >= size and gpus % size:
+        raise ConfigError(f"--gpus {gpus} does not split into whole nodes of {size} GPUs ({source}); give a "
+                          f"multiple of {size}, or fewer than {size}")
+    nodes, per_node = (gpus // size, size) if gpus >= size else (1, gpus)
+    executor = ["cluster.executor=auto"] if nodes > 1 and "cluster.executor" not in given else []
+    return [f"cluster.nodes={nodes}", f"cluster.tasks_per_node={per_node}", f"cluster.gpus_per_node={per_node}",
+            *executor]
+
+
+def _refuse_twice(flags: list[str], overrides: list[str], flag: str = "") -> None:
+    """ConfigError when a flag and a key=value override set the same key."""
+    given = {item.partition("=")[0]: item for item in overrides}
+    for item in flags:
+        key = item.partition("=")[0]
+        if key in given:
+            name = flag or _flag_of(key)
+            raise ConfigError(f"{key} is given twice, by {name} and by {given[key]}; give it once")
+
+
+def _flag_of(key: str) -> str:
+    names = {value: "--" + name.replace("_", "-") for name, value in SHORTHANDS.items()}
+    return names.get(key, "--layout")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the plan subcommand; returns the exit code."""
+    from launcher.config.loader import given_keys, load_config
+    from launcher.job import plan_job
     from launcher.model_shape import load_model_shape
-    from launcher.planner import NoFeasibleLayout, evaluate, plan
+    from launcher.planner import NoFeasibleLayout
 
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
-        shape = load_model_shape(args.model)
-        common = dict(num_gpus=args.gpus, gpu_type=args.gpu_type, seq_length=args.seq_len,
-                      global_batch_size=args.global_batch_size, mode=args.mode,
-                      precision=args.precision, top_k=args.top_k)
-        if args.layout:
-            result = evaluate(shape, args.layout, **common)
-        else:
-            result = plan(shape, **common)
+        args = build_parser().parse_intermixed_args(argv)
+        overrides = job_overrides(args)
+        cfg = load_config(args.config, overrides, allow_missing=True)
+        if args.gpus is not None:
+            overrides += gpus_overrides(args.gpus, cfg, given_keys(args.config, overrides))
+            cfg = load_config(args.config, overrides, allow_missing=True)
+        result = plan_job(cfg, load_model_shape(cfg.model.name), given=given_keys(args.config, overrides),
+                          precision=args.precision, top_k=args.top_k)
     except NoFeasibleLayout as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if "--json" in (argv or sys.argv[1:]):
-            print(json.dumps({"fits": False, "error": str(exc), "smallest_gpus": exc.smallest_gpus}))
+        if as_json:
+            leanest = exc.leanest.memory_gib() if exc.leanest is not None else None
+            print(json.dumps({"fits": False, "error": str(exc), "smallest_gpus": exc.smallest_gpus,
+                              "leanest_memory_gib": leanest}))
         return EXIT_NO_FIT
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     print(result.to_json() if args.json else result.explain())
+    if not cfg.parallel.auto and not args.json:
+        print("\nNote        parallel.auto is false: launch.py runs the config's parallel: keys as they are; set "
+              "parallel.auto=true to launch this plan")
     return 0

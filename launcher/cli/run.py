@@ -16,6 +16,7 @@ examples:
   python launch.py --config configs/grpo_llama70b.yaml cluster.nodes=8 --wait
   python launch.py --dry-run                        # print the resolved config and what would start
   python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb
+  python launch.py plan --config configs/grpo_llama70b.yaml parallel.tp=4   # the layout that job would get
 
 Overrides are section.key=value for the sections model, parallel, cluster, algorithm, generation,
 optimizer, data, checkpoint, logging and run (see configs/ and launcher/config/schema.py).
@@ -39,11 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     from launcher.config import load_config, to_yaml
+    from launcher.config.loader import given_keys
     from launcher.executors import get_executor
     from launcher.job import prepare
 
     args = build_parser().parse_intermixed_args(argv)
-    job = prepare(load_config(args.config, args.overrides))
+    job = prepare(load_config(args.config, args.overrides), given=given_keys(args.config, args.overrides))
     executor = get_executor(job.executor)
     if not args.dry_run:
         return executor.run(job, wait=args.wait)

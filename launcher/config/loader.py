@@ -20,21 +20,22 @@ from launcher.errors import ConfigError, did_you_mean
 from launcher.resources import configs_dir
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Merge the schema defaults, the YAML at ``path`` (if any) and ``overrides``; return a checked JobConfig."""
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *,
+                allow_missing: bool = False) -> JobConfig:
+    """Merge the schema defaults, the YAML at ``path`` (if any) and ``overrides``; return a checked JobConfig.
+    ``allow_missing``: keys the file leaves as '???' keep their schema defaults instead of failing (``launch.py
+    plan`` sizes a job without its data and checkpoint paths)."""
+    path, file_config, override_config = _sources(path, overrides)
     merged: DictConfig = OmegaConf.structured(JobConfig)
     required: set[str] = set()
-    if path is not None:
-        path = find_config(path)
-        file_config = _read_yaml(path)
+    if file_config is not None:
         required = set(OmegaConf.missing_keys(file_config))
         merged = _merge(merged, file_config, source=str(path))
-    if overrides:
-        override_config = _parse_overrides(overrides)
+    if override_config is not None:
         required -= {key for key in required if OmegaConf.select(override_config, key) is not None}
         merged = _merge(merged, override_config, source="the command line")
     missing = sorted(required | set(OmegaConf.missing_keys(merged)))
-    if missing:
+    if missing and not allow_missing:
         raise ConfigError(f"{', '.join(missing)} must be set ('???' in {path}); add e.g. {missing[0]}=VALUE "
                           "to the command line")
     try:
@@ -43,6 +44,25 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
         raise
     except OmegaConfBaseException as exc:
         raise _translate(exc, "the merged config") from None
+
+
+def given_keys(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> frozenset[str]:
+    """The ``section.key`` names that the YAML at ``path`` or ``overrides`` set to a value: what the user chose,
+    as opposed to the schema defaults ('???' placeholders do not count). With ``parallel.auto=true`` the planner
+    keeps the given ``parallel.*`` keys. Call it with the arguments given to ``load_config``."""
+    keys: set[str] = set()
+    for source in _sources(path, overrides)[1:]:
+        for section, body in (source or {}).items():
+            if OmegaConf.is_dict(body):
+                keys.update(f"{section}.{key}" for key in body if not OmegaConf.is_missing(body, key))
+    return frozenset(keys)
+
+
+def _sources(path: Optional[str | Path],
+             overrides: Sequence[str]) -> tuple[Optional[Path], Optional[DictConfig], Optional[DictConfig]]:
+    """(the config file, its contents, the overrides as a config); None for what is not given."""
+    file = find_config(path) if path is not None else None
+    return file, _read_yaml(file) if file is not None else None, _parse_overrides(overrides) if overrides else None
 
 
 def to_yaml(config: JobConfig) -> str:

@@ -21,6 +21,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 ADVANTAGE_MODES = ("std", "mean")
 TRUNCATION_POLICIES = ("truncate", "drop")
+MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss")
 
 
 def _one_of(section: str, key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -52,9 +53,15 @@ class ModelConfig:
     """A local Hugging Face tokenizer folder; None uses the built-in character tokenizer (tiny CPU tasks)."""
     init_from: Optional[str] = None
     """Weights to start from: one of our checkpoints (a folder with a `latest` pointer or a step folder)."""
+    moe_load_balancing: str = "none"
+    """MoE router load-balancing loss: none, aux_loss (per micro-batch) or seq_aux_loss (per sequence)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of that loss (e.g. 1e-3); 0 switches it off."""
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, DTYPES)
+        _one_of("model", "moe_load_balancing", self.moe_load_balancing, MOE_LOAD_BALANCING)
+        _non_negative("model", moe_aux_loss_coeff=self.moe_aux_loss_coeff)
         _positive("model", seq_length=self.seq_length)
         if not self.name.strip():
             raise ConfigError("model.name is empty; give a preset (e.g. tiny-cpu) or a path to config.json")
@@ -63,7 +70,8 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     auto: bool = False
-    """Let the planner pick tp/pp/vpp/cp/ep/micro_batch_size/recompute (the values below are then ignored)."""
+    """Let the planner pick tp/pp/vpp/cp/ep/micro_batch_size/recompute and the pipeline split; the keys below that
+    the config file or the command line sets are kept as constraints."""
     tp: int = 1
     """Tensor-parallel size (kept inside a node)."""
     pp: int = 1
@@ -74,8 +82,19 @@ class ParallelConfig:
     """Context-parallel size."""
     ep: int = 1
     """Expert-parallel size (MoE models only)."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size: 1 or tp; None takes 1 when ep > 1, else tp."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
+    first_stage_layers: Optional[int] = None
+    """Decoder layers on the first pipeline stage (uneven split). None: an even split, or one the launcher
+    chooses when pp (x vpp) does not divide the layers (5 layers on pp=2 -> 3 + 2)."""
+    last_stage_layers: Optional[int] = None
+    """Decoder layers on the last pipeline stage (uneven split); None as for first_stage_layers."""
+    account_for_embedding: bool = False
+    """Even split only: count the embedding as one layer (the first stage gets one decoder layer fewer)."""
+    account_for_loss: bool = False
+    """Even split only: count the output layer and loss as one layer (the last stage gets one fewer)."""
     micro_batch_size: int = 32
     """Sequences per micro-batch."""
     recompute: str = "none"
@@ -86,18 +105,15 @@ class ParallelConfig:
     """torch.distributed backend: auto (nccl on GPUs, gloo on CPU), nccl or gloo."""
 
     def __post_init__(self) -> None:
-        _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
-                  micro_batch_size=self.micro_batch_size)
+        _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
+                  micro_batch_size=self.micro_batch_size, first_stage_layers=self.first_stage_layers,
+                  last_stage_layers=self.last_stage_layers)
         _one_of("parallel", "recompute", self.recompute, RECOMPUTE_MODES)
         _one_of("parallel", "backend", self.backend, BACKENDS)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
 
 
 @dataclass(kw_only=True)

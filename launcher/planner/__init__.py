@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
 
 from launcher.errors import ConfigError, did_you_mean
+from launcher.limits import as_yaml, check_limits
 from launcher.model_shape import ModelShape
 from launcher.planner.costs import GrpoSizing, Runtime, Workload
 from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout
-from launcher.planner.gpus import GPUS, GpuSpec, get_gpu
+from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.search import SearchOutcome, search
 
-__all__ = ["GPUS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult", "Runtime", "evaluate",
-           "parse_layout", "plan", "smallest_fitting_gpus"]
+__all__ = ["GPUS", "PLANNED_KEYS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult", "Runtime",
+           "evaluate", "parse_layout", "plan", "smallest_fitting_gpus"]
 
 MODES = ("pretrain", "grpo", "rm")
 PRECISIONS = ("bf16", "fp8")
+PLANNED_KEYS = tuple(f.name for f in fields(Layout) if f.name != "dp")
+"""The ``parallel:`` keys the planner chooses (its layout's names; dp follows from them)."""
 
 
 class NoFeasibleLayout(ConfigError):
@@ -35,10 +39,12 @@ class NoFeasibleLayout(ConfigError):
 
     exit_code = 3
 
-    def __init__(self, message: str, *, smallest_gpus: int | None):
+    def __init__(self, message: str, *, smallest_gpus: int | None, leanest: Estimate | None = None):
         super().__init__(message)
         self.smallest_gpus = smallest_gpus
-        """Smallest GPU count (same GPU type, batch and sequence) that fits; None if none was found."""
+        """Smallest GPU count (same GPU type, batch, sequence and fixed keys) that fits; None if none was found."""
+        self.leanest = leanest
+        """The legal layout that needed the least memory, where one was estimated."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +66,11 @@ class PlanResult:
     search_seconds: float = 0.0
     """Wall time of the search."""
     workload: dict = field(default_factory=dict)
-    """Model, GPUs, sequence, batch, mode, precision."""
+    """Model, GPUs, sequence, batch, mode, precision (and the GRPO sizing)."""
+    constraints: dict[str, Any] = field(default_factory=dict)
+    """Layout keys the caller held fixed (``parallel:`` names)."""
+    limits: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    """Layout keys held at the only value the trainers run yet: key -> (value, why)."""
 
     @property
     def memory(self) -> dict[str, float]:
@@ -94,6 +104,8 @@ class PlanResult:
         out["search"] = {"considered": self.considered, "evaluated": self.evaluated,
                          "seconds": round(self.search_seconds, 4)}
         out["workload"] = self.workload
+        out["constraints"] = self.constraints
+        out["limits"] = {key: [value, why] for key, (value, why) in self.limits.items()}
         return out
 
     def megatron_args(self) -> dict[str, object]:
@@ -117,11 +129,10 @@ def _layout_json(layout: Layout) -> dict:
 
 
 def parse_layout(text: str) -> dict:
-    """'tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,recompute=selective,sp=true' -> partial layout dict."""
-    aliases = {"mbs": "micro_batch_size", "sp": "sequence_parallel", "first": "first_stage_layers",
-               "last": "last_stage_layers", "account_embedding": "account_for_embedding",
-               "account_loss": "account_for_loss"}
-    ints = {"tp", "pp", "vpp", "cp", "ep", "dp", "micro_batch_size", "first_stage_layers", "last_stage_layers"}
+    """'tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,recompute=selective,sp=true' -> partial layout dict with the
+    ``parallel:`` names (PLANNED_KEYS and etp; mbs and sp are short for micro_batch_size and sequence_parallel)."""
+    aliases = {"mbs": "micro_batch_size", "sp": "sequence_parallel"}
+    ints = {"tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch_size", "first_stage_layers", "last_stage_layers"}
     bools = {"sequence_parallel", "account_for_embedding", "account_for_loss"}
     out: dict = {}
     for item in filter(None, (p.strip() for p in str(text).split(","))):
@@ -176,9 +187,17 @@ def _workload(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: in
 
 
 def _describe(w: Workload) -> dict:
-    return {"model": w.shape.name, "gpus": w.num_gpus, "gpu_type": w.gpu.name, "seq_length": w.seq_length,
-            "global_batch_size": w.global_batch_size, "mode": w.mode, "precision": w.precision,
-            "selective_modules": list(w.selective_modules())}
+    out = {"model": w.shape.name, "gpus": w.num_gpus, "gpu_type": w.gpu.name, "seq_length": w.seq_length,
+           "global_batch_size": w.global_batch_size, "mode": w.mode, "precision": w.precision,
+           "selective_modules": list(w.selective_modules())}
+    if w.mode == "grpo":
+        g = w.grpo or GrpoSizing()
+        rollouts, prompt, response, _ = w.grpo_sizes()
+        out["grpo"] = {"rollout_batch_size": rollouts, "max_prompt_length": prompt, "max_response_length": response,
+                       "reference_model": g.reference_model,
+                       "kv_cache_released_for_training": g.kv_cache_released_for_training,
+                       "optimizer_offloaded_for_generation": g.optimizer_offloaded_for_generation}
+    return out
 
 
 def _rejections(outcome: SearchOutcome) -> dict[str, dict]:
@@ -205,27 +224,45 @@ def _parallel_key(layout: Layout) -> tuple:
 
 def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | None = None,
          global_batch_size: int, mode: str = "pretrain", precision: str = "bf16", grpo: GrpoSizing | None = None,
-         top_k: int = 5, runtime: Runtime | None = None) -> PlanResult:
+         top_k: int = 5, runtime: Runtime | None = None, fixed: Mapping[str, Any] | None = None,
+         limits: Mapping[str, tuple[Any, str]] | None = None) -> PlanResult:
     """Search every legal layout and return the fastest that fits; NoFeasibleLayout (with the smallest GPU count
-    that would fit) when none does."""
+    that would fit) when none does. ``fixed``: layout keys (PLANNED_KEYS) the search keeps. ``limits``:
+    key -> (value, why) for values the job can only run at (launcher.limits); held fixed like ``fixed``, which
+    must agree with them, and reported by explain() and to_dict()."""
+    limits = dict(limits or {})
+    constraints = dict(fixed or {})
+    check_limits(constraints, limits)
+    held = {**{k: value for k, (value, _) in limits.items() if k in PLANNED_KEYS}, **constraints}
     w = _workload(shape, num_gpus=num_gpus, gpu_type=gpu_type, seq_length=seq_length,
                   global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime)
     start = time.perf_counter()
-    outcome = search(w, keep_all=False)
+    outcome = search(w, held, keep_all=False)
     elapsed = time.perf_counter() - start
     if not outcome.fitting:
-        smallest = smallest_fitting_gpus(w)
+        smallest = smallest_fitting_gpus(w, held)
         reasons = "; ".join(f"{k}: {v['count']}" for k, v in _rejections(outcome).items()) or "no candidates"
         where = (f"the smallest GPU count that fits is {smallest} x {w.gpu.name}" if smallest else
-                 f"no GPU count up to {_MAX_GPUS} fits; shorten --seq-len or the batch")
+                 f"no GPU count up to {_MAX_GPUS} fits" + (" while keeping those" if held else
+                                                          "; shorten the sequence or the batch"))
+        leanest = outcome.leanest
+        needs = (f"; the leanest layout needs {leanest.total / GIB:.1f} of {leanest.capacity / GIB:.1f} GiB"
+                 if leanest is not None else "")
+        limited = {k: value for k, (value, _) in limits.items() if k not in constraints}
+        kept = ((f", keeping {_pairs(constraints)}" if constraints else "")
+                + (f", trainer limits {_pairs(limited)}" if limited else ""))
         raise NoFeasibleLayout(f"no layout of {shape.name} fits on {num_gpus} x {w.gpu.name} "
-                               f"(seq {w.seq_length}, global batch {global_batch_size}, mode {mode}); {where} "
-                               f"[ruled out: {reasons}]", smallest_gpus=smallest)
+                               f"(seq {w.seq_length}, global batch {global_batch_size}, mode {mode}{kept}; "
+                               f"ruled out: {reasons}){needs}; {where}", smallest_gpus=smallest, leanest=leanest)
     ranked = sorted(outcome.fitting, key=lambda e: (e.step_time_s, e.total))
     best = ranked[0]
     return PlanResult(layout=best.layout, estimate=best, alternatives=_alternatives(best, ranked, top_k),
                       rejections=_rejections(outcome), considered=outcome.considered, evaluated=outcome.evaluated,
-                      search_seconds=elapsed, workload=_describe(w))
+                      search_seconds=elapsed, workload=_describe(w), constraints=constraints, limits=limits)
+
+
+def _pairs(values: Mapping[str, Any]) -> str:
+    return ",".join(f"{k}={as_yaml(v)}" for k, v in values.items())
 
 
 def evaluate(shape: ModelShape, layout_partial: dict | str, *, num_gpus: int, gpu_type: str,
@@ -260,8 +297,9 @@ def evaluate(shape: ModelShape, layout_partial: dict | str, *, num_gpus: int, gp
 _MAX_GPUS = 131072
 
 
-def smallest_fitting_gpus(w: Workload) -> int | None:
-    """Smallest GPU count (same GPU type, model, sequence, batch, mode) with a layout that fits.
+def smallest_fitting_gpus(w: Workload, fixed: Mapping[str, Any] | None = None) -> int | None:
+    """Smallest GPU count (same GPU type, model, sequence, batch, mode and ``fixed`` layout keys) with a layout
+    that fits.
 
     Counts are whole nodes above one node. Doubling finds a count that fits, bisection narrows it assuming more
     GPUs never hurt, and a short scan below the answer catches batch-divisibility gaps."""
@@ -270,7 +308,10 @@ def smallest_fitting_gpus(w: Workload) -> int | None:
     gpn = w.gpu.gpus_per_node
 
     def fits(count: int) -> bool:
-        return bool(search(replace(w, num_gpus=count), first_fit=True).fitting)
+        try:
+            return bool(search(replace(w, num_gpus=count), fixed, first_fit=True).fitting)
+        except ConfigError:  # the fixed keys cannot split this count
+            return False
 
     floor = w.shape.num_params() * 6.0 / (w.gpu.memory_gib * 1024**3)  # bf16 weights + fp32 grads must fit
     small = [c for c in range(1, gpn + 1) if gpn % c == 0 and c > w.num_gpus and c >= floor]

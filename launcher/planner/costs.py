@@ -86,7 +86,11 @@ class GrpoSizing:
     kv_cache_bytes: int = 2
     """Bytes per cached K/V element."""
     kv_cache_released_for_training: bool = False
-    """True when the runtime frees the KV cache before the training phase (peak = max instead of sum)."""
+    """True when the runtime frees the KV cache before the training phase: the cache then reuses the memory that
+    only training holds (activations), so the peak is the larger phase, not the sum."""
+    optimizer_offloaded_for_generation: bool = False
+    """True when optimizer state and grads wait in host memory while generating (generation.offload_optimizer):
+    with the KV cache released for training, the cache also reuses their memory."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from launcher.config.schema import RECOMPUTE_MODES
+from launcher.parallel import virtual_stage_layers
 from launcher.planner.costs import GIB, IB_LATENCY_S, NVLINK_LATENCY_S, OVERLAP_CONTENTION, Workload
 
 
@@ -30,7 +31,8 @@ class Layout:
     cp: int
     """Context-parallel size (sequence split for attention)."""
     ep: int
-    """Expert-parallel size (1 for dense models); expert tensor parallelism is 1."""
+    """Expert-parallel size (1 for dense models); experts are split by EP alone (etp=1) when ep > 1, and follow
+    TP (etp=tp) otherwise, as ParallelDims' default."""
     dp: int
     """Data-parallel size = GPUs / (tp * cp * pp)."""
     micro_batch_size: int
@@ -47,6 +49,11 @@ class Layout:
     """--account-for-embedding-in-pipeline-split."""
     account_for_loss: bool = False
     """--account-for-loss-in-pipeline-split."""
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor-parallel size: 1 under EP, else tp (ParallelDims' default, what the job runs)."""
+        return 1 if self.ep > 1 else self.tp
 
     def split_name(self) -> str:
         """Short description of the pipeline split."""
@@ -87,74 +94,6 @@ class Layout:
             args["recompute-granularity"] = "selective"
             args["recompute-modules"] = list(selective_modules)
         return args
-
-
-def split_error(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
-                loss: bool) -> str | None:
-    """Why Megatron rejects this split, or None when it is legal."""
-    if vpp > 1 and pp < 2:
-        return f"interleaving (vpp={vpp}) needs pp >= 2"
-    if (first is not None or last is not None) and (emb or loss):
-        return "first/last stage sizes cannot be combined with accounting for embedding/loss"
-    if first is not None or last is not None:
-        if pp < 2:
-            return "first/last stage sizes need pp >= 2"
-        rest, middle = num_layers, pp
-        for name, n in (("first", first), ("last", last)):
-            if n is None:
-                continue
-            if n <= 0:
-                return f"{name} stage needs at least one layer"
-            if n % vpp:
-                return f"{name} stage layers ({n}) not divisible by vpp={vpp}"
-            rest, middle = rest - n, middle - 1
-        if bool(rest) != bool(middle) or rest < 0:
-            return f"{rest} layers left for {middle} middle stages"
-        if middle and rest % middle:
-            return f"middle layers ({rest}) not divisible by the {middle} middle stages"
-        if middle and (rest // middle) % vpp:
-            return f"layers per middle stage ({rest // middle}) not divisible by vpp={vpp}"
-        return None
-    total = num_layers + int(emb) + int(loss)
-    if total % pp:
-        extra = " (embedding/loss counted as layers)" if emb or loss else ""
-        return f"num_layers {total}{extra} not divisible by pp={pp}"
-    per_rank = total // pp
-    if per_rank % vpp:
-        return f"layers per pipeline rank ({per_rank}) not divisible by vpp={vpp}"
-    if (emb or loss) and per_rank // vpp < 1 + (emb and loss and pp * vpp == 1):
-        return "no layers left on a stage after accounting for embedding/loss"
-    return None
-
-
-@lru_cache(maxsize=4096)
-def virtual_stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
-                         loss: bool) -> tuple[int, ...]:
-    """Decoder layers of each virtual stage, in execution order (virtual stage c*pp + rank)."""
-    counts = [0] * (pp * vpp)
-    if first is not None or last is not None:
-        rest, middle = num_layers, pp
-        if first is not None:
-            rest, middle = rest - first, middle - 1
-        if last is not None:
-            rest, middle = rest - last, middle - 1
-        per_middle = rest // middle if middle else 0
-        for c in range(vpp):
-            for r in range(pp):
-                n = per_middle
-                if r == 0 and first is not None:
-                    n = first
-                elif r == pp - 1 and last is not None:
-                    n = last
-                counts[c * pp + r] = n // vpp
-        return tuple(counts)
-    per_vs = (num_layers + int(emb) + int(loss)) // (pp * vpp)
-    counts = [per_vs] * (pp * vpp)
-    if emb:
-        counts[0] -= 1
-    if loss:
-        counts[-1] -= 1
-    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -202,7 +141,9 @@ class Estimate:
     activations: float
     """Activations kept for backward, micro-batches in flight included, plus logits on the last rank."""
     kv_cache: float
-    """GRPO rollout KV cache bytes (0 otherwise)."""
+    """GRPO rollout KV cache bytes on top of the training phase (0 otherwise): all of it, or with
+    GrpoSizing.kv_cache_released_for_training only what exceeds the memory that training alone holds
+    (activations, plus grads and optimizer when GrpoSizing.optimizer_offloaded_for_generation)."""
     reference_model: float
     """GRPO frozen reference model bytes (0 otherwise)."""
     overhead: float
@@ -261,7 +202,7 @@ def stage_params(w: Workload, group: RankGroup, layout: Layout) -> tuple[float, 
             ne += s.mtp_num_layers * (s.layer_params(last) - (s.expert_params_per_moe_layer() if s.is_moe else 0)
                                       + 2 * s.hidden_size**2 + 2 * s.hidden_size)
             ex += s.mtp_num_layers * (s.expert_params_per_moe_layer() if s.is_moe else 0)
-    return ne / layout.tp, ex / layout.ep
+    return ne / layout.tp, ex / (layout.ep * layout.etp)
 
 
 def _overlapped(comm: float, window: float) -> float:
@@ -287,7 +228,7 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
     p2p_bw = w.ib if L.tp * L.cp * L.dp >= gpn else w.nvlink
     p2p = (tokens * s.hidden_size * 2 / rep / p2p_bw + IB_LATENCY_S) if L.pp > 1 else 0.0
     dp_shard = L.dp * L.cp
-    edp = L.tp * L.cp * L.dp // L.ep
+    edp = L.tp * L.cp * L.dp // (L.ep * L.etp)
     wb, gb, _ = w.weight_bytes_per_param(1)
     opt_ne = 12.0 / dp_shard if w.runtime.distributed_optimizer else 12.0
     opt_ex = 12.0 / edp if w.runtime.distributed_optimizer else 12.0
@@ -330,15 +271,14 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
             if (w.grpo is None or w.grpo.reference_model):
                 ref = (ne + ex) * 2.0
         weights, grads, opt = (ne + ex) * wb, (ne + ex) * gb, ne * opt_ne + ex * opt_ex
+        kv_extra = kv  # what the KV cache adds to the training phase's peak
         if grpo and w.grpo is not None and w.grpo.kv_cache_released_for_training:
-            peak_dyn, kv_shown = max(act, kv), kv
-            act_shown = peak_dyn - kv if kv < act else 0.0
-        else:
-            act_shown, kv_shown = act, kv
-        base = weights + grads + opt + act_shown + kv_shown + ref
+            training_only = act + (grads + opt if w.grpo.optimizer_offloaded_for_generation else 0.0)
+            kv_extra = max(0.0, kv - training_only)
+        base = weights + grads + opt + act + kv_extra + ref
         overhead = w.runtime.overhead_gib * GIB + w.runtime.fragmentation * base
         if worst is None or base + overhead > worst[0]:
-            worst = (base + overhead, gr.rank, weights, grads, opt, act_shown, kv_shown, ref, overhead)
+            worst = (base + overhead, gr.rank, weights, grads, opt, act, kv_extra, ref, overhead, kv)
 
     step_pp = m * t_max + (t_sum - t_max) / L.vpp
     bubble = 1.0 - m * t_max / step_pp if step_pp else 0.0
@@ -368,8 +308,7 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
         passes = 1 + int(w.grpo is None or w.grpo.reference_model)
         step += passes * fwd_share * step_pp
         flops += passes * flops / 3
-        kv_total = worst[6]
-        step += w.generation_time(L.tp, L.pp, L.dp * L.cp, sum(max_params), kv_total, seqs_per_rank)
+        step += w.generation_time(L.tp, L.pp, L.dp * L.cp, sum(max_params), worst[9], seqs_per_rank)
         flops += 2 * s.num_active_params() * rollouts * (prompt + response)
     mfu = flops / (step * w.num_gpus * w.bf16_peak)
     return Estimate(layout=layout, weights=worst[2], gradients=worst[3], optimizer=worst[4], activations=worst[5],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from launcher.limits import as_yaml
 from launcher.planner.estimate import Estimate, Layout
 
 if TYPE_CHECKING:
@@ -39,19 +40,34 @@ def _row(e: Estimate) -> str:
             f"{lay.recompute:>10} {e.step_time_s:>9.3f} {100 * e.mfu:>6.1f} {e.total / 1024**3:>8.1f}")
 
 
+def _grpo_line(grpo: dict | None) -> list[str]:
+    if not grpo:
+        return []
+    extras = [name for name, on in (("reference model", grpo["reference_model"]),
+                                    ("KV cache released for training", grpo["kv_cache_released_for_training"]),
+                                    ("optimizer offloaded while generating",
+                                     grpo["optimizer_offloaded_for_generation"])) if on]
+    return [f"GRPO        {grpo['rollout_batch_size']} rollouts of {grpo['max_prompt_length']} + "
+            f"{grpo['max_response_length']} tokens" + "".join(f", {x}" for x in extras)]
+
+
 def explain(result: PlanResult) -> str:
     """Tables for the terminal."""
     w, e = result.workload, result.estimate
     mem = e.memory_gib()
     lines = [f"Plan for {w['model']} on {w['gpus']} x {w['gpu_type']} (seq {w['seq_length']}, global batch "
              f"{w['global_batch_size']}, mode {w['mode']}, {w['precision']})",
+             *_grpo_line(w.get("grpo")),
              "", f"Layout      {layout_line(e.layout)}",
              f"Pipeline    {e.layout.split_name()}; decoder layers per rank: "
              f"{stage_summary(e.stage_layers, e.layout.pp, e.layout.vpp)}",
              "", f"Memory per GPU (GiB, fullest pipeline rank = {e.worst_rank})"]
+    always = {"weights", "gradients", "optimizer", "activations", "overhead", *(("kv_cache",) if "grpo" in w else ())}
+    shared = w.get("grpo", {}).get("kv_cache_released_for_training")
     for key in ("weights", "gradients", "optimizer", "activations", "kv_cache", "reference_model", "overhead"):
-        if mem[key] or key in ("weights", "gradients", "optimizer", "activations", "overhead"):
-            lines.append(f"  {key:<16}{mem[key]:>9.2f}")
+        if mem[key] or key in always:
+            note = "  (beyond the memory it shares with training)" if key == "kv_cache" and shared else ""
+            lines.append(f"  {key:<16}{mem[key]:>9.2f}{note}")
     verdict = "fits" if e.fits else "DOES NOT FIT"
     lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}")
     lines += ["", f"Predicted   step {e.step_time_s:.4g} s, MFU {100 * e.mfu:.1f}% of bf16 peak, "
@@ -60,6 +76,12 @@ def explain(result: PlanResult) -> str:
         lines += ["", "Alternatives (fastest first)",
                   "   tp   pp  vpp  cp   ep     dp  mbs  recompute    step_s   mfu%  mem_gib"]
         lines += [_row(a) for a in result.alternatives]
+    if result.constraints:
+        lines += ["", "Kept        " + " ".join(f"{k}={as_yaml(v)}" for k, v in result.constraints.items())
+                  + " (given)"]
+    if result.limits:
+        lines += ["", "Limits (held: the trainers cannot run other values yet)"]
+        lines += [f"  {k + '=' + as_yaml(value):<24}{why}" for k, (value, why) in result.limits.items()]
     if result.rejections:
         lines += ["", "Ruled out (candidates: constraint, e.g.)"]
         for name, info in result.rejections.items():

@@ -2,7 +2,7 @@
 
 Legality (Megatron-Core 0.16 rules): TP inside one node; heads and query groups divisible by TP; sequence
 divisible by 2*CP (load-balanced causal CP) and by TP under sequence parallelism; TP*CP*PP divides the world;
-the pipeline split is one Megatron accepts (estimate.split_error); the global batch divides into DP*MBS
+the pipeline split is one Megatron accepts (launcher.parallel.split_error); the global batch divides into DP*MBS
 micro-batches, and interleaving needs the micro-batch count divisible by PP (default group size); experts
 divisible by EP and EP dividing TP*CP*DP (expert tensor parallelism 1).
 
@@ -20,8 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from launcher.errors import ConfigError
+from launcher.parallel import split_error, uneven_splits
 from launcher.planner.costs import GIB, Workload
-from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout, estimate, rank_groups, split_error, stage_params
+from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout, estimate, rank_groups, stage_params
 
 MAX_CP = 64
 MAX_MBS = 16
@@ -66,13 +67,7 @@ def pipeline_splits(num_layers: int, pp: int, vpp_fixed: int | None, fixed: dict
     else:
         base = [(None, None, False, False), (None, None, False, True), (None, None, True, True)]
         if num_layers % pp:
-            lo = -(-num_layers // pp)
-            for k in (lo, lo + 1):
-                rest = num_layers - (pp - 2) * k
-                pairs = [(f, rest - f) for f in range(1, rest) if f <= k and rest - f <= k]
-                # the last stage carries the output layer: prefer it lighter, keep the 4 most balanced
-                pairs.sort(key=lambda fl: abs(fl[0] - fl[1] - 1))
-                base.extend((f, l, False, False) for f, l in pairs[:4])
+            base.extend((f, l, False, False) for f, l in uneven_splits(num_layers, pp))
     out = []
     for first, last, emb, loss in base:
         if first is None and last is None:

@@ -34,11 +34,13 @@ def resolve(*, run_dir: str, algorithm: str, config: Optional[str], overrides: l
             env: Mapping[str, str]) -> Path:
     """Load, check and write the config of this allocation; return the config.yaml path."""
     from launcher.config import load_config
+    from launcher.config.loader import given_keys
     from launcher.job import prepare
 
     forced = [f"run.dir={Path(run_dir).expanduser().resolve()}", f"algorithm.name={algorithm}",
               "cluster.executor=slurm", *allocation_overrides(env)]
-    job = prepare(load_config(config, [*overrides, *forced]))
+    everything = [*overrides, *forced]
+    job = prepare(load_config(config, everything), given=given_keys(config, everything))
     return job.write_config()
 
 

@@ -157,14 +157,17 @@ def kl_penalty(
     return kl
 
 
-def local_normalisers(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def local_normalisers(mask: torch.Tensor, seq_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(number of masked-in tokens, number of sequences with at least one) of this shard.
 
     Sum these over data-parallel ranks and micro-batches of one optimizer step to get the global_num_tokens /
-    global_num_seqs that `aggregate` takes.
+    global_num_seqs that `aggregate` takes. With ``seq_lengths`` (whole-sequence lengths while ``mask`` holds
+    part of each sequence, see `aggregate`) a sequence counts when its whole length is > 0; the token count
+    stays this shard's own.
     """
     lengths = mask.to(torch.float32).sum(dim=-1)
-    return lengths.sum(), (lengths > 0).sum().to(torch.float32)
+    counted = lengths if seq_lengths is None else seq_lengths.to(torch.float32)
+    return lengths.sum(), (counted > 0).sum().to(torch.float32)
 
 
 def aggregate(
@@ -175,6 +178,7 @@ def aggregate(
     max_response_len: int | None = None,
     global_num_tokens: Number | None = None,
     global_num_seqs: Number | None = None,
+    seq_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a [batch, T] per-token loss to a scalar.
 
@@ -186,11 +190,18 @@ def aggregate(
     With global_num_tokens / global_num_seqs (totals over all data-parallel ranks and micro-batches of the
     optimizer step) the result is this shard's share of the global value: summing the results of all shards
     gives exactly the loss of the whole batch computed in one piece. Without them the local counts are used.
+
+    seq_lengths: [batch] token counts of the WHOLE sequences when ``mask`` covers only part of each one (context
+    parallelism: this rank's chunks of every sequence). seq-mean-token-mean then divides each sequence by its
+    whole length, and the default counts come from it, so summing the results over the parts of the sequences
+    gives the loss of the whole sequences. Default: ``mask.sum(-1)`` (the rows are whole).
     """
     _check_shapes(mask, per_token)
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
-    lengths = mask.sum(dim=-1)
+    lengths = mask.sum(dim=-1) if seq_lengths is None else seq_lengths.to(per_token.dtype)
+    if lengths.shape != mask.shape[:1]:
+        raise ValueError(f"seq_lengths shape {tuple(lengths.shape)} must be [batch] = [{mask.shape[0]}]")
     local_num_seqs = (lengths > 0).sum().clamp(min=1)
     num_seqs = local_num_seqs if global_num_seqs is None else global_num_seqs
     if mode == "token-mean":
@@ -217,6 +228,7 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     global_num_tokens: Number | None = None,
     global_num_seqs: Number | None = None,
+    seq_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss = aggregate(policy_ratio_loss + kl_coef * kl_penalty), and detached 0-dim metrics.
 
@@ -224,7 +236,8 @@ def grpo_loss(
     entropy: optional per-token entropy [batch, T] (already computed by the caller), reported as a masked mean.
     Metrics: loss, pg_loss (aggregated like the loss), kl and entropy (masked token means; 0 when absent),
     clip_fraction, dual_clip_fraction, ratio_min, ratio_max, num_tokens, num_seqs (local counts, for weighting
-    when metrics of several micro-batches or ranks are averaged).
+    when metrics of several micro-batches or ranks are averaged; see `local_normalisers`).
+    seq_lengths: whole-sequence lengths when the rows are parts of sequences (see `aggregate`).
     """
     if config.kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs ref_logp (the frozen reference model's log-probs)")
@@ -241,6 +254,7 @@ def grpo_loss(
         max_response_len=config.max_response_len,
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,
+        seq_lengths=seq_lengths,
     )
     per_token = per_token_pg
     float_mask = mask.to(logp.dtype)
@@ -256,7 +270,7 @@ def grpo_loss(
     loss = aggregate(per_token, mask, config.loss_agg_mode, **agg_kwargs)
 
     with torch.no_grad():
-        num_tokens, num_seqs = local_normalisers(mask)
+        num_tokens, num_seqs = local_normalisers(mask, seq_lengths)
         metrics = {
             "loss": loss.detach(),
             "pg_loss": aggregate(per_token_pg.detach(), mask, config.loss_agg_mode, **agg_kwargs),

@@ -5,22 +5,20 @@ Conversion only builds the model to reuse Megatron's own sharded state dict (the
 rank (expert tensor parallel size 1). That lets TP=2 x PP=2 x EP=2 run on 4 processes: the world size of a
 layout is ``pp * lcm(tp, ep)``.
 
-Builder extension (not in ``megatron_rl.models.builder`` yet): Megatron refuses MoE with TP > 1 unless sequence
-parallelism is on, and its pure-torch norm refuses sequence parallelism. ``build_conversion_model`` then swaps
-every ``WrappedTorchNorm`` of the layer spec for ``SequenceParallelTorchNorm`` (the same torch norm, its
-parameters tagged ``sequence_parallel`` so that training would all-reduce their gradients over TP).
+MoE with TP > 1 needs sequence parallelism (Megatron refuses it otherwise); the training builder's ``layer_spec``
+then puts ``megatron_rl.models.norms.SequenceParallelTorchNorm`` in place of the local spec's torch norms, which
+refuse sequence parallelism, so conversion builds exactly the modules (and keys) training builds.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import datetime
 
 import torch
 
 from launcher.model_shape import ModelShape
 from megatron_rl.conversion.names import layout_world_size  # noqa: F401 (re-exported)
+from megatron_rl.models.norms import SequenceParallelTorchNorm  # noqa: F401 (re-exported; lives in models)
 
 
 def init_parallel(tp: int, pp: int, ep: int, *, seed: int = 0) -> None:
@@ -45,56 +43,22 @@ def init_parallel(tp: int, pp: int, ep: int, *, seed: int = 0) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-class SequenceParallelTorchNorm:
-    """torch RMSNorm/LayerNorm usable with sequence parallelism (parameters tagged ``sequence_parallel``)."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel
-        return norm
-
-
-def _swap_norms(spec, old, new):
-    """Replace ``old`` by ``new`` everywhere in a (copied) Megatron spec tree."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if spec is old:
-        return new
-    if isinstance(spec, ModuleSpec):
-        if spec.module is old:
-            spec.module = new
-        if spec.submodules is not None:
-            spec.submodules = _swap_norms(spec.submodules, old, new)
-        return spec
-    if isinstance(spec, list):
-        return [_swap_norms(s, old, new) for s in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        for f in dataclasses.fields(spec):
-            setattr(spec, f.name, _swap_norms(getattr(spec, f.name), old, new))
-    return spec
-
-
 def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtype: torch.dtype,
                            initialize: bool = False):
     """The GPTModel chunk of this rank (no virtual pipeline), on the CPU. Without ``initialize`` the weights are
     left uninitialised (they are about to be overwritten; Megatron's CPU init builds every full matrix)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from launcher.parallel import ParallelDims
+    from megatron_rl.conversion.names import layout_world_size
     from megatron_rl.models.builder import ModelOptions, layer_spec, padded_vocab_size, transformer_config
 
-    sequence_parallel = shape.is_moe and tp > 1
-    opts = ModelOptions(tp=tp, pp=pp, ep=ep, dtype=dtype, sequence_parallel=sequence_parallel)
-    config = transformer_config(shape, opts)
+    dims = ParallelDims(world_size=layout_world_size(tp, pp, ep), tp=tp, pp=pp, ep=ep, etp=1,
+                        sp=shape.is_moe and tp > 1)
+    config = transformer_config(shape, ModelOptions(dims=dims, dtype=dtype))
     config.perform_initialization = initialize
-    if shape.is_moe:
-        config.expert_tensor_parallel_size = 1
-    spec = layer_spec(shape, config)
-    if sequence_parallel:
-        spec = _swap_norms(copy.deepcopy(spec), WrappedTorchNorm, SequenceParallelTorchNorm)
+    spec = layer_spec(shape, config)  # sequence-parallel torch norms when sequence_parallel
     rope_scaling = shape.rope_scaling or {}
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(shape.vocab_size, tp),

@@ -38,8 +38,12 @@ import torch.nn.functional as F
 def _eligible(module) -> bool:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from megatron_rl.models.cp_attention import CPDotProductAttention
+
     config = getattr(module, "config", None)
-    return (type(module) is DotProductAttention and config is not None
+    # the CPU CP attention is the plain one while generation has CP off (layout.py whole_sequences)
+    plain = type(module) is DotProductAttention or (type(module) is CPDotProductAttention and module.cp_size == 1)
+    return (plain and config is not None
             and getattr(config, "softmax_type", "vanilla") == "vanilla"
             and getattr(config, "window_size", None) is None
             and not getattr(config, "apply_query_key_layer_scaling", False))

@@ -22,8 +22,14 @@ Parallelism.
 * PP (and virtual PP): each step runs the stages in turn, hidden states handed on with send/recv; the last
   stage picks the tokens and broadcasts them (with their log-probs) to every stage. Stages idle while
   others compute (no micro-batch overlap): correct, simple, and slower than a pipelined decoder.
-* DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks.
-* Not supported (clear error): context parallelism, sequence parallelism, expert parallelism > 1.
+* DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks, except
+  for MoE models at ep > 1 (below).
+* SP and CP: switched off for the call (layout.py ``whole_sequences``): a decode step has one token per row,
+  and CP ranks hold full weights, so each CP rank decodes whole sequences of its own prompts, like a DP rank
+  (``data_parallel_seed`` gives each its own sampling stream).
+* EP: an MoE forward exchanges tokens between the ranks that share experts, which span DP replicas (and CP
+  ranks) when ep > tp. Those replicas agree on the prefill length and the buffer width, and decode until every
+  replica's rows are done (layout.py ``Lockstep``); rows that finished early just stop growing.
 
 Speed. Decoding runs under ``torch.inference_mode``. Megatron keeps a few tensors made during a forward
 (rotary tables in an ``lru_cache``, the attention scratch buffer); inference tensors left there would break
@@ -48,6 +54,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_rl.generation.attention import RopeOnceDecode, sdpa_core_attention
+from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsupported
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens
 from megatron_rl.runtime.checkpoint import unwrap
@@ -80,10 +87,11 @@ class GenerationOutput:
 
 
 def data_parallel_seed(seed: int) -> int:
-    """A sampling seed distinct per data-parallel rank and equal across the TP/PP ranks of one replica."""
+    """A sampling seed distinct per rollout worker (data-parallel rank, and context-parallel rank: each CP rank
+    generates its own sequences) and equal across the TP/PP ranks of one worker."""
     from megatron.core import parallel_state
 
-    return seed + parallel_state.get_data_parallel_rank()
+    return seed + parallel_state.get_data_parallel_rank(with_context_parallel=True)
 
 
 def model_chunks(models) -> list:
@@ -94,19 +102,9 @@ def model_chunks(models) -> list:
 
 
 def check_generation_layout(chunks: list) -> None:
-    """Raise ``NotImplementedError`` for parallel layouts generation does not handle."""
-    from megatron.core import parallel_state as ps
-
+    """Raise ``NotImplementedError`` for model settings generation does not handle (every parallel layout
+    the trainers build is handled: SP and CP are switched off for the call, EP decodes in lockstep)."""
     config = chunks[0].config
-    if ps.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("generation needs context_parallel_size=1: decoding one token per step "
-                                  "cannot be split along the sequence")
-    if config.sequence_parallel:
-        raise NotImplementedError("generation with sequence_parallel=True is not supported: a one-token decode "
-                                  "step cannot be split over TP ranks; train with parallel.sequence_parallel=false")
-    if ps.get_expert_model_parallel_world_size() > 1:
-        raise NotImplementedError("generation with expert_model_parallel_size > 1 is not supported: data-parallel "
-                                  "ranks would need to run the same number of decode steps for the expert all-to-all")
     if getattr(config, "flash_decode", False):
         raise NotImplementedError("generation switches config.flash_decode itself for its decode steps; build the "
                                   "model with flash_decode=False")
@@ -262,9 +260,10 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     chunks = model_chunks(models)
     check_generation_layout(chunks)
     device = next(chunks[0].parameters()).device
+    lockstep = Lockstep(chunks, device)
     batch = len(prompts)
     prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-    shortest, longest = min(len(p) for p in prompts), max(len(p) for p in prompts)
+    shortest, longest = lockstep.shape(batch, min(len(p) for p in prompts), max(len(p) for p in prompts))
     total = longest + max_new_tokens
     max_positions = getattr(chunks[0], "max_sequence_length", None)
     if max_positions is not None and total > max_positions:
@@ -294,7 +293,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     forwards = 0
     lean, used_lean = None, False
     try:
-        with torch.inference_mode(), sdpa_core_attention(chunks if fast_attention else []) as swapped, \
+        with whole_sequences(chunks), torch.inference_mode(), \
+                sdpa_core_attention(chunks if fast_attention else []) as swapped, \
                 cache as context, RopeOnceDecode(chunks if fast_attention else [], context) as rope_once:
             chain = _StageChain(chunks, context, device=device)
             fed_from = 0
@@ -325,7 +325,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                     stopped |= hit
                     end = torch.where(hit, t + 1, end)
                 done |= writing & (end <= t + 1)
-                if bool(done.all()):
+                if lockstep.all_done(done):
                     break
     finally:
         lean = None

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from launcher.model_shape import ModelShape
+from launcher.parallel import ParallelDims
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -49,24 +50,43 @@ def compute_dtype(name: str) -> torch.dtype:
 class ModelOptions:
     """Runtime choices that are not part of the architecture."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
+    dims: ParallelDims = field(default_factory=lambda: ParallelDims(world_size=1))
+    """The parallel sizes and the pipeline split (only the model-parallel ones matter to the builder)."""
     recompute: str = "none"
+    """Activation recompute: none, selective or full."""
     dtype: torch.dtype = torch.float32
+    """Parameter and compute dtype."""
     seq_length: Optional[int] = None
-    num_layers_in_first_stage: Optional[int] = None
-    num_layers_in_last_stage: Optional[int] = None
+    """Training sequence length."""
     init_seed: int = 1234
+    """Seed of the layout-invariant weight initialisation."""
+    moe_load_balancing: str = "none"
+    """Router load-balancing loss: one of the schema's MOE_LOAD_BALANCING (Megatron's
+    moe_router_load_balancing_type)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Its coefficient (0 turns it off)."""
+
+
+def aux_loss_coeff(opts: ModelOptions) -> float:
+    """The ``moe_aux_loss_coeff`` to give Megatron for ``opts.moe_aux_loss_coeff`` under per-token loss.
+
+    With ``calculate_per_token_loss`` the gradients are divided by the global count of target tokens, and
+    Megatron 0.16.1 multiplies each rank's aux loss by the tokens that rank routed, to cancel that division
+    (router.py ``attach_and_log_load_balancing_loss``). Under sequence (and context) parallelism a rank routes
+    only its 1/(tp*cp) share of the sequence, so the aux-loss gradient comes out tp*cp times too small
+    (measured: TP2 with SP at coefficient 0.1 trains exactly like TP1 at 0.05). Scaling the coefficient by
+    tp*cp restores it; the logged load-balancing loss is divided by the coefficient, so it is unaffected.
+    """
+    if opts.moe_load_balancing == "none" or not opts.moe_aux_loss_coeff:
+        return 0.0
+    return opts.moe_aux_loss_coeff * (opts.dims.tp * opts.dims.cp if opts.dims.sp else 1)
 
 
 def transformer_config(shape: ModelShape, opts: ModelOptions):
     """Megatron ``TransformerConfig`` for ``shape`` under the given parallel sizes."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dims = opts.dims
     if shape.is_mla:
         raise NotImplementedError(f"{shape.name}: multi-latent attention models are not built by this runtime yet")
     activation = {"silu": F.silu, "gelu": F.gelu}.get(shape.activation)
@@ -82,8 +102,10 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_router_pre_softmax=not shape.moe_norm_topk_prob,
             moe_router_score_function=shape.moe_router_score_function,
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-            moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-            expert_model_parallel_size=opts.ep, expert_tensor_parallel_size=1 if opts.ep > 1 else opts.tp)
+            moe_grouped_gemm=have_transformer_engine(),  # TE's grouped GEMM experts on GPUs
+            moe_aux_loss_coeff=aux_loss_coeff(opts),
+            moe_router_load_balancing_type=opts.moe_load_balancing if opts.moe_aux_loss_coeff else "none",
+            expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
     recompute = {}
     if opts.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
@@ -96,52 +118,111 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         gated_linear_unit=shape.gated_linear_unit, activation_func=activation,
         add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
-        virtual_pipeline_model_parallel_size=opts.vpp if opts.vpp and opts.vpp > 1 else None,
-        context_parallel_size=opts.cp, sequence_parallel=opts.sequence_parallel,
-        num_layers_in_first_pipeline_stage=opts.num_layers_in_first_stage,
-        num_layers_in_last_pipeline_stage=opts.num_layers_in_last_stage,
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        context_parallel_size=dims.cp, sequence_parallel=dims.sp,
+        num_layers_in_first_pipeline_stage=dims.first_stage_layers,
+        num_layers_in_last_pipeline_stage=dims.last_stage_layers,
+        account_for_embedding_in_pipeline_split=dims.account_for_embedding,
+        account_for_loss_in_pipeline_split=dims.account_for_loss,
         params_dtype=opts.dtype, bf16=opts.dtype == torch.bfloat16, fp16=opts.dtype == torch.float16,
         pipeline_dtype=opts.dtype, use_cpu_initialization=not torch.cuda.is_available(),
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        init_method_std=0.02, **moe, **recompute)
+        init_method_std=0.02, calculate_per_token_loss=True, **moe, **recompute)
 
 
 def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None):
-    """Decoder block spec: Transformer Engine on GPUs when installed, Megatron's local spec otherwise."""
+    """Decoder block spec: Transformer Engine on GPUs when installed, Megatron's local spec otherwise.
+
+    Under sequence parallelism the local spec's torch norms (which refuse it) become ``SequenceParallelTorchNorm``:
+    the input, pre-MLP, QK and final norms, their weights tagged for the TP all-reduce of their grads. Under
+    context parallelism the local core attention (which refuses it) becomes ``CPDotProductAttention``; with
+    Transformer Engine, TE's own CP attention runs.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine(),
+    use_te = have_transformer_engine()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                       normalization=shape.normalization, vp_stage=vp_stage)
+    if config.sequence_parallel and not use_te:
+        from megatron_rl.models.norms import sequence_parallel_spec
+
+        spec = sequence_parallel_spec(spec)
+    if config.context_parallel_size > 1 and not use_te:
+        from megatron_rl.models.cp_attention import with_cp_core_attention
+
+        spec = with_cp_core_attention(spec)
+    return spec
+
+
+def expert_seed(seed: int, layer: int, expert: int) -> int:
+    """Seed of routed expert ``expert`` (global index) of global layer ``layer``: distinct from the per-layer seeds
+    ``seed * 1000 + layer`` of ``layout_invariant_init`` (all below (seed + 1) * 1000) and from each other."""
+    return (seed * 1000 + layer) * 100_003 + 1 + expert
 
 
 @contextlib.contextmanager
 def layout_invariant_init(seed: int):
-    """Seed the CPU RNG before the embedding and before every decoder layer by its GLOBAL layer number.
+    """Seed the CPU RNG before the embedding and before every decoder layer by its GLOBAL layer number, and before
+    every routed expert by its GLOBAL expert index.
 
     Megatron initialises weights on the CPU from the global RNG in construction order, so a pipeline stage
     that starts at layer k would otherwise draw different weights than a single stage does. With a seed per
     layer (and the output layer drawn right after the last layer), the weights do not depend on pp/vpp;
     tensor parallelism already splits one CPU-drawn master weight.
+
+    Expert parallelism: each EP rank builds only its own experts (``SequentialMLP``: global experts
+    ep_rank * n_local ... + n_local - 1), so without more, expert 0 of EP rank 1 would draw what expert 0 of
+    EP rank 0 draws, and the ranks would consume different amounts of the layer's stream (changing the output
+    layer). So every expert MLP draws from its own seed ``expert_seed(seed, layer, global_expert)``, and the
+    layer's stream is restored after the experts, as if they drew nothing from it. Not covered: grouped-GEMM
+    experts (``moe_grouped_gemm``, set only with Transformer Engine on GPUs) and the GPU init path (``use_cpu_initialization``
+    is off on GPUs; Megatron then draws from its per-rank CUDA RNG trackers, which no layout invariance covers).
     """
     from megatron.core import parallel_state
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+    from megatron.core.utils import get_pg_rank
 
-    original = TransformerLayer.__init__
+    originals = (TransformerLayer.__init__, SequentialMLP.__init__, MLP.__init__)
+    building = {}  # the global layer being built; while its experts are built, the next expert's global index
 
     def seeded_init(self, config, submodules, layer_number=1, *args, **kwargs):
         vp_stage = kwargs.get("vp_stage")
         offset = get_transformer_layer_offset(config, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
+        building["layer"] = layer_number + offset
         torch.manual_seed(seed * 1000 + layer_number + offset)
-        original(self, config, submodules, layer_number, *args, **kwargs)
+        originals[0](self, config, submodules, layer_number, *args, **kwargs)
+
+    def seeded_experts_init(self, num_local_experts, config, *args, **kwargs):
+        # MoELayer's process groups (its ep group also gives MoELayer.local_expert_indices)
+        pg_collection = kwargs.get("pg_collection", args[1] if len(args) > 1 else None)
+        ep_rank = (get_pg_rank(pg_collection.ep) if pg_collection is not None
+                   else parallel_state.get_expert_model_parallel_rank())
+        stream = torch.get_rng_state()
+        building["expert"] = ep_rank * num_local_experts
+        try:
+            originals[1](self, num_local_experts, config, *args, **kwargs)
+        finally:
+            building.pop("expert", None)
+            torch.set_rng_state(stream)
+
+    def seeded_mlp_init(self, config, submodules, *args, **kwargs):
+        if kwargs.get("is_expert", args[0] if args else False) and "expert" in building:
+            torch.manual_seed(expert_seed(seed, building.get("layer", 0), building["expert"]))
+            building["expert"] += 1
+        originals[2](self, config, submodules, *args, **kwargs)
 
     TransformerLayer.__init__ = seeded_init
+    SequentialMLP.__init__ = seeded_experts_init
+    MLP.__init__ = seeded_mlp_init
     torch.manual_seed(seed * 1000)
     try:
         yield
     finally:
-        TransformerLayer.__init__ = original
+        TransformerLayer.__init__, SequentialMLP.__init__, MLP.__init__ = originals
         torch.manual_seed(seed)
 
 
@@ -164,7 +245,7 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
     with layout_invariant_init(opts.init_seed):
         model = (model_class or GPTModel)(
             config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage),
-            vocab_size=padded_vocab_size(shape.vocab_size, opts.tp),
+            vocab_size=padded_vocab_size(shape.vocab_size, opts.dims.tp),
             max_sequence_length=shape.max_position_embeddings,
             pre_process=pre_process, post_process=post_process,
             share_embeddings_and_output_weights=shape.tie_embeddings if tie_embeddings is None else tie_embeddings,
@@ -179,6 +260,6 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
 
 def build_model_chunks(shape: ModelShape, opts: ModelOptions) -> list:
     """All model chunks this rank holds: one, or vpp of them with interleaved pipelining."""
-    if opts.vpp and opts.vpp > 1:
-        return [build_gpt_model(shape, opts, vp_stage=i) for i in range(opts.vpp)]
+    if opts.dims.vpp > 1:
+        return [build_gpt_model(shape, opts, vp_stage=i) for i in range(opts.dims.vpp)]
     return [build_gpt_model(shape, opts)]

@@ -146,8 +146,8 @@ def reward_model_class():
 def build_reward_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional[int] = None,
                        pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
     """One reward-model chunk of ``shape`` for this rank's pipeline stage (and virtual stage ``vp_stage``)."""
-    if opts.cp > 1:
-        raise ConfigError(f"parallel.cp={opts.cp}: the reward model does not support context parallelism yet; "
+    if opts.dims.cp > 1:
+        raise ConfigError(f"parallel.cp={opts.dims.cp}: the reward model does not support context parallelism yet; "
                           "set parallel.cp=1")
     # No output layer to tie; the embedding key is unchanged.
     return build_gpt_model(shape, opts, vp_stage=vp_stage, pre_process=pre_process, post_process=post_process,
@@ -156,8 +156,8 @@ def build_reward_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optio
 
 def build_reward_model_chunks(shape: ModelShape, opts: ModelOptions) -> list:
     """All reward-model chunks this rank holds (vpp of them with interleaved pipelining); for ``build_engine``."""
-    if opts.vpp and opts.vpp > 1:
-        return [build_reward_model(shape, opts, vp_stage=i) for i in range(opts.vpp)]
+    if opts.dims.vpp > 1:
+        return [build_reward_model(shape, opts, vp_stage=i) for i in range(opts.dims.vpp)]
     return [build_reward_model(shape, opts)]
 
 

@@ -19,6 +19,7 @@ Test: `.venv/bin/python -m pytest tests/test_rm.py -q -k scorer`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -38,6 +39,7 @@ from megatron_rl.models.reward_model import (
     right_padded_batch,
 )
 from megatron_rl.rewards.registry import register_reward, registered_rewards
+from megatron_rl.runtime.distributed import current_dims
 
 
 def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict]:
@@ -90,8 +92,6 @@ class RewardModelScorer:
         forward. ``tokenizer``: override the stored tokenizer folder. ``dtype``: auto (bf16 on GPUs, fp32 on CPU),
         fp32, bf16 or fp16. ``sequence_parallel``: as the job's parallel.sequence_parallel (MoE with TP > 1).
         ``max_length``: override the stored max length."""
-        from megatron.core import parallel_state as ps
-
         if micro_batch_size < 1:
             raise ConfigError(f"reward model scorer: micro_batch_size={micro_batch_size} must be >= 1")
         self.folder, meta = read_reward_model_metadata(checkpoint)
@@ -99,15 +99,12 @@ class RewardModelScorer:
         self.max_length = int(max_length or meta["max_length"])
         self.encoder = SequenceEncoder(load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer")))
         self.micro_batch_size = micro_batch_size
-        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-        if self.shape.num_layers % (pp * (vpp or 1)):
-            raise ConfigError(f"reward model {self.folder}: its {self.shape.num_layers} layers do not split over "
-                              f"the job's pipeline (pp={pp}, vpp={vpp or 1})")
-        self.opts = ModelOptions(tp=tp, pp=pp, vpp=vpp, ep=ps.get_expert_model_parallel_world_size(),
-                                 sequence_parallel=sequence_parallel and tp > 1, dtype=compute_dtype(dtype),
-                                 seq_length=self.max_length)
-        self.multiple = tp if self.opts.sequence_parallel else 1
+        dims = current_dims()
+        dims = dataclasses.replace(dims, sp=sequence_parallel and dims.tp > 1).with_split(self.shape.num_layers)
+        dims.check_model(self.shape)
+        pp = dims.pp
+        self.opts = ModelOptions(dims=dims, dtype=compute_dtype(dtype), seq_length=self.max_length)
+        self.multiple = dims.tp if dims.sp else 1
         self.fixed_length = padded_length(self.max_length, multiple=self.multiple) if pp > 1 else None
         with preserved_rng():
             self.chunks = build_reward_model_chunks(self.shape, self.opts)
@@ -140,7 +137,7 @@ class RewardModelScorer:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         mbs = self.micro_batch_size
         # the interleaved schedule runs micro-batches in groups of pp
-        group = mbs * (self.opts.pp if self.opts.vpp and self.opts.vpp > 1 else 1)
+        group = mbs * (self.opts.dims.pp if self.opts.dims.vpp > 1 else 1)
         per_rank = -(-count // (dp * group)) * group
         padded = seqs + [seqs[0]] * (per_rank * dp - count)
         mine = padded[dp_rank * per_rank:(dp_rank + 1) * per_rank]

@@ -1,6 +1,12 @@
 """Rollouts as training data: prompt + response rows, aligned log-probs and advantages, and the GRPO loss
 (``megatron_rl.algorithms.policy_loss.grpo_loss``) in the form Megatron's schedule wants: a sum and its
 denominator (see ``megatron_rl.runtime.training``).
+
+Context parallelism: rows are collated whole, padded to a multiple of 2*cp (``Rollout.seq_multiple``); the
+training forward step gives each CP rank its two chunks of every per-token entry, so the loss function sees
+parts of sequences. Megatron sums losses and denominators over the data-parallel-with-CP group, which makes a
+token mean exact as it is; the sequence means need each sequence's whole length (all-reduced over the CP
+group) and count each sequence once (on CP rank 0).
 """
 
 from __future__ import annotations
@@ -32,11 +38,16 @@ class Rollout:
     rewards: Optional[torch.Tensor] = None
     per_fn: dict[str, list[float]] = field(default_factory=dict)
     advantages: Optional[torch.Tensor] = None
+    seq_multiple: int = 1
+    """The training length is rounded up to a multiple of this (``Engine.sequence_multiple``: 2*cp under
+    context parallelism, tp (times cp) under sequence parallelism); the extra positions are masked padding."""
 
     @property
     def seq_length(self) -> int:
-        """Padded training length: the longest prompt + response, minus the last token (inputs are shifted)."""
-        return max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)) - 1
+        """Padded training length: the longest prompt + response, minus the last token (inputs are shifted),
+        rounded up to ``seq_multiple``."""
+        longest = max(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)) - 1
+        return -(-longest // self.seq_multiple) * self.seq_multiple
 
 
 def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
@@ -75,17 +86,20 @@ def rollout_rows(rollout: Rollout) -> list[dict]:
 def make_grpo_loss(config: GRPOLossConfig):
     """The loss function handed to ``Engine.train_step``: ``grpo_loss`` of one micro-batch as (sum, denominator,
     reports). The denominator is the micro-batch's token count (token-mean) or sequence count (the other modes);
-    Megatron sums both over micro-batches and data-parallel ranks, so the step's loss is the global one."""
+    Megatron sums both over micro-batches and data-parallel(-with-CP) ranks, so the step's loss is the global
+    one. Under context parallelism the batch holds this CP rank's chunks: see the module docstring."""
 
     def loss_fn(logits: torch.Tensor, batch: dict):
         mask = batch["loss_mask"]
         entropy = vocab_parallel_entropy(logits)  # before the cross entropy, which works in place
         logp = vocab_parallel_logprobs(logits, batch["labels"])
+        seq_lengths, counts_sequences = whole_sequence_lengths(mask)
         loss_sum, metrics = grpo_loss(logp, batch["old_logp"], batch["advantages"], mask, config=config,
                                       ref_logp=batch.get("ref_logp"), entropy=entropy,
-                                      global_num_tokens=1, global_num_seqs=1)
+                                      global_num_tokens=1, global_num_seqs=1, seq_lengths=seq_lengths)
         tokens = metrics["num_tokens"]
-        denominator = (tokens if config.loss_agg_mode == "token-mean" else metrics["num_seqs"]).to(torch.int)
+        sequences = metrics["num_seqs"] if counts_sequences else torch.zeros_like(metrics["num_seqs"])
+        denominator = (tokens if config.loss_agg_mode == "token-mean" else sequences).to(torch.int)
         one = torch.ones((), dtype=torch.float64)
         reports = {
             "loss": (metrics["loss"], denominator), "pg_loss": (metrics["pg_loss"], denominator),
@@ -95,3 +109,16 @@ def make_grpo_loss(config: GRPOLossConfig):
         return loss_sum, denominator, reports
 
     return loss_fn
+
+
+def whole_sequence_lengths(mask: torch.Tensor) -> tuple[Optional[torch.Tensor], bool]:
+    """(per-sequence loss-token counts over the whole sequences, whether this rank counts the sequences) for a
+    micro-batch whose ``mask`` [b, s / cp] holds this context-parallel rank's chunks: the lengths are
+    all-reduced over the CP group and only CP rank 0 counts sequences. (None, True) without CP."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() <= 1:  # 0: no process group (a single process)
+        return None, True
+    lengths = mask.detach().to(torch.float32).sum(dim=-1)
+    torch.distributed.all_reduce(lengths, group=ps.get_context_parallel_group())
+    return lengths, ps.get_context_parallel_rank() == 0

@@ -222,9 +222,26 @@ def _patch_torch_cuda() -> None:
     cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's ``rope_utils.get_pos_emb_on_this_cp_rank`` without ``pin_memory=True`` (which needs an
+    accelerator): the rotary table of this CP rank's two chunks, r and 2*cp-1-r."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], dtype=torch.long, device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 def _patch_megatron() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # each imports it by name
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
 
     mcore_random._get_cuda_rng_state = _counted(lambda device="cuda", clone=False, graph_safe=False:
                                                 torch.get_rng_state())

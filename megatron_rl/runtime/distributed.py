@@ -16,6 +16,8 @@ from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
+from launcher.parallel import ParallelDims
+
 T = TypeVar("T")
 
 
@@ -64,29 +66,31 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-@dataclass(frozen=True, kw_only=True)
-class ParallelSizes:
-    """The model-parallel sizes handed to Megatron; the data-parallel size follows from the world size."""
+def current_dims() -> ParallelDims:
+    """The parallel sizes this process runs at, read from Megatron's parallel state (after ``initialize``)."""
+    from megatron.core import parallel_state as ps
 
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    ep: int = 1
-
-
-def expert_tensor_parallel_size(tp: int, ep: int) -> int:
-    """Experts are split by expert parallelism alone when ep > 1 (what the planner models); else they follow tp."""
-    return 1 if ep > 1 else tp
+    return ParallelDims(
+        world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1, cp=ps.get_context_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size())
 
 
-def initialize(sizes: ParallelSizes, *, seed: int, backend: str = "auto", timeout_s: int = 300) -> DistEnv:
+def job_dims(**sizes) -> ParallelDims:
+    """ParallelDims of ``sizes`` (tp=, pp=, ...) over this job's processes (the launcher's world size)."""
+    return ParallelDims(world_size=read_dist_env().world_size, **sizes)
+
+
+def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_s: int = 300) -> DistEnv:
     """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers."""
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_rl.runtime import cpu_compat
 
     dist_env = read_dist_env()
+    if dims.world_size != dist_env.world_size:
+        raise RuntimeError(f"the layout is for {dims.world_size} processes but {dist_env.world_size} were started")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         cpu_compat.apply()
@@ -99,10 +103,9 @@ def initialize(sizes: ParallelSizes, *, seed: int, backend: str = "auto", timeou
             backend=backend, init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
             rank=dist_env.rank, world_size=dist_env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
-        virtual_pipeline_model_parallel_size=sizes.vpp if sizes.vpp and sizes.vpp > 1 else None,
-        context_parallel_size=sizes.cp, expert_model_parallel_size=sizes.ep,
-        expert_tensor_parallel_size=expert_tensor_parallel_size(sizes.tp, sizes.ep))
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dist_env

@@ -21,6 +21,7 @@ import torch
 
 from launcher.config.schema import JobConfig
 from launcher.model_shape import ModelShape
+from launcher.parallel import ParallelDims
 from megatron_rl.models.builder import ModelOptions, build_model_chunks, compute_dtype, padded_vocab_size
 
 # loss_fn(model_output, batch) -> (loss_sum, denominator as an int tensor, {name: (sum, count)})
@@ -45,10 +46,12 @@ def logprob_collector(sink: list):
 
     Only the last pipeline stage computes losses, so only there does ``sink`` fill.
     """
+    from megatron_rl.models.cp_attention import gather_from_cp
     from megatron_rl.models.logprobs import vocab_parallel_logprobs
 
     def loss_fn(logits: torch.Tensor, batch: dict):
-        sink.append(vocab_parallel_logprobs(logits, batch["labels"]).detach().float())
+        logprobs = vocab_parallel_logprobs(logits, batch["labels"]).detach().float()
+        sink.append(gather_from_cp(logprobs, seq_dim=1))  # whole sequences again under context parallelism
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
         return zero, torch.ones((), dtype=torch.int, device=logits.device), {}
 
@@ -116,10 +119,9 @@ def sequence_logprobs(chunks, tokens: torch.Tensor, *, micro_batch_size: Optiona
 
 
 def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
-    par = cfg.parallel
     return ModelOptions(
-        tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep, sequence_parallel=par.sequence_parallel,
-        recompute=par.recompute, dtype=compute_dtype(cfg.model.dtype),
+        dims=ParallelDims.from_config(cfg.parallel, world_size=torch.distributed.get_world_size()), recompute=cfg.parallel.recompute, dtype=compute_dtype(cfg.model.dtype),
+        moe_load_balancing=cfg.model.moe_load_balancing, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
         seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed)
 
 
@@ -138,7 +140,12 @@ class Engine:
 
     @property
     def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.shape.vocab_size, self.opts.tp)
+        return padded_vocab_size(self.shape.vocab_size, self.opts.dims.tp)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Training sequence lengths must be multiples of this (``ParallelDims.sequence_multiple``)."""
+        return self.opts.dims.sequence_multiple
 
     def train_step(self, microbatches: list[dict], loss_fn: LossFn, *, seq_length: int,
                    report_names: tuple[str, ...], forward_fn: ForwardFn = lm_forward) -> dict[str, float]:
@@ -217,7 +224,11 @@ def _data_iterators(chunks: list, microbatches: list[dict]):
 
 
 def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn, forward_fn: ForwardFn):
-    batch = next(data_iterator)
+    """Micro-batches arrive whole; under context parallelism each rank keeps its two sequence chunks (Megatron's
+    load-balanced order) of every per-token entry. The schedule is given the global sequence length."""
+    from megatron_rl.models.cp_attention import slice_batch_for_cp
+
+    batch = slice_batch_for_cp(next(data_iterator))
     return forward_fn(model, batch), partial(loss_fn, batch=batch)
 
 
@@ -305,15 +316,17 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
                   micro_batch_size=cfg.parallel.micro_batch_size, make_optimizer=make_optimizer)
 
 
-def data_parallel_share(items: list) -> list:
-    """This DP rank's contiguous share of a list every rank holds (rank r gets the r-th of dp equal parts)."""
+def data_parallel_share(items: list, *, with_context_parallel: bool = False) -> list:
+    """This DP rank's contiguous share of a list every rank holds (rank r gets the r-th of dp equal parts).
+    ``with_context_parallel``: over the dp*cp ranks instead (CP ranks as extra workers, e.g. rollout generation)."""
     from megatron.core import parallel_state
 
-    dp = parallel_state.get_data_parallel_world_size()
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=with_context_parallel)
     if len(items) % dp:
-        raise ValueError(f"{len(items)} items do not split evenly over dp={dp} data-parallel ranks")
+        what = "data-parallel x context-parallel" if with_context_parallel else "data-parallel"
+        raise ValueError(f"{len(items)} items do not split evenly over {dp} {what} ranks")
     per_rank = len(items) // dp
-    rank = parallel_state.get_data_parallel_rank()
+    rank = parallel_state.get_data_parallel_rank(with_context_parallel=with_context_parallel)
     return items[rank * per_rank:(rank + 1) * per_rank]
 
 
@@ -325,11 +338,11 @@ def data_parallel_slice(items: list, *, micro_batch_size: int) -> list[list]:
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
 
 
-def gather_data_parallel(items: list) -> list:
+def gather_data_parallel(items: list, *, with_context_parallel: bool = False) -> list:
     """The inverse of ``data_parallel_share``: every DP rank's list, concatenated in rank order, on every rank."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_data_parallel_group()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
     world = torch.distributed.get_world_size(group)
     if world == 1:
         return list(items)

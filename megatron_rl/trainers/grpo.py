@@ -7,6 +7,11 @@
 Each step reads like the algorithm: generate (the training weights sample ``group_size`` completions per
 prompt, in the same processes), score (verifiers, a reward model, or your function), compute group-relative
 advantages, train (one or more optimizer steps through Megatron's forward-backward schedule), save.
+
+Layouts: generation runs at every training layout (megatron_rl/generation/layout.py): sequence and context
+parallelism are off while generating, context-parallel ranks generate as extra rollout workers (the rollout is
+split over the dp*cp workers, then gathered whole on every rank, and training slices it by DP rank as usual),
+and MoE models at ep > 1 decode in lockstep over the workers that share experts.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ class GrpoRun:
         from megatron_rl.trainers.sft import batch_for_step, encode_examples, sft_seq_length, sft_step
 
         examples = encode_examples(self.tokenizer, self.sft_examples, self.cfg.model.seq_length or self.shape.seq_length)
-        seq_length = sft_seq_length(examples)
+        seq_length = sft_seq_length(examples, multiple=self.engine.sequence_multiple)
         for step in range(1, self.algo.sft_warmup_steps + 1):
             batch = batch_for_step(examples, step=step, batch_size=self.algo.global_batch_size, seed=self.cfg.run.seed)
             with training_phase(self.engine):
@@ -110,7 +115,8 @@ class GrpoRun:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: list) -> Rollout:
-        """group_size completions per prompt; each data-parallel rank samples its share, then all see all."""
+        """group_size completions per prompt; each rollout worker (data-parallel x context-parallel rank)
+        samples its share, then all see all."""
         from megatron_rl.generation import data_parallel_seed, generate
 
         group = self.algo.group_size
@@ -118,18 +124,20 @@ class GrpoRun:
         prompt_ids = [self.tokenizer.encode(t, add_bos=True) for t in texts]
         gen = self.cfg.generation
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        mine = data_parallel_share(prompt_ids, with_context_parallel=True)
         with generation_phase(self.engine, offload_optimizer=gen.offload_optimizer):
             out = generate(
-                [ckpt.unwrap(c) for c in self.engine.chunks], data_parallel_share(prompt_ids),
+                [ckpt.unwrap(c) for c in self.engine.chunks], mine,
                 max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
                 eos_id=self.tokenizer.eos_id, stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
                 vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=data_parallel_seed(step_seed))
         sampled = gather_data_parallel([(list(tokens), list(map(float, lp)))
-                                        for tokens, lp in zip(out.tokens, out.logprobs)])
+                                        for tokens, lp in zip(out.tokens, out.logprobs)], with_context_parallel=True)
         responses, logprobs = [tokens for tokens, _ in sampled], [lp for _, lp in sampled]
         completions = [self.tokenizer.decode(r) for r in responses]
         return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, prompts=texts,
-                       completions=completions, answers=[p.answer for p in prompts for _ in range(group)])
+                       completions=completions, answers=[p.answer for p in prompts for _ in range(group)],
+                       seq_multiple=self.engine.sequence_multiple)
 
     # ------------------------------------------------------------------ score
     def score(self, rollout: Rollout) -> None:

@@ -53,8 +53,11 @@ def batch_for_step(examples: list, *, step: int, batch_size: int, seed: int) -> 
     return [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
 
 
-def sft_seq_length(examples: list) -> int:
-    return max(len(ids) for ids, _ in examples)
+def sft_seq_length(examples: list, *, multiple: int = 1) -> int:
+    """The longest example, rounded up to ``multiple`` (``Engine.sequence_multiple``); the extra positions are
+    masked right padding, so the loss does not change."""
+    longest = max(len(ids) for ids, _ in examples)
+    return -(-longest // multiple) * multiple
 
 
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
@@ -71,8 +74,8 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
         raise ConfigError(f"data.task={cfg.data.task!r} has no SFT data; set data.train_path to a JSONL file")
     max_length = cfg.data.max_length or cfg.model.seq_length or shape.seq_length
     examples = encode_examples(tokenizer, records, max_length)
-    seq_length = sft_seq_length(examples)
     engine = build_engine(cfg, shape)
+    seq_length = sft_seq_length(examples, multiple=engine.sequence_multiple)
     start = ctx.resume(engine)
     for step in range(start + 1, cfg.run.steps + 1):
         with ctx.timer() as timer:

@@ -68,12 +68,13 @@ def run_reward_fixture(task: dict) -> dict:
     from megatron_rl.conversion.safetensors_io import HFCheckpoint
     from megatron_rl.conversion.worker import _sharded_tensors, fill_from_hf
     from megatron_rl.models.builder import ModelOptions
+    from megatron_rl.runtime.distributed import current_dims
     from megatron_rl.models.reward_model import build_reward_model
     from megatron_rl.runtime.checkpoint import save_checkpoint
 
     hf = HFCheckpoint.open(task["hf"])
     shape = shape_from_config(hf.config, task["hf"])
-    model = build_reward_model(shape, ModelOptions(tp=task["tp"], pp=task["pp"]))
+    model = build_reward_model(shape, ModelOptions(dims=current_dims()))
     fill_from_hf(model, shape, hf, skip_prefixes=("rm_head.",))
     generator = torch.Generator().manual_seed(7)
     head = {"rm_head.weight": 0.3 * torch.randn(1, shape.hidden_size, generator=generator),

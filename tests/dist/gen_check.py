@@ -12,9 +12,7 @@ optimizer/grad offload round trip. The test (tests/test_generation.py) compares 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -130,9 +128,9 @@ def main() -> None:
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase, grad_buffer_tensors, optimizer_tensors
     from megatron_rl.runtime.checkpoint import unwrap
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize
-    from megatron_rl.runtime.training import build_engine, data_parallel_slice
-    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+    from megatron_rl.runtime.distributed import initialize, job_dims
+    from megatron_rl.runtime.training import build_engine
+    from dist_common import progression_trainer, write_rank_result
 
     import dataclasses
 
@@ -140,19 +138,14 @@ def main() -> None:
                                  f"parallel.vpp={args.vpp or 'null'}",
                                  "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
-    initialize(ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp), seed=cfg.run.seed)
+    initialize(job_dims(tp=args.tp, pp=args.pp, vpp=args.vpp or 1), seed=cfg.run.seed)
     shape = load_model_shape(args.model)
     if args.layers:
         shape = dataclasses.replace(shape, num_layers=args.layers)
     engine = build_engine(cfg, shape, total_steps=10)
     vocab = shape.vocab_size
 
-    def train_step(step: int) -> dict:
-        rows = progression_batch(seed=7, step=step, batch_size=4, seq_length=16, vocab_size=vocab)
-        micro = data_parallel_slice(list(rows), micro_batch_size=cfg.parallel.micro_batch_size)
-        return engine.train_step([collate_lm(torch.stack(mb)) for mb in micro], lm_loss, seq_length=16,
-                                 report_names=("loss",))
-
+    train_step = progression_trainer(engine, micro_batch_size=cfg.parallel.micro_batch_size)
     for step in (1, 2):
         train_step(step)
 
@@ -219,8 +212,6 @@ def main() -> None:
         "empty_prompt": lambda: generate(chunks, [[]], vocab_size=vocab, max_new_tokens=2),
         "token_out_of_vocab": lambda: generate(chunks, [[vocab]], vocab_size=vocab, max_new_tokens=2),
         "too_long": lambda: generate(chunks, [[5]], vocab_size=vocab, max_new_tokens=shape.max_position_embeddings),
-        "sequence_parallel": lambda: _with_sequence_parallel(chunks, lambda: generate(
-            chunks, [[5]], vocab_size=vocab, max_new_tokens=2)),
     }.items():
         try:
             call()
@@ -228,6 +219,11 @@ def main() -> None:
         except (ValueError, NotImplementedError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
     result["errors"] = errors
+    # A config with sequence parallelism on: generation switches it off for the call, and back on.
+    sp_tokens, sp_flag = _with_sequence_parallel(chunks, lambda: (generate(
+        chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0).tokens,
+        unwrap(chunks[0]).config.sequence_parallel))
+    result["sequence_parallel_config"] = {"tokens_equal": sp_tokens == greedy.tokens, "flag_after_generate": sp_flag}
 
     # Offload round trip inside a generation phase; weights must be untouched by generation.
     weights = [p.detach().clone() for c in chunks for p in unwrap(c).parameters()]
@@ -255,10 +251,7 @@ def main() -> None:
     after = train_step(3)
     result["train_after_generation"] = {"loss": after["loss"], "grad_norm": after["grad_norm"]}
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
-    torch.distributed.barrier()
+    write_rank_result(args.out, result)
 
 
 if __name__ == "__main__":

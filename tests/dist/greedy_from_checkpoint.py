@@ -13,12 +13,12 @@ if __name__ == "__main__":
     from megatron_rl.generation import generate
     from megatron_rl.models.builder import ModelOptions, build_model_chunks
     from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.distributed import ParallelSizes, initialize
+    from megatron_rl.runtime.distributed import current_dims, initialize, job_dims
 
     path, tp, model, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
-    initialize(ParallelSizes(tp=tp), seed=0)
+    initialize(job_dims(tp=tp), seed=0)
     shape = load_model_shape(model)
-    chunks = build_model_chunks(shape, ModelOptions(tp=tp))
+    chunks = build_model_chunks(shape, ModelOptions(dims=current_dims()))
     ckpt.load_checkpoint(path, chunks=chunks, load_optimizer=False)
     out = generate(chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=8, temperature=0.0)
     if torch.distributed.get_rank() == 0:

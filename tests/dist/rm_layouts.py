@@ -33,7 +33,7 @@ from megatron_rl.models.reward_model import (  # noqa: E402
     load_reward_model_weights,
 )
 from megatron_rl.runtime import checkpoint as ckpt  # noqa: E402
-from megatron_rl.runtime.distributed import ParallelSizes, initialize, shutdown  # noqa: E402
+from megatron_rl.runtime.distributed import current_dims, initialize, job_dims, shutdown  # noqa: E402
 
 PROMPTS = ["last of 387=", "last of 12=", "first of 905=", "x", "last of 5550123=", "q="]
 COMPLETIONS = ["7", "2", "9 and more text", "yz", "3", "??"]
@@ -45,7 +45,7 @@ def use_layout(tp: int = 1, pp: int = 1) -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    initialize(ParallelSizes(tp=tp, pp=pp), seed=SEED)
+    initialize(job_dims(tp=tp, pp=pp), seed=SEED)
 
 
 def seeded_rewards(shape, tp: int) -> list[float]:
@@ -53,7 +53,7 @@ def seeded_rewards(shape, tp: int) -> list[float]:
     from megatron_rl.models.reward_model import right_padded_batch
 
     torch.manual_seed(SEED)
-    model = build_reward_model_chunks(shape, ModelOptions(tp=tp))[0].eval()
+    model = build_reward_model_chunks(shape, ModelOptions(dims=current_dims()))[0].eval()
     tok = CharTokenizer()
     seqs = [tok.encode(p + c, add_bos=True) for p, c in zip(PROMPTS, COMPLETIONS)]
     batch = right_padded_batch(seqs, pad_id=tok.pad_id, length=max(map(len, seqs)))

@@ -1,0 +1,246 @@
+"""``ParallelDims``: the parallel layout of one job, built once from the config and the world size, and checked.
+
+Pure Python (no torch), so the config checks, the planner and the job all read the same object:
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size=cfg.cluster.world_size)
+    dims.check_model(shape)         # heads, query groups, experts and the pipeline split
+    dims.dp, dims.edp               # data-parallel sizes of the dense and the expert layers
+
+Megatron's rules (``parallel_state.initialize_model_parallel`` and ``TransformerConfig``):
+- world = pp·tp·cp·dp = pp·etp·ep·edp, so the world must be divisible by pp·tp·cp and by pp·etp·ep;
+- tp divides the attention heads and the query groups; ep divides the routed experts;
+- sequence parallelism needs tp > 1, and MoE layers at tp > 1 need it;
+- the pipeline split is even (pp·vpp divides the layers, embedding and loss optionally counted as layers) or
+  uneven (``first_stage_layers`` / ``last_stage_layers``, the middle stages sharing the rest evenly); every
+  stage's layers divide by vpp. When the layers do not divide evenly and no split is given, ``with_split``
+  picks one (5 layers on pp=2 -> 3+2; 126 on pp=16 -> 7 + 14x8 + 7).
+
+Test: ``.venv/bin/python -m pytest tests/test_parallel_dims.py tests/test_planner_megatron_rules.py -q``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional
+
+from launcher.errors import ConfigError
+
+SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Sizes of every parallel dimension and the pipeline split; names as in the config's ``parallel:``."""
+
+    world_size: int
+    """Processes in the job (one per GPU)."""
+    tp: int = 1
+    """Tensor parallel."""
+    pp: int = 1
+    """Pipeline parallel."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (1 = plain 1F1B)."""
+    cp: int = 1
+    """Context parallel."""
+    ep: int = 1
+    """Expert parallel."""
+    etp: Optional[int] = None
+    """Expert tensor parallel; None takes 1 when ep > 1, else tp (experts split by EP alone or follow TP)."""
+    sp: bool = False
+    """Sequence parallelism (activations outside attention/MLP split over the TP group)."""
+    first_stage_layers: Optional[int] = None
+    """Decoder layers on the first pipeline stage (uneven split); None = even split."""
+    last_stage_layers: Optional[int] = None
+    """Decoder layers on the last pipeline stage (uneven split); None = even split."""
+    account_for_embedding: bool = False
+    """Count the embedding as one layer in an even split (Megatron's account_for_embedding_in_pipeline_split)."""
+    account_for_loss: bool = False
+    """Count the output layer and loss as one layer in an even split."""
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", 1 if self.ep > 1 else self.tp)
+        for key in ("world_size", "tp", "pp", "vpp", "cp", "ep", "etp"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{key}={value!r} must be a positive integer")
+        if self.sp and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
+        where = f"the world size {self.world_size} (cluster.nodes*cluster.tasks_per_node)"
+        dense = self.pp * self.tp * self.cp
+        if self.world_size % dense:
+            raise ConfigError(f"parallel.tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {dense} does not divide {where}; "
+                              "change the sizes or the number of processes")
+        expert = self.pp * self.etp * self.ep
+        if self.world_size % expert:
+            raise ConfigError(f"parallel.pp*etp*ep = {self.pp}*{self.etp}*{self.ep} = {expert} does not divide "
+                              f"{where}; change the sizes or the number of processes")
+
+    @classmethod
+    def from_config(cls, parallel: Any, *, world_size: int) -> "ParallelDims":
+        """From a ``ParallelConfig`` (the schema's ``parallel:`` section)."""
+        return cls(world_size=world_size, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp,
+                   ep=parallel.ep, etp=parallel.etp, sp=parallel.sequence_parallel,
+                   **{key: getattr(parallel, key) for key in SPLIT_KEYS})
+
+    @property
+    def dp(self) -> int:
+        """Data parallel of the dense layers: world / (pp·tp·cp)."""
+        return self.world_size // (self.pp * self.tp * self.cp)
+
+    @property
+    def edp(self) -> int:
+        """Data parallel of the expert layers: world / (pp·etp·ep)."""
+        return self.world_size // (self.pp * self.etp * self.ep)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Processes holding one replica of the dense layers: pp·tp·cp."""
+        return self.pp * self.tp * self.cp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Training sequence lengths must be multiples of this: 2*cp under context parallelism (Megatron's
+        load-balanced chunks), and each CP rank's part a multiple of tp under sequence parallelism."""
+        multiple = 2 * self.cp if self.cp > 1 else 1
+        return math.lcm(multiple, self.tp * self.cp) if self.sp else multiple
+
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def split(self) -> tuple:
+        """(first, last, account_for_embedding, account_for_loss), the arguments of ``split_error``."""
+        return tuple(getattr(self, key) for key in SPLIT_KEYS)
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers of each virtual stage, in execution order (virtual stage c*pp + rank)."""
+        return virtual_stage_layers(num_layers, self.pp, self.vpp, *self.split())
+
+    def with_split(self, num_layers: int) -> "ParallelDims":
+        """These dims with an uneven split chosen when the layers do not divide evenly and none is given."""
+        if self.uneven or self.account_for_embedding or self.account_for_loss or self.pp == 1:
+            return self
+        if split_error(num_layers, self.pp, self.vpp, None, None, False, False) is None:
+            return self
+        for first, last in uneven_splits(num_layers, self.pp):
+            if split_error(num_layers, self.pp, self.vpp, first, last, False, False) is None:
+                return dataclasses.replace(self, first_stage_layers=first, last_stage_layers=last)
+        return self
+
+    def check_model(self, shape: Any) -> None:
+        """Raise ConfigError naming the key when ``shape`` (a ModelShape) cannot be split this way."""
+        name = shape.name
+        if shape.num_attention_heads % self.tp:
+            raise ConfigError(f"parallel.tp={self.tp} does not divide the {shape.num_attention_heads} attention heads "
+                              f"of {name}; use a tp that divides {shape.num_attention_heads}")
+        if shape.num_query_groups % self.tp:
+            raise ConfigError(f"parallel.tp={self.tp} does not divide the {shape.num_query_groups} query groups "
+                              f"(KV heads) of {name}; use a tp that divides {shape.num_query_groups}")
+        if self.ep > 1 and not shape.is_moe:
+            raise ConfigError(f"parallel.ep={self.ep} but {name} has no experts; set parallel.ep=1")
+        if shape.is_moe and shape.num_experts % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} does not divide the {shape.num_experts} experts of {name}")
+        if shape.is_moe and self.etp not in (1, self.tp):
+            raise ConfigError(f"parallel.etp={self.etp}: use 1 (experts split by ep alone) or parallel.tp={self.tp}")
+        if shape.is_moe and self.etp == 1 and self.ep == 1 and self.tp > 1:
+            raise ConfigError(f"parallel.etp=1 with parallel.ep=1 at tp={self.tp}: experts whole on every TP rank "
+                              "without expert parallelism do not train like one process (measured on Megatron "
+                              "0.16.1); set parallel.etp=null (= tp) or raise parallel.ep")
+        if shape.is_moe and self.tp > 1 and not self.sp:
+            raise ConfigError("MoE models with parallel.tp > 1 need parallel.sequence_parallel=true (Megatron "
+                              "requires it)")
+        why = split_error(shape.num_layers, self.pp, self.vpp, *self.split())
+        if why is not None:
+            raise ConfigError(f"the pipeline split of {name}'s {shape.num_layers} layers over parallel.pp={self.pp}"
+                              f"{f' x vpp={self.vpp}' if self.vpp > 1 else ''} is not legal: {why}; change "
+                              f"parallel.{', '.join(SPLIT_KEYS[:2])} or the pipeline size")
+
+
+def uneven_splits(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Candidate (first, last) stage sizes for ``num_layers`` on ``pp`` ranks when they do not divide evenly,
+    best first: the middle stages take the smallest per-stage count k that fits, and first + last share the rest
+    with neither above k, the last (which carries the output layer and loss) a little lighter."""
+    if pp < 2:
+        return []
+    out: list[tuple[int, int]] = []
+    lo = -(-num_layers // pp)
+    for k in (lo, lo + 1):
+        rest = num_layers - (pp - 2) * k
+        pairs = [(f, rest - f) for f in range(1, rest) if f <= k and rest - f <= k]
+        pairs.sort(key=lambda fl: abs(fl[0] - fl[1] - 1))
+        out.extend(pairs[:4])
+    return out
+
+
+def split_error(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
+                loss: bool) -> str | None:
+    """Why Megatron rejects this split, or None when it is legal."""
+    if vpp > 1 and pp < 2:
+        return f"interleaving (vpp={vpp}) needs pp >= 2"
+    if (first is not None or last is not None) and (emb or loss):
+        return "first/last stage sizes cannot be combined with accounting for embedding/loss"
+    if first is not None or last is not None:
+        if pp < 2:
+            return "first/last stage sizes need pp >= 2"
+        rest, middle = num_layers, pp
+        for name, n in (("first", first), ("last", last)):
+            if n is None:
+                continue
+            if n <= 0:
+                return f"{name} stage needs at least one layer"
+            if n % vpp:
+                return f"{name} stage layers ({n}) not divisible by vpp={vpp}"
+            rest, middle = rest - n, middle - 1
+        if bool(rest) != bool(middle) or rest < 0:
+            return f"{rest} layers left for {middle} middle stages"
+        if middle and rest % middle:
+            return f"middle layers ({rest}) not divisible by the {middle} middle stages"
+        if middle and (rest // middle) % vpp:
+            return f"layers per middle stage ({rest // middle}) not divisible by vpp={vpp}"
+        return None
+    total = num_layers + int(emb) + int(loss)
+    if total % pp:
+        extra = " (embedding/loss counted as layers)" if emb or loss else ""
+        return f"num_layers {total}{extra} not divisible by pp={pp}"
+    per_rank = total // pp
+    if per_rank % vpp:
+        return f"layers per pipeline rank ({per_rank}) not divisible by vpp={vpp}"
+    if (emb or loss) and per_rank // vpp < 1 + (emb and loss and pp * vpp == 1):
+        return "no layers left on a stage after accounting for embedding/loss"
+    return None
+
+
+@lru_cache(maxsize=4096)
+def virtual_stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
+                         loss: bool) -> tuple[int, ...]:
+    """Decoder layers of each virtual stage, in execution order (virtual stage c*pp + rank)."""
+    counts = [0] * (pp * vpp)
+    if first is not None or last is not None:
+        rest, middle = num_layers, pp
+        if first is not None:
+            rest, middle = rest - first, middle - 1
+        if last is not None:
+            rest, middle = rest - last, middle - 1
+        per_middle = rest // middle if middle else 0
+        for c in range(vpp):
+            for r in range(pp):
+                n = per_middle
+                if r == 0 and first is not None:
+                    n = first
+                elif r == pp - 1 and last is not None:
+                    n = last
+                counts[c * pp + r] = n // vpp
+        return tuple(counts)
+    per_vs = (num_layers + int(emb) + int(loss)) // (pp * vpp)
+    counts = [per_vs] * (pp * vpp)
+    if emb:
+        counts[0] -= 1
+    if loss:
+        counts[-1] -= 1
+    return tuple(counts)

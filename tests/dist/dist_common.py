@@ -1,0 +1,35 @@
+"""What the torchrun check scripts in tests/dist share: a short pretraining of the engine they check, and
+writing each rank's result for the test that started them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def progression_trainer(engine, *, micro_batch_size: int) -> Callable[[int], dict]:
+    """``train_step(step)``: one optimizer step of ``engine`` on the pretrain progression task (global batch of
+    4 rows of 16 tokens, this DP rank's share), the same data at every layout."""
+    from megatron_rl.runtime.training import data_parallel_slice
+    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+
+    vocab = engine.shape.vocab_size
+
+    def train_step(step: int) -> dict:
+        rows = progression_batch(seed=7, step=step, batch_size=4, seq_length=16, vocab_size=vocab)
+        micro = data_parallel_slice(list(rows), micro_batch_size=micro_batch_size)
+        return engine.train_step([collate_lm(torch.stack(mb)) for mb in micro], lm_loss, seq_length=16,
+                                 report_names=("loss",))
+
+    return train_step
+
+
+def write_rank_result(out: str | Path, result: dict) -> None:
+    """``OUT/rank{R}.json`` of this rank, then a barrier (every rank has written when any returns)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()

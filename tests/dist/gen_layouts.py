@@ -1,0 +1,112 @@
+"""Colocated generation at the training layouts that split sequences or experts (SP, CP, EP); every rank writes
+``OUT/rank{R}.json`` for tests/test_grpo_layouts.py.
+
+Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/gen_layouts.py --cp 2 --out DIR``
+(``--model tiny-cpu-moe --tp 2 --ep 2 --sp``: MoE TP2·EP2·SP; ``--model tiny-cpu-moe --ep 2``: EP2 across two
+data-parallel replicas, which must decode in lockstep).
+
+The engine is ``build_engine`` at the layout, trained for two steps. Each rollout worker (DP x CP rank) then
+generates for its own prompts, of lengths chosen so that the workers' prefill lengths and step counts differ.
+Every worker's sequences are gathered, and the training forward at the same layout (SP and CP on,
+``sequence_logprobs``) scores all of them on every rank: its log-probs must equal generation's. Then the
+switched flags must be back and a training step must run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+PROMPT_LENGTHS = (5, 9, 3, 7, 6, 4, 11, 2)  # worker 0 of 2: prefill 3, longest 9; worker 1: prefill 2, longest 11
+NEW_TOKENS = 6
+
+
+def prompts_of_all_workers() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2025)
+    return [torch.randint(3, 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def flags(chunks) -> dict:
+    """What generation switches, as the training layout has it."""
+    from megatron_rl.generation.layout import _configs
+
+    configs = _configs(chunks)
+    linear = [m.sequence_parallel for c in chunks for m in c.modules()
+              if isinstance(m.__dict__.get("sequence_parallel"), bool)]
+    return {"config_sp": sorted({c.sequence_parallel for c in configs}),
+            "config_cp": sorted({c.context_parallel_size for c in configs}),
+            "linear_sp": sorted(set(linear)),
+            "cp_attention": sorted({m.cp_size for c in chunks for m in c.modules() if hasattr(m, "cp_size")})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny-cpu")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.generation import generate
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.distributed import initialize, job_dims
+    from megatron_rl.runtime.training import build_engine, data_parallel_share, gather_data_parallel, sequence_logprobs
+    from dist_common import progression_trainer, write_rank_result
+
+    sp = "true" if args.sp else "false"
+    cfg = load_config(overrides=[f"model.name={args.model}", f"parallel.tp={args.tp}", f"parallel.ep={args.ep}",
+                                 f"parallel.cp={args.cp}", f"parallel.sequence_parallel={sp}",
+                                 "algorithm.name=pretrain", "parallel.micro_batch_size=1",
+                                 "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
+    initialize(job_dims(tp=args.tp, ep=args.ep, cp=args.cp, sp=args.sp), seed=cfg.run.seed)
+    shape = load_model_shape(args.model)
+    engine = build_engine(cfg, shape, total_steps=10)
+    chunks = [unwrap(c) for c in engine.chunks]
+    vocab = shape.vocab_size
+
+    train_step = progression_trainer(engine, micro_batch_size=cfg.parallel.micro_batch_size)
+    for step in (1, 2):
+        train_step(step)
+    before = flags(chunks)
+
+    mine = data_parallel_share(prompts_of_all_workers(), with_context_parallel=True)
+    result: dict = {"layout": vars(args), "workers": ps.get_data_parallel_world_size(with_context_parallel=True),
+                    "worker": ps.get_data_parallel_rank(with_context_parallel=True), "prompts": mine,
+                    "flags_before": before}
+    runs = {"greedy": dict(temperature=0.0),
+            "sampled": dict(temperature=1.0, seed=11 + result["worker"]),
+            "eos": dict(temperature=1.0, seed=5 + result["worker"], eos_id=mine[0][-1]),
+            "megatron_path": dict(temperature=0.0, fast_attention=False)}  # Megatron's own attention, modules
+    multiple = engine.sequence_multiple
+    for name, kwargs in runs.items():
+        out = generate(engine.chunks, mine, vocab_size=vocab, max_new_tokens=NEW_TOKENS, **kwargs)
+        every = gather_data_parallel([(p, t, lp) for p, t, lp in zip(mine, out.tokens, out.logprobs)],
+                                     with_context_parallel=True)
+        width = max(len(p) + len(t) for p, t, _ in every)
+        width = 1 + -(-(width - 1) // multiple) * multiple  # the training forward's length: a multiple again
+        tokens = torch.tensor([p + t + [0] * (width - len(p) - len(t)) for p, t, _ in every])
+        full = sequence_logprobs(engine.chunks, tokens)
+        diff = max((abs(full[b, len(p) - 1 + i].item() - x) for b, (p, t, lp) in enumerate(every)
+                    for i, x in enumerate(lp)), default=0.0)
+        result[name] = {"tokens": out.tokens, "lengths": out.lengths, "finish_reasons": out.finish_reasons,
+                        "forward_passes": out.forward_passes, "decode_path": out.decode_path,
+                        "decode_attention": out.decode_attention, "max_logprob_diff": diff,
+                        "rows_checked": len(every)}
+    result["flags_after"] = flags(chunks)
+    after = train_step(3)
+    result["train_after_generation"] = {"loss": after["loss"], "finite": math.isfinite(after["loss"])}
+
+    write_rank_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""GRPO and its colocated generation at MoE TP2·EP2·SP, CP2 and an uneven PP2 split (real Megatron Core, gloo, CPU).
+
+Every case runs in its own processes, started through launch.py.
+
+* TP·EP·SP and PP: generation still has one data-parallel rank, so the first step's rewards equal the
+  1-process run's (same seed, same sampling stream), and so do the losses.
+* CP2: the two CP ranks generate as two rollout workers, exactly as the two DP ranks of the default 2-process
+  job do (same prompts split, same per-worker seeds), so the CP2 job must reproduce the DP2 job, with a
+  sequence-mean loss whose per-sequence lengths cross the CP ranks.
+* Everywhere: the first mini-batch's importance ratio is 1 (generation log-probs = the training forward's).
+* tests/dist/gen_layouts.py: generation log-probs vs the training forward at the layout, with rollout workers
+  whose prompt lengths differ (EP across DP replicas must decode in lockstep); tests/dist/grpo_loss_cp.py: the
+  trainer's loss on CP parts of sequences = the pure loss of the whole sequences, value and gradient.
+
+Run: ``.venv/bin/python -m pytest tests/test_grpo_layouts.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO_ROOT, read_metrics, run_launch
+from launcher.ports import free_port
+
+SHORT = ["cluster.executor=local", "logging.tensorboard=false", "checkpoint.save_at_end=false",
+         "algorithm.sft_warmup_steps=30", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
+         "algorithm.global_batch_size=8", "parallel.micro_batch_size=4", "run.steps=2"]
+MOE = ["model.name=tiny-cpu-moe"]
+SEQ_MEAN = ["algorithm.loss_aggregation=seq-mean-token-mean"]
+RATIO_TOL = 1e-5
+LOGPROB_TOL = 1e-5
+
+
+def _grpo(run_dir, *extra) -> list[dict]:
+    result = run_launch(*SHORT, f"run.dir={run_dir}", *extra)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [m for m in read_metrics(run_dir) if m.get("phase") is None]
+
+
+RUNS = {  # name: overrides; FIVE_LAYERS is the 5-layer tiny-cpu variant
+    "moe_1proc": [*MOE, "cluster.tasks_per_node=1"],
+    "moe_tp2_ep2_sp": [*MOE, "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
+    "pp1_5layers": ["FIVE_LAYERS", "cluster.tasks_per_node=1"],
+    "pp2_5layers": ["FIVE_LAYERS", "parallel.pp=2"],
+    "dp2_seq_mean": SEQ_MEAN,
+    "cp2_seq_mean": [*SEQ_MEAN, "parallel.cp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """job(name) -> (metrics of its GRPO steps, run folder); each job runs once, when a test first needs it."""
+    import yaml
+
+    from launcher.resources import presets_dir
+
+    preset = yaml.safe_load((presets_dir() / "tiny-cpu.yaml").read_text())
+    model = tmp_path_factory.mktemp("model") / "tiny-5-layers.yaml"
+    model.write_text(yaml.safe_dump({**preset, "name": "tiny-5-layers", "num_layers": 5}))
+    done: dict = {}
+
+    def get(name: str):
+        if name not in done:
+            extra = [f"model.name={model}" if arg == "FIVE_LAYERS" else arg for arg in RUNS[name]]
+            run_dir = tmp_path_factory.mktemp(name)
+            done[name] = (_grpo(run_dir, *extra), run_dir)
+        return done[name]
+
+    return get
+
+
+def _torchrun(out, script: str, *args: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), str(REPO_ROOT / "tests" / "dist" / script), "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+# ------------------------------------------------------------------------------------------------ GRPO runs
+@pytest.mark.parametrize("name", list(RUNS))
+def test_first_minibatch_ratio_is_one(job, name):
+    """Generation log-probs equal the training forward's at the layout (SP/CP on in training, off while
+    generating): the first mini-batch's importance ratio is 1 within 1e-5, at every step."""
+    metrics, _ = job(name)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert abs(m["first_ratio_min"] - 1) < RATIO_TOL and abs(m["first_ratio_max"] - 1) < RATIO_TOL, m
+        assert m["minibatches"] == 2  # the whole rollout (16 completions) trained, in mini-batches of 8
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+
+
+@pytest.mark.parametrize("layout, reference", [("moe_tp2_ep2_sp", "moe_1proc"), ("pp2_5layers", "pp1_5layers"),
+                                               ("cp2_seq_mean", "dp2_seq_mean")])
+def test_same_rollout_workers_give_the_same_run(job, layout, reference):
+    """One generation worker at TP2·EP2·SP and at PP2 (3 + 2 layers), as in the 1-process run; two at CP2
+    (the CP ranks), as in the DP2 run: the same rewards, and the same losses as the reference layout."""
+    got, _ = job(layout)
+    ref, _ = job(reference)
+    assert got[0]["reward_mean"] == ref[0]["reward_mean"]
+    assert got[0]["response_length"] == ref[0]["response_length"]
+    assert any(m["grad_norm"] > 0 for m in ref), "no reward signal: the comparison would be empty"
+    for a, b in zip(ref, got, strict=True):
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a, b)
+
+
+def test_uneven_split_is_chosen_by_the_launcher(job):
+    import yaml
+
+    _, run_dir = job("pp2_5layers")
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]
+    assert (resolved["first_stage_layers"], resolved["last_stage_layers"]) == (3, 2)
+
+
+# ------------------------------------------------------------------------------------------ generation checks
+GEN_LAYOUTS = {"cp2": ["--cp", "2"], "tp2_sp": ["--tp", "2", "--sp"],
+               "moe_tp2_ep2_sp": ["--model", "tiny-cpu-moe", "--tp", "2", "--ep", "2", "--sp"],
+               "moe_tp2_etp2_sp": ["--model", "tiny-cpu-moe", "--tp", "2", "--sp"],  # experts split by TP
+               "moe_ep2_dp2": ["--model", "tiny-cpu-moe", "--ep", "2"]}
+
+
+@pytest.mark.parametrize("layout", list(GEN_LAYOUTS))
+def test_generation_logprobs_equal_training_forward_at_the_layout(tmp_path, layout):
+    ranks = _torchrun(tmp_path, "gen_layouts.py", *GEN_LAYOUTS[layout])
+    workers = {r["worker"] for r in ranks}
+    assert workers == ({0, 1} if layout in ("cp2", "moe_ep2_dp2") else {0})
+    for rank in ranks:
+        for name in ("greedy", "sampled", "eos", "megatron_path"):
+            run = rank[name]
+            assert run["rows_checked"] == 8 and run["max_logprob_diff"] < LOGPROB_TOL, (name, run)
+        assert rank["megatron_path"]["tokens"] == rank["greedy"]["tokens"]
+        assert rank["flags_after"] == rank["flags_before"]  # SP / CP back on for training
+        assert rank["train_after_generation"]["finite"]
+    if layout == "moe_ep2_dp2":  # worker 1's prompts are shorter and longer: both run its 2..11+6 steps
+        assert ranks[0]["greedy"]["forward_passes"] == ranks[1]["greedy"]["forward_passes"] == 11 + 6 - 2
+    if layout == "cp2":  # no lockstep without experts: each worker decodes its own prompts
+        assert [r["greedy"]["forward_passes"] for r in ranks] == [9 + 6 - 3, 11 + 6 - 2]
+
+
+def test_loss_on_context_parallel_parts_equals_whole_sequences(tmp_path):
+    for rank in _torchrun(tmp_path, "grpo_loss_cp.py"):
+        for mode, got in rank["modes"].items():
+            assert got["got"] == pytest.approx(got["expected"], rel=1e-6), mode
+            assert got["reported"] == pytest.approx(got["expected"], rel=1e-6), mode
+            assert got["max_grad_diff"] < 1e-6 * max(1.0, got["grad_scale"]), mode
+        assert rank["modes"]["seq-mean-token-mean"]["denominator"] == 3  # each sequence counted once
+        assert rank["modes"]["seq-mean-token-mean"]["local_denominator"] == (3 if rank["cp_rank"] == 0 else 0)

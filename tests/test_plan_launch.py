@@ -1,0 +1,216 @@
+"""Plan = launch: ``launch.py plan`` plans the job that ``launch.py`` launches (one sizing call,
+launcher.job.plan_job), keeps the parallel.* keys the user gives, and holds and reports the trainer limits that
+check_layout refuses with the same reasons. Everything runs in-process through launcher.cli.main (no torch).
+
+Run: .venv/bin/python -m pytest tests/test_plan_launch.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from launcher import cli
+from launcher.config import load_config
+from launcher.config.loader import find_config, given_keys
+from launcher.config.validate import check_layout
+from launcher.errors import ConfigError
+from launcher.job import apply_plan, prepare
+from launcher.limits import TRAINER_LIMITS, trainer_limits
+from launcher.model_shape import load_model_shape
+from launcher.parallel import ParallelDims
+from launcher.planner import PLANNED_KEYS
+
+PATHS = ["model.init_from=/ckpt", "model.tokenizer=/tok", "data.train_path=/data.jsonl"]
+"""The '???' keys of the shipped cluster configs: launch needs them, plan does not."""
+H200 = ["model.name=llama-3.1-405b", "cluster.gpu_type=h200-141gb", "cluster.gpus_per_node=8",
+        "cluster.tasks_per_node=8"]
+JOBS = {
+    "grpo-llama70b-8-nodes": ("grpo_llama70b", []),
+    "grpo-llama405b-32-nodes-h200": ("grpo_llama70b", [*H200, "cluster.nodes=32"]),
+    "grpo-llama405b-64-nodes-h200": ("grpo_llama70b", [*H200, "cluster.nodes=64"]),
+    "grpo-qwen3-235b-16-nodes-h200": ("grpo_llama70b", [*H200, "model.name=qwen3-235b-a22b", "cluster.nodes=16"]),
+    "rm-qwen3-235b-16-nodes-h200": ("grpo_llama70b", [*H200, "model.name=qwen3-235b-a22b", "cluster.nodes=16",
+                                                      "algorithm.name=rm"]),
+    "pretrain-llama70b-4-nodes": ("grpo_llama70b", ["algorithm.name=pretrain", "cluster.nodes=4"]),
+    "sft-llama70b-4-nodes-given-pp8": ("grpo_llama70b", ["algorithm.name=sft", "cluster.nodes=4", "parallel.pp=8"]),
+    "rm-tiny": ("rm_tiny", ["parallel.auto=true"]),
+    "grpo-tiny-default-job": (None, ["parallel.auto=true"]),
+}
+
+
+def _config_args(config: str | None) -> list[str]:
+    return ["--config", config] if config else []
+
+
+def _plan(capsys, *args: str) -> dict:
+    assert cli.main(["plan", *args, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def _dry_run_parallel(capsys, tmp_path, config: str | None, overrides: list[str]) -> dict:
+    """The resolved parallel: section that `launch.py ... --dry-run` prints."""
+    args = [*_config_args(config), *overrides, *PATHS, f"run.dir={tmp_path / 'run'}", "--dry-run"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "# layout chosen by the planner" in out
+    return yaml.safe_load(out.split("# resolved config\n", 1)[1].split("\n# layout chosen", 1)[0])["parallel"]
+
+
+def _as_layout(parallel: dict) -> dict:
+    """The planner's layout keys of a parallel: section (vpp null is plain 1F1B: the planner's vpp=1)."""
+    return {key: (parallel[key] or 1) if key == "vpp" else parallel[key] for key in PLANNED_KEYS}
+
+
+@pytest.mark.parametrize("job", JOBS, ids=list(JOBS))
+def test_plan_picks_the_layout_that_launch_resolves(capsys, tmp_path, job):
+    config, overrides = JOBS[job]
+    planned = _plan(capsys, *_config_args(config), *overrides)
+    launched = _dry_run_parallel(capsys, tmp_path, config, overrides)
+    assert launched["auto"] is True
+    assert _as_layout(launched) == {key: planned["layout"][key] for key in PLANNED_KEYS}
+    # one sizing call with the same inputs: prepare's PlanResult is the one plan prints (search timing aside)
+    cfg_args = (config, [*overrides, *PATHS])
+    job_plan = prepare(load_config(*cfg_args), given=given_keys(*cfg_args)).plan.to_dict()
+    assert {**job_plan, "search": None} == {**planned, "search": None}
+
+
+def test_the_grpo_sizing_comes_from_the_config(capsys):
+    planned = _plan(capsys, "--config", "grpo_llama70b")
+    assert planned["workload"]["grpo"] == {"rollout_batch_size": 128 * 16, "max_prompt_length": 4096 // 4,
+                                           "max_response_length": 2048, "reference_model": True,
+                                           "kv_cache_released_for_training": True,
+                                           "optimizer_offloaded_for_generation": True}
+    kept = _plan(capsys, "--config", "grpo_llama70b", "generation.offload_optimizer=false", "algorithm.kl_coef=0")
+    assert kept["workload"]["grpo"]["optimizer_offloaded_for_generation"] is False
+    assert kept["workload"]["grpo"]["reference_model"] is False
+    assert kept["memory_gib"]["reference_model"] == 0
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml file", "--layout"])
+def test_a_given_parallel_key_is_kept_by_plan_and_launch(capsys, tmp_path, where):
+    free = _plan(capsys, "--config", "grpo_llama70b")["layout"]
+    assert free["tp"] != 4 and free["micro_batch_size"] != 32  # keeping tp=4 is a change; mbs's default is free
+    config, overrides = "grpo_llama70b", ["parallel.tp=4"]
+    if where == "yaml file":
+        body = yaml.safe_load(find_config("grpo_llama70b").read_text())
+        config, overrides = tmp_path / "job.yaml", []
+        config.write_text(yaml.safe_dump({**body, "parallel": {"auto": True, "tp": 4}}))
+    plan_args = ["--layout", "tp=4"] if where == "--layout" else overrides
+    planned = _plan(capsys, "--config", str(config), *plan_args)
+    assert planned["layout"]["tp"] == 4 and planned["constraints"] == {"tp": 4}
+    assert _dry_run_parallel(capsys, tmp_path, str(config), overrides)["tp"] == 4
+
+
+def test_given_keys_are_the_files_and_the_overrides_not_the_defaults(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("parallel:\n  auto: true\n  pp: 4\nmodel:\n  tokenizer: ???\n")
+    assert given_keys(config, ["parallel.tp=8", "run.steps=3"]) == {"parallel.auto", "parallel.pp", "parallel.tp",
+                                                                    "run.steps"}
+    assert given_keys() == frozenset()
+
+
+def test_shorthand_flags_set_the_config_keys(capsys):
+    flags = _plan(capsys, "--model", "llama-3.3-70b", "--gpus", "64", "--mode", "grpo", "algorithm.group_size=16",
+                  "--seq-len", "4096", "--global-batch-size", "256", "--gpu-type", "h200-141gb")
+    keys = _plan(capsys, "model.name=llama-3.3-70b", "cluster.nodes=8", "cluster.tasks_per_node=8",
+                 "cluster.gpus_per_node=8", "cluster.executor=slurm", "algorithm.name=grpo", "algorithm.group_size=16",
+                 "model.seq_length=4096", "algorithm.global_batch_size=256", "cluster.gpu_type=h200-141gb")
+    assert {**flags, "search": None} == {**keys, "search": None}
+    assert flags["workload"]["gpus"] == 64 and flags["workload"]["grpo"]["rollout_batch_size"] == 16 * 16
+    # below one node: one node of that many GPUs; sft plans as next-token training
+    small = _plan(capsys, "--model", "tiny-cpu", "--gpus", "4", "--mode", "sft")
+    assert small["workload"]["gpus"] == 4 and small["workload"]["mode"] == "pretrain"
+    # with --config the file gives the defaults and flags override them
+    assert _plan(capsys, "--config", "grpo_llama70b", "--gpus", "128")["workload"]["gpus"] == 128
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny-cpu", "--gpus", "12"], "--gpus 12 does not split into whole nodes of 8 GPUs "
+                                             "(the node size of h100-80gb); give a multiple of 8, or fewer than 8"),
+    (["--model", "tiny-cpu", "--gpus", "8", "cluster.gpus_per_node=4"], "cluster.gpus_per_node is given twice, by "
+                                                                         "--gpus and by cluster.gpus_per_node=4"),
+    (["--model", "tiny-cpu", "parallel.tpp=2"], "unknown config key 'parallel.tpp' in the command line (did you mean "
+                                                "'parallel.tp'?)"),
+    (["--model", "tiny-cpu", "--layout", "tpp=2"], "--layout: unknown field 'tpp' (did you mean 'tp'?)"),
+    (["--model", "tiny-cpu", "model.name=tiny-cpu-moe"], "model.name is given twice, by --model and by "
+                                                         "model.name=tiny-cpu-moe"),
+    (["--gpus", "16", "cluster.nodes=2"], "cluster.nodes is given twice, by --gpus and by cluster.nodes=2"),
+    (["--config", "grpo_llama70b", "parallel.tp=3"], "parallel.tp=3: num_attention_heads (64) not divisible by tp=3"),
+])
+def test_bad_plan_input_is_one_line_and_exit_2(capsys, args, message):
+    assert cli.main(["plan", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured.err
+
+
+def test_gpus_come_in_nodes_of_the_config_files_size(capsys, tmp_path):
+    config = tmp_path / "four.yaml"
+    config.write_text("cluster: {executor: slurm, gpus_per_node: 4, tasks_per_node: 4}\n")
+    assert _plan(capsys, "--config", str(config), "--gpus", "8")["workload"]["gpus"] == 8
+    assert cli.main(["plan", "--config", str(config), "--gpus", "6"]) == 2
+    assert "--gpus 6 does not split into whole nodes of 4 GPUs (cluster.gpus_per_node of the config)" in (
+        capsys.readouterr().err)
+
+
+def test_nothing_fitting_names_the_smallest_gpu_count_in_plan_and_the_node_count_in_launch(capsys, tmp_path):
+    job = ["--config", "grpo_llama70b", "model.name=llama-3.1-405b", "cluster.nodes=1"]
+    assert cli.main(["plan", *job, "--json"]) == 3
+    captured = capsys.readouterr()
+    smallest = json.loads(captured.out)["smallest_gpus"]
+    assert smallest and f"the smallest GPU count that fits is {smallest} x h100-80gb" in captured.err
+    assert cli.main([*job, *PATHS, f"run.dir={tmp_path}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"set cluster.nodes={-(-smallest // 8)}" in err
+
+
+# ---------------- trainer limits: held by the planner, refused by check_layout, one reason ----------------
+CONTRARY = {  # per limit key: a job that sets another value and is legal apart from the limit
+    "cp": ("tiny-cpu", ["parallel.cp=2"]),
+    "sequence_parallel": ("tiny-cpu", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "ep": ("tiny-cpu-moe", ["parallel.ep=2"]),
+}
+
+
+@pytest.mark.parametrize("limit", TRAINER_LIMITS, ids=[f"{limit.key}-{'-'.join(limit.algorithms)}"
+                                                     for limit in TRAINER_LIMITS])
+def test_each_limit_is_reported_by_plan_and_refused_by_check_layout_with_the_same_reason(capsys, limit):
+    model, contrary = CONTRARY[limit.key]
+    job = [f"model.name={model}", f"algorithm.name={limit.algorithms[0]}", "algorithm.global_batch_size=64",
+           "algorithm.prompts_per_step=8"]
+    assert trainer_limits(load_model_shape(model), limit.algorithms[0])[limit.key] == (limit.value, limit.reason)
+    planned = _plan(capsys, *job)
+    assert planned["limits"][limit.key] == [limit.value, limit.reason]
+    if limit.key in planned["layout"]:
+        assert planned["layout"][limit.key] == limit.value
+    assert cli.main(["plan", *job]) == 0 and limit.reason in capsys.readouterr().out  # explain() lists it
+    # check_layout (parallel.auto=false) refuses another value; plan refuses it as a given key: same line
+    cfg = load_config(None, [*job, *contrary])
+    with pytest.raises(ConfigError) as refused:
+        check_layout(cfg, load_model_shape(model))
+    assert limit.reason in str(refused.value)
+    assert cli.main(["plan", *job, *contrary]) == 2
+    assert capsys.readouterr().err == f"error: {refused.value}\n"
+
+
+def test_a_limit_that_does_not_apply_is_not_held(capsys):
+    # GRPO holds sequence parallelism off; pretraining does not, and picks it at tp > 1
+    planned = _plan(capsys, "--model", "llama-3.3-70b", "--gpus", "64", "--global-batch-size", "128")
+    assert "sequence_parallel" not in planned["limits"] and planned["layout"]["sequence_parallel"] is True
+    assert planned["limits"] == {}  # pretraining runs every layout the planner can pick
+
+
+def test_moe_plans_write_the_expert_tensor_parallel_size_the_planner_models(capsys):
+    """The planner models experts at etp=1 under EP and etp=tp otherwise (ParallelDims' default); the launched
+    job gets exactly that, and an etp given with parallel.auto=true is refused (give the whole layout with
+    parallel.auto=false to run another)."""
+    job = ["model.name=qwen3-235b-a22b", "algorithm.name=pretrain", "cluster.gpu_type=h200-141gb",
+           "cluster.nodes=16", "cluster.gpus_per_node=8", "cluster.tasks_per_node=8", "cluster.executor=auto",
+           "parallel.auto=true", "algorithm.global_batch_size=512"]
+    cfg, result = apply_plan(load_config(None, job), load_model_shape("qwen3-235b-a22b"))
+    dims = ParallelDims.from_config(cfg.parallel, world_size=cfg.cluster.world_size)
+    assert cfg.parallel.etp is None and dims.etp == result.layout.etp == (1 if dims.ep > 1 else dims.tp)
+    assert cli.main(["plan", *job, "parallel.etp=2", "parallel.tp=2"]) == 2
+    assert "the planner models experts at etp=1 under ep > 1 and etp=tp otherwise" in capsys.readouterr().err
