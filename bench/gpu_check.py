@@ -260,6 +260,36 @@ def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
     }
 
 
+def moe_check(run_dir: str, device: torch.device) -> dict:
+    """The MoE path on this device, fp32: the tiny MoE preset (on a GPU with Transformer Engine: TE layers, grouped
+    GEMM experts, the all-to-all dispatcher), two training steps, then KV-cache generation against the training
+    forward. Layouts over several GPUs (EP, SP, CP) need more than the one GPU this check has."""
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.generation import generate
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+
+    cfg = load_config(None, ["model.name=tiny-cpu-moe", "model.dtype=fp32", "algorithm.name=pretrain",
+                             "algorithm.global_batch_size=4", "parallel.micro_batch_size=4", f"run.dir={run_dir}/moe"])
+    shape = load_model_shape("tiny-cpu-moe")
+    engine = build_engine(cfg, shape, total_steps=2)
+    losses = []
+    for step in (1, 2):
+        rows = progression_batch(seed=5, step=step, batch_size=4, seq_length=32, vocab_size=shape.vocab_size)
+        losses.append(engine.train_step([collate_lm(rows)], lm_loss, seq_length=32, report_names=("loss",))["loss"])
+    prompts = torch.randint(3, shape.vocab_size, (8, 6), generator=torch.Generator().manual_seed(3)).tolist()
+    engine.train(False)
+    out = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=12, temperature=1.0, seed=3)
+    reference = sequence_logprobs(engine.chunks, padded_sequences(prompts, out.tokens, device))
+    mlp = unwrap(engine.chunks[0]).decoder.layers[-1].mlp
+    return {"model": f"{shape.name}, fp32", "losses": losses, "experts": type(mlp.experts).__name__,
+            "dispatcher": type(mlp.token_dispatcher).__name__,
+            "kv_cache_vs_training_forward": judge(compare_logprobs([len(p) for p in prompts], out.tokens,
+                                                                   out.logprobs, reference), dtype="fp32")}
+
+
 def training_mfu(engine, shape, sizes: CheckSizes, gpu_type: str) -> dict:
     """Timed next-token training steps on the engine; model FLOPs and MFU from the planner's cost model."""
     from launcher.planner.costs import Workload
@@ -529,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             result["environment"] = environment(device)
             say(f"environment: {json.dumps(result['environment'])}")
             attempt("exactness_fp32", lambda: exactness_check(sizes.exact_model, device))
+            attempt("moe", lambda: moe_check(run_dir, device))
             shape = load_model_shape(str(REPO_ROOT / sizes.model))
             holder: dict[str, Any] = {}
 
@@ -593,6 +624,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "exact_transformers_logprobs": flag("exactness_fp32", "transformers_vs_training_forward", "passed"),
         "generation_kv_cache_logprobs": flag("generation", "kv_cache_vs_training_forward", "passed"),
         "grpo_kv_cache_logprobs": flag("grpo", "kv_cache_vs_training_forward", "passed"),
+        "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
     }
     if result.get("install", {}).get("rc") is not None:
         checks["install"] = result["install"]["rc"] == 0

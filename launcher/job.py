@@ -6,16 +6,19 @@ Everything here runs on the login node before anything queues, and never imports
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from launcher.config import JobConfig, to_yaml
 from launcher.config.validate import check_layout, with_pipeline_split
 from launcher.errors import ConfigError
 from launcher.limits import check_limits, trainer_limits
 from launcher.model_shape import ModelShape, load_model_shape
+from launcher.private import check_run_dir, make_private_dir, write_private_text
 
 PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain"}
 
@@ -36,15 +39,67 @@ class PreparedJob:
     """World size / (tp * pp * cp)."""
     plan: Optional[Any] = None
     """The planner's PlanResult when parallel.auto chose the layout."""
+    unresolved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Keys written with their ``${oc.env:...}`` text (``launcher.config.loader.env_references``)."""
 
     @property
     def config_path(self) -> Path:
         return self.run_dir / "config.yaml"
 
     def write_config(self) -> Path:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(to_yaml(self.cfg))
-        return self.config_path
+        """Write config.yaml (0600) into the run folder (created 0700)."""
+        make_private_dir(self.run_dir)
+        return write_private_text(self.config_path, self.config_text())
+
+    def config_text(self) -> str:
+        """config.yaml as written: resolved, but ``oc.env`` interpolations kept (no secret on disk)."""
+        return to_yaml(self.cfg, dict(self.unresolved))
+
+
+def load_shape(name: str) -> ModelShape:
+    """``load_model_shape(name)``, with a file that is not UTF-8 text refused as one line naming it."""
+    from launcher.config.loader import read_text
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        read_text(path, "model file (model.name)")
+    return load_model_shape(name)
+
+
+STEP_DIR = re.compile(r"^step_\d{8}$")
+"""A checkpoint step folder (megatron_rl/runtime/checkpoint.py's layout: step_N folders and a ``latest`` file)."""
+
+
+def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
+    """checkpoint.dir, or run.dir/checkpoints (where the trainers save)."""
+    return Path(cfg.checkpoint.dir).expanduser().absolute() if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def check_fresh_start(cfg: JobConfig, run_dir: Path) -> None:
+    """With checkpoint.resume=false, refuse a checkpoint folder that already holds checkpoints: the new run would
+    save low steps next to the old run's high ones. The message spells out both ways forward."""
+    if cfg.checkpoint.resume:
+        return
+    root = checkpoint_root(cfg, run_dir)
+    if not root.is_dir():
+        return
+    found = sorted(p.name for p in root.iterdir() if STEP_DIR.match(p.name))
+    if not found and not (root / "latest").exists():
+        return
+    newest = f" (up to {found[-1]})" if found else ""
+    key = "checkpoint.dir" if cfg.checkpoint.dir else "run.dir"
+    raise ConfigError(f"checkpoint.resume=false, but {root} already holds checkpoints{newest}; to start over give "
+                      f"a new {key}, or to continue from them set checkpoint.resume=true")
+
+
+def check_env(cfg: JobConfig) -> None:
+    """Every variable named in cluster.env is set in this shell (the job takes it from here)."""
+    unset = [name for name in cfg.cluster.env if name not in os.environ]
+    if unset:
+        raise ConfigError(f"cluster.env names {', '.join(unset)}, which this shell does not set; export "
+                          f"{unset[0]}=... before launching, or drop it from cluster.env")
 
 
 def resolve_executor(name: str) -> str:
@@ -110,10 +165,13 @@ def apply_plan(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = fr
     return dataclasses.replace(cfg, parallel=parallel), result
 
 
-def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset()) -> PreparedJob:
+def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset(),
+            unresolved: Mapping[str, Any] | None = None, first_start: bool = True) -> PreparedJob:
     """Load the shape, pick the executor and the layout, and check that the job can run. ``given``: the keys the
-    user set (``given_keys`` of the same file and overrides); with parallel.auto the planner keeps those."""
-    shape = load_model_shape(cfg.model.name)
+    user set (``given_keys`` of the same file and overrides); with parallel.auto the planner keeps those.
+    ``unresolved``: ``env_references`` of the same, written unresolved into config.yaml. ``first_start``: false
+    in a requeued Slurm job, whose own checkpoints are not an old run's."""
+    shape = load_shape(cfg.model.name)
     executor = resolve_executor(cfg.cluster.executor)
     if executor == "local" and cfg.cluster.nodes != 1:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} needs Slurm, but `sbatch` is not on PATH; "
@@ -123,6 +181,11 @@ def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset()) -> Prepared
         cfg, result = apply_plan(cfg, shape, given=given)
     cfg = with_pipeline_split(cfg, shape)
     dp = check_layout(cfg, shape)
-    run_dir = Path(cfg.run.dir).expanduser().resolve()
+    named = Path(cfg.run.dir).expanduser().absolute()
+    check_run_dir(named)  # a symlink is refused before resolve() follows it
+    run_dir = named.resolve()
+    check_run_dir(run_dir)
+    if first_start:
+        check_fresh_start(cfg, run_dir)
     return PreparedJob(cfg=cfg, shape=shape, executor=executor, run_dir=run_dir, data_parallel_size=dp,
-                       plan=result)
+                       plan=result, unresolved=dict(unresolved or {}))

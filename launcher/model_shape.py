@@ -12,6 +12,13 @@ empty for dense models. It covers DeepSeek-V3's ``first_k_dense_replace``, Qwen3
 ``mlp_only_layers`` and Megatron's ``moe_layer_freq`` (int or list). In YAML write ``moe_layer_freq`` (Megatron
 semantics) and/or ``moe_first_dense_layers`` (the first k layers stay dense).
 
+DeepSeek-V3 (``deepseek_v3``): MLA (``q_lora_rank`` 0 = no query compression, as V2-Lite; ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), routed + shared experts (``n_shared_experts`` x
+``moe_intermediate_size``), ``first_k_dense_replace`` / ``moe_layer_freq``, sigmoid scoring with the ``noaux_tc``
+expert-bias correction, ``n_group`` / ``topk_group``, ``routed_scaling_factor``, ``norm_topk_prob`` and yarn
+``rope_scaling`` (``yarn_params()``). ``num_nextn_predict_layers`` is kept as ``mtp_num_layers`` but MTP layers are
+not built: conversion drops them at import with a note.
+
 Check it: ``.venv/bin/python -m pytest tests/test_model_shape.py -q``;
 print one: ``.venv/bin/python -m launcher.model_shape llama-3.1-405b``.
 """
@@ -96,8 +103,18 @@ class ModelShape:
     """Renormalize the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE with norm_topk_prob, DeepSeek-V3)."""
     moe_router_score_function: str = "softmax"
     """Router scoring: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
+    moe_router_enable_expert_bias: bool = False
+    """Per-expert bias added to the scores for expert choice only (DeepSeek-V3 topk_method noaux_tc, HF
+    mlp.gate.e_score_correction_bias; Megatron router.expert_bias). Whether RL updates it is the run's
+    model.moe_expert_bias_update, not part of the shape."""
+    moe_router_num_groups: int = 0
+    """Group-limited routing: experts are split into this many groups (DeepSeek-V3 n_group); 0 or 1 = off."""
+    moe_router_group_topk: int = 0
+    """Groups each token may route into (DeepSeek-V3 topk_group); 0 = off."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """Routing weights are multiplied by this after normalisation (DeepSeek-V3 routed_scaling_factor 2.5)."""
     q_lora_rank: int = 0
-    """MLA query low-rank dimension; 0 = no query compression (or not MLA)."""
+    """MLA query low-rank dimension; 0 = no query compression (q_lora_rank null, as DeepSeek-V2-Lite: one q_proj)."""
     kv_lora_rank: int = 0
     """MLA compressed KV dimension; 0 = not MLA."""
     qk_nope_head_dim: int = 0
@@ -111,7 +128,8 @@ class ModelShape:
     attention_dropout: float = 0.0
     """Dropout on attention probabilities (classic GPT: 0.1); stored as a mask only with unfused attention."""
     mtp_num_layers: int = 0
-    """Multi-token-prediction layers (DeepSeek-V3: 1); not counted in num_params()."""
+    """Multi-token-prediction layers (DeepSeek-V3: 1); not counted in num_params(). Not built: conversion drops
+    their weights at import (with a note) and exports none."""
     hf_architecture: str | None = None
     """HF architectures[0], e.g. LlamaForCausalLM, kept for export."""
 
@@ -130,6 +148,27 @@ class ModelShape:
     def is_mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V2/V3)."""
         return self.kv_lora_rank > 0
+
+    @property
+    def rope_type(self) -> str:
+        """RoPE variant: default, llama3 or yarn (HF rope_scaling ``rope_type``, or its older spelling ``type``)."""
+        scaling = self.rope_scaling or {}
+        return str(scaling.get("rope_type", scaling.get("type")) or "default")
+
+    def yarn_params(self) -> dict[str, float]:
+        """YaRN RoPE parameters with HF's defaults filled in (factor, original_max_position_embeddings, beta_fast,
+        beta_slow, mscale, mscale_all_dim); only for rope_type yarn."""
+        scaling = self.rope_scaling or {}
+        if self.rope_type != "yarn":
+            raise ValueError(f"{self.name}: rope_type is {self.rope_type}, not yarn")
+        original = scaling.get("original_max_position_embeddings")
+        factor = scaling.get("factor")
+        if factor is None:  # transformers derives it from the context extension
+            factor = self.max_position_embeddings / float(original)
+        return {"factor": float(factor), "original_max_position_embeddings": int(original),
+                "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
+                "mscale": float(scaling.get("mscale") or 1.0),
+                "mscale_all_dim": float(scaling.get("mscale_all_dim") or 0.0)}
 
     @property
     def num_moe_layers(self) -> int:
@@ -213,12 +252,6 @@ class ModelShape:
         moe = self.attention_params() + self.moe_mlp_params(active=True) if self.is_moe else 0
         return self.embedding_params() + self.output_params() + self.num_dense_layers * dense + self.num_moe_layers * moe
 
-    def kv_cache_elements_per_token_per_layer(self) -> int:
-        """Elements cached per token per layer at inference (MLA: latent + rope key)."""
-        if self.is_mla:
-            return self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * self.num_query_groups * self.kv_channels
-
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for JSON dumps)."""
         out = dataclasses.asdict(self)
@@ -232,7 +265,8 @@ YAML_KEYS = {
     "normalization", "norm_epsilon", "position_embedding_type", "rotary_base", "rope_scaling", "add_qkv_bias",
     "add_bias_linear", "qk_layernorm", "tie_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_first_dense_layers", "moe_norm_topk_prob",
-    "moe_router_score_function", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     "v_head_dim", "mtp_num_layers", "hf_architecture", "hidden_dropout", "attention_dropout",
 }
 YAML_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
@@ -285,10 +319,25 @@ def _validate(shape: ModelShape, source: str) -> ModelShape:
             bad("MoE model needs at least one MoE layer (check moe_layer_freq / moe_first_dense_layers)")
         if shape.moe_router_score_function not in ("softmax", "sigmoid"):
             bad(f"moe_router_score_function must be softmax or sigmoid, got {shape.moe_router_score_function!r}")
+        if shape.moe_router_enable_expert_bias and shape.moe_router_score_function != "sigmoid":
+            bad("moe_router_enable_expert_bias needs moe_router_score_function sigmoid")
+        groups, group_topk = shape.moe_router_num_groups, shape.moe_router_group_topk
+        if groups > 1 or group_topk:
+            if groups < 1 or shape.num_experts % groups or not 1 <= group_topk <= groups:
+                bad(f"group-limited routing needs moe_router_num_groups dividing num_experts ({shape.num_experts}) "
+                    f"and 1 <= moe_router_group_topk <= groups; got {groups} and {group_topk}")
+            if shape.moe_router_topk > group_topk * (shape.num_experts // groups):
+                bad(f"moe_router_topk {shape.moe_router_topk} exceeds the experts of {group_topk} group(s)")
     elif shape.moe_router_topk or shape.moe_layers:
         bad("moe_router_topk / MoE layers given but num_experts is 0")
     if shape.kv_lora_rank and not (shape.qk_nope_head_dim and shape.qk_rope_head_dim and shape.v_head_dim):
         bad("MLA (kv_lora_rank > 0) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+    if shape.kv_lora_rank and shape.kv_channels != shape.v_head_dim:
+        bad(f"MLA: kv_channels ({shape.kv_channels}) must equal v_head_dim ({shape.v_head_dim})")
+    if shape.rope_type == "yarn":
+        scaling = shape.rope_scaling or {}
+        if not scaling.get("original_max_position_embeddings"):
+            bad(f"yarn rope_scaling needs original_max_position_embeddings, got {scaling}")
     if shape.seq_length > shape.max_position_embeddings:
         bad(f"seq_length {shape.seq_length} exceeds max_position_embeddings {shape.max_position_embeddings}")
     return shape
@@ -423,11 +472,20 @@ def shape_from_hf_config(cfg: dict[str, Any], *, name: str, source: str) -> Mode
         first_dense = int(cfg.get("first_k_dense_replace", 0))
         freq = int(cfg.get("moe_layer_freq", 1) or 1)
         moe_ffn = int(cfg.get("moe_intermediate_size", 0))
+        # transformers' DeepseekV3 always scores with a sigmoid and a correction bias (noaux_tc); the original
+        # config.json says so with scoring_func / topk_method.
+        sigmoid = cfg.get("scoring_func", "sigmoid") == "sigmoid"
         kw.update(num_experts=experts, moe_router_topk=int(cfg.get("num_experts_per_tok", 0)),
                   moe_ffn_hidden_size=moe_ffn,
                   moe_shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * moe_ffn,
                   moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                  moe_router_score_function="sigmoid" if cfg.get("scoring_func") == "sigmoid" else "softmax",
+                  moe_router_score_function="sigmoid" if sigmoid else "softmax",
+                  moe_router_enable_expert_bias=bool(experts) and sigmoid
+                  and cfg.get("topk_method", "noaux_tc") == "noaux_tc",
+                  moe_router_num_groups=int(cfg.get("n_group") or 0) if experts else 0,
+                  moe_router_group_topk=int(cfg.get("topk_group") or 0) if experts and (cfg.get("n_group") or 0) > 1
+                  else 0,
+                  moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
                   moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(layers)) if experts else (),
                   q_lora_rank=int(cfg.get("q_lora_rank") or 0), kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
                   qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),

@@ -41,7 +41,7 @@ def run(config_path: str) -> int:
     cfg = load_config(config_path)
     shape = load_model_shape(cfg.model.name)
     dims = ParallelDims.from_config(cfg.parallel, world_size=read_dist_env().world_size)
-    initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend)
+    initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
     trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
     try:
         trainer.train(cfg, shape, TrainerContext(cfg, shape=shape))
@@ -70,6 +70,9 @@ def _write_cpu_redirects(run_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from launcher.private import private_umask
+
+    private_umask()  # checkpoints, exports, logs and metrics are 0600 in 0700 folders, whatever the caller's umask
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m megatron_rl.main RUN_DIR/config.yaml", file=sys.stderr)

@@ -103,7 +103,7 @@ def test_presets_are_the_files_of_configs_models():
 def test_deepseek_v3_preset_structure():
     shape = load_model_shape("deepseek-v3")
     assert shape.moe_layers[:3] == (False, False, False) and all(shape.moe_layers[3:])
-    assert shape.is_mla and shape.kv_cache_elements_per_token_per_layer() == 512 + 64
+    assert shape.is_mla and (shape.kv_lora_rank, shape.qk_rope_head_dim) == (512, 64)
     assert shape.mtp_num_layers == 1 and shape.moe_router_score_function == "sigmoid"
 
 
@@ -204,3 +204,33 @@ def test_transformers5_rope_parameters_and_qwen3_moe_experts_are_read(tmp_path):
     shape = load_model_shape(str(tmp_path))
     assert shape.rotary_base == 1000000.0
     assert shape.num_experts == 4 and shape.moe_layers == (True, True)
+
+
+def test_deepseek_v3_routing_and_rope_fields(tmp_path):
+    """DeepSeek-V3's routing fields (sigmoid + noaux_tc expert bias, groups, routed scaling) and yarn parameters;
+    n_group 1 is no group limit. The planner's counts do not depend on them (the bias is a buffer)."""
+    ds = load_model_shape(str(_write_hf(tmp_path, "deepseek_v3")))
+    assert ds.moe_router_score_function == "sigmoid" and ds.moe_router_enable_expert_bias
+    assert (ds.moe_router_num_groups, ds.moe_router_group_topk) == (1, 0) and ds.moe_router_topk_scaling_factor == 1.0
+    assert ds.rope_type == "yarn" and ds.yarn_params() == {
+        "factor": 40.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 0.0}
+    v3 = load_model_shape("deepseek-v3")
+    assert v3.moe_router_enable_expert_bias and (v3.moe_router_num_groups, v3.moe_router_group_topk) == (8, 4)
+    assert v3.moe_router_topk_scaling_factor == 2.5 and v3.q_lora_rank == 1536
+
+
+def test_kimi_k2_preset_is_its_published_config():
+    """configs/models/kimi-k2.yaml and Kimi-K2's config.json (tests/data, model_type kimi_k2, DeepseekV3
+    architecture) give the same shape: 1 dense + 60 MoE layers, 384 experts top-8 without group limit (n_group 1),
+    MLA with q-LoRA, yarn factor 32 over 4096, no MTP; about 1.03T parameters, 32.9B active."""
+    import dataclasses
+
+    preset = load_model_shape("kimi-k2")
+    published = load_model_shape(str(REPO_ROOT / "tests" / "data" / "kimi-k2-config.json"))
+    assert dataclasses.replace(published, name=preset.name) == preset
+    assert preset.moe_layers == (False,) + (True,) * 60 and preset.num_experts == 384 and preset.is_mla
+    assert (preset.moe_router_num_groups, preset.moe_router_group_topk) == (1, 0)
+    assert preset.moe_router_topk_scaling_factor == 2.827 and preset.mtp_num_layers == 0
+    assert preset.yarn_params()["factor"] == 32.0 and preset.rotary_base == 50000.0
+    assert round(preset.num_params() / 1e9) == 1026 and round(preset.num_active_params() / 1e9, 1) == 32.9

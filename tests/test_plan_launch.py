@@ -8,6 +8,7 @@ Run: .venv/bin/python -m pytest tests/test_plan_launch.py -q
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,6 +26,8 @@ from launcher.planner import PLANNED_KEYS
 
 PATHS = ["model.init_from=/ckpt", "model.tokenizer=/tok", "data.train_path=/data.jsonl"]
 """The '???' keys of the shipped cluster configs: launch needs them, plan does not."""
+KIMI_K2 = Path(__file__).parent / "data" / "kimi-k2-config.json"
+"""A Kimi-K2-shaped HF config.json (DeepSeek-V3 architecture, 1.03T parameters, 32.9B active)."""
 H200 = ["model.name=llama-3.1-405b", "cluster.gpu_type=h200-141gb", "cluster.gpus_per_node=8",
         "cluster.tasks_per_node=8"]
 JOBS = {
@@ -34,6 +37,12 @@ JOBS = {
     "grpo-qwen3-235b-16-nodes-h200": ("grpo_llama70b", [*H200, "model.name=qwen3-235b-a22b", "cluster.nodes=16"]),
     "rm-qwen3-235b-16-nodes-h200": ("grpo_llama70b", [*H200, "model.name=qwen3-235b-a22b", "cluster.nodes=16",
                                                       "algorithm.name=rm"]),
+    "grpo-deepseek-v3-32-nodes-h200": ("grpo_llama70b", [*H200, "model.name=deepseek-v3", "cluster.nodes=32"]),
+    "grpo-kimi-k2-shaped-64-nodes-h200": ("grpo_llama70b", [*H200, f"model.name={KIMI_K2}", "cluster.nodes=64"]),
+    "grpo-shipped-llama405b": ("grpo_llama405b", []),
+    "grpo-shipped-qwen3-235b": ("grpo_qwen3_235b", []),
+    "rm-shipped-qwen3-235b": ("rm_qwen3_235b", []),
+    "grpo-shipped-deepseek-v3": ("grpo_deepseek_v3", []),
     "pretrain-llama70b-4-nodes": ("grpo_llama70b", ["algorithm.name=pretrain", "cluster.nodes=4"]),
     "sft-llama70b-4-nodes-given-pp8": ("grpo_llama70b", ["algorithm.name=sft", "cluster.nodes=4", "parallel.pp=8"]),
     "rm-tiny": ("rm_tiny", ["parallel.auto=true"]),

@@ -68,7 +68,7 @@ def test_parse_layout():
     every = ("tp=8,pp=16,vpp=1,cp=1,ep=1,etp=1,micro_batch_size=1,recompute=none,sequence_parallel=false,"
              "first_stage_layers=7,last_stage_layers=7,account_for_embedding=false,account_for_loss=false")
     assert set(parse_layout(every)) == set(ParallelConfig.__dataclass_fields__) - {"auto", "distributed_optimizer",
-                                                                                   "backend"}
+                                                                                   "backend", "timeout_s"}
     assert set(Layout.__dataclass_fields__) - {"dp"} == set(parse_layout(every)) - {"etp"}
     with pytest.raises(ConfigError, match="unknown field 'dp'"):
         parse_layout("dp=4")
@@ -183,9 +183,12 @@ def test_a_released_kv_cache_reuses_training_only_memory_and_offload_adds_grads_
     assert peak(optimizer_offloaded_for_generation=True).total == pytest.approx(kept.total, rel=1e-12)
 
 
-def test_mla_kv_cache_is_the_latent():
+def test_mla_kv_cache_is_the_expanded_keys_and_values():
+    """Megatron's static inference cache holds per-head K (nope 128 + rope 64) and V (128) of the rank's heads,
+    not the 576-element latent (see costs.kv_cache_elements_per_token_per_layer; engine: test_kv_cache_count.py)."""
     w = _workload("deepseek-v3", 2048, 2048, mode="grpo")
-    assert w.kv_cache_bytes(8, 1, 1) == pytest.approx((512 + 64) * 4096 * 2, rel=1e-9)
+    assert w.kv_cache_bytes(8, 1, 1) == pytest.approx(128 // 8 * (128 + 64 + 128) * 4096 * 2, rel=1e-9)
+    assert w.kv_cache_bytes(1, 1, 1) == pytest.approx(8 * w.kv_cache_bytes(8, 1, 1), rel=1e-9)
 
 
 # ---------------- FLOPs against Megatron's formula ----------------

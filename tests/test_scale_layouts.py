@@ -58,6 +58,11 @@ def test_moe_tp2_ep2_sp_matches_plain(launch, tmp_path, plain_moe):
     _assert_same_training(plain_moe, _run(launch, tmp_path / "run", MOE, "parallel.tp=2", "parallel.ep=2", SP))
 
 
+def test_moe_ep2_at_dp2_matches_plain(launch, tmp_path, plain_moe):
+    """EP2 on 2 processes (tp=1: dense dp=2, expert dp=1): each rank holds half of the experts."""
+    _assert_same_training(plain_moe, _run(launch, tmp_path / "run", MOE, "parallel.ep=2"))
+
+
 def test_moe_ep2_at_dp4_matches_plain(launch, tmp_path, plain_moe):
     """EP2 on 4 processes (tp=1: dense dp=4, expert dp=2): world = pp*tp*cp*dp = pp*etp*ep*edp."""
     _assert_same_training(plain_moe, _run(launch, tmp_path / "run", MOE, "parallel.ep=2",

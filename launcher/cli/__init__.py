@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 from launcher.errors import ConfigError
+from launcher.private import private_umask
 
 SUBCOMMANDS = {
     "plan": "size the parallel layout for a model and GPU count (no job is started)",
@@ -33,6 +34,7 @@ class CliParser(argparse.ArgumentParser):
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     name, rest = (argv[0], argv[1:]) if argv and argv[0] in SUBCOMMANDS else ("run", argv)
+    private_umask()  # whatever is written from here on (run folder, pickles, logs, checkpoints) is 0700/0600
     try:
         return importlib.import_module(f"launcher.cli.{name}").main(rest)
     except ConfigError as exc:

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from launcher.cli import CliParser
 from launcher.errors import ConfigError
@@ -30,8 +31,10 @@ examples:
       --slurm cluster.partition=cpu cluster.mem=0 cluster.time=1-00:00:00 --wait
 
 Supported: LlamaForCausalLM (tied or untied; also Mistral without sliding window), Qwen2ForCausalLM,
-Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM; reward-model checkpoints (a hidden->1 rm_head)
-export as *ForSequenceClassification with score.weight.
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2:
+MLA, shared experts, sigmoid routing with its expert bias, yarn RoPE; official FP8 block-quantized weights are
+dequantized to bf16 at import; multi-token-prediction layers are dropped, with a note); reward-model
+checkpoints (a hidden->1 rm_head) export as *ForSequenceClassification with score.weight.
 """
 
 
@@ -109,6 +112,22 @@ def conversion_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse a missing input folder before torch is imported (a one-line ConfigError naming the flag)."""
+    flags = {"hf-to-megatron": (("--hf", "hf", "an HF model folder"),),
+             "megatron-to-hf": (("--ckpt", "ckpt", "a checkpoint root or a step_* folder"),
+                                ("--hf-source", "hf_source", "a folder with tokenizer files"))}[args.direction]
+    for flag, dest, what in flags:
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            raise ConfigError(f"convert {args.direction}: {flag} {value}: no such folder; give {what}")
+        if not path.is_dir():
+            raise ConfigError(f"convert {args.direction}: {flag} {value} is a file, not a folder; give {what}")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.slurm:
@@ -121,6 +140,7 @@ def main(argv: list[str]) -> int:
                           "need --slurm)")
     if args.dry_run or args.wait:
         raise ConfigError(f"convert: {'--dry-run' if args.dry_run else '--wait'} applies to a Slurm job; add --slurm")
+    check_inputs(args)
     try:
         if args.direction == "hf-to-megatron":
             return _hf_to_megatron(args)

@@ -33,21 +33,43 @@ GPUS_KEYS = ("cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node")
 """What --gpus sets (it reads cluster.gpus_per_node, the node size, from the config file when that gives it)."""
 
 
+MAX_GPUS = 1 << 20
+"""--gpus above this (1,048,576) is refused: no cluster is that big, and the search would run for hours."""
+MAX_TOKENS = 1 << 24
+"""--seq-len and --global-batch-size above this (16,777,216) are refused."""
+
+
+def bounded_int(flag: str, high: int, low: int = 1):
+    """An argparse type: an int in [low, high], else a one-line error naming ``flag`` and the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(f"plan: {flag} {text!r} is not a whole number; give e.g. {flag} 8") from None
+        if not low <= value <= high:
+            raise ConfigError(f"plan: {flag} {text} is out of range; give a number from {low} to {high:,}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of the plan subcommand."""
     p = CliParser(prog="launch.py plan", description="Plan the parallel layout of the job that launch.py with the "
                   "same --config and key=value overrides would launch.")
     p.add_argument("--config", metavar="FILE", help="YAML config file or shipped config name (as for launch.py)")
     p.add_argument("--model", help="model.name: preset, HF config.json (or folder), or Megatron-style YAML")
-    p.add_argument("--gpus", type=int, help="GPUs in all: sets cluster.nodes, tasks_per_node and gpus_per_node")
+    p.add_argument("--gpus", type=bounded_int("--gpus", MAX_GPUS),
+                   help="GPUs in all: sets cluster.nodes, tasks_per_node and gpus_per_node")
     p.add_argument("--gpu-type", help="cluster.gpu_type: a100-80gb | h100-80gb | h200-141gb | ...")
-    p.add_argument("--seq-len", type=int, help="model.seq_length (default: the model's)")
-    p.add_argument("--global-batch-size", type=int, help="algorithm.global_batch_size: sequences per optimizer step")
+    p.add_argument("--seq-len", type=bounded_int("--seq-len", MAX_TOKENS),
+                   help="model.seq_length (default: the model's)")
+    p.add_argument("--global-batch-size", type=bounded_int("--global-batch-size", MAX_TOKENS),
+                   help="algorithm.global_batch_size: sequences per optimizer step")
     p.add_argument("--mode", choices=ALGORITHMS, help="algorithm.name, the trainer")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="planning precision")
     p.add_argument("--layout", help="parallel.* keys to keep, e.g. tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,"
                    "recompute=selective,sp=true")
-    p.add_argument("--top-k", type=int, default=5, help="alternatives to show")
+    p.add_argument("--top-k", type=bounded_int("--top-k", 100), default=5, help="alternatives to show")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for launch.py")
     return p
@@ -106,8 +128,7 @@ def _flag_of(key: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the plan subcommand; returns the exit code."""
     from launcher.config.loader import given_keys, load_config
-    from launcher.job import plan_job
-    from launcher.model_shape import load_model_shape
+    from launcher.job import load_shape, plan_job
     from launcher.planner import NoFeasibleLayout
 
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
@@ -118,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus is not None:
             overrides += gpus_overrides(args.gpus, cfg, given_keys(args.config, overrides))
             cfg = load_config(args.config, overrides, allow_missing=True)
-        result = plan_job(cfg, load_model_shape(cfg.model.name), given=given_keys(args.config, overrides),
+        result = plan_job(cfg, load_shape(cfg.model.name), given=given_keys(args.config, overrides),
                           precision=args.precision, top_k=args.top_k)
     except NoFeasibleLayout as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -39,18 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from launcher.config import load_config, to_yaml
-    from launcher.config.loader import given_keys
+    from launcher.config import load_config
+    from launcher.config.loader import env_references, given_keys
     from launcher.executors import get_executor
     from launcher.job import prepare
 
     args = build_parser().parse_intermixed_args(argv)
-    job = prepare(load_config(args.config, args.overrides), given=given_keys(args.config, args.overrides))
+    unresolved = env_references(args.config, args.overrides)  # first: it refuses a secret in cluster.setup
+    job = prepare(load_config(args.config, args.overrides), given=given_keys(args.config, args.overrides),
+                  unresolved=unresolved)
     executor = get_executor(job.executor)
     if not args.dry_run:
         return executor.run(job, wait=args.wait)
     print("# resolved config")
-    print(to_yaml(job.cfg).rstrip())
+    print(job.config_text().rstrip())
     if job.plan is not None:
         print("\n# layout chosen by the planner")
         print(job.plan.explain().rstrip())

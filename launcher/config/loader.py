@@ -13,7 +13,9 @@ from typing import Any, Optional, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (
+    ConfigKeyError, GrammarParseError, InterpolationResolutionError, OmegaConfBaseException, ValidationError,
+)
 
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError, did_you_mean
@@ -34,11 +36,11 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     if override_config is not None:
         required -= {key for key in required if OmegaConf.select(override_config, key) is not None}
         merged = _merge(merged, override_config, source="the command line")
-    missing = sorted(required | set(OmegaConf.missing_keys(merged)))
-    if missing and not allow_missing:
-        raise ConfigError(f"{', '.join(missing)} must be set ('???' in {path}); add e.g. {missing[0]}=VALUE "
-                          "to the command line")
     try:
+        missing = sorted(required | set(OmegaConf.missing_keys(merged)))
+        if missing and not allow_missing:
+            raise ConfigError(f"{', '.join(missing)} must be set ('???' in {path}); add e.g. {missing[0]}=VALUE "
+                              "to the command line")
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
@@ -65,9 +67,41 @@ def _sources(path: Optional[str | Path],
     return file, _read_yaml(file) if file is not None else None, _parse_overrides(overrides) if overrides else None
 
 
-def to_yaml(config: JobConfig) -> str:
-    """The fully resolved config as YAML; loading it back with ``load_config`` gives an equal JobConfig."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+ENV_RESOLVER = "${oc.env:"
+RESOLVED_AT_LAUNCH = ("parallel.", "run.dir")
+"""Keys the launcher decides (the planner's layout, the run folder): written resolved even when they read oc.env."""
+
+
+def env_references(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``section.key`` -> its unresolved value, for the keys that the YAML at ``path`` or ``overrides`` set with an
+    ``${oc.env:NAME}`` interpolation (a secret, say). ``to_yaml`` writes these unresolved, so no value of the
+    environment reaches config.yaml or ``--dry-run``; the job resolves them from its own environment when it loads
+    config.yaml. Call it with the arguments given to ``load_config``."""
+    found: dict[str, Any] = {}
+    for source in _sources(path, overrides)[1:]:
+        for section, body in (source or {}).items():
+            if not OmegaConf.is_dict(body):
+                continue
+            for key in body:
+                name = f"{section}.{key}"
+                raw = OmegaConf.to_container(body, resolve=False)[key]
+                if ENV_RESOLVER in str(raw) and name == "cluster.setup":
+                    raise ConfigError("cluster.setup reads ${oc.env:...}, but setup lines are written into the job "
+                                      "script; name the variable in cluster.env and write $NAME in the line")
+                if ENV_RESOLVER in str(raw) and not name.startswith(RESOLVED_AT_LAUNCH):
+                    found[name] = raw
+                else:
+                    found.pop(name, None)  # a later source set it plainly
+    return found
+
+
+def to_yaml(config: JobConfig, unresolved: Optional[dict[str, Any]] = None) -> str:
+    """The config as YAML, resolved but for the ``unresolved`` keys (``env_references``), which keep their
+    ``${oc.env:...}`` text; loading it back with ``load_config`` gives an equal JobConfig."""
+    conf = OmegaConf.structured(config)
+    for key, raw in (unresolved or {}).items():
+        OmegaConf.update(conf, key, raw, merge=False)
+    return OmegaConf.to_yaml(conf)
 
 
 def shipped_configs() -> list[str]:
@@ -90,9 +124,22 @@ def find_config(spec: str | Path) -> Path:
                       f"shipped configs: {', '.join(shipped)}")
 
 
-def _read_yaml(path: Path) -> DictConfig:
+def read_text(path: Path, what: str = "config file") -> str:
+    """The UTF-8 text of ``path``; a ConfigError naming the file when it is not UTF-8 or cannot be read."""
     try:
-        data = yaml.safe_load(path.read_text())
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be read ({exc.strerror}); check the path and its permissions") \
+            from None
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    text = read_text(path)
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -111,8 +158,9 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. run.steps=10")
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"could not parse the overrides {list(overrides)}: {_first_line(exc)}") from None
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:
+        raise ConfigError(f"could not parse the overrides {list(overrides)}: {_first_line(exc)}; quote values "
+                          "with spaces, braces or colons, e.g. 'cluster.setup=[\"module load cuda\"]'") from None
 
 
 def _merge(base: DictConfig, extra: DictConfig, *, source: str) -> DictConfig:
@@ -129,6 +177,9 @@ def _translate(exc: OmegaConfBaseException, source: str) -> ConfigError:
         valid = _valid_keys(getattr(exc, "object_type", None))
         hint = did_you_mean(str(key), valid, prefix=_parent(full_key))
         return ConfigError(f"unknown config key {full_key!r} in {source}{hint}; valid keys here: {', '.join(valid)}")
+    if isinstance(exc, (InterpolationResolutionError, GrammarParseError)):
+        return ConfigError(f"config key {full_key!r} in {source}: {_first_line(exc)}; fix the ${{...}} reference "
+                           "(${section.key} for another key, ${oc.env:NAME} for an environment variable)")
     if isinstance(exc, ValidationError):
         return ConfigError(f"config key {full_key!r} in {source}: {_first_line(exc)}; fix its value or type")
     return ConfigError(f"config error at {full_key!r} in {source}: {_first_line(exc)}")

@@ -7,6 +7,7 @@ checks that need the model shape or the world size live in ``launcher.config.val
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,6 +36,19 @@ def _positive(section: str, **values: Optional[float]) -> None:
             raise ConfigError(f"{section}.{key}={value} must be positive (> 0)")
 
 
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_WORLD_SIZE = 1 << 20
+"""Most processes (GPUs) in one job: cluster.nodes x cluster.tasks_per_node."""
+MAX_LENGTH = 1 << 24
+"""Largest sequence length and global batch size accepted."""
+
+
+def _at_most(section: str, high: int, **values: Optional[int]) -> None:
+    for key, value in values.items():
+        if value is not None and value > high:
+            raise ConfigError(f"{section}.{key}={value} is too large; give at most {high:,}")
+
+
 def _non_negative(section: str, **values: Optional[float]) -> None:
     for key, value in values.items():
         if value is not None and value < 0:
@@ -51,18 +65,27 @@ class ModelConfig:
     """Training sequence length; None takes the shape's own seq_length."""
     tokenizer: Optional[str] = None
     """A local Hugging Face tokenizer folder; None uses the built-in character tokenizer (tiny CPU tasks)."""
+    trust_remote_code: bool = False
+    """Let model.tokenizer run Python code shipped in its folder (tokenizer_config.json `auto_map`, e.g.
+    Kimi-K2's tiktoken tokenizer). false (default) refuses such a folder with an error naming this key. Only
+    local files are ever read (never the hub), but that code runs in every training process: trust the folder."""
     init_from: Optional[str] = None
     """Weights to start from: one of our checkpoints (a folder with a `latest` pointer or a step folder)."""
     moe_load_balancing: str = "none"
     """MoE router load-balancing loss: none, aux_loss (per micro-batch) or seq_aux_loss (per sequence)."""
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of that loss (e.g. 1e-3); 0 switches it off."""
+    moe_expert_bias_update: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3 e_score_correction_bias, Megatron router.expert_bias): false (default)
+    keeps the imported per-expert routing bias frozen during RL; true updates it after every step by
+    +-1e-3 toward balanced expert loads, as in DeepSeek-V3 pre-training. Models without the bias ignore it."""
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, DTYPES)
         _one_of("model", "moe_load_balancing", self.moe_load_balancing, MOE_LOAD_BALANCING)
         _non_negative("model", moe_aux_loss_coeff=self.moe_aux_loss_coeff)
         _positive("model", seq_length=self.seq_length)
+        _at_most("model", MAX_LENGTH, seq_length=self.seq_length)
         if not self.name.strip():
             raise ConfigError("model.name is empty; give a preset (e.g. tiny-cpu) or a path to config.json")
 
@@ -103,11 +126,14 @@ class ParallelConfig:
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on GPUs, gloo on CPU), nccl or gloo."""
+    timeout_s: int = 1800
+    """Process-group timeout in seconds: how long a rank waits in a collective for the others (rank 0's
+    checkpoint publish, a slow node) before the job fails."""
 
     def __post_init__(self) -> None:
         _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
                   micro_batch_size=self.micro_batch_size, first_stage_layers=self.first_stage_layers,
-                  last_stage_layers=self.last_stage_layers)
+                  last_stage_layers=self.last_stage_layers, timeout_s=self.timeout_s)
         _one_of("parallel", "recompute", self.recompute, RECOMPUTE_MODES)
         _one_of("parallel", "backend", self.backend, BACKENDS)
         if self.sequence_parallel and self.tp == 1:
@@ -152,7 +178,8 @@ class ClusterConfig:
     sbatch_extra: list[str] = field(default_factory=list)
     """Extra sbatch flags, each one `--flag=value`."""
     setup: list[str] = field(default_factory=list)
-    """Shell lines run before the job starts (module loads, env activation). Run verbatim: they are commands."""
+    """Shell lines run before the job starts (module loads, env activation). Run verbatim: they are commands, and
+    they are written into the job script, so they are no place for secrets: name those in cluster.env."""
     container_image: Optional[str] = None
     """pyxis/enroot image for `srun --container-image`."""
     container_mounts: list[str] = field(default_factory=list)
@@ -161,16 +188,28 @@ class ClusterConfig:
     """Seconds before the time limit at which Slurm signals the job to checkpoint and requeue."""
     max_requeues: int = 3
     """How many times a preempted or timed-out job is requeued."""
+    env: list[str] = field(default_factory=list)
+    """Names of environment variables the job takes from the submitting shell (tokens, say): their values are
+    passed in the environment (sbatch --export), never written to a file. Refer to them as ${oc.env:NAME} in
+    config keys, which stay unresolved in config.yaml, or as $NAME in setup lines."""
 
     def __post_init__(self) -> None:
         _one_of("cluster", "executor", self.executor, EXECUTORS)
         _positive("cluster", nodes=self.nodes, tasks_per_node=self.tasks_per_node, cpus_per_task=self.cpus_per_task)
+        _at_most("cluster", MAX_WORLD_SIZE, nodes=self.nodes, tasks_per_node=self.tasks_per_node)
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ConfigError(f"cluster.nodes={self.nodes} x cluster.tasks_per_node={self.tasks_per_node} is "
+                              f"{self.world_size:,} processes; give at most {MAX_WORLD_SIZE:,} in all")
         _non_negative("cluster", gpus_per_node=self.gpus_per_node, signal_delay_s=self.signal_delay_s,
                       max_requeues=self.max_requeues)
         if self.gpus_per_node and self.tasks_per_node != self.gpus_per_node:
             raise ConfigError(
                 f"cluster.tasks_per_node={self.tasks_per_node} differs from cluster.gpus_per_node="
                 f"{self.gpus_per_node}; run one task per GPU (set both to the same value)")
+        for name in self.env:
+            if not ENV_NAME.match(name):
+                raise ConfigError(f"cluster.env entry {name!r} is not an environment variable name; give names "
+                                  "such as WANDB_API_KEY (letters, digits and _), not NAME=value")
         for flag in self.sbatch_extra:
             if not flag.startswith("--"):
                 raise ConfigError(f"cluster.sbatch_extra entry {flag!r} must look like --flag=value")
@@ -225,6 +264,7 @@ class AlgorithmConfig:
         _one_of("algorithm", "loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _positive("algorithm", global_batch_size=self.global_batch_size, group_size=self.group_size,
                   prompts_per_step=self.prompts_per_step)
+        _at_most("algorithm", MAX_LENGTH, global_batch_size=self.global_batch_size)
         _non_negative("algorithm", clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                       kl_coef=self.kl_coef, rm_centering_coef=self.rm_centering_coef,
                       sft_warmup_steps=self.sft_warmup_steps)

@@ -2,6 +2,8 @@
 
 Rank 0's output goes to the console; every rank writes ``run.dir/logs/rank<N>.log``. When any rank fails,
 the others are stopped within ``STOP_GRACE_S`` seconds instead of waiting on a collective timeout.
+The launcher holds ``run.dir/.lock`` (``launcher.lock``) until every rank has ended, so a second launch into the
+folder is refused; everything it writes is private (``launcher.private``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.job import PreparedJob
+from launcher.job import PreparedJob, check_env
+from launcher.lock import acquire
 from launcher.ports import free_port
+from launcher.private import make_private_dir, open_private_append
 
 STOP_GRACE_S = 10.0
 
@@ -42,7 +46,7 @@ def describe(job: PreparedJob) -> str:
 
 
 def _pump(stream, log_path: Path, echo: bool) -> None:
-    with log_path.open("ab") as log:
+    with open_private_append(log_path) as log:
         for line in iter(stream.readline, b""):
             log.write(line)
             log.flush()
@@ -52,11 +56,18 @@ def _pump(stream, log_path: Path, echo: bool) -> None:
 
 
 def run(job: PreparedJob, *, wait: bool = True) -> int:
-    """Start every rank, stream rank 0, and return the job's exit code (the first failing rank's)."""
+    """Take the run folder's lock, start every rank, stream rank 0, and return the job's exit code (the first
+    failing rank's); the lock is released when every rank has ended."""
+    check_env(job.cfg)  # the ranks inherit this environment, cluster.env's variables with it
+    with acquire(job.run_dir):
+        return _run(job)
+
+
+def _run(job: PreparedJob) -> int:
     world = job.cfg.cluster.world_size
     config_path = job.write_config()
     log_dir = job.run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(log_dir)
     port = free_port()
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     procs: list[subprocess.Popen] = []
@@ -77,6 +88,7 @@ def run(job: PreparedJob, *, wait: bool = True) -> int:
         code = 130
     for pump in pumps:
         pump.join(timeout=5)
+    _kill_leftovers(procs)
     if code not in (0, 130):
         failed = next((i for i, p in enumerate(procs) if p.returncode not in (0, None, -signal.SIGTERM)), 0)
         tail = (log_dir / f"rank{failed}.log").read_text(errors="replace").splitlines()[-15:]
@@ -96,6 +108,16 @@ def _watch(procs: list[subprocess.Popen]) -> int:
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.2)
+
+
+def _kill_leftovers(procs: list[subprocess.Popen]) -> None:
+    """Each rank runs in its own session; whatever it started and left behind when it ended (a killed rank leaves
+    Megatron's multiprocessing helpers orphaned) is still in its process group: end them too."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _stop(procs: list[subprocess.Popen], sig: int) -> None:

@@ -361,11 +361,7 @@ class Workload:
         """KV cache bytes on one GPU for `sequences` full-length rollouts of its layers."""
         _, prompt, response, _ = self.grpo_sizes()
         g = self.grpo or GrpoSizing()
-        s = self.shape
-        if s.is_mla:
-            per_token_layer = s.kv_lora_rank + s.qk_rope_head_dim  # latent is replicated across TP ranks
-        else:
-            per_token_layer = 2 * max(1, self.g // tp) * self.d
+        per_token_layer = kv_cache_elements_per_token_per_layer(self.shape, tp)
         return sequences * (prompt + response) * layers_on_stage * per_token_layer * g.kv_cache_bytes
 
     def generation_time(self, tp: int, pp: int, gen_dp: int, params_per_gpu: float, kv_bytes_total: float,
@@ -380,6 +376,25 @@ class Workload:
         # each decode step reads the weights once per wave and half the KV cache on average; PP stages take turns
         decode = waves * response * pp * (weight_read + 0.5 * kv_bytes_total / waves) / self.hbm
         return prefill + decode
+
+
+def kv_cache_elements_per_token_per_layer(shape: ModelShape, tp: int) -> int:
+    """K + V elements that colocated generation caches per token and per layer on one TP rank.
+
+    This is what Megatron 0.16.1's static inference path allocates (``Attention._allocate_memory``:
+    ``[seq, batch, num_query_groups_per_partition, key_hidden_size]`` for K and ``val_hidden_size`` for V).
+    Dense/GQA: K and V of ``max(1, groups / tp)`` groups of ``kv_channels``. MLA: the EXPANDED per-head K
+    (``qk_nope_head_dim + qk_rope_head_dim``) and V (``v_head_dim``) of ``heads / tp`` heads, not the latent
+    (``kv_lora_rank + qk_rope_head_dim``, replicated over TP): Megatron caches the latent only with
+    ``cache_mla_latents``, which needs the dynamic inference backend and Flash MLA, while generation here
+    (megatron_rl/generation/decoding.py) uses the static ``StaticInferenceContext``. For DeepSeek-V3 at TP8
+    that is 16 x (192 + 128) = 5120 elements against a 576-element latent.
+    Checked against the engine: tests/test_kv_cache_count.py.
+    """
+    if shape.is_mla:
+        heads = shape.num_attention_heads // tp
+        return heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
+    return 2 * max(1, shape.num_query_groups // tp) * shape.kv_channels
 
 
 def gib(x: float) -> float:

@@ -24,7 +24,9 @@ from typing import Sequence
 
 from launcher.config.schema import ClusterConfig
 from launcher.errors import ConfigError
-from launcher.job import PreparedJob
+from launcher.job import PreparedJob, check_env
+from launcher.lock import acquire
+from launcher.private import check_run_dir, make_private_dir, write_private_text
 from launcher.slurm.script import (
     TrainScript, conversion_cluster, log_dir, render_convert_script, render_train_script, slurm_time_seconds,
 )
@@ -121,11 +123,17 @@ def run(job: PreparedJob, *, wait: bool = False) -> int:
     """Submit the job; with ``wait``, follow it to the end and return its status (0 when it completed)."""
     require_tools(SUBMIT_TOOLS + (WAIT_TOOLS if wait else ()))
     script = script_for(job)  # checks the cluster values before anything is written
-    job.write_config()
-    folder = log_dir(job.run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    check_env(job.cfg)
+    lock = acquire(job.run_dir)  # before anything is written: a second launch into the folder stops here
+    try:
+        job.write_config()
+        folder = make_private_dir(log_dir(job.run_dir))
+        job_id = submit(job, script)
+    except BaseException:
+        lock.release()
+        raise
+    lock.hand_to_job(job_id)  # the folder is the job's (and its requeued runs') while squeue lists it
     cluster = job.cfg.cluster
-    job_id = submit(job, script)
     _announce(job_id, job.run_dir, f"({cluster.nodes} node(s) x {cluster.tasks_per_node} task(s)) through submitit")
     if not wait:
         return 0
@@ -165,13 +173,13 @@ def run_conversion(cluster: ClusterConfig, run_dir: Path, convert_args: Sequence
         return 0
     require_tools(("sbatch",) + (WAIT_TOOLS if wait else ()), what="convert --slurm",
                   otherwise="drop --slurm to convert on this machine")
-    folder = log_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    check_run_dir(run_dir)
+    folder = make_private_dir(log_dir(run_dir))
     result = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise sbatch_error(result.stderr, cluster)
     job_id = result.stdout.strip().split(";")[0]
-    (folder / f"{job_id}_submission.sh").write_text(script)
+    write_private_text(folder / f"{job_id}_submission.sh", script)
     _announce(job_id, run_dir, f"(one task: launch.py convert {shlex.join(convert_args)})")
     if not wait:
         return 0

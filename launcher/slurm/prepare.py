@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from launcher.errors import ConfigError
+from launcher.lock import acquire
+from launcher.private import private_umask
 
 
 def allocation_overrides(env: Mapping[str, str]) -> list[str]:
@@ -34,14 +36,27 @@ def resolve(*, run_dir: str, algorithm: str, config: Optional[str], overrides: l
             env: Mapping[str, str]) -> Path:
     """Load, check and write the config of this allocation; return the config.yaml path."""
     from launcher.config import load_config
-    from launcher.config.loader import given_keys
+    from launcher.config.loader import env_references, given_keys
     from launcher.job import prepare
 
     forced = [f"run.dir={Path(run_dir).expanduser().resolve()}", f"algorithm.name={algorithm}",
               "cluster.executor=slurm", *allocation_overrides(env)]
     everything = [*overrides, *forced]
-    job = prepare(load_config(config, everything), given=given_keys(config, everything))
-    return job.write_config()
+    unresolved = env_references(config, everything)
+    job = prepare(load_config(config, everything), given=given_keys(config, everything), unresolved=unresolved,
+                  first_start=env.get("SLURM_RESTART_COUNT", "0") == "0")
+    job_id = env.get("SLURM_JOB_ID")
+    lock = acquire(job.run_dir, job_id=job_id)  # a requeued start of this job finds the lock its own
+    try:
+        path = job.write_config()
+    except BaseException:
+        lock.release()
+        raise
+    if job_id:
+        lock.hand_to_job(job_id)
+    else:
+        lock.release()
+    return path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -51,6 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--config", default=None, help="YAML config (optional)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    private_umask()
     try:
         path = resolve(run_dir=args.run_dir, algorithm=args.algorithm, config=args.config,
                        overrides=args.overrides, env=os.environ)

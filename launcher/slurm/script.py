@@ -38,6 +38,7 @@ OWNED_FLAGS = {
     "--qos": "cluster.qos", "--reservation": "cluster.reservation", "--constraint": "cluster.constraint",
     "--exclude": "cluster.exclude", "--signal": "cluster.signal_delay_s", "--output": "the launcher (run.dir/slurm)",
     "--error": "the launcher (run.dir/slurm)", "--open-mode": "the launcher (append, for requeues)",
+    "--export": "cluster.env",
 }
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
@@ -79,6 +80,7 @@ def sbatch_options(cluster: ClusterConfig, *, output: str) -> list[str]:
         ("--signal", f"{PREEMPT_SIGNAL}@{cluster.signal_delay_s}" if cluster.signal_delay_s else None,
          "cluster.signal_delay_s"),
         ("--output", output, "run.dir"), ("--open-mode", "append", "-"),
+        ("--export", ",".join(["ALL", *cluster.env]) if cluster.env else None, "cluster.env"),
     ]
     options = [f"{flag}={shlex.quote(_one_line(str(value), f'{key}={str(value)!r}'))}" for flag, value, key in values
                if value is not None]

@@ -38,6 +38,10 @@ class TrainTask:
     def __call__(self) -> dict[str, Any]:
         from submitit.helpers import TorchDistributedEnvironment
 
+        from launcher.private import private_umask
+
+        private_umask()  # the trainer's checkpoints and submitit's result pickle are 0600
+
         dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         pending = []  # a checkpoint request the trainer could not take yet

@@ -190,6 +190,10 @@ def export_config(hf_config: dict, reader, dtype_name: str, reward: bool) -> tup
             if bias != 0.0:
                 notes.append(f"the reward head's bias {bias:.6g} has no place in HF's score layer: exported scores "
                              "are the checkpoint's rewards minus it (stored as config.json reward_bias)")
+    if cfg.get("num_nextn_predict_layers"):
+        notes.append(f"the {cfg['num_nextn_predict_layers']} multi-token-prediction layer(s) of the original "
+                     "model were dropped at import: none exported (config.json num_nextn_predict_layers 0)")
+        cfg["num_nextn_predict_layers"] = 0
     cfg["torch_dtype"] = dtype_name
     if "dtype" in cfg:
         cfg["dtype"] = dtype_name

@@ -9,11 +9,16 @@ files, and the checkpoint is saved through ``megatron_rl.runtime.checkpoint.save
 it at any layout. The output is written into a hidden temp folder and renamed to ``--out`` at the end. The HF
 config.json and tokenizer files are kept inside the step folder (``hf_config.json``, ``hf_tokenizer/``) so that
 ``megatron-to-hf`` finds the family without being told.
+
+DeepSeek-V3 / Kimi-K2 checkpoints ship multi-token-prediction layers (``model.layers.{num_hidden_layers}.*``,
+``num_nextn_predict_layers``): they are DROPPED here, with a note on stderr; the Megatron model has no MTP
+layers, and exports write ``num_nextn_predict_layers: 0``.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -24,9 +29,13 @@ from launcher.model_shape import ModelShape
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
-def check_hf_tensors(shape: ModelShape, tensors: dict, source: str) -> None:
-    """Every tensor the config implies is present with its shape, and nothing else is (pure Python)."""
-    from megatron_rl.conversion.names import expected_hf_tensors
+def check_hf_tensors(shape: ModelShape, tensors: dict, source: str,
+                     fp8_block: Optional[tuple[int, int]] = None) -> list[str]:
+    """Every tensor the config implies is present with its shape, and nothing else is (pure Python); FP8 weights
+    each have a block scale of the right shape (``fp8_block``: quantization_config.weight_block_size, None when
+    the config declares no quantization). Returns notes for the user (MTP layers dropped, FP8 dequantized)."""
+    from megatron_rl.conversion.names import expected_hf_tensors, mtp_hf_prefixes
+    from megatron_rl.conversion.safetensors_io import FP8_DTYPES, SCALE_SUFFIX
 
     expected = expected_hf_tensors(shape)
     missing = sorted(set(expected) - set(tensors))
@@ -37,15 +46,40 @@ def check_hf_tensors(shape: ModelShape, tensors: dict, source: str) -> None:
         got = tuple(tensors[name].shape)
         if got != want:
             raise ConfigError(f"{source}: mismatched shapes: {name} is {list(got)}, config.json implies {list(want)}")
+    mtp = mtp_hf_prefixes(shape)
+    dropped = sorted(n for n in tensors if mtp and n.startswith(mtp))
+    notes = []
+    if dropped:
+        notes.append(f"dropped the {shape.mtp_num_layers} multi-token-prediction layer(s) ({len(dropped)} tensors "
+                     f"under {mtp[0]}*): MTP is not built or trained here, and exports carry none "
+                     "(num_nextn_predict_layers 0)")
+    fp8 = sorted(n for n in expected if getattr(tensors[n], "dtype", None) in FP8_DTYPES)
+    if fp8 and fp8_block is None:
+        raise ConfigError(f"{source}: {fp8[0]} is FP8 but config.json has no quantization_config (weight_block_size)")
+    for name in fp8:
+        scale = tensors.get(name + SCALE_SUFFIX)
+        want = tuple(-(-n // b) for n, b in zip(expected[name], fp8_block, strict=True))
+        if scale is None or tuple(scale.shape) != want:
+            raise ConfigError(f"{source}: FP8 tensor {name} needs {name + SCALE_SUFFIX} of shape {list(want)} "
+                              f"(one scale per {fp8_block[0]}x{fp8_block[1]} block), got "
+                              f"{None if scale is None else list(scale.shape)}")
+    scales = {name + SCALE_SUFFIX for name in fp8}
+    if fp8:
+        notes.append(f"dequantized {len(fp8)} FP8 block-quantized tensors ({fp8_block[0]}x{fp8_block[1]} blocks, "
+                     "weight_scale_inv); the checkpoint and its exports are unquantized (no quantization_config)")
     unexpected = sorted(n for n in tensors if n not in expected and not n.endswith(IGNORED_HF_TENSORS)
-                        and not (n == "lm_head.weight" and shape.tie_embeddings))
+                        and not (n == "lm_head.weight" and shape.tie_embeddings) and n not in dropped
+                        and n not in scales)
     if unexpected:
         raise ConfigError(f"{source}: {len(unexpected)} tensor(s) the converter does not map (first: "
                           f"{unexpected[0]}); the architecture has parts this converter does not support")
+    return notes
 
 
 def check_layout(shape: ModelShape, tp: int, pp: int, ep: int) -> None:
     """Layout rules Megatron enforces, as one-line errors before any process starts."""
+    from megatron_rl.conversion.names import conversion_dims
+
     for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -54,12 +88,13 @@ def check_layout(shape: ModelShape, tp: int, pp: int, ep: int) -> None:
                           f"key/value heads ({shape.num_query_groups})")
     if shape.ffn_hidden_size % tp or (shape.is_moe and shape.moe_ffn_hidden_size % tp):
         raise ConfigError(f"--tp {tp} must divide the MLP size ({shape.ffn_hidden_size})")
-    if shape.num_layers % pp:
-        raise ConfigError(f"--pp {pp} must divide the number of layers ({shape.num_layers})")
+    if shape.moe_shared_expert_intermediate_size % tp:
+        raise ConfigError(f"--tp {tp} must divide the shared expert size ({shape.moe_shared_expert_intermediate_size})")
     if ep > 1 and not shape.is_moe:
         raise ConfigError(f"--ep {ep} needs an MoE model; {shape.name} is dense")
     if shape.is_moe and shape.num_experts % ep:
         raise ConfigError(f"--ep {ep} must divide the number of experts ({shape.num_experts})")
+    conversion_dims(shape, tp, pp, ep)  # a legal (possibly uneven) pipeline split
 
 
 def import_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -79,7 +114,10 @@ def import_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 
     source = str(hf_dir)
     shape = shape_from_config(hf.config, f"{source}/config.json", name=hf_dir.name)
     check_convertible(shape, source)
-    check_hf_tensors(shape, {k: v for k, v in hf.tensors.items()}, source)
+    notes = check_hf_tensors(shape, {k: v for k, v in hf.tensors.items()}, source,
+                             hf.fp8_block if hf.config.get("quantization_config") else None)
+    for note in notes:  # before the (long) conversion starts
+        print(f"note: {note}", file=sys.stderr, flush=True)
     check_layout(shape, tp, pp, ep)
     if out == hf_dir or hf_dir in out.parents:
         raise ConfigError(f"--out {out} must not be inside the HF folder")
@@ -93,4 +131,5 @@ def import_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out_dir": str(out), "step_folder": str(out / Path(results[0]["folder"]).name), "tp": tp, "pp": pp,
-            "ep": ep, "processes": nproc, "dtype": results[0]["dtype"], "seconds": time.perf_counter() - start}
+            "ep": ep, "processes": nproc, "dtype": results[0]["dtype"], "seconds": time.perf_counter() - start,
+            "notes": notes}

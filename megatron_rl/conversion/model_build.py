@@ -5,9 +5,10 @@ Conversion only builds the model to reuse Megatron's own sharded state dict (the
 rank (expert tensor parallel size 1). That lets TP=2 x PP=2 x EP=2 run on 4 processes: the world size of a
 layout is ``pp * lcm(tp, ep)``.
 
-MoE with TP > 1 needs sequence parallelism (Megatron refuses it otherwise); the training builder's ``layer_spec``
-then puts ``megatron_rl.models.norms.SequenceParallelTorchNorm`` in place of the local spec's torch norms, which
-refuse sequence parallelism, so conversion builds exactly the modules (and keys) training builds.
+MoE (and, on the local spec, MLA) with TP > 1 needs sequence parallelism (Megatron refuses MoE otherwise); the
+training builder's ``layer_spec`` then puts ``megatron_rl.models.norms.SequenceParallelTorchNorm`` in place of the
+local spec's torch norms, which refuse sequence parallelism, so conversion builds exactly the modules (and keys)
+training builds. Pipeline splits follow ``names.conversion_dims`` (uneven when pp does not divide the layers).
 """
 
 from __future__ import annotations
@@ -50,12 +51,10 @@ def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtyp
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from launcher.parallel import ParallelDims
-    from megatron_rl.conversion.names import layout_world_size
+    from megatron_rl.conversion.names import conversion_dims
     from megatron_rl.models.builder import ModelOptions, layer_spec, padded_vocab_size, transformer_config
 
-    dims = ParallelDims(world_size=layout_world_size(tp, pp, ep), tp=tp, pp=pp, ep=ep, etp=1,
-                        sp=shape.is_moe and tp > 1)
+    dims = conversion_dims(shape, tp, pp, ep)
     config = transformer_config(shape, ModelOptions(dims=dims, dtype=dtype))
     config.perform_initialization = initialize
     spec = layer_spec(shape, config)  # sequence-parallel torch norms when sequence_parallel

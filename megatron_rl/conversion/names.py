@@ -20,6 +20,16 @@ qkv         rows interleaved per query group: [q_g; k_g; v_g]...   q_proj, k_pro
 gate_up     [gate; up] on dim 0 (a TP shard holds [gate_i; up_i])  gate_proj, up_proj (Mixtral: w1, w3)
 ==========  =====================================================  ============================================
 
+DeepSeek-V3 (MLA) needs no new kind: every MLA and routing tensor is a plain copy (q_a_proj -> linear_q_down_proj,
+q_a_layernorm -> q_layernorm, q_b_proj -> linear_q_up_proj (q_proj -> linear_q_proj without q-LoRA),
+kv_a_proj_with_mqa -> linear_kv_down_proj, kv_a_layernorm -> kv_layernorm, kv_b_proj -> linear_kv_up_proj,
+gate.e_score_correction_bias -> router.expert_bias) and the shared expert is a gate_up. Rotary rows need no
+permutation: DeepSeek lays each head's rope dims out in interleaved pairs, transformers (``rope_interleave``) and
+Megatron's MLA (``multi_latent_attention`` in ``apply_rotary_pos_emb``) both de-interleave them the same way
+(x[0::2], x[1::2]) before rotating halves, and the rope part is the last qk_rope_head_dim rows of kv_a_proj_with_mqa
+and of each q head in both. Multi-token-prediction layers (``model.layers.{num_hidden_layers}...``) are not mapped:
+the importer drops them with a note.
+
 Check it: ``.venv/bin/python -m pytest tests/test_conversion_mapping.py -q``.
 """
 
@@ -38,18 +48,22 @@ from launcher.model_shape import ModelShape, shape_from_hf_config
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 CLASSIFICATION_ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaForSequenceClassification", "MistralForCausalLM": "MistralForSequenceClassification",
     "Qwen2ForCausalLM": "Qwen2ForSequenceClassification", "Qwen3ForCausalLM": "Qwen3ForSequenceClassification",
     "Qwen3MoeForCausalLM": "Qwen3MoeForSequenceClassification",
     "MixtralForCausalLM": "MixtralForSequenceClassification",
+    "DeepseekV3ForCausalLM": "DeepseekV3ForSequenceClassification",
 }
 FAMILY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                     "mixtral": "mixtral"}
+                     "mixtral": "mixtral", "deepseek_v3": "deepseek_v3"}
 FAMILY_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                       "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ROPE_TYPES = (None, "default", "llama3")
+MLA_ROPE_TYPES = (None, "default", "yarn")
 
 
 def layout_world_size(tp: int, pp: int, ep: int) -> int:
@@ -58,8 +72,22 @@ def layout_world_size(tp: int, pp: int, ep: int) -> int:
     return pp * math.lcm(tp, ep)
 
 
+def conversion_dims(shape: ModelShape, tp: int, pp: int, ep: int):
+    """The ``ParallelDims`` a conversion builds at (tp, pp, ep): experts whole per rank (etp 1), sequence
+    parallelism where Megatron needs it (MoE or MLA at tp > 1), and an uneven pipeline split chosen like the
+    trainers' (``ParallelDims.with_split``) when pp does not divide the layers (61 layers on pp 2: 31 + 30)."""
+    from launcher.parallel import ParallelDims, split_error
+
+    dims = ParallelDims(world_size=layout_world_size(tp, pp, ep), tp=tp, pp=pp, ep=ep, etp=1,
+                        sp=(shape.is_moe or shape.is_mla) and tp > 1).with_split(shape.num_layers)
+    why = split_error(shape.num_layers, pp, 1, *dims.split())
+    if why is not None:
+        raise ConfigError(f"--pp {pp} cannot split the {shape.num_layers} layers: {why}")
+    return dims
+
+
 def supported_text() -> str:
-    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    return ", ".join(SUPPORTED_ARCHITECTURES)
 
 
 # ----- Megatron side -----
@@ -73,6 +101,16 @@ Q_NORM = "self_attention.q_layernorm.weight"
 K_NORM = "self_attention.k_layernorm.weight"
 PROJ = "self_attention.linear_proj.weight"
 MLP_NORM = "mlp.linear_fc1.layer_norm_weight"
+# multi-latent attention (DeepSeek-V3); the latent norms under their local-spec names
+Q_PROJ = "self_attention.linear_q_proj.weight"
+Q_DOWN = "self_attention.linear_q_down_proj.weight"
+Q_UP = "self_attention.linear_q_up_proj.weight"
+KV_DOWN = "self_attention.linear_kv_down_proj.weight"
+KV_UP = "self_attention.linear_kv_up_proj.weight"
+KV_NORM = "self_attention.kv_layernorm.weight"
+EXPERT_BIAS = "mlp.router.expert_bias"
+SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+SHARED_FC2 = "mlp.shared_experts.linear_fc2.weight"
 FC1 = "mlp.linear_fc1.weight"
 FC2 = "mlp.linear_fc2.weight"
 ROUTER = "mlp.router.weight"
@@ -85,6 +123,8 @@ REWARD_HEAD_BIAS = "rm_head.bias"
 LAYER_ALIASES = {
     "input_layernorm.weight": INPUT_NORM,
     "pre_mlp_layernorm.weight": MLP_NORM,
+    "self_attention.linear_q_up_proj.layer_norm_weight": Q_NORM,  # TE fuses MLA's latent norms into the up-projs
+    "self_attention.linear_kv_up_proj.layer_norm_weight": KV_NORM,
 }
 TOP_ALIASES = {
     "reward_head.weight": REWARD_HEAD_WEIGHT, "reward_head.bias": REWARD_HEAD_BIAS,
@@ -115,8 +155,12 @@ class MegatronRef:
         return f"{self.name} ({where})"
 
 
+_CHAINED_OPTIMIZER = re.compile(r"^chained_\d+\.optimizer\.")  # MoE runs: one optimizer per param group
+
+
 def is_model_key(key: str) -> bool:
-    return not key.startswith(NON_MODEL_PREFIXES) and "_extra_state" not in key
+    return (not key.startswith(NON_MODEL_PREFIXES) and "_extra_state" not in key
+            and not _CHAINED_OPTIMIZER.match(key))
 
 
 def _layer_suffix(key: str) -> tuple[bool, str]:
@@ -181,7 +225,9 @@ def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
                           f"supported: {supported_text()}")
     scaling = cfg.get("rope_scaling")
     rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if arch == "DeepseekV3ForCausalLM":
+        _check_deepseek_v3(cfg, rope_type, source)
+    elif rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{source}: rope_scaling type {rope_type!r} is not supported by the Megatron model; "
                           f"supported: default, llama3")
     if rope_type == "llama3":
@@ -190,6 +236,12 @@ def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         if odd:
             raise ConfigError(f"{source}: llama3 rope_scaling with {odd} is not supported: Megatron's RoPE uses "
                               f"{fixed} (only the factor is configurable)")
+    quant = cfg.get("quantization_config")
+    if quant and (quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3"
+                  or len(quant.get("weight_block_size") or ()) != 2):
+        raise ConfigError(f"{source}: quantization_config {quant} is not supported; only FP8 (e4m3) block-quantized "
+                          "weights (quant_method fp8 with weight_block_size, as DeepSeek-V3 and Kimi-K2 ship them) "
+                          "are dequantized at import")
     window = cfg.get("sliding_window")
     if window and cfg.get("use_sliding_window", True) and window < int(cfg.get("max_position_embeddings", 0) or 0):
         raise ConfigError(f"{source}: sliding-window attention (sliding_window={window}) is not supported by the "
@@ -201,6 +253,42 @@ def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported; use silu")
     return cfg
+
+
+def _check_deepseek_v3(cfg: dict[str, Any], rope_type: Optional[str], source: str) -> None:
+    """What transformers' DeepseekV3ForCausalLM computes that the Megatron model would compute differently."""
+    def refuse(what: str) -> None:
+        raise ConfigError(f"{source}: DeepseekV3 with {what} is not supported by the Megatron model")
+
+    if rope_type not in MLA_ROPE_TYPES:
+        refuse(f"rope_scaling type {rope_type!r} (supported: default, yarn)")
+    if cfg.get("rope_interleave", True) is False:
+        refuse("rope_interleave=false (Megatron's MLA de-interleaves the rope dims like DeepSeek's weights)")
+    if rope_type == "yarn":
+        scaling = cfg["rope_scaling"]
+        if scaling.get("attention_factor") is not None:
+            refuse("an explicit yarn attention_factor")
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if not (mscale and mscale_all) and (mscale not in (None, 1, 1.0) or mscale_all):
+            refuse(f"yarn mscale={mscale} without mscale_all_dim={mscale_all} (transformers then ignores both)")
+    if cfg.get("attention_bias"):
+        refuse("attention_bias=true")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        refuse(f"scoring_func={cfg.get('scoring_func')!r} / topk_method={cfg.get('topk_method')!r} (transformers "
+               "always routes by sigmoid scores plus e_score_correction_bias: sigmoid / noaux_tc)")
+    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
+        refuse("moe_layer_freq != 1 (transformers ignores it: every layer from first_k_dense_replace on is MoE)")
+    topk, groups, group_topk = (int(cfg.get(k) or 0) for k in ("num_experts_per_tok", "n_group", "topk_group"))
+    if topk > 1 and not cfg.get("norm_topk_prob", True):
+        refuse("norm_topk_prob=false (Megatron always renormalises sigmoid top-k weights)")
+    if groups > 1 and group_topk < groups and topk // max(group_topk, 1) != 2:
+        refuse(f"num_experts_per_tok={topk}, topk_group={group_topk}: transformers scores a group by its top-2 "
+               f"experts, Megatron by its top num_experts_per_tok/topk_group={topk // max(group_topk, 1)}")
+
+
+def mtp_hf_prefixes(shape: ModelShape) -> tuple[str, ...]:
+    """HF name prefixes of the multi-token-prediction layers that follow the decoder layers (dropped at import)."""
+    return tuple(f"model.layers.{shape.num_layers + i}." for i in range(shape.mtp_num_layers))
 
 
 def shape_from_config(cfg: dict[str, Any], source: str, name: str = "model") -> ModelShape:
@@ -233,6 +321,8 @@ def hf_config_from_shape(shape: ModelShape) -> dict[str, Any]:
         cfg.update(num_experts=shape.num_experts, num_experts_per_tok=shape.moe_router_topk,
                    moe_intermediate_size=shape.moe_ffn_hidden_size, norm_topk_prob=shape.moe_norm_topk_prob,
                    decoder_sparse_step=1, mlp_only_layers=[i for i, moe in enumerate(shape.moe_layers) if not moe])
+    if shape.family == "deepseek_v3":
+        cfg.update(_deepseek_v3_config(shape))
     if shape.family == "mixtral":
         if not all(shape.moe_layers) or shape.moe_ffn_hidden_size != shape.ffn_hidden_size:
             raise ConfigError("a Mixtral export needs every layer MoE with moe_ffn_hidden_size == ffn_hidden_size")
@@ -240,11 +330,31 @@ def hf_config_from_shape(shape: ModelShape) -> dict[str, Any]:
     return cfg
 
 
+def _deepseek_v3_config(shape: ModelShape) -> dict[str, Any]:
+    """The DeepseekV3Config fields of a shape (a preset's export); MTP layers are not exported."""
+    dense = shape.moe_layers.index(True) if shape.moe_layers else shape.num_layers
+    if shape.moe_layers and not all(shape.moe_layers[dense:]):
+        raise ConfigError(f"{shape.name}: a DeepseekV3 export needs MoE in every layer after the first dense ones")
+    if shape.num_experts and shape.moe_shared_expert_intermediate_size % shape.moe_ffn_hidden_size:
+        raise ConfigError(f"{shape.name}: shared expert size must be a multiple of moe_ffn_hidden_size")
+    cfg: dict[str, Any] = dict(
+        q_lora_rank=shape.q_lora_rank or None, kv_lora_rank=shape.kv_lora_rank,
+        qk_nope_head_dim=shape.qk_nope_head_dim, qk_rope_head_dim=shape.qk_rope_head_dim,
+        v_head_dim=shape.v_head_dim, head_dim=shape.qk_rope_head_dim, rope_interleave=True,
+        first_k_dense_replace=dense, n_routed_experts=shape.num_experts or None,
+        n_shared_experts=shape.moe_shared_expert_intermediate_size // max(shape.moe_ffn_hidden_size, 1),
+        moe_intermediate_size=shape.moe_ffn_hidden_size, num_experts_per_tok=shape.moe_router_topk,
+        n_group=max(shape.moe_router_num_groups, 1), topk_group=shape.moe_router_group_topk or 1,
+        routed_scaling_factor=shape.moe_router_topk_scaling_factor, norm_topk_prob=shape.moe_norm_topk_prob,
+        scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=0, attention_bias=False)
+    return cfg
+
+
 def check_convertible(shape: ModelShape, source: str) -> None:
     if shape.family not in FAMILY_MODEL_TYPE:
         raise ConfigError(f"{source}: family {shape.family!r} is not convertible; supported: {supported_text()}")
-    if shape.moe_shared_expert_intermediate_size or shape.is_mla or shape.mtp_num_layers:
-        raise ConfigError(f"{source}: shared experts, MLA and MTP layers are not convertible yet")
+    if shape.family != "deepseek_v3" and (shape.moe_shared_expert_intermediate_size or shape.is_mla):
+        raise ConfigError(f"{source}: shared experts and MLA convert only as DeepseekV3ForCausalLM")
     if shape.add_bias_linear or shape.normalization != "RMSNorm" or not shape.gated_linear_unit:
         raise ConfigError(f"{source}: only RMSNorm + SwiGLU models without linear biases are convertible")
 
@@ -296,12 +406,16 @@ def tensor_maps(shape: ModelShape, *, reward_head: bool = False) -> list[TensorM
             maps.append(TensorMap(MegatronRef(name, layer, expert), hf, kind, shapes))
 
         m(INPUT_NORM, (p + "input_layernorm.weight",), "copy", ((h,),))
-        m(QKV, (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv",
-          ((n * d, h), (g * d, h), (g * d, h)))
+        if shape.is_mla:
+            for ref_name, hf_name, hf_shape in _mla_tensors(shape):
+                m(ref_name, (a + hf_name,), "copy", (hf_shape,))
+        else:
+            m(QKV, (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv",
+              ((n * d, h), (g * d, h), (g * d, h)))
         if shape.add_qkv_bias:
             m(QKV_BIAS, (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv",
               ((n * d,), (g * d,), (g * d,)))
-        if shape.qk_layernorm:
+        if shape.qk_layernorm and not shape.is_mla:
             m(Q_NORM, (a + "q_norm.weight",), "copy", ((d,),))
             m(K_NORM, (a + "k_norm.weight",), "copy", ((d,),))
         m(PROJ, (a + "o_proj.weight",), "copy", ((h, n * d),))
@@ -309,6 +423,13 @@ def tensor_maps(shape: ModelShape, *, reward_head: bool = False) -> list[TensorM
         if shape.moe_layers and shape.moe_layers[layer]:
             e_f = shape.moe_ffn_hidden_size
             m(ROUTER, (router_hf_name(shape, layer),), "copy", ((shape.num_experts, h),))
+            if shape.moe_router_enable_expert_bias:
+                m(EXPERT_BIAS, (p + "mlp.gate.e_score_correction_bias",), "copy", ((shape.num_experts,),))
+            shared = shape.moe_shared_expert_intermediate_size
+            if shared:
+                s_p = p + "mlp.shared_experts."
+                m(SHARED_FC1, (s_p + "gate_proj.weight", s_p + "up_proj.weight"), "gate_up", ((shared, h),) * 2)
+                m(SHARED_FC2, (s_p + "down_proj.weight",), "copy", ((h, shared),))
             for expert in range(shape.num_experts):
                 gate, up, down = _expert_hf_names(shape, layer, expert)
                 m(EXPERT_FC1, (gate, up), "gate_up", ((e_f, h), (e_f, h)), expert)
@@ -322,6 +443,19 @@ def tensor_maps(shape: ModelShape, *, reward_head: bool = False) -> list[TensorM
     elif not shape.tie_embeddings:
         maps.append(TensorMap(MegatronRef(OUTPUT), ("lm_head.weight",), "vocab", ((shape.vocab_size, h),)))
     return maps
+
+
+def _mla_tensors(shape: ModelShape) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(Megatron ref name, HF name under self_attn., HF shape) of one MLA block (o_proj excluded)."""
+    h, n, lora = shape.hidden_size, shape.num_attention_heads, shape.q_lora_rank
+    qk, rope, kv = shape.qk_nope_head_dim + shape.qk_rope_head_dim, shape.qk_rope_head_dim, shape.kv_lora_rank
+    if lora:
+        q = [(Q_DOWN, "q_a_proj.weight", (lora, h)), (Q_NORM, "q_a_layernorm.weight", (lora,)),
+             (Q_UP, "q_b_proj.weight", (n * qk, lora))]
+    else:
+        q = [(Q_PROJ, "q_proj.weight", (n * qk, h))]
+    return q + [(KV_DOWN, "kv_a_proj_with_mqa.weight", (kv + rope, h)), (KV_NORM, "kv_a_layernorm.weight", (kv,)),
+                (KV_UP, "kv_b_proj.weight", (n * (shape.qk_nope_head_dim + shape.v_head_dim), kv))]
 
 
 def expected_hf_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:

@@ -4,6 +4,10 @@ Headers are parsed in pure Python (8-byte length + JSON), so a missing, truncate
 before any tensor is read. The writer plans every shard's header from names, dtypes and shapes alone, then
 streams each tensor's bytes into place as soon as it is converted: memory holds one tensor group, not a shard.
 
+FP8 block-quantized checkpoints (DeepSeek-V3, Kimi-K2: ``quantization_config`` with ``quant_method: fp8`` and
+``weight_block_size``; an ``F8_E4M3`` weight ``W`` beside an fp32 ``W_scale_inv`` of one scale per block) are
+dequantized as they are read: ``read_rows`` returns fp32 ``fp8 * scale_inv`` of its rows only.
+
 Check it: ``.venv/bin/python -m pytest tests/test_conversion_mapping.py -q``.
 """
 
@@ -23,6 +27,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E5M2": 1}
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+SCALE_SUFFIX = "_scale_inv"
 # Files copied next to the weights when present (tokenizer, chat template, generation defaults).
 WRITE_CHUNK = 64 * 2**20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -121,7 +127,13 @@ class HFCheckpoint:
         return cls(folder=folder, config=config, tensors=tensors)
 
     def read_rows(self, name: str, first: int, last: int, cols: tuple[slice, ...] = ()):
-        """Rows [first, last) (and column slices) of one tensor, reading only those bytes."""
+        """Rows [first, last) (and column slices) of one tensor, reading only those bytes (an FP8 weight with a
+        block scale comes back dequantized, in fp32)."""
+        if self.tensors[name].dtype in FP8_DTYPES and name + SCALE_SUFFIX in self.tensors:
+            return self._dequantized_rows(name, first, last, cols)
+        return self._raw_rows(name, first, last, cols)
+
+    def _raw_rows(self, name: str, first: int, last: int, cols: tuple[slice, ...] = ()):
         from safetensors import safe_open
 
         entry = self.tensors[name]
@@ -130,11 +142,40 @@ class HFCheckpoint:
             handle = self._handles[entry.file] = safe_open(str(self.folder / entry.file), framework="pt")
         return handle.get_slice(name)[(slice(first, last), *cols)]
 
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        """(rows, columns) of one quantization block (config.json quantization_config.weight_block_size)."""
+        block = (self.config.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+        return int(block[0]), int(block[1])
+
+    def fp8_weights(self) -> list[str]:
+        """Names of the FP8 tensors (each must have a ``_scale_inv``)."""
+        return sorted(n for n, e in self.tensors.items() if e.dtype in FP8_DTYPES)
+
+    def _dequantized_rows(self, name: str, first: int, last: int, cols: tuple[slice, ...]):
+        import torch
+
+        rows_total, cols_total = self.tensors[name].shape
+        col = cols[0] if cols else slice(0, cols_total)
+        c0, c1 = col.start or 0, cols_total if col.stop is None else col.stop
+        weight = self._raw_rows(name, first, last, (slice(c0, c1),)).to(torch.float32)
+        if last <= first or c1 <= c0:
+            return weight
+        br, bc = self.fp8_block
+        r_lo, c_lo = first // br, c0 // bc
+        scale = self._raw_rows(name + SCALE_SUFFIX, r_lo, (last - 1) // br + 1, (slice(c_lo, (c1 - 1) // bc + 1),))
+        scale = scale.to(torch.float32).repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
+        scale = scale[first - r_lo * br:last - r_lo * br, c0 - c_lo * bc:c1 - c_lo * bc]
+        return weight * scale
+
     def read(self, name: str):
         return self.read_rows(name, 0, self.tensors[name].shape[0] if self.tensors[name].shape else 1)
 
     def dtype(self) -> str:
-        """The (most common) safetensors dtype of the weights."""
+        """The (most common) safetensors dtype of the weights; BF16 for FP8 block-quantized weights (what they
+        dequantize to, as DeepSeek's own conversion does)."""
+        if self.fp8_weights():
+            return "BF16"
         counts: dict[str, int] = {}
         for entry in self.tensors.values():
             counts[entry.dtype] = counts.get(entry.dtype, 0) + 1

@@ -98,10 +98,12 @@ def run_import(task: dict[str, Any]) -> dict[str, Any]:
     model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=dtype)
     fill_from_hf(model, shape, hf)
     hf.close()
-    extra = {"model": model_metadata(shape, hf.config), "converted_from": str(Path(task["hf"]).resolve())}
+    # FP8 weights were dequantized while read: the checkpoint (and what it exports) is unquantized
+    hf_config = {k: v for k, v in hf.config.items() if k != "quantization_config"}
+    extra = {"model": model_metadata(shape, hf_config), "converted_from": str(Path(task["hf"]).resolve())}
     folder = save_checkpoint(task["out"], step=0, chunks=[model], extra=extra, keep_last=1)
     if _rank() == 0:
-        (folder / HF_CONFIG_FILE).write_text(json.dumps(hf.config, indent=2) + "\n")
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         tok = folder / HF_TOKENIZER_DIR
         tok.mkdir(exist_ok=True)
         if not copy_tokenizer_files(Path(task["hf"]), tok):

@@ -3,7 +3,7 @@
 Ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>, then '\\n' and the 95 printable ASCII characters ' '..'~' in code
 order: vocab_size 100. The vocabulary is fixed in code, so every process and every checkpoint agrees on it.
 
-Test: `.venv/bin/python -m pytest tests/test_prompt_data.py -q`
+Test: `.venv/bin/python -m pytest tests/test_prompt_data.py -q` (and tests/test_rm.py -k tokenizer)
 """
 
 from __future__ import annotations
@@ -58,14 +58,20 @@ class CharTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer from a local folder (no hub access), with CharTokenizer's interface."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
         from launcher.errors import ConfigError
 
+        if not trust_remote_code and ships_tokenizer_code(path):
+            raise remote_code_refused(path)
+        # trust_remote_code is passed only when allowed: transformers' own default (False) otherwise
+        allowed = {"trust_remote_code": True} if trust_remote_code else {}
         try:
-            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True, **allowed)
         except Exception as err:  # transformers raises many kinds for a broken folder
+            if not trust_remote_code and "trust_remote_code" in str(err):
+                raise remote_code_refused(path) from None
             raise ConfigError(f"model.tokenizer={path!r}: could not load a tokenizer ({type(err).__name__}: "
                               f"{err})") from None
         self.name = path
@@ -94,8 +100,31 @@ class HFTokenizer:
         return self.vocab_size
 
 
-def load_tokenizer(path: str | None):
-    """The built-in CharTokenizer when path is None, else a local Hugging Face tokenizer folder."""
+def ships_tokenizer_code(path: str) -> bool:
+    """True when the folder's tokenizer_config.json maps its tokenizer to Python code in the folder (`auto_map`)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("auto_map"))
+
+
+def remote_code_refused(path: str):
+    """The one-line ConfigError for a tokenizer folder whose code model.trust_remote_code does not allow."""
+    from launcher.errors import ConfigError
+
+    return ConfigError(f"model.tokenizer={path!r} needs the tokenizer code shipped in that folder (custom code, "
+                       "e.g. a tiktoken tokenizer); set model.trust_remote_code=true to run it, if you trust it")
+
+
+def load_tokenizer(path: str | None, *, trust_remote_code: bool = False):
+    """The built-in CharTokenizer when path is None, else a local Hugging Face tokenizer folder.
+
+    ``trust_remote_code`` (model.trust_remote_code): allow a folder whose tokenizer is Python code shipped in it
+    (tokenizer_config.json ``auto_map``, e.g. Kimi-K2); refused with a ConfigError otherwise. Never the hub."""
     if path is None:
         return CharTokenizer()
     from pathlib import Path
@@ -105,4 +134,4 @@ def load_tokenizer(path: str | None):
     if not Path(path).is_dir():
         raise ConfigError(f"model.tokenizer={path!r} is not a folder; give a local Hugging Face tokenizer folder "
                           "(or null for the built-in character tokenizer)")
-    return HFTokenizer(path)
+    return HFTokenizer(path, trust_remote_code=trust_remote_code)

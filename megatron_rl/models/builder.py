@@ -1,13 +1,17 @@
 """Build a Megatron Core ``GPTModel`` from the launcher's ``ModelShape`` (HF config, Megatron YAML or preset).
 
-Covers the Llama, Qwen2 (QKV bias), Qwen3 (QK norm, explicit head_dim), Mixtral and Qwen3-MoE families: GQA,
-RoPE, RMSNorm, SwiGLU, tied or untied embeddings and a TP-independent padded vocabulary. Transformer Engine
+Covers the Llama, Qwen2 (QKV bias), Qwen3 (QK norm, explicit head_dim), Mixtral, Qwen3-MoE and DeepSeek-V3
+families: GQA, RoPE, RMSNorm, SwiGLU, tied or untied embeddings and a TP-independent padded vocabulary; for
+DeepSeek-V3 also multi-latent attention (``MLATransformerConfig``, q-LoRA optional, yarn RoPE), shared experts,
+dense-first layers, sigmoid routing with the expert-bias correction, group-limited routing and the routed
+scaling factor. Multi-token-prediction layers are not built. Transformer Engine
 layers are used on GPUs when TE is installed; Megatron's local (pure torch) spec otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,6 +69,12 @@ class ModelOptions:
     moe_router_load_balancing_type)."""
     moe_aux_loss_coeff: float = 0.0
     """Its coefficient (0 turns it off)."""
+    moe_expert_bias_update: bool = False
+    """model.moe_expert_bias_update: update the router's expert bias (rate EXPERT_BIAS_UPDATE_RATE) or keep it."""
+
+
+EXPERT_BIAS_UPDATE_RATE = 1e-3
+"""Megatron's default moe_router_bias_update_rate (DeepSeek-V3's gamma 0.001)."""
 
 
 def aux_loss_coeff(opts: ModelOptions) -> float:
@@ -87,8 +97,6 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dims = opts.dims
-    if shape.is_mla:
-        raise NotImplementedError(f"{shape.name}: multi-latent attention models are not built by this runtime yet")
     activation = {"silu": F.silu, "gelu": F.gelu}.get(shape.activation)
     if activation is None:
         raise NotImplementedError(f"{shape.name}: activation {shape.activation!r} is not supported")
@@ -101,6 +109,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_layer_freq=[int(x) for x in shape.moe_layers] if shape.moe_layers else 1,
             moe_router_pre_softmax=not shape.moe_norm_topk_prob,
             moe_router_score_function=shape.moe_router_score_function,
+            **moe_routing_options(shape, opts),
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
             moe_grouped_gemm=have_transformer_engine(),  # TE's grouped GEMM experts on GPUs
             moe_aux_loss_coeff=aux_loss_coeff(opts),
@@ -111,12 +120,17 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         recompute = dict(recompute_granularity="selective")
     elif opts.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if shape.is_mla:
+        config_class, mla = mla_options(shape, dims)
+    return config_class(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.kv_channels, normalization=shape.normalization, layernorm_epsilon=shape.norm_epsilon,
+        kv_channels=shape.v_head_dim if shape.is_mla else shape.kv_channels,  # MLA: the value head
+        normalization=shape.normalization, layernorm_epsilon=shape.norm_epsilon,
         gated_linear_unit=shape.gated_linear_unit, activation_func=activation,
-        add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm,
+        add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias,
+        qk_layernorm=shape.qk_layernorm or shape.is_mla,  # MLA: its latent norms (q_layernorm, kv_layernorm)
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
@@ -129,7 +143,96 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         pipeline_dtype=opts.dtype, use_cpu_initialization=not torch.cuda.is_available(),
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        init_method_std=0.02, calculate_per_token_loss=True, **moe, **recompute)
+        init_method_std=0.02, calculate_per_token_loss=True, **moe, **recompute, **mla)
+
+
+def moe_routing_options(shape: ModelShape, opts: ModelOptions) -> dict:
+    """DeepSeek-V3 routing: expert bias (frozen unless opts.moe_expert_bias_update), group-limited top-k, scaling.
+
+    Megatron and transformers agree on group-limited routing when each group is scored by its top-2 experts:
+    Megatron scores a group by its top (topk / group_topk) experts, transformers' DeepseekV3 by its top 2
+    (conversion refuses the configs where the two differ)."""
+    options: dict = {}
+    if shape.moe_router_enable_expert_bias:
+        options.update(moe_router_enable_expert_bias=True, moe_router_dtype="fp32",  # HF routes in fp32
+                       moe_router_bias_update_rate=EXPERT_BIAS_UPDATE_RATE if opts.moe_expert_bias_update else 0.0)
+    if shape.moe_router_num_groups > 1 and shape.moe_router_group_topk:
+        options.update(moe_router_num_groups=shape.moe_router_num_groups,
+                       moe_router_group_topk=shape.moe_router_group_topk)
+    if shape.moe_router_topk_scaling_factor != 1.0:
+        options.update(moe_router_topk_scaling_factor=shape.moe_router_topk_scaling_factor)
+    return options
+
+
+def mla_options(shape: ModelShape, dims: ParallelDims):
+    """``MLATransformerConfig`` and its fields for a multi-latent-attention shape (DeepSeek-V2/V3).
+
+    The local spec builds MLA's latent norms (q_layernorm, kv_layernorm) only with ``qk_layernorm``. Megatron's
+    ``finalize_model_grads`` sums every ``q_layernorm`` grad over TP by name, which is right only when each TP
+    rank saw its own part of the sequence: so at TP > 1 the local spec needs sequence parallelism."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    local = not have_transformer_engine()
+    if local:
+        _mla_without_te()
+    if local and dims.tp > 1 and not dims.sp:
+        raise NotImplementedError(f"{shape.name}: multi-latent attention at tp={dims.tp} without Transformer "
+                                  "Engine needs parallel.sequence_parallel=true")
+    if local and dims.cp > 1:
+        raise NotImplementedError(f"{shape.name}: multi-latent attention with context parallelism needs "
+                                  "Transformer Engine (GPUs)")
+    options = dict(q_lora_rank=shape.q_lora_rank or None, kv_lora_rank=shape.kv_lora_rank,
+                   qk_head_dim=shape.qk_nope_head_dim, qk_pos_emb_head_dim=shape.qk_rope_head_dim,
+                   v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base)
+    if shape.rope_type == "yarn":
+        yarn = shape.yarn_params()
+        options.update(rope_type="yarn", rotary_scaling_factor=yarn["factor"],
+                       original_max_position_embeddings=yarn["original_max_position_embeddings"],
+                       beta_fast=yarn["beta_fast"], beta_slow=yarn["beta_slow"], mscale=yarn["mscale"],
+                       mscale_all_dim=yarn["mscale_all_dim"])
+    elif shape.rope_type == "default":
+        options.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    else:
+        raise NotImplementedError(f"{shape.name}: rope_scaling {shape.rope_type!r} with multi-latent attention")
+    return MLATransformerConfig, options
+
+
+def _mla_without_te() -> None:
+    """Megatron 0.16.1's MLA module without Transformer Engine, patched once per process:
+
+    * it takes TE's import stubs (MagicMocks) for TE and calls ``isinstance`` with them: ``HAVE_TE`` set False;
+    * its only TP-replicated down projection is modelopt's ``Linear`` with torch's default init: replaced (under
+      that name, which MLA checks) by one that also applies the config's init method;
+    * it builds its rotary embedding without ``use_cpu_initialization`` inside
+      ``torch.device(torch.cuda.current_device())``, which fails without a GPU: subclasses defaulting to CPU.
+    """
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if getattr(mla, "_megatron_rl_patched", False):
+        return
+    mla.HAVE_TE = False
+
+    class DuplicatedLinear(mla.Linear):
+        """Megatron's plain (TP-replicated) ``Linear``, initialised with the config's init method like
+        Megatron's parallel linears (its base keeps torch's default init). MLA accepts it under the name
+        ``Linear``; its weight is tagged ``sequence_parallel``, so under SP its grad is summed over TP."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, **kwargs):
+            super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    init_method(self.weight)
+
+    mla.Linear = DuplicatedLinear
+    for name in ("RotaryEmbedding", "YarnRotaryEmbedding"):
+        base = getattr(mla, name)
+
+        def __init__(self, *args, _base=base, **kwargs):
+            kwargs.setdefault("use_cpu_initialization", True)
+            _base.__init__(self, *args, **kwargs)
+
+        setattr(mla, name, type(name, (base,), {"__init__": __init__}))
+    mla._megatron_rl_patched = True
 
 
 def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None):
@@ -153,7 +256,53 @@ def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None):
         from megatron_rl.models.cp_attention import with_cp_core_attention
 
         spec = with_cp_core_attention(spec)
+    if config.multi_latent_attention and not use_te:
+        spec = local_mla_spec(spec)
     return spec
+
+
+def local_mla_spec(spec):
+    """A copy of a local-spec block spec whose MLA layers run without Transformer Engine.
+
+    * core attention: ``mla_core_attention()`` (the local kernel, accepting MLA's k/v widths);
+    * the down projections (q_down, kv_down) are replicated over TP, as TE's spec makes them ("duplicated"),
+      instead of column-parallel: in 0.16.1's column-parallel branch each TP rank drops the other ranks' heads'
+      gradient of the shared rope key (split backward of ``gather_from_tensor_model_parallel_region``), so
+      TP > 1 trained differently from TP = 1.
+    """
+    import copy
+
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_rl.models.norms import swap_norms
+
+    _mla_without_te()
+    spec = swap_norms(copy.deepcopy(spec), DotProductAttention, mla_core_attention())
+    for layer in spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if isinstance(attention, mla.MLASelfAttentionSubmodules):
+            attention.linear_q_down_proj = attention.linear_kv_down_proj = mla.Linear
+    return spec
+
+
+@functools.lru_cache(maxsize=None)
+def mla_core_attention():
+    """Megatron's local ``DotProductAttention`` for MLA: MLA passes ``k_channels`` (nope + rope head dim) and
+    ``v_channels``, which only TE's attention accepts; the local kernel already takes the key width from the
+    tensors and the value width from ``kv_channels`` (= v_head_dim here), so the two are checked and dropped."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+            if v_channels is not None and v_channels != config.kv_channels:
+                raise ValueError(f"MLA v_channels {v_channels} != kv_channels {config.kv_channels}")
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                             cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+    return MLADotProductAttention
 
 
 def expert_seed(seed: int, layer: int, expert: int) -> int:

@@ -97,7 +97,8 @@ class RewardModelScorer:
         self.folder, meta = read_reward_model_metadata(checkpoint)
         self.shape = shape_from_metadata(meta)
         self.max_length = int(max_length or meta["max_length"])
-        self.encoder = SequenceEncoder(load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer")))
+        self.encoder = SequenceEncoder(load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer"),
+                                                      trust_remote_code=bool(meta.get("trust_remote_code", False))))
         self.micro_batch_size = micro_batch_size
         dims = current_dims()
         dims = dataclasses.replace(dims, sp=sequence_parallel and dims.tp > 1).with_split(self.shape.num_layers)

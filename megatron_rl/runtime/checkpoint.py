@@ -2,23 +2,36 @@
 
 Layout of ``checkpoint.dir``::
 
-    step_00000010/      a complete checkpoint (model, optimizer, scheduler, step, data position, RNG states)
+    step_00000010/      a complete checkpoint (model, optimizer, scheduler, step, data position, RNG states,
+                        and ``saved.json``: its place in the save order)
     step_00000020/
     latest              text file naming the newest complete step folder, written last
     .tmp-step_...       a save in progress (or one a crash interrupted; removed on the next start)
+    .old-step_...       the previous save of a step being saved again, kept until the new one is published
+    .del-...            a folder being deleted (retention, cleanup)
 
-A save writes into a ``.tmp-`` folder, then rank 0 renames it to ``step_N`` and rewrites ``latest`` with an
-atomic replace: a checkpoint that looks complete is complete. The last ``keep_last`` are kept. Model and
-optimizer tensors are stored by their global (layout-free) keys, so a checkpoint loads at any TP/PP/DP.
-RNG states are per rank and are restored only when the layout is unchanged.
+A save writes into a ``.tmp-`` folder; each node flushes (fsync) the files its ranks wrote; then rank 0 moves
+an older save of the same step aside, renames the ``.tmp-`` folder to ``step_N``, and rewrites ``latest``
+durably (temp file, fsync, rename, fsync of the folder): a checkpoint that looks complete is complete, and
+at every moment ``latest`` names a complete checkpoint or its ``.old-`` copy (``remove_partial_saves``
+renames it back). Retention keeps the last ``keep_last`` in save order (not step order: a ``resume=false``
+run into an old folder saves low steps after high ones), never the target of ``latest``; old folders are
+renamed to ``.del-`` and deleted by a background thread of rank 0 after the publishing barrier, so no rank
+waits on the deletes inside a collective. Model and optimizer tensors are stored by their global
+(layout-free) keys, so a checkpoint loads at any TP/PP/DP. RNG states are per rank and are restored only
+when the layout is unchanged.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,25 +46,44 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+TMP_PREFIX, ASIDE_PREFIX, DELETE_PREFIX = ".tmp-", ".old-", ".del-"
+SAVE_ORDER_FILE = "saved.json"
+
+
 def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in ``ckpt_dir``, oldest first."""
+    """Complete checkpoints in ``ckpt_dir``, oldest save first (folders without a save order, written by
+    older versions, come first by step)."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=lambda p: (_save_seq(p), int(STEP_DIR.match(p.name).group(1))))
+
+
+def _save_seq(folder: Path) -> int:
+    try:
+        return int(json.loads((folder / SAVE_ORDER_FILE).read_text())["seq"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint: the ``latest`` pointer if it names one, else the highest step folder."""
+    """The newest complete checkpoint: the ``latest`` pointer if it names one (or the ``.old-`` copy a
+    killed re-save left of it), else the newest saved step folder."""
     root = Path(ckpt_dir)
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named.is_dir() and STEP_DIR.match(named.name):
-            return named
+    name = _pointer_name(root)
+    if name is not None and STEP_DIR.match(name.removeprefix(ASIDE_PREFIX)):
+        base = name.removeprefix(ASIDE_PREFIX)
+        for candidate in (root / base, root / f"{ASIDE_PREFIX}{base}"):
+            if candidate.is_dir():
+                return candidate
     found = complete_checkpoints(root)
     return found[-1] if found else None
+
+
+def _pointer_name(root: Path) -> Optional[str]:
+    pointer = root / "latest"
+    return pointer.read_text().strip() if pointer.is_file() else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -65,6 +97,32 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
+_run = {"id": None}
+
+
+def set_run_id(run_id: Optional[str]) -> None:
+    """The id of the run this process belongs to (a fresh start makes one; a resume reads it from the
+    checkpoint). Every save records it in ``extra["run_id"]``; ``checkpoint_owner`` reads it back."""
+    _run["id"] = run_id
+
+
+def run_id() -> Optional[str]:
+    return _run["id"]
+
+
+def checkpoint_owner(folder: str | Path) -> Optional[str]:
+    """The run id a checkpoint was saved by (None: saved outside a run, or by an older version)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(resolve_checkpoint(folder))).get("extra", {}).get("run_id")
+
+
+def _local_rank() -> int:
+    from megatron_rl.runtime.distributed import read_dist_env
+
+    return read_dist_env().local_rank
+
+
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -74,14 +132,131 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _fault(name: str, step: Optional[int]) -> None:
+    """Fault injection for the crash tests: ``MEGATRON_RL_FAULT=NAME:STEP`` SIGKILLs this process here."""
+    if step is not None and os.environ.get("MEGATRON_RL_FAULT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------- durability
+def fsync_path(path: str | Path) -> None:
+    """Flush one file or folder (its entries) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every file and folder under ``folder`` (the folder included)."""
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically and durably: temp file, fsync, rename, fsync of the folder."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+# ---------------------------------------------------------------------------------------------- publishing
+def publish_checkpoint(root: Path, tmp: Path, step: int, *, keep_last: int) -> list[Path]:
+    """Publish the complete, flushed save in ``tmp`` as ``step_N`` (rank 0 only; no collectives).
+
+    Returns the folders retention retired (renamed to ``.del-``), for ``delete_later`` after the barrier.
+    """
+    final = root / step_dir_name(step)
+    seq = 1 + max((_save_seq(p) for p in complete_checkpoints(root)), default=0)
+    write_durably(tmp / SAVE_ORDER_FILE, json.dumps({"step": step, "seq": seq, "saved_at": time.time()}) + "\n")
+    doomed = []
+    if final.exists():  # a re-save: the old copy stays whole, aside, until the new one is published
+        aside = root / f"{ASIDE_PREFIX}{final.name}"
+        if aside.exists():
+            doomed.append(_retire(aside))
+        os.replace(final, aside)
+        fsync_path(root)
+        _fault("kill-during-resave", step)
+        doomed.append(aside)
+    os.replace(tmp, final)
+    fsync_path(root)
+    write_durably(root / "latest", final.name + "\n")
+    ordered = complete_checkpoints(root)
+    keep = set(ordered[-keep_last:]) | {final, latest_checkpoint(root)}
+    doomed += [p for p in ordered if p not in keep]
+    return [_retire(p) for p in doomed]
+
+
+def _retire(folder: Path) -> Path:
+    """Rename ``folder`` to a unique ``.del-`` name (fast), so a half-done delete never looks like a checkpoint."""
+    if folder.name.startswith(DELETE_PREFIX):
+        return folder
+    target = folder.with_name(f"{DELETE_PREFIX}{folder.name.lstrip('.')}-{time.time_ns()}")
+    os.replace(folder, target)
+    return target
+
+
+_deleters: list[threading.Thread] = []
+
+
+def delete_later(folders: list[Path], *, step: Optional[int] = None) -> None:
+    """Delete retired folders in a background thread (rank 0's long I/O stays out of every collective)."""
+    if folders:
+        fsync_path(folders[0].parent)
+        thread = threading.Thread(target=_delete_all, args=(folders, step), name="checkpoint-delete")
+        thread.start()
+        _deleters[:] = [t for t in _deleters if t.is_alive()] + [thread]
+
+
+def _delete_all(folders: list[Path], step: Optional[int]) -> None:
+    for folder in folders:
+        if os.environ.get("MEGATRON_RL_FAULT") == f"kill-during-retention:{step}":
+            first = next((os.path.join(d, f[0]) for d, _, f in os.walk(folder) if f), None)
+            if first is not None:
+                os.remove(first)  # half-deleted, then killed
+            _fault("kill-during-retention", step)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_for_deletes() -> None:
+    """Join the background deletes (tests; the interpreter also waits for them at exit)."""
+    while _deleters:
+        _deleters.pop().join()
+
+
+def recover_latest(root: Path) -> None:
+    """After a crash inside a re-save, make ``latest`` name a ``step_N`` folder again (rank 0 only)."""
+    name = _pointer_name(root)
+    if name is None:
+        return
+    base = name.removeprefix(ASIDE_PREFIX)
+    aside = root / f"{ASIDE_PREFIX}{base}"
+    if not (root / base).is_dir() and aside.is_dir():
+        os.replace(aside, root / base)
+        fsync_path(root)
+    if name != base and (root / base).is_dir():
+        write_durably(root / "latest", base + "\n")
+
+
 def remove_partial_saves(ckpt_dir: str | Path) -> None:
-    """Delete ``.tmp-`` folders left by a save that was killed (rank 0 only)."""
+    """Recover ``latest`` after a crash, then delete the ``.tmp-``, ``.old-`` and ``.del-`` folders a killed
+    save or delete left (rank 0; the deletes run in the background after the barrier)."""
     root = Path(ckpt_dir)
+    doomed = []
     if _rank() == 0 and root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(".tmp-"):
-                shutil.rmtree(p, ignore_errors=True)
+        recover_latest(root)
+        (root / ".latest.tmp").unlink(missing_ok=True)
+        doomed = [_retire(p) for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith((TMP_PREFIX, ASIDE_PREFIX, DELETE_PREFIX))]
     _barrier()
+    delete_later(doomed)
 
 
 def layout_signature() -> dict[str, int]:
@@ -139,33 +314,28 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
 
     root = Path(ckpt_dir)
     final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}"
+    tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
     model_sd = _model_sharded_state_dict(chunks)
-    state: dict[str, Any] = {**model_sd, "step": step, "layout": layout_signature(), "extra": extra or {},
+    extra = {"run_id": run_id(), **(extra or {})} if run_id() is not None else (extra or {})
+    state: dict[str, Any] = {**model_sd, "step": step, "layout": layout_signature(), "extra": extra,
                              "rng_state": _rng_sharded_object(_rng_state())}
     if optimizer is not None and save_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(state, str(tmp))
+    if _local_rank() == 0:
+        fsync_tree(tmp)  # one rank per node flushes what that node's ranks wrote (shared page cache)
     _barrier()
-    if os.environ.get("MEGATRON_RL_FAULT") == f"kill-during-save:{step}":  # fault injection for the crash tests
-        os.kill(os.getpid(), 9)
-    if _rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = root / ".latest.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / "latest")
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    _fault("kill-during-save", step)
+    doomed = publish_checkpoint(root, tmp, step, keep_last=keep_last) if _rank() == 0 else []
     _barrier()
+    delete_later(doomed, step=step)
     return final
 
 

@@ -82,8 +82,10 @@ def job_dims(**sizes) -> ParallelDims:
     return ParallelDims(world_size=read_dist_env().world_size, **sizes)
 
 
-def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_s: int = 300) -> DistEnv:
-    """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers."""
+def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_s: int = 1800) -> DistEnv:
+    """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers.
+
+    ``timeout_s`` bounds every collective (``parallel.timeout_s``): a rank waits that long for the others."""
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_rl.runtime import cpu_compat

@@ -122,6 +122,7 @@ def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
     return ModelOptions(
         dims=ParallelDims.from_config(cfg.parallel, world_size=torch.distributed.get_world_size()), recompute=cfg.parallel.recompute, dtype=compute_dtype(cfg.model.dtype),
         moe_load_balancing=cfg.model.moe_load_balancing, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+        moe_expert_bias_update=cfg.model.moe_expert_bias_update,
         seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed)
 
 
@@ -191,16 +192,19 @@ class Engine:
 
     def frozen_copy(self, folder: Path) -> list:
         """Chunks with this engine's current weights, frozen (no grad, eval mode), saved in ``folder``; when
-        ``folder`` already holds them (a resumed run), they are loaded from there instead."""
+        ``folder`` already holds them from this same run (a resumed run), they are loaded from there instead.
+        A copy saved by another run (a ``resume=false`` or fresh run into an old folder) is rebuilt."""
         from megatron_rl.runtime import checkpoint as ckpt
 
         copies = build_model_chunks(self.shape, self.opts)
-        if ckpt.latest_checkpoint(folder) is None:
+        ckpt.remove_partial_saves(folder)
+        found = ckpt.latest_checkpoint(folder)
+        if found is None or (ckpt.run_id() is not None and ckpt.checkpoint_owner(found) != ckpt.run_id()):
             for copy, chunk in zip(copies, self.chunks):
                 copy.load_state_dict(ckpt.unwrap(chunk).state_dict())
             ckpt.save_checkpoint(folder, step=0, chunks=copies, keep_last=1)
         else:
-            ckpt.load_checkpoint(folder, chunks=copies, load_optimizer=False)
+            ckpt.load_checkpoint(found, chunks=copies, load_optimizer=False)
         for copy in copies:
             copy.eval()
             copy.requires_grad_(False)

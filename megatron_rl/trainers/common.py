@@ -38,6 +38,16 @@ def install_stop_handlers() -> None:
         signal.signal(sig, request_stop)
 
 
+def _new_run_id() -> str:
+    """A new id, the same on every rank (rank 0's, broadcast)."""
+    import uuid
+
+    box = [uuid.uuid4().hex]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class Preempted(SystemExit):
     """Raised after the preemption checkpoint is saved; exits the process with REQUEUE_EXIT_CODE."""
 
@@ -99,10 +109,12 @@ class TrainerContext:
                                          scheduler=engine.scheduler)
             engine.step = state["step"]
             self.resumed_extra = state["extra"]
+            ckpt.set_run_id(state["extra"].get("run_id"))  # None for checkpoints of older versions
             self.logger.truncate_after(engine.step)
             self.say(f"resumed from {found} (step {engine.step}"
                      f"{', new layout: RNG reseeded' if state['layout_changed'] else ''})")
             return engine.step
+        ckpt.set_run_id(_new_run_id())  # a fresh start: its saves (and reference model) are its own
         source = init_from or self.cfg.model.init_from
         if source:
             if load_init is None:

@@ -65,7 +65,7 @@ class GrpoRun:
 
         self.cfg, self.shape, self.ctx = cfg, shape, ctx
         self.algo = cfg.algorithm
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
         if self.tokenizer.vocab_size > shape.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model {shape.name} only "
                               f"{shape.vocab_size}; use a matching model.tokenizer")

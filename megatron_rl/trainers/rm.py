@@ -132,7 +132,8 @@ def reward_model_metadata(cfg: JobConfig, shape: ModelShape, *, max_length: int)
     tokenizer = cfg.model.tokenizer
     if tokenizer is not None and Path(tokenizer).is_dir():
         tokenizer = str(Path(tokenizer).resolve())
-    return {"version": METADATA_VERSION, "shape": shape.to_dict(), "tokenizer": tokenizer, "max_length": max_length}
+    return {"version": METADATA_VERSION, "shape": shape.to_dict(), "tokenizer": tokenizer, "max_length": max_length,
+            "trust_remote_code": cfg.model.trust_remote_code}
 
 
 def resume_or_init(cfg: JobConfig, ctx: TrainerContext, engine: Engine) -> int:
@@ -169,7 +170,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     if max_length > shape.max_position_embeddings:
         raise ConfigError(f"data.max_length={max_length} exceeds {shape.name}'s max_position_embeddings "
                           f"{shape.max_position_embeddings}")
-    encoder = SequenceEncoder(load_tokenizer(cfg.model.tokenizer))
+    encoder = SequenceEncoder(load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code))
     train_data, eval_data = load_preference_splits(cfg.data, encoder, max_length=max_length,
                                                    vocab_size=shape.vocab_size, seed=cfg.run.seed)
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)

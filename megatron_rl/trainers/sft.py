@@ -64,7 +64,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     from megatron_rl.data.synthetic import TASKS, sft_records, split_problems
     from megatron_rl.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.data.train_path:
         records = read_sft_jsonl(cfg.data.train_path, prompt_key=cfg.data.prompt_key)
     elif cfg.data.task in TASKS:

@@ -46,17 +46,24 @@ def make_hf_model(kind: str, folder: Path, *, seed: int = 0) -> Path:
     config_cls, model_cls, kwargs = TINY_HF[kind]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+    randomize_weights(model)
+    folder = Path(folder)
+    model.save_pretrained(str(folder))
+    for name, text in TOKENIZER_FILES.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def randomize_weights(model) -> None:
+    """Random values for every parameter from torch's global RNG: norms around 1, embeddings wider."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.5 if "embed" in name else 0.15)
-    folder = Path(folder)
-    model.save_pretrained(str(folder))
-    for name, text in TOKENIZER_FILES.items():
-        (folder / name).write_text(text)
-    return folder
 
 
 def run_reward_fixture(task: dict) -> dict:

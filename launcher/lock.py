@@ -1,0 +1,168 @@
+"""One job per run folder: an exclusive lock file ``run.dir/.lock`` that names its holder.
+
+    {"pid": 4242, "host": "login1", "slurm_job_id": "1234", "since": "2026-12-01T15:30:00Z"}
+
+The launcher takes it before it writes anything into the folder (``acquire``). A local run keeps it (and a
+``flock`` on it) while it waits for its processes, and removes it at the end. A Slurm launch rewrites it with the
+job id after submission and leaves it: the folder stays the job's while ``squeue`` lists the job (pending,
+running, or requeued: every start of the job carries the same SLURM_JOB_ID, so its requeued runs are its own).
+A second launch while the holder lives is refused with a one-line ConfigError; a lock whose holder is gone (the
+pid is dead on this host, or Slurm no longer lists the job) is taken over. The check-and-take is done under a
+``flock`` of the lock file, so two launches racing for a stale lock cannot both win.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from launcher.errors import ConfigError
+from launcher.private import make_private_dir, open_private
+
+LOCK_NAME = ".lock"
+ENDED_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                          "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"})
+"""squeue states of a job that has ended (squeue keeps listing one for MinJobAge seconds)."""
+
+
+class RunLock:
+    """A held run-folder lock; ``release`` (or leaving the ``with`` block) removes it, ``hand_to_job`` records
+    the Slurm job that holds the folder from then on."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def _write(self, holder: dict) -> None:
+        text = json.dumps(holder, sort_keys=True) + "\n"
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, text.encode(), 0)
+        os.fsync(self._fd)
+
+    def hand_to_job(self, job_id: str) -> None:
+        """The folder now belongs to Slurm job ``job_id`` (until squeue stops listing it); the file stays."""
+        self._write({**_me(), "slurm_job_id": str(job_id)})
+        self._close()
+
+    def release(self) -> None:
+        """Remove the lock (the run ended)."""
+        if self._fd is None:
+            return
+        try:
+            if os.fstat(self._fd).st_ino == os.lstat(self.path).st_ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def acquire(run_dir: Path, *, job_id: Optional[str] = None) -> RunLock:
+    """Take ``run_dir/.lock`` (creating the folder 0700); ConfigError when a live job holds it. ``job_id``: this
+    process runs inside that Slurm job, so a lock naming the same job (an earlier start of it) is its own."""
+    path = make_private_dir(Path(run_dir)) / LOCK_NAME
+    for _ in range(5):
+        fd = open_private(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = read_holder(path)
+            os.close(fd)
+            raise ConfigError(_busy(run_dir, holder)) from None
+        try:
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # removed by its holder while we waited for it: take the new file
+            os.close(fd)
+            continue
+        holder = read_holder(path)
+        own = job_id is not None and str(holder.get("slurm_job_id")) == str(job_id)
+        if holder and not own and holder_alive(holder):
+            os.close(fd)
+            raise ConfigError(_busy(run_dir, holder))
+        lock = RunLock(path, fd)
+        lock._write(_me())
+        return lock
+    raise ConfigError(f"run.dir={run_dir}: could not take {path} (it keeps changing); try again")
+
+
+def read_holder(path: Path) -> dict:
+    """What the lock file says (empty when it is empty or unreadable)."""
+    try:
+        data = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def holder_alive(holder: dict) -> bool:
+    """Whether the holder may still run: its Slurm job is listed by squeue, or its pid lives on this host. A
+    holder on another host without a job id, or a Slurm job when squeue is missing, counts as alive."""
+    job_id = holder.get("slurm_job_id")
+    if job_id:
+        return slurm_job_alive(str(job_id))
+    if holder.get("host") != socket.gethostname():
+        return True
+    return pid_alive(holder.get("pid"))
+
+
+def pid_alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def slurm_job_alive(job_id: str) -> bool:
+    """squeue lists the job in a state that has not ended (pending, running, requeued, suspended...); True when
+    that cannot be asked."""
+    if shutil.which("squeue") is None:
+        return True
+    try:
+        result = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                                timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    if result.returncode != 0:  # "Invalid job id specified": long gone
+        return "invalid job id" not in result.stderr.lower()
+    states = {word.split()[0].rstrip("+") for word in result.stdout.splitlines() if word.strip()}
+    return bool(states - ENDED_STATES)
+
+
+def _me() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _busy(run_dir: Path, holder: dict) -> str:
+    lock = Path(run_dir) / LOCK_NAME
+    if holder.get("slurm_job_id"):
+        who = f"Slurm job {holder['slurm_job_id']} (submitted from {holder.get('host', '?')})"
+        how = f"wait for it to end, cancel it with `scancel {holder['slurm_job_id']}`"
+    else:
+        who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+        how = f"wait for it to end or stop it (if it is gone, remove {lock})"
+    since = f" since {holder['since']}" if holder.get("since") else ""
+    return f"run.dir={run_dir} is in use by {who}{since}; {how}, or give another run.dir"

@@ -1,0 +1,316 @@
+"""Checkpoints are never lost: save-order retention, re-saves kept aside, fsync, a reference model per run.
+
+The unit tests publish small fake saves (folders of files) with the real publishing code; the runs are tiny
+real Megatron Core jobs on one process. Jobs that need ``checkpoint.resume=false`` on a folder that already has
+checkpoints (which the launcher refuses) start the job entry point ``megatron_rl.main`` directly, as the
+local executor does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import REPO_ROOT, read_metrics
+
+from launcher.ports import free_port
+from megatron_rl.runtime import checkpoint as ckpt
+
+ONE_RANK = ["cluster.executor=local", "cluster.tasks_per_node=1", "algorithm.name=pretrain", "run.steps=6",
+            "algorithm.global_batch_size=4", "parallel.micro_batch_size=2", "logging.tensorboard=false",
+            "checkpoint.save_at_end=false"]
+DROP = ("step_time_s", "tokens_per_s")
+TAG = "MEGATRON_RL_TEST_TAG"
+
+
+# ------------------------------------------------------------------------------------------------ fake saves
+def _fake_save(root, step, content="x", *, keep_last=2):
+    """Publish a fake save of ``step`` (two files in a subfolder) as save_checkpoint does after writing."""
+    tmp = root / f".tmp-{ckpt.step_dir_name(step)}"
+    (tmp / "shard").mkdir(parents=True)
+    (tmp / "common.pt").write_text(content)
+    (tmp / "shard" / "0.distcp").write_text(content)
+    ckpt.fsync_tree(tmp)
+    doomed = ckpt.publish_checkpoint(root, tmp, step, keep_last=keep_last)
+    ckpt.delete_later(doomed, step=step)
+    ckpt.wait_for_deletes()
+    return root / ckpt.step_dir_name(step)
+
+
+def _names(root):
+    return sorted(p.name for p in root.iterdir())
+
+
+def _latest(root):
+    return (root / "latest").read_text().strip()
+
+
+def test_retention_follows_save_order_not_step_numbers(tmp_path):
+    """An old run left steps 20 and 30; a new run saves step 10: it stays, `latest` names it, 20 goes."""
+    for step in (20, 30):
+        _fake_save(tmp_path, step)
+    _fake_save(tmp_path, 10, keep_last=2)
+    assert _latest(tmp_path) == "step_00000010"
+    assert _names(tmp_path) == ["latest", "step_00000010", "step_00000030"]
+    _fake_save(tmp_path, 12, keep_last=1)
+    assert _names(tmp_path) == ["latest", "step_00000012"]
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000012"
+
+
+def test_retention_keeps_latest_over_legacy_folders_without_save_order(tmp_path):
+    """Folders saved by older versions (no saved.json) count as older than any new save."""
+    for step in (20, 30):
+        (tmp_path / ckpt.step_dir_name(step)).mkdir()
+    _fake_save(tmp_path, 10, keep_last=1)
+    assert _names(tmp_path) == ["latest", "step_00000010"]
+
+
+def test_resave_keeps_the_old_copy_until_the_new_one_is_published(tmp_path):
+    _fake_save(tmp_path, 5, "old", keep_last=1)
+    _fake_save(tmp_path, 5, "new", keep_last=1)
+    assert _names(tmp_path) == ["latest", "step_00000005"]
+    assert (tmp_path / "step_00000005" / "common.pt").read_text() == "new"
+
+
+def _killed_publish(root, fault, script):
+    """Run ``script`` (publishing fake saves into ``root``) in a child process SIGKILLed at ``fault``."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {str(REPO_ROOT / 'tests')!r})
+        from test_checkpoint_safety import _fake_save
+        root = Path({str(root)!r})
+    """) + textwrap.dedent(script)
+    env = {**os.environ, "MEGATRON_RL_FAULT": fault}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == -9, result.stdout + result.stderr
+
+
+def test_sigkill_during_a_resave_leaves_the_old_copy_as_latest(tmp_path):
+    """Killed after the old step_5 went aside, before the new one was renamed in: `latest` still finds the
+    old copy, and the cleanup puts it back as step_5."""
+    _killed_publish(tmp_path, "kill-during-resave:5", """
+        _fake_save(root, 5, "old", keep_last=1)
+        _fake_save(root, 5, "new", keep_last=1)
+    """)
+    assert _names(tmp_path) == [".old-step_00000005", ".tmp-step_00000005", "latest"]
+    assert _latest(tmp_path) == "step_00000005"
+    assert ckpt.latest_checkpoint(tmp_path).name == ".old-step_00000005"  # still loadable as it is
+    ckpt.remove_partial_saves(tmp_path)
+    ckpt.wait_for_deletes()
+    assert _names(tmp_path) == ["latest", "step_00000005"]
+    assert (tmp_path / "step_00000005" / "common.pt").read_text() == "old"
+
+
+def test_latest_naming_an_aside_folder_is_recovered(tmp_path):
+    _fake_save(tmp_path, 5, keep_last=1)
+    os.replace(tmp_path / "step_00000005", tmp_path / ".old-step_00000005")
+    (tmp_path / "latest").write_text(".old-step_00000005\n")
+    ckpt.remove_partial_saves(tmp_path)
+    ckpt.wait_for_deletes()
+    assert _names(tmp_path) == ["latest", "step_00000005"] and _latest(tmp_path) == "step_00000005"
+
+
+def test_sigkill_during_the_retention_delete_keeps_latest_complete(tmp_path):
+    """Killed half-way through deleting step 1: step 2 is published and whole; the half-deleted folder no
+    longer looks like a checkpoint and the next start removes it."""
+    _killed_publish(tmp_path, "kill-during-retention:2", """
+        _fake_save(root, 1, keep_last=1)
+        _fake_save(root, 2, keep_last=1)
+    """)
+    assert _latest(tmp_path) == "step_00000002"
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "step_00000002").rglob("*")) == \
+           ["0.distcp", "common.pt", "saved.json", "shard"]
+    assert any(name.startswith(".del-step_00000001") for name in _names(tmp_path))
+    ckpt.remove_partial_saves(tmp_path)
+    ckpt.wait_for_deletes()
+    assert _names(tmp_path) == ["latest", "step_00000002"]
+
+
+def test_files_and_folders_are_fsynced_before_the_rename_and_the_latest_write(tmp_path, monkeypatch):
+    """Every file and folder of the save, then the checkpoint folder after the rename, then `latest`."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        events.append(("fsync", kind, os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _fake_save(tmp_path, 3)
+    root, tmp = str(tmp_path), str(tmp_path / ".tmp-step_00000003")
+    publish = events.index(("replace", tmp, str(tmp_path / "step_00000003")))
+    before = {(kind, path) for _, kind, path in (e for e in events[:publish] if e[0] == "fsync")}
+    assert {("file", f"{tmp}/common.pt"), ("file", f"{tmp}/shard/0.distcp"), ("file", f"{tmp}/.saved.json.tmp"),
+            ("dir", tmp), ("dir", f"{tmp}/shard")} <= before
+    pointer = events.index(("replace", f"{root}/.latest.tmp", f"{root}/latest"))
+    assert ("fsync", "dir", root) in events[publish + 1:pointer]  # the rename is durable before `latest`
+    assert ("fsync", "file", f"{root}/.latest.tmp") in events[publish + 1:pointer]
+    assert ("fsync", "dir", root) in events[pointer + 1:]
+
+
+def test_parallel_timeout_is_a_config_key():
+    from launcher.config.schema import ParallelConfig
+    from launcher.errors import ConfigError
+
+    assert ParallelConfig().timeout_s == 1800
+    assert ParallelConfig(timeout_s=60).timeout_s == 60
+    with pytest.raises(ConfigError, match="parallel.timeout_s"):
+        ParallelConfig(timeout_s=0)
+
+
+# ------------------------------------------------------------------------------------------------ real runs
+def _launch(launch, run_dir, *extra, env=None, expect=0):
+    result = launch(*ONE_RANK, f"run.dir={run_dir}", *extra, env=env)
+    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _job(run_dir, env=None, **overrides):
+    """Rerun the job of ``run_dir`` without the launcher, with ``overrides`` ({"checkpoint.resume": False}).
+
+    Returns (exit code, output). Output goes to a file, not a pipe: a SIGKILLed job leaves Megatron's
+    multiprocessing helpers behind holding its output, and they are killed here."""
+    path = run_dir / "config.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    path.write_text(yaml.safe_dump(cfg))
+    tag = uuid.uuid4().hex
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), TAG: tag, **(env or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        full_env.pop(name, None)
+    log = run_dir / f"job-{tag}.log"
+    try:
+        with open(log, "w") as out:
+            rc = subprocess.run([sys.executable, "-m", "megatron_rl.main", str(path)], cwd=REPO_ROOT, env=full_env,
+                                stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
+    finally:
+        _kill_tagged(tag)
+    return rc, log.read_text()
+
+
+def _kill_tagged(tag):
+    """SIGKILL every process started with ``TAG=tag`` in its environment (what a killed job left)."""
+    marker = f"{TAG}={tag}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _killed_launch(launch, run_dir, *extra, fault):
+    tag = uuid.uuid4().hex
+    try:
+        return launch(*ONE_RANK, f"run.dir={run_dir}", *extra, env={"MEGATRON_RL_FAULT": fault, TAG: tag})
+    finally:
+        _kill_tagged(tag)
+
+
+def _stable(metrics):
+    return [{k: v for k, v in m.items() if k not in DROP} for m in metrics]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    from helpers import run_launch
+
+    run_dir = tmp_path_factory.mktemp("whole")
+    _launch(run_launch, run_dir)
+    return _stable(read_metrics(run_dir))
+
+
+def test_sigkill_during_the_retention_delete_resumes(launch, tmp_path, whole):
+    run_dir = tmp_path / "run"
+    args = ("checkpoint.save_interval=2", "checkpoint.keep_last=1")
+    killed = _killed_launch(launch, run_dir, *args, fault="kill-during-retention:4")
+    assert killed.returncode != 0
+    ckpts = run_dir / "checkpoints"
+    assert _latest(ckpts) == "step_00000004"
+    assert [p.name for p in ckpt.complete_checkpoints(ckpts)] == ["step_00000004"]
+    resumed = _launch(launch, run_dir, *args)
+    assert "step_00000004 (step 4" in resumed.stdout
+    assert _stable(read_metrics(run_dir)) == whole
+    assert not [name for name in _names(ckpts) if name.startswith(".")]
+
+
+def test_resume_false_into_an_old_folder_keeps_its_own_save_as_latest(launch, tmp_path, whole):
+    """The old run left steps 2 and 4; a resume=false run saves step 2 with keep_last=1: its own step 2
+    stays as `latest` (the old step 4 goes), and resuming continues this run."""
+    run_dir = tmp_path / "run"
+    _launch(launch, run_dir, "checkpoint.save_interval=2", "checkpoint.keep_last=5", "run.seed=7",
+            env={"MEGATRON_RL_STOP_AFTER_STEP": "4"}, expect=3)
+    ckpts = run_dir / "checkpoints"
+    old_owner = ckpt.checkpoint_owner(ckpts / "step_00000004")
+    assert old_owner and _names(ckpts) == ["latest", "step_00000002", "step_00000004"]
+    rc, out = _job(run_dir, {"MEGATRON_RL_STOP_AFTER_STEP": "2"}, **{"checkpoint.resume": False, "run.seed": 1234,
+                                                                    "checkpoint.keep_last": 1})
+    assert rc == 3, out[-3000:]
+    assert _latest(ckpts) == "step_00000002" and _names(ckpts) == ["latest", "step_00000002"]
+    assert ckpt.checkpoint_owner(ckpts / "step_00000002") not in (None, old_owner)
+    rc, out = _job(run_dir, **{"checkpoint.resume": True})
+    assert rc == 0, out[-3000:]
+    assert "step_00000002 (step 2" in out
+    assert _stable(read_metrics(run_dir)) == whole
+
+
+def test_sigkill_during_a_resave_resumes_from_the_old_copy(launch, tmp_path, whole):
+    """A resume=false run re-saves step 2 and is killed between moving the old step 2 aside and publishing
+    the new one: the next start puts the old copy back and resumes from it."""
+    run_dir = tmp_path / "run"
+    _launch(launch, run_dir, "checkpoint.keep_last=1", env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
+    ckpts = run_dir / "checkpoints"
+    rc, out = _job(run_dir, {"MEGATRON_RL_STOP_AFTER_STEP": "2", "MEGATRON_RL_FAULT": "kill-during-resave:2"},
+                   **{"checkpoint.resume": False})
+    assert rc == -9, out[-3000:]
+    assert _latest(ckpts) == "step_00000002" and ".old-step_00000002" in _names(ckpts)
+    assert not (ckpts / "step_00000002").exists()
+    rc, out = _job(run_dir, **{"checkpoint.resume": True})
+    assert rc == 0, out[-3000:]
+    assert "step_00000002 (step 2" in out
+    assert _stable(read_metrics(run_dir)) == whole
+    assert not [name for name in _names(ckpts) if name.startswith(".")]
+
+
+GRPO = ["cluster.executor=local", "cluster.tasks_per_node=1", "logging.tensorboard=false",
+        "algorithm.sft_warmup_steps=2", "algorithm.prompts_per_step=2", "algorithm.group_size=4",
+        "algorithm.global_batch_size=8", "parallel.micro_batch_size=4", "run.steps=2", "algorithm.kl_coef=0.05"]
+
+
+def test_a_reference_model_from_another_run_is_rebuilt(launch, tmp_path):
+    """resume=false into a GRPO folder: the old run's checkpoints/reference is not reused but rebuilt as this
+    run's; a resume of this run then reuses it."""
+    run_dir = tmp_path / "run"
+    result = launch(*GRPO, f"run.dir={run_dir}", "run.seed=7")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ckpts = run_dir / "checkpoints"
+    old = ckpt.checkpoint_owner(ckpts / "reference")
+    assert old is not None and old == ckpt.checkpoint_owner(ckpts)
+    rc, out = _job(run_dir, {"MEGATRON_RL_STOP_AFTER_STEP": "1"}, **{"checkpoint.resume": False, "run.seed": 1234})
+    assert rc == 3, out[-3000:]
+    mine = ckpt.checkpoint_owner(ckpts)
+    assert mine not in (None, old) and ckpt.checkpoint_owner(ckpts / "reference") == mine
+    saved = (ckpts / "reference" / "step_00000000" / "saved.json").read_text()
+    rc, out = _job(run_dir, **{"checkpoint.resume": True})
+    assert rc == 0, out[-3000:]
+    assert (ckpts / "reference" / "step_00000000" / "saved.json").read_text() == saved  # reused, not re-saved

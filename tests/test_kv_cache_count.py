@@ -1,0 +1,73 @@
+"""The planner's GRPO KV-cache count = what colocated generation allocates (real Megatron Core, TP2, gloo, CPU).
+
+``launcher.planner.costs.kv_cache_elements_per_token_per_layer`` against ``generate(...).kv_cache_bytes`` (the
+bytes of Megatron's ``StaticInferenceContext`` on one rank after a run), for the dense ``tiny-cpu`` and the MLA
+``tiny-cpu-deepseek-v3``, at TP2 (heads, or query groups, split over the ranks). For MLA, Megatron 0.16.1's
+static path caches the expanded per-head K (nope + rope) and V, not the latent (kv_lora_rank + rope):
+``cache_mla_latents`` works only with the dynamic backend and Flash MLA, and generation here uses the static one.
+
+This file is also the worker: ``torchrun --nproc-per-node 2 tests/test_kv_cache_count.py --out DIR``.
+Run: ``.venv/bin/python -m pytest tests/test_kv_cache_count.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PRESETS = ("tiny-cpu", "tiny-cpu-deepseek-v3")
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
+NEW_TOKENS = 4
+TP = 2
+
+
+def test_planner_counts_the_cache_generation_allocates(tmp_path):
+    from helpers import REPO_ROOT
+
+    from launcher.model_shape import load_model_shape
+    from launcher.planner.costs import kv_cache_elements_per_token_per_layer
+    from launcher.ports import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-port",
+           str(free_port()), __file__, "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    tokens = len(PROMPTS) * (max(map(len, PROMPTS)) + NEW_TOKENS)  # the cache: [batch, longest prompt + new]
+    for rank in range(TP):
+        allocated = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for preset in PRESETS:
+            shape = load_model_shape(preset)
+            per_token = kv_cache_elements_per_token_per_layer(shape, TP)
+            planned = tokens * shape.num_layers * per_token * 4  # fp32 on CPU
+            assert allocated[preset] == planned, (preset, rank, allocated[preset], planned)
+    mla = load_model_shape("tiny-cpu-deepseek-v3")  # 4 heads / TP2 x (K 16 + 8, V 16); the latent is 16 + 8
+    assert kv_cache_elements_per_token_per_layer(mla, TP) == 2 * (16 + 8 + 16)
+    assert kv_cache_elements_per_token_per_layer(mla, 1) == 2 * kv_cache_elements_per_token_per_layer(mla, TP)
+
+
+def _worker(out: Path) -> None:
+    import torch
+
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.generation.decoding import generate
+    from megatron_rl.models.builder import ModelOptions, build_model_chunks
+    from megatron_rl.runtime.distributed import initialize, job_dims
+
+    dims = job_dims(tp=TP, sp=True)  # MoE at TP > 1 needs SP in training; generation switches it off
+    initialize(dims, seed=3)
+    result = {}
+    for preset in PRESETS:
+        shape = load_model_shape(preset)
+        chunks = build_model_chunks(shape, ModelOptions(dims=dims, seq_length=shape.seq_length))
+        result[preset] = generate(chunks, PROMPTS, vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS,
+                                  seed=0).kv_cache_bytes
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[sys.argv.index("--out") + 1]))
