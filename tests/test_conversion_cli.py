@@ -19,6 +19,7 @@ import pytest
 from helpers import REPO_ROOT, run_launch
 
 from launcher.config.schema import ClusterConfig
+from launcher.errors import ConfigError
 from launcher.slurm.script import render_convert_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
@@ -195,3 +196,24 @@ def test_slurm_conversion_refuses_bad_input_in_one_line(tmp_path, args, needle):
     result = run_launch("convert", "hf-to-megatron", *args, env={"PATH": str(tmp_path)})
     _fails_cleanly(result, needle)
     assert not list(tmp_path.iterdir()) and not (REPO_ROOT / "PWNED").exists()
+
+
+def test_a_checkpoint_whose_common_state_runs_code_is_refused(tmp_path):
+    """common.pt of a user-supplied --ckpt is read with torch.load(weights_only=True): a pickle that would run
+    code on load is refused in one line, and the code does not run."""
+    import pickle
+
+    from megatron_rl.conversion.dist_reader import CheckpointReader
+
+    class RunsCode:
+        def __reduce__(self):
+            return (exec, (f"open({str(tmp_path / 'ran')!r}, 'w').write('pwned')",))
+
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    (folder / "common.pt").write_bytes(pickle.dumps({"step": 1, "extra": RunsCode()}))
+    reader = CheckpointReader.__new__(CheckpointReader)
+    reader.folder = folder
+    with pytest.raises(ConfigError, match="unreadable common.pt"):
+        reader.common_state()
+    assert not (tmp_path / "ran").exists()

@@ -250,7 +250,7 @@ class CheckpointReader:
         if not path.is_file():
             return {}
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=True)  # a user's file: no pickled code
         except Exception as exc:  # a damaged common.pt only loses metadata, not weights
             raise ConfigError(f"--ckpt {self.folder}: unreadable common.pt ({type(exc).__name__}: {exc})") from None
 
