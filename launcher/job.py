@@ -72,17 +72,12 @@ STEP_DIR = re.compile(r"^step_\d{8}$")
 """A checkpoint step folder (megatron_rl/runtime/checkpoint.py's layout: step_N folders and a ``latest`` file)."""
 
 
-def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
-    """checkpoint.dir, or run.dir/checkpoints (where the trainers save)."""
-    return Path(cfg.checkpoint.dir).expanduser().absolute() if cfg.checkpoint.dir else run_dir / "checkpoints"
-
-
-def check_fresh_start(cfg: JobConfig, run_dir: Path) -> None:
+def check_fresh_start(cfg: JobConfig) -> None:
     """With checkpoint.resume=false, refuse a checkpoint folder that already holds checkpoints: the new run would
     save low steps next to the old run's high ones. The message spells out both ways forward."""
     if cfg.checkpoint.resume:
         return
-    root = checkpoint_root(cfg, run_dir)
+    root = Path(cfg.checkpoint_dir).expanduser().absolute()
     if not root.is_dir():
         return
     found = sorted(p.name for p in root.iterdir() if STEP_DIR.match(p.name))
@@ -186,6 +181,6 @@ def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset(),
     run_dir = named.resolve()
     check_run_dir(run_dir)
     if first_start:
-        check_fresh_start(cfg, run_dir)
+        check_fresh_start(cfg)
     return PreparedJob(cfg=cfg, shape=shape, executor=executor, run_dir=run_dir, data_parallel_size=dp,
                        plan=result, unresolved=dict(unresolved or {}))

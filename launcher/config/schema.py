@@ -8,6 +8,7 @@ checks that need the model shape or the world size live in ``launcher.config.val
 from __future__ import annotations
 
 import re
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -437,6 +438,11 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the trainers save: checkpoint.dir, or <run.dir>/checkpoints."""
+        return self.checkpoint.dir or os.path.join(self.run.dir, "checkpoints")
 
     def __post_init__(self) -> None:
         if self.cluster.executor == "local" and self.cluster.nodes != 1:

@@ -84,7 +84,7 @@ class TrainerContext:
 
     @property
     def ckpt_dir(self) -> Path:
-        return Path(self.cfg.checkpoint.dir or os.path.join(self.cfg.run.dir, "checkpoints"))
+        return Path(self.cfg.checkpoint_dir)
 
     @contextlib.contextmanager
     def timer(self) -> Iterator[_Timer]:
