@@ -397,6 +397,7 @@ def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
     """GRPO steps (generate, score, train); the rollout log-prob check sits outside the timed phases."""
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase
+    from megatron_rl.trainers.grpo import SampledBatch
 
     steps, checks = [], []
     for _ in range(sizes.grpo_steps):
@@ -409,7 +410,8 @@ def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
         checks.append(compare_logprobs([len(p) for p in rollout.prompt_ids], rollout.response_ids,
                                        rollout.logprobs, reference))
         train, t_train = timed(lambda: run.train_on(rollout))
-        metrics = run.step_metrics(rollout, train, t_gen, t_score, t_train)
+        sampled = SampledBatch(drawn=rollout, kept=rollout, draws=1, generate_s=t_gen, score_s=t_score)
+        metrics = run.step_metrics(sampled, train, t_train)
         steps.append({k: metrics[k] for k in (
             "time_generate_s", "time_score_s", "time_train_s", "step_time_s", "generate_tokens_per_s",
             "train_tokens_per_s", "response_length", "reward_mean", "loss", "first_ratio_min", "first_ratio_max")

@@ -124,7 +124,7 @@ def prompt_sequence(settings: BenchSettings) -> list[dict]:
     data_dir = Path(settings.work_dir) / "trl_data"
     # What megatron_rl.trainers.grpo.load_prompt_data writes for data.task=last_digit and run.seed.
     paths = write_synthetic_dataset(data_dir, task="last_digit", seed=settings.seed, sft_answers="random")
-    sampler = PromptSampler(PromptDataset.from_jsonl(paths["train"]), settings.prompts, seed=settings.seed)
+    sampler = PromptSampler(PromptDataset.from_files(paths["train"]), settings.prompts, seed=settings.seed)
     return [{"prompt": r.prompt, "answer": r.answer} for _ in range(settings.total_steps) for r in sampler.next_batch()]
 
 
@@ -148,7 +148,7 @@ def build_our_run(settings: BenchSettings):
     from launcher.model_shape import load_model_shape
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.trainers.common import TrainerContext
-    from megatron_rl.trainers.grpo import GrpoRun
+    from megatron_rl.trainers.grpo import GrpoRun, SampledBatch
 
     completions = settings.prompts * settings.group
     cfg = load_config(None, [
@@ -193,7 +193,8 @@ def ours_worker(conn, settings: BenchSettings) -> None:
         t2 = time.perf_counter()
         train_metrics = run.train_on(rollout)
         t3 = time.perf_counter()
-        metrics = run.step_metrics(rollout, train_metrics, t1 - t0, t2 - t1, t3 - t2)
+        sampled = SampledBatch(drawn=rollout, kept=rollout, draws=1, generate_s=t1 - t0, score_s=t2 - t1)
+        metrics = run.step_metrics(sampled, train_metrics, t3 - t2)
         ctx.end_step(run.engine, step, metrics)
         t4 = time.perf_counter()
         return {"total": t4 - t0, "generate": t1 - t0, "score": t2 - t1, "train": t3 - t2, "other": t4 - t3,

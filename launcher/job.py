@@ -5,6 +5,8 @@ Everything here runs on the login node before anything queues, and never imports
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import os
 import re
@@ -39,6 +41,9 @@ class PreparedJob:
     """World size / (tp * pp * cp)."""
     plan: Optional[Any] = None
     """The planner's PlanResult when parallel.auto chose the layout."""
+    prediction: Optional[Any] = None
+    """The PlanResult of the job's own layout (the chosen one with parallel.auto), written as prediction.json;
+    None when the planner cannot evaluate the layout."""
     unresolved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Keys written with their ``${oc.env:...}`` text (``launcher.config.loader.env_references``)."""
 
@@ -47,8 +52,14 @@ class PreparedJob:
         return self.run_dir / "config.yaml"
 
     def write_config(self) -> Path:
-        """Write config.yaml (0600) into the run folder (created 0700)."""
+        """Write config.yaml (0600) into the run folder (created 0700), and the planner's prediction for the
+        job's layout (prediction.json, see ``launcher.calibrate``) when it has one."""
+        from launcher.calibrate import PREDICTION_FILE, prediction_record
+
         make_private_dir(self.run_dir)
+        if self.prediction is not None:
+            record = prediction_record(self.prediction, gpu_type=self.cfg.cluster.gpu_type)
+            write_private_text(self.run_dir / PREDICTION_FILE, json.dumps(record, indent=1) + "\n")
         return write_private_text(self.config_path, self.config_text())
 
     def config_text(self) -> str:
@@ -140,6 +151,18 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
         raise ConfigError(str(exc).replace("--layout ", "parallel.", 1)) from None
 
 
+def evaluate_layout(cfg: JobConfig, shape: ModelShape):
+    """``plan_job`` of cfg's own layout (every planned key held): the prediction a run is checked against
+    (``launcher.calibrate``); None when the planner cannot evaluate it (a layout it does not model)."""
+    from launcher.planner import PLANNED_KEYS, NoFeasibleLayout
+
+    try:
+        held = {f"parallel.{key}" for key in PLANNED_KEYS if key != "etp"}  # etp: the planner's own rule
+        return plan_job(cfg, shape, given=held, top_k=0)
+    except (ConfigError, NoFeasibleLayout):
+        return None
+
+
 def apply_plan(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = frozenset()):
     """``plan_job`` and its layout written into cfg.parallel; returns (cfg, PlanResult). Nothing fitting is a
     ConfigError naming the node count that would fit."""
@@ -183,4 +206,5 @@ def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset(),
     if first_start:
         check_fresh_start(cfg)
     return PreparedJob(cfg=cfg, shape=shape, executor=executor, run_dir=run_dir, data_parallel_size=dp,
-                       plan=result, unresolved=dict(unresolved or {}))
+                       plan=result, prediction=result or evaluate_layout(cfg, shape),
+                       unresolved=dict(unresolved or {}))

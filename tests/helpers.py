@@ -9,6 +9,15 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+MEASURED_KEYS = ("step_time_s", "tokens_per_s", "time_generate_s", "time_score_s", "time_train_s", "time_eval_s",
+                 "generate_tokens_per_s", "train_tokens_per_s")
+"""metrics.jsonl keys that differ between identical runs (wall times and throughput), with peak_memory_*."""
+
+
+def without_measurements(metrics: list[dict]) -> list[dict]:
+    """metrics.jsonl lines without what identical runs do not share: MEASURED_KEYS and peak_memory_* (RSS)."""
+    return [{k: v for k, v in m.items() if k not in MEASURED_KEYS and not k.startswith("peak_memory_")}
+            for m in metrics]
 
 
 def run_launch(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import REPO_ROOT, read_metrics
+from helpers import REPO_ROOT, read_metrics, without_measurements
 
 from launcher.ports import free_port
 from megatron_rl.runtime import checkpoint as ckpt
@@ -28,7 +28,6 @@ from megatron_rl.runtime import checkpoint as ckpt
 ONE_RANK = ["cluster.executor=local", "cluster.tasks_per_node=1", "algorithm.name=pretrain", "run.steps=6",
             "algorithm.global_batch_size=4", "parallel.micro_batch_size=2", "logging.tensorboard=false",
             "checkpoint.save_at_end=false"]
-DROP = ("step_time_s", "tokens_per_s")
 TAG = "MEGATRON_RL_TEST_TAG"
 
 
@@ -228,7 +227,7 @@ def _killed_launch(launch, run_dir, *extra, fault):
 
 
 def _stable(metrics):
-    return [{k: v for k, v in m.items() if k not in DROP} for m in metrics]
+    return without_measurements(metrics)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ equal to TP=1, no padded vocabulary rows, the tied lm_head.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,6 +142,41 @@ def test_kernel_copies_equal_the_in_memory_path(work, exports):
     assert slow.bytes_copied_in_kernel == 0
     for path in sorted((work / "out_qwen3").glob("*.safetensors")):
         assert path.read_bytes() == (work / "out_qwen3_memory" / path.name).read_bytes()
+
+
+def test_export_without_torch_equals_the_torch_load_path(work, exports, tmp_path, monkeypatch):
+    """A TP=2 x PP=2 export imports neither torch nor Megatron (its own process, checked in sys.modules), and
+    gives the same files as the in-process export and as one that reads every chunk with torch.load instead of
+    from its raw bytes (the fallback for records of an unusual form)."""
+    step = CheckpointReader(work / "mg_qwen3").folder
+    script = (f"import sys; from megatron_rl.conversion import export_checkpoint_to_hf; "
+              f"export_checkpoint_to_hf({str(step)!r}, {str(tmp_path / 'no_torch')!r}, shard_size='40KB'); "
+              f"print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", f"imported: {result.stdout[:500]}"
+
+    monkeypatch.setattr(CheckpointReader, "_raw_offset", lambda self, info, sizes, dtype: None)
+    torch_path = export_checkpoint_to_hf(step, tmp_path / "torch_load", shard_size="40KB")
+    assert torch_path.bytes_copied_in_kernel == 0
+    names = sorted(p.name for p in (work / "out_qwen3").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "no_torch").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "torch_load").iterdir())
+    for name in names:
+        reference = (work / "out_qwen3" / name).read_bytes()
+        assert (tmp_path / "no_torch" / name).read_bytes() == reference, name
+        assert (tmp_path / "torch_load" / name).read_bytes() == reference, name
+
+
+def test_bf16_export_matches_torch_cast(work, exports, tmp_path):
+    """--dtype bf16 (tensors cast in memory) gives torch's bf16 of every original tensor."""
+    export_checkpoint_to_hf(work / "mg_llama", tmp_path / "bf16", shard_size="40KB", dtype="bf16")
+    original, exported = _read_folder(work / "hf_llama"), _read_folder(tmp_path / "bf16")
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor.to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 def test_tp2_export_equals_tp1_export(work):

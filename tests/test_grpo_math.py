@@ -18,6 +18,7 @@ from megatron_rl.algorithms.policy_loss import (
     kl_penalty,
     local_normalisers,
     policy_ratio_loss,
+    sequence_log_ratio,
 )
 from megatron_rl.rollout.batch import make_grpo_loss
 
@@ -288,6 +289,47 @@ def test_the_schema_is_the_one_source_of_defaults_and_checks():
         GRPOLossConfig(eps_low=0.2, eps_high=0.2, kl_coef=0.0, kl_kind="k3", loss_agg_mode="seq-mean-token-sum-norm")
 
 
+# ---------------------------------------------------------------- GSPO: the sequence-level ratio
+
+
+def test_gspo_ratio_is_the_length_normalised_sequence_ratio_by_hand():
+    logp = t([[0.1, 0.3, 5.0], [0.4, 0.0, 0.0]]).requires_grad_(True)
+    old = torch.zeros(2, 3)
+    mask = t([[1, 1, 0], [1, 0, 0]])  # the 5.0 is padding: it must not count
+    log_ratio = sequence_log_ratio(logp, old, mask)
+    assert torch.allclose(log_ratio, t([[0.2, 0.2, 0.2], [0.4, 0.4, 0.4]]))
+    per_token, stats = policy_ratio_loss(logp, old, t([-1.0, -1.0]), mask, eps_low=0.2, eps_high=0.2,
+                                         log_ratio=log_ratio)
+    # A < 0 and s > 1: the unclipped branch -A s is the larger; every token carries its sequence's value
+    assert torch.allclose(per_token[0, :2], torch.full((2,), math.exp(0.2)))
+    assert stats["clip_fraction"] == 0.0
+    loss = aggregate(per_token, mask, "seq-mean-token-mean")
+    assert loss.item() == pytest.approx((math.exp(0.2) + math.exp(0.4)) / 2)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # d/d logp_t of mean_i s_i = s_i / len_i / 2 on the masked tokens, 0 on padding
+    expected = t([[math.exp(0.2) / 2 / 2, math.exp(0.2) / 2 / 2, 0.0], [math.exp(0.4) / 2, 0.0, 0.0]])
+    assert torch.allclose(grad, expected, atol=1e-6)
+
+
+def test_gspo_clips_whole_sequences():
+    logp = t([[0.1, 0.3]]).requires_grad_(True)  # s = e^0.2 = 1.221 > 1 + 0.2
+    per_token, stats = policy_ratio_loss(logp, torch.zeros(1, 2), t([1.0]), torch.ones(1, 2), eps_low=0.2,
+                                         eps_high=0.2, log_ratio=sequence_log_ratio(logp, torch.zeros(1, 2),
+                                                                                    torch.ones(1, 2)))
+    assert torch.allclose(per_token, t([[-1.2, -1.2]]))
+    assert stats["clip_fraction"] == 1.0  # both tokens, although the second alone (e^0.3) and the first
+    (grad,) = torch.autograd.grad(per_token.sum(), logp)  # (e^0.1 < 1.2) would clip differently per token
+    assert torch.equal(grad, torch.zeros(1, 2))
+
+
+def test_gspo_equals_the_token_ratio_on_one_token_sequences():
+    logp, old, adv = t([[0.05], [-0.4]]), t([[0.0], [0.1]]), t([1.0, -2.0])
+    mask = torch.ones(2, 1)
+    token = grpo_loss(logp, old, adv, mask, config=loss_config(kl_coef=0.0))[0]
+    sequence = grpo_loss(logp, old, adv, mask, config=loss_config(kl_coef=0.0, importance_ratio="sequence"))[0]
+    assert float(token) == pytest.approx(float(sequence))
+
+
 # ---------------------------------------------------------------- the trainer's Megatron loss function
 
 
@@ -350,3 +392,38 @@ def test_trainer_loss_without_reference_reports_zero_kl(tensor_parallel_group):
 
 
 # ---------------------------------------------------------------- end to end on the synthetic task
+
+
+# ---------------------------------------------------------------- rollout batches (DAPO's selection and masking)
+
+
+def _rollout():
+    from megatron_rl.rollout.batch import Rollout
+
+    return Rollout(prompt_ids=[[1, 2], [1, 2], [3], [3]], response_ids=[[5, 6], [7], [8, 9, 9], [4]],
+                   logprobs=[[-0.1, -0.2], [-0.3], [-0.4, -0.5, -0.6], [-0.7]], prompts=["a", "a", "b", "b"],
+                   completions=["x", "y", "z", "w"], answers=[1, 1, 2, 2], truncated=[False, False, True, False],
+                   rewards=t([1.0, 0.0, 0.5, 0.5]), per_fn={"exact": [1.0, 0.0, 0.5, 0.5]},
+                   advantages=t([0.7, -0.7, 0.0, 0.0]))
+
+
+def test_selected_and_concatenated_rollouts_keep_rows_aligned():
+    from megatron_rl.rollout.batch import Rollout
+
+    whole = _rollout()
+    picked = Rollout.concat([whole.select([2, 3]), whole.select([0])])
+    assert picked.response_ids == [[8, 9, 9], [4], [5, 6]] and picked.truncated == [True, False, False]
+    assert picked.answers == [2, 2, 1] and picked.per_fn == {"exact": [0.5, 0.5, 1.0]}
+    assert torch.equal(picked.rewards, t([0.5, 0.5, 1.0])) and torch.equal(picked.advantages, t([0.0, 0.0, 0.7]))
+    assert picked.logprobs[0] == [-0.4, -0.5, -0.6]
+
+
+def test_truncated_completions_stay_in_the_batch_but_out_of_the_loss():
+    from megatron_rl.rollout.batch import collate_rollout, rollout_rows
+
+    rollout = _rollout()
+    masked = collate_rollout(rollout_rows(rollout, mask_truncated=True), seq_length=rollout.seq_length, pad_id=0)
+    kept = collate_rollout(rollout_rows(rollout), seq_length=rollout.seq_length, pad_id=0)
+    assert masked["loss_mask"][2].sum() == 0 and kept["loss_mask"][2].sum() == 3
+    assert torch.equal(masked["loss_mask"][[0, 1, 3]], kept["loss_mask"][[0, 1, 3]])
+    assert torch.equal(masked["tokens"], kept["tokens"])

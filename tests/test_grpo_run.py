@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import statistics
+
 import pytest
 
-from helpers import read_metrics
+from helpers import read_metrics, without_measurements
 
 SHORT = ["cluster.executor=local", "logging.tensorboard=false", "algorithm.sft_warmup_steps=5",
          "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=8",
          "parallel.micro_batch_size=4", "run.steps=4"]
-VOLATILE = ("step_time_s", "time_generate_s", "time_score_s", "time_train_s", "generate_tokens_per_s",
-            "train_tokens_per_s")
 
 
 def _grpo(launch, run_dir, *extra, env=None, expect=0):
@@ -19,13 +20,25 @@ def _grpo(launch, run_dir, *extra, env=None, expect=0):
     return [m for m in read_metrics(run_dir) if m.get("phase") is None]
 
 
-def _stable(metrics):
-    return [{k: v for k, v in m.items() if k not in VOLATILE} for m in metrics]
+_stable = without_measurements
 
 
 def test_first_minibatch_ratio_is_one_and_metrics_are_complete(launch, tmp_path):
-    """Colocated generation log-probs equal the training forward's: the first importance ratio is exactly ~1."""
-    metrics = _grpo(launch, tmp_path / "run")
+    """Colocated generation log-probs equal the training forward's: the first importance ratio is exactly ~1.
+    Every step logs its phases' times and peak memory, and the run ends with the planner's prediction (written
+    at launch) beside what it measured, which `plan --calibrate` reports again."""
+    result = launch(*SHORT, f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "planner vs this run (4 steps): step time " in result.stdout
+    assert "measured on cpu, planned for h100-80gb: not comparable" in result.stdout
+    calibrated = launch("plan", "--calibrate", str(tmp_path / "run"), "--json")
+    assert calibrated.returncode == 0, calibrated.stderr
+    report = json.loads(calibrated.stdout)
+    metrics = [m for m in read_metrics(tmp_path / "run") if m.get("phase") is None]
+    assert report["steps"] == 4 and report["step_time_s"]["measured"] == statistics.median(
+        m["step_time_s"] for m in metrics)
+    assert report["peak_memory_gib"]["measured"] == max(max(m["peak_memory_generate_gib"], m["peak_memory_train_gib"])
+                                                        for m in metrics)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert m["first_ratio_min"] == pytest.approx(1.0, abs=1e-5)
@@ -36,6 +49,7 @@ def test_first_minibatch_ratio_is_one_and_metrics_are_complete(launch, tmp_path)
                     "train_tokens_per_s", "time_generate_s", "time_score_s", "time_train_s"):
             assert key in m, key
         assert 0 <= m["accuracy"] <= 1 and m["entropy"] > 0 and 1 <= m["response_length"] <= 4
+        assert 0 < m["peak_memory_generate_gib"] < 24 and 0 < m["peak_memory_train_gib"] < 24  # RSS per phase
 
 
 def test_tp2_matches_tp1(launch, tmp_path):
@@ -49,22 +63,59 @@ def test_tp2_matches_tp1(launch, tmp_path):
 
 
 def test_preempted_grpo_resumes_exactly(launch, tmp_path):
-    """Save-and-exit after step 2 (the preemption path), resume: every metric equals an uninterrupted run's.
+    """Save-and-exit inside the SFT warm-up (after its step 3 of 5), resume, save-and-exit after GRPO step 2,
+    resume: every metric, warm-up lines included and each logged once, equals an uninterrupted run's.
 
     The uninterrupted run also parks optimizer state and grads in host memory while it generates
     (generation.offload_optimizer, as the 70B config does), so this also shows that the offload is exact."""
-    whole = _grpo(launch, tmp_path / "whole", "algorithm.kl_coef=0.05", "generation.offload_optimizer=true")
+    whole = _grpo(launch, tmp_path / "whole", "algorithm.kl_coef=0.05", "generation.offload_optimizer=true",
+                  "data.eval_interval=2")
+    evals = [m for m in read_metrics(tmp_path / "whole") if m.get("phase") == "eval"]
+    assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["pass_at_1"] <= 1 for m in evals)
+    assert evals[0]["prompts"] > 0  # the synthetic task's held-out problems
     run_dir = tmp_path / "split"
+    first = launch(*SHORT, f"run.dir={run_dir}", "algorithm.kl_coef=0.05",
+                   env={"MEGATRON_RL_STOP_AFTER_STEP": "sft:3"})
+    assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "preemption requested: saved SFT warm-up step 3 of 5" in first.stdout
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     _grpo(launch, run_dir, "algorithm.kl_coef=0.05", env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
     resumed = _grpo(launch, run_dir, "algorithm.kl_coef=0.05")
-    assert _stable(resumed) == _stable(whole)
+    assert _stable(resumed) == _stable(whole)  # the evaluations of `whole` changed none of its training steps
+    not_eval = lambda run: [m for m in read_metrics(run) if m.get("phase") != "eval"]  # noqa: E731
+    assert _stable(not_eval(run_dir)) == _stable(not_eval(tmp_path / "whole"))  # warm-up lines too
     assert all(m["kl"] >= 0 for m in whole)  # k3 is non-negative; the reference model is in play
 
 
-def test_dynamic_sampling_and_aggregations_run(launch, tmp_path):
+def test_dapo_parts_epochs_and_recomputed_old_logprobs_run(launch, tmp_path):
+    """Dynamic sampling refills (and logs its draws), 2 epochs log per-epoch stats, and the recomputed old
+    log-probs make the first update's ratio 1 to fp32 precision."""
     metrics = _grpo(launch, tmp_path / "run", "algorithm.drop_zero_signal_groups=true",
-                    "algorithm.loss_aggregation=seq-mean-token-sum-norm", "algorithm.advantage=mean")
+                    "algorithm.max_sampling_draws=3", "algorithm.loss_aggregation=seq-mean-token-sum-norm",
+                    "algorithm.advantage=mean", "algorithm.epochs=2", "algorithm.recompute_old_logprobs=true",
+                    "algorithm.mask_truncated=true", "algorithm.overlong.buffer=2")
     assert len(metrics) == 4
+    for m in metrics:
+        assert m["groups_kept"] == 4 or m["sampling_draws"] == 3  # full, or out of draws
+        assert 1 <= m["sampling_draws"] <= 3 and "reward_overlong" in m and 0 <= m["truncated_fraction"] <= 1
+        if "skipped_minibatches" not in m:
+            assert m["first_ratio_min"] == pytest.approx(1.0, abs=1e-6)
+            assert m["first_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+            assert {"clip_fraction_epoch1", "clip_fraction_epoch2", "kl_epoch1", "kl_epoch2"} <= set(m)
+            assert m["minibatches"] == 2 * (int(m["groups_kept"]) * 4 // 8)  # 2 epochs over the kept completions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["grpo_dapo_tiny.yaml", "grpo_gspo_tiny.yaml"])
+def test_dapo_and_gspo_recipes_learn_the_tiny_task(launch, tmp_path, config):
+    """The shipped recipes, as a user runs them: the mean reward over the last 10% of steps is >= 0.8."""
+    run_dir = tmp_path / "run"
+    result = launch("--config", f"configs/{config}", f"run.dir={run_dir}", "logging.console=quiet",
+                    "logging.tensorboard=false", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
+    last = steps[-len(steps) // 10:]
+    assert sum(m["reward_mean"] for m in last) / len(last) >= 0.8
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Char tokenizer, JSONL prompt datasets, the resumable prompt sampler and the synthetic tasks.
+"""Char tokenizer, JSONL prompt datasets (other formats and chat: tests/test_data_formats.py), the resumable prompt sampler and the synthetic tasks.
 
 Run: `.venv/bin/python -m pytest tests/test_prompt_data.py -q`
 """
@@ -16,7 +16,7 @@ from megatron_rl.data.synthetic import (
     split_problems,
     write_synthetic_dataset,
 )
-from megatron_rl.data.sft import encode_sft_example, read_sft_jsonl
+from megatron_rl.data.sft import encode_sft_example, read_sft_records
 from megatron_rl.rewards import build_reward_fn
 
 # ---------------------------------------------------------------- tokenizer
@@ -55,13 +55,13 @@ def test_dataset_reads_prompts_answers_and_metadata(tmp_path):
         ],
     )
     with pytest.raises(ConfigError, match=rf"{path}:3: no 'answer' field"):
-        PromptDataset.from_jsonl(path)
-    data = PromptDataset.from_jsonl(path, require_answer=False)
+        PromptDataset.from_files(path)
+    data = PromptDataset.from_files(path, require_answer=False)
     assert len(data) == 2
     first = data[0]
     assert (first.prompt, first.answer, first.metadata, first.source) == ("1+1=", "2", {"level": 1}, f"{path}:1")
     assert data[1].answer is None and data[1].metadata == {"solution": 7}
-    data = PromptDataset.from_jsonl(path, answer_key="solution", require_answer=False)
+    data = PromptDataset.from_files(path, answer_key="solution", require_answer=False)
     assert data[1].answer == 7
 
 
@@ -70,21 +70,21 @@ def test_dataset_reads_prompts_answers_and_metadata(tmp_path):
     [
         ('{"prompt": "a", "answer": 1', r":2: not valid JSON"),
         ('["prompt"]', r":2: expected a JSON object"),
-        ('{"answer": 1}', r":2: no non-empty string field 'prompt'"),
-        ('{"prompt": "", "answer": 1}', r":2: no non-empty string field 'prompt'"),
+        ('{"answer": 1}', r":2: no 'prompt' field \(fields: answer\)"),
+        ('{"prompt": "", "answer": 1}', r":2: 'prompt' must be a non-empty string"),
     ],
 )
 def test_dataset_errors_name_file_and_line(tmp_path, line, message):
     path = write_lines(tmp_path / "bad.jsonl", ['{"prompt": "ok", "answer": 1}', line])
     with pytest.raises(ConfigError, match=str(path) + message):
-        PromptDataset.from_jsonl(path)
+        PromptDataset.from_files(path)
 
 
 def test_dataset_missing_or_empty_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
-        PromptDataset.from_jsonl(tmp_path / "nope.jsonl")
+        PromptDataset.from_files(tmp_path / "nope.jsonl")
     with pytest.raises(ConfigError, match="hold no prompts"):
-        PromptDataset.from_jsonl(write_lines(tmp_path / "empty.jsonl", [""]))
+        PromptDataset.from_files(write_lines(tmp_path / "empty.jsonl", [""]))
 
 
 # ---------------------------------------------------------------- sampler
@@ -92,7 +92,7 @@ def test_dataset_missing_or_empty_file(tmp_path):
 
 def numbers_dataset(tmp_path, count=10):
     lines = [json.dumps({"prompt": f"p{i}", "answer": i}) for i in range(count)]
-    return PromptDataset.from_jsonl(write_lines(tmp_path / "n.jsonl", lines))
+    return PromptDataset.from_files(write_lines(tmp_path / "n.jsonl", lines))
 
 
 def test_sampler_visits_each_prompt_once_per_epoch_across_batch_boundaries(tmp_path):
@@ -177,8 +177,8 @@ def test_written_dataset_is_deterministic_and_loadable(tmp_path, task):
     second = write_synthetic_dataset(tmp_path / "b", task=task, num_train=50, num_test=20, seed=5)
     for split in ("train", "test", "sft"):
         assert first[split].read_bytes() == second[split].read_bytes()
-    train = PromptDataset.from_jsonl(first["train"])
-    test = PromptDataset.from_jsonl(first["test"])
+    train = PromptDataset.from_files(first["train"])
+    test = PromptDataset.from_files(first["test"])
     assert len(train) == 50 and len(test) == 20
     assert not {r.prompt for r in train} & {r.prompt for r in test}
     exact = build_reward_fn("exact")
@@ -211,8 +211,8 @@ def test_encode_sft_example_masks_the_prompt():
 def test_sft_jsonl_reads_completion_or_answer_and_names_bad_lines(tmp_path):
     path = tmp_path / "sft.jsonl"
     path.write_text('{"q": "1+1=", "completion": "2"}\n\n{"q": "2+2=", "answer": 4}\n')
-    assert read_sft_jsonl(path, prompt_key="q") == [{"prompt": "1+1=", "completion": "2"},
+    assert read_sft_records(path, prompt_key="q") == [{"prompt": "1+1=", "completion": "2"},
                                                    {"prompt": "2+2=", "completion": "4"}]
     path.write_text('{"q": "1+1=", "completion": "2"}\n{"prompt": "x"}\n')
-    with pytest.raises(ConfigError, match=rf"{path}:2: needs string fields 'q' and 'completion'"):
-        read_sft_jsonl(path, prompt_key="q")
+    with pytest.raises(ConfigError, match=rf"{path}:2: no 'q' field \(fields: prompt\)"):
+        read_sft_records(path, prompt_key="q")

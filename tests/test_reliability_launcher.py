@@ -247,7 +247,7 @@ def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
         holder = json.loads((run_dir / ".lock").read_text())
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
         config = (run_dir / "config.yaml").read_text()
-        second = run_launch(*TINY_RUN, "run.steps=5", f"run.dir={run_dir}", timeout=60)
+        second = run_launch(*TINY_RUN, "run.steps=5", f"run.dir={run_dir}", timeout=180)  # a slow disk, not a hang
         _one_line_error(second, f"run.dir={run_dir} is in use by pid {first.pid} on {socket.gethostname()}")
         assert (run_dir / "config.yaml").read_text() == config, "the refused launch rewrote config.yaml"
         first.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its ranks, then releases the lock

@@ -1,14 +1,19 @@
-"""Rule-based verifiers, reward registry, dotted-path loading and weighted combination.
+"""Rule-based verifiers (the math checker on both backends), reward registry, dotted-path loading, weighted
+combination, and algorithm.rewards entries with options.
 
 Run: `.venv/bin/python -m pytest tests/test_rewards.py -q`
 """
 
+import re
+import sys
 import textwrap
 
 import pytest
 
+from launcher.config.loader import load_config
 from launcher.errors import ConfigError
 from megatron_rl.rewards import (
+    MathVerifyReward,
     WeightedRewards,
     build_reward_fn,
     combine_rewards,
@@ -71,9 +76,7 @@ def test_parse_number(text, want):
     assert parse_number(text) == want
 
 
-@pytest.mark.parametrize(
-    ("completion", "answer", "want"),
-    [
+MATH_CASES = [
         (r"... so \boxed{72}", "72", 1.0),
         (r"... so \boxed{72.0}", 72, 1.0),  # numeric match
         (r"\boxed{1,234}", "1234", 1.0),
@@ -88,10 +91,46 @@ def test_parse_number(text, want):
         ("<answer>-5</answer>", -5, 1.0),
         ("no number at all", "3", 0.0),
         ("Paris", "paris", 1.0),  # non-numeric, no box: whole completion
-    ],
-)
+]
+SYMBOLIC_CASES = [(r"\boxed{x^2+2x+1}", "(x+1)^2"), (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}"),
+                  (r"\boxed{\{1, 2\}}", r"\{2, 1\}")]
+
+
+@pytest.mark.parametrize(("completion", "answer", "want"), MATH_CASES)
 def test_math_answer_reward(completion, answer, want):
     assert math_answer_reward(completion, answer) == want
+
+
+@pytest.fixture(params=["builtin", "math_verify"])
+def math_backend(request):
+    if request.param == "math_verify":
+        pytest.importorskip("math_verify")
+    return request.param
+
+
+@pytest.mark.parametrize(("completion", "answer", "want"), MATH_CASES)
+def test_math_verify_reward_on_both_backends(math_backend, completion, answer, want):
+    reward = MathVerifyReward(backend=math_backend)
+    assert reward.backend == math_backend  # builtin is used even when math-verify is installed
+    assert reward(["p"], [completion], [answer]) == [want]
+
+
+def test_math_tolerance_and_symbolic_answers(math_backend):
+    loose = MathVerifyReward(backend=math_backend, tolerance=1e-3)
+    assert loose(["p", "p"], [r"\boxed{0.3333}", r"\boxed{0.33}"], ["1/3", "1/3"]) == [1.0, 0.0]
+    symbolic = MathVerifyReward(backend=math_backend)(["p"] * 3, *map(list, zip(*SYMBOLIC_CASES)))
+    assert symbolic == ([1.0] * 3 if math_backend == "math_verify" else [0.0] * 3)  # equal forms need math-verify
+    with pytest.raises(ConfigError, match="tolerance=-1"):
+        MathVerifyReward(backend=math_backend, tolerance=-1)
+
+
+def test_math_verify_falls_back_without_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify now raises ImportError
+    assert build_reward_fn("math_verify").backend == "builtin"
+    with pytest.raises(ConfigError, match=r"pip install 'megatron-rl\[math\]'"):
+        build_reward_fn("math_verify", {"backend": "math_verify"})
+    with pytest.raises(ConfigError, match="backend='sympy' is not one of auto, math_verify, builtin"):
+        build_reward_fn("math_verify", {"backend": "sympy"})
 
 
 def test_format_reward():
@@ -118,7 +157,7 @@ def test_registry_builds_named_rewards():
     assert math_fn(["p", "p"], [r"\boxed{2}", "1"], ["2", "2"]) == [1.0, 0.0]
     fmt = build_reward_fn("format", {"required_tags": ["answer"]})
     assert fmt(["p"], ["<answer>1</answer>"], [None]) == [1.0]
-    with pytest.raises(ConfigError, match="reward 'format': options"):
+    with pytest.raises(ConfigError, match="reward 'format': unknown option tags; valid options: pattern, required_tags"):
         build_reward_fn("format", {"tags": ["answer"]})
     with pytest.raises(ConfigError, match="not registered"):
         build_reward_fn("nope")
@@ -225,3 +264,40 @@ def test_weighted_rewards_from_specs(user_module):
     assert total == [0.25]
     with pytest.raises(ConfigError, match="unknown keys"):
         WeightedRewards.from_specs({"math": {"wieght": 1.0}})
+
+
+def test_config_reward_entries_take_options(tmp_path):
+    """A weight, or {weight, options}: from YAML and from key=value overrides, checked before the job starts."""
+    path = tmp_path / "job.yaml"
+    path.write_text("algorithm:\n  rewards:\n    format: {weight: 0.5, pattern: '<a>.*</a>'}\n    exact: 1.0\n")
+    algo = load_config(path, ["algorithm.rewards.math_verify.weight=2", "algorithm.rewards.math_verify.tolerance=1e-6",
+                              "algorithm.rewards.exact=0.25"]).algorithm
+    assert algo.reward_weights == {"format": 0.5, "exact": 0.25, "math_verify": 2.0}
+    assert algo.reward_options == {"format": {"pattern": "<a>.*</a>"}, "exact": {}, "math_verify": {"tolerance": 1e-6}}
+    assert load_config(None, ["algorithm.rewards.math.tolerance=0.01"]).algorithm.reward_weights == {"math": 1.0}
+    assert load_config(None, []).algorithm.reward_options == {"exact": {}}
+    fns = {name: build_reward_fn(name, options) for name, options in algo.reward_options.items()}
+    assert fns["format"](["p"], ["<a>1</a>"], [None]) == [1.0] and fns["math_verify"].tolerance == 1e-6
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.rewards.format.patern=x", "algorithm.rewards.format: unknown option patern (did you mean "
+                                               "'pattern'?); valid options: pattern, required_tags"),
+        ("algorithm.rewards.exact.weight=high", "algorithm.rewards.exact: weight 'high' is not a number"),
+        ("algorithm.rewards.math=true", "algorithm.rewards.math: weight True is not a number"),
+        ("algorithm.rewards.rm.checkpoint=x", "algorithm.rewards.rm takes only a weight"),
+    ],
+)
+def test_config_reward_entry_errors(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_bad_reward_option_exits_2_before_the_job(launch, tmp_path):
+    result = launch(f"run.dir={tmp_path / 'run'}", "algorithm.rewards.math_verify.tolerence=0.1", "--dry-run")
+    assert result.returncode == 2
+    assert "algorithm.rewards.math_verify: unknown option tolerence (did you mean 'tolerance'?); valid options: " \
+           "tolerance, backend" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -20,7 +20,7 @@ from launcher.errors import ConfigError
 from megatron_rl.data.preferences import (
     PreferenceRecord,
     SequenceEncoder,
-    read_preference_jsonl,
+    read_preference_records,
     synthetic_preference_records,
     tokenize_pairs,
 )
@@ -122,7 +122,7 @@ def test_jsonl_text_and_chat_formats(tmp_path):
          "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
-    records = read_preference_jsonl(path)
+    records = read_preference_records(path)
     assert len(records) == 4 and records[1].source == f"{path}:2"
     enc = SequenceEncoder(CharTokenizer())
     tok = CharTokenizer()
@@ -146,13 +146,13 @@ def test_bad_lines_name_file_and_line(tmp_path, line, message):
     path = tmp_path / "data.jsonl"
     path.write_bytes(b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n\n' + line + b"\n")
     with pytest.raises(ConfigError, match=message) as err:
-        read_preference_jsonl(path)
+        read_preference_records(path)
     assert str(err.value).startswith(f"{path}:3: ")
 
 
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
-        read_preference_jsonl(tmp_path / "nope.jsonl")
+        read_preference_records(tmp_path / "nope.jsonl")
 
 
 def test_truncate_keeps_bos_and_end_and_drop_counts():

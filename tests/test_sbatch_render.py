@@ -98,7 +98,7 @@ def test_template_header_has_the_schema_defaults() -> None:
     header = dict(line.removeprefix("#SBATCH ").partition("=")[::2] for line in load_template(TEMPLATE).header)
     assert header["--job-name"] == defaults.job_name and header["--nodes"] == str(defaults.nodes)
     assert header["--ntasks-per-node"] == str(defaults.tasks_per_node) and header["--time"] == defaults.time
-    assert header["--signal"] == f"USR1@{defaults.signal_delay_s}" and "--no-requeue" in header
+    assert header["--signal"] == f"USR1@{defaults.signal_delay_s}" and "--requeue" in header
 
 
 def test_rendered_sbatch_lines_round_trip_hostile_values() -> None:
@@ -129,9 +129,19 @@ def test_bad_cluster_values_are_one_line_config_errors(overrides: dict, message:
     assert message in str(info.value) and "\n" not in str(info.value).replace("\\n", "")
 
 
-def test_requeue_flag_in_sbatch_extra_replaces_no_requeue() -> None:
-    options = sbatch_options(ClusterConfig(sbatch_extra=["--requeue"]), output="/r/%j.log")
-    assert "--requeue" in options and "--no-requeue" not in options
+def test_jobs_are_requeueable_unless_max_requeues_is_0_or_sbatch_extra_says_otherwise() -> None:
+    assert "--requeue" in sbatch_options(ClusterConfig(), output="/r/%j.log")
+    assert "--no-requeue" not in sbatch_options(ClusterConfig(), output="/r/%j.log")
+    never = sbatch_options(ClusterConfig(max_requeues=0), output="/r/%j.log")
+    assert "--no-requeue" in never and "--requeue" not in never
+    chosen = sbatch_options(ClusterConfig(sbatch_extra=["--no-requeue"]), output="/r/%j.log")
+    assert chosen.count("--no-requeue") == 1 and "--requeue" not in chosen
+
+
+def test_a_conversion_job_is_never_requeued() -> None:
+    script = render_convert_script(ClusterConfig(max_requeues=5), run_dir=Path("/r"), convert_args=["x"],
+                                   python=PYTHON)
+    assert "#SBATCH --no-requeue" in script.splitlines() and "#SBATCH --requeue" not in script.splitlines()
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
@@ -170,6 +180,11 @@ printf '\\n\\0' >>"$FAKE_LOG/scontrol.args"
 """
 FAKE_TRAINER = """#!/bin/bash
 printf '%s\\0' "$@" >"$FAKE_LOG/trainer.args"
+if [[ -n "${FAKE_TERM_BATCH:-}" ]]; then  # Slurm ending the run: SIGTERM to the batch script (trainer <- task <- srun)
+    srun_pid="$(ps -o ppid= -p "$PPID")"
+    kill -TERM "$(ps -o ppid= -p $srun_pid)"
+    sleep 0.3
+fi
 exit "${FAKE_RC:-0}"
 """
 
@@ -222,7 +237,34 @@ def test_preemption_mark_requeues_within_the_limit(sandbox: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "requeueing (requeue 2 of at most 2)" in result.stdout
     calls = [call.strip("\0").split("\0") for call in (sandbox / "scontrol.args").read_text().split("\n\0") if call]
-    assert calls == [["update", "JobId=42", "Requeue=1"], ["requeue", "42"]]
+    assert calls == [["requeue", "42"]]
+
+
+def test_a_checkpoint_on_sigterm_leaves_the_requeue_to_slurm(sandbox: Path) -> None:
+    # scancel, scheduler preemption and `scontrol requeue` all SIGTERM the batch script: Slurm decides what follows
+    script = render_train_script(ClusterConfig(max_requeues=2), _spec(sandbox / "run", sandbox))
+    result = _run_script(sandbox, script, env={"FAKE_RC": str(REQUEUE_EXIT_CODE), "FAKE_TERM_BATCH": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "got SIGTERM; waiting for the tasks to stop" in result.stdout
+    assert "checkpoint saved on SIGTERM; if Slurm requeues the job, the next start resumes from it" in result.stdout
+    assert not (sandbox / "scontrol.args").exists()
+
+
+def test_a_start_after_a_requeue_says_so(sandbox: Path) -> None:
+    script = render_train_script(ClusterConfig(max_requeues=2), _spec(sandbox / "run", sandbox))
+    result = _run_script(sandbox, script, restarts=1)
+    assert result.returncode == 0, result.stderr
+    assert "[job 42, start 2]: started again after a requeue" in result.stdout
+    assert "started again" not in _run_script(sandbox, script, restarts=0).stdout
+
+
+def test_a_start_past_the_requeue_limit_stops_with_exit_code_3(sandbox: Path) -> None:
+    # NODE_FAIL and `scontrol requeue` restarts count against cluster.max_requeues as the trainer's own do
+    script = render_train_script(ClusterConfig(max_requeues=2), _spec(sandbox / "run", sandbox))
+    result = _run_script(sandbox, script, restarts=3)
+    assert result.returncode == REQUEUE_EXIT_CODE
+    assert "requeued 3 times, more than MAX_REQUEUES=2; stopping" in result.stdout
+    assert not (sandbox / "srun.args").exists()
 
 
 def test_preemption_past_the_limit_exits_3_without_requeue(sandbox: Path) -> None:

@@ -12,6 +12,8 @@ algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU mo
 The search keeps every parallel.* key that is given (file, key=value or --layout) and holds the trainer limits
 (``launcher/limits.py``); the plan lists both. Example: ``python launch.py plan --model llama-3.1-405b --gpus 16384
 --gpu-type h100-80gb --global-batch-size 2048``.
+``python launch.py plan --calibrate RUN_DIR [--json]`` prints a run's prediction (written at launch) beside what it
+measured, with the error of each (``launcher/calibrate.py``).
 Exit codes: 0 plan printed; 2 bad input; 3 nothing fits (the message names the smallest GPU count that would).
 """
 
@@ -71,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "recompute=selective,sp=true")
     p.add_argument("--top-k", type=bounded_int("--top-k", 100), default=5, help="alternatives to show")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--calibrate", metavar="RUN_DIR",
+                   help="compare a run's measured step time and peak memory with the prediction written at launch")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for launch.py")
     return p
 
@@ -125,6 +129,18 @@ def _flag_of(key: str) -> str:
     return names.get(key, "--layout")
 
 
+def calibrate(args: argparse.Namespace) -> int:
+    """``plan --calibrate RUN_DIR``: the prediction beside the measurement, one line (or --json)."""
+    from launcher.calibrate import calibration_report, one_line
+
+    if args.overrides or args.config or args.model or args.layout:
+        raise ConfigError("--calibrate RUN_DIR reads that run's own prediction and metrics; give no config, model, "
+                          "layout or key=value with it")
+    report = calibration_report(args.calibrate)
+    print(json.dumps(report) if args.json else one_line(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the plan subcommand; returns the exit code."""
     from launcher.config.loader import given_keys, load_config
@@ -134,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_intermixed_args(argv)
+        if args.calibrate is not None:
+            return calibrate(args)
         overrides = job_overrides(args)
         cfg = load_config(args.config, overrides, allow_missing=True)
         if args.gpus is not None:

@@ -7,10 +7,11 @@ checks that need the model shape or the world size live in ``launcher.config.val
 
 from __future__ import annotations
 
+import math
 import re
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 from launcher.errors import ConfigError
 
@@ -22,6 +23,8 @@ BACKENDS = ("auto", "nccl", "gloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 ADVANTAGE_MODES = ("std", "mean")
+WANDB_MODES = ("online", "offline", "disabled")
+IMPORTANCE_RATIOS = ("token", "sequence")
 TRUNCATION_POLICIES = ("truncate", "drop")
 MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss")
 
@@ -186,9 +189,12 @@ class ClusterConfig:
     container_mounts: list[str] = field(default_factory=list)
     """pyxis mounts, each `src:dst`."""
     signal_delay_s: int = 120
-    """Seconds before the time limit at which Slurm signals the job to checkpoint and requeue."""
+    """Seconds before the time limit (the warning window) at which Slurm signals the job to checkpoint and
+    requeue; checkpoint.save_interval=auto also keeps the work a hard kill can lose to about this long."""
     max_requeues: int = 3
-    """How many times a preempted or timed-out job is requeued."""
+    """How many times the job may start again: after its own preemption checkpoint, an admin's `scontrol
+    requeue`, a scheduler preemption or a node failure (each start resumes from the newest checkpoint). 0
+    submits the job --no-requeue."""
     env: list[str] = field(default_factory=list)
     """Names of environment variables the job takes from the submitting shell (tokens, say): their values are
     passed in the environment (sbatch --export), never written to a file. Refer to them as ${oc.env:NAME} in
@@ -221,6 +227,20 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class OverlongConfig:
+    """DAPO soft overlong punishment, added to the reward of each completion."""
+
+    buffer: int
+    """Tokens before generation.max_new_tokens where the penalty starts; it falls linearly to -penalty there."""
+    penalty: float = 1.0
+    """Penalty at (and beyond) generation.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        _positive("algorithm.overlong", buffer=self.buffer)
+        _non_negative("algorithm.overlong", penalty=self.penalty)
+
+
+@dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
     """What the job trains: grpo, rm (reward model), sft or pretrain (next-token prediction)."""
@@ -233,7 +253,24 @@ class AlgorithmConfig:
     advantage: str = "std"
     """GRPO advantage: std ((r - mean) / (std + eps)) or mean (Dr. GRPO: r - mean)."""
     drop_zero_signal_groups: bool = False
-    """GRPO dynamic sampling: drop groups whose rewards are all equal (else they get advantage 0)."""
+    """GRPO dynamic sampling (DAPO): drop groups whose rewards are all equal (else they get advantage 0) and draw
+    more prompts until prompts_per_step groups with signal are in the batch, at most max_sampling_draws rounds."""
+    max_sampling_draws: int = 3
+    """Rollout rounds per step at most when drop_zero_signal_groups refills the batch (DAPO's max_num_gen_batches);
+    a batch still short after them is trained on as it is (whole mini-batches)."""
+    epochs: int = 1
+    """Passes over each rollout, in mini-batches of global_batch_size (PPO epochs)."""
+    recompute_old_logprobs: Union[bool, str] = "auto"
+    """Recompute the old policy's log-probs with a training forward before the first update instead of taking
+    the decode path's: true, false, or auto (true when generation and training kernels differ: bf16, Transformer
+    Engine, or an MoE model)."""
+    importance_ratio: str = "token"
+    """token (PPO/GRPO) or sequence (GSPO: the length-normalised sequence ratio exp(mean(logp - old_logp)),
+    clipped per sequence; use small clip_eps_low/high, e.g. 3e-4/4e-4, and loss_aggregation seq-mean-token-mean)."""
+    overlong: Optional[OverlongConfig] = None
+    """DAPO soft overlong punishment {buffer, penalty}; null: off."""
+    mask_truncated: bool = False
+    """Leave completions cut at generation.max_new_tokens out of the loss (DAPO's overlong filtering)."""
     clip_eps_low: float = 0.2
     """Lower clip of the policy ratio: 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -246,9 +283,10 @@ class AlgorithmConfig:
     """KL estimator: k1, k2 or k3."""
     loss_aggregation: str = "token-mean"
     """seq-mean-token-mean (DeepSeekMath), token-mean (DAPO) or seq-mean-token-sum-norm (Dr. GRPO)."""
-    rewards: dict[str, float] = field(default_factory=dict)
-    """Reward functions and weights: a built-in name (exact, math, format), `rm`, or a dotted path
-    `package.module:function`. Empty means {exact: 1.0}, the synthetic tasks' verifier."""
+    rewards: dict[str, Any] = field(default_factory=dict)
+    """Reward functions: name -> weight, or name -> {weight: w, option: value, ...} (the options go to the
+    reward's factory; no weight means 1.0). A name is a built-in reward (exact, math, math_verify, format),
+    `rm`, or a dotted path `package.module:function`. Empty means {exact: 1.0}, the synthetic tasks' verifier."""
     reward_model: Optional[str] = None
     """Checkpoint folder of a trained reward model, used by the `rm` reward."""
     rm_margin: float = 0.0
@@ -263,8 +301,13 @@ class AlgorithmConfig:
         _one_of("algorithm", "advantage", self.advantage, ADVANTAGE_MODES)
         _one_of("algorithm", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of("algorithm", "loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
+        _one_of("algorithm", "importance_ratio", self.importance_ratio, IMPORTANCE_RATIOS)
+        if isinstance(self.recompute_old_logprobs, str) and self.recompute_old_logprobs != "auto":
+            raise ConfigError(f"algorithm.recompute_old_logprobs={self.recompute_old_logprobs!r} is not valid; use "
+                              "true, false or auto")
         _positive("algorithm", global_batch_size=self.global_batch_size, group_size=self.group_size,
-                  prompts_per_step=self.prompts_per_step)
+                  prompts_per_step=self.prompts_per_step, epochs=self.epochs,
+                  max_sampling_draws=self.max_sampling_draws)
         _at_most("algorithm", MAX_LENGTH, global_batch_size=self.global_batch_size)
         _non_negative("algorithm", clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                       kl_coef=self.kl_coef, rm_centering_coef=self.rm_centering_coef,
@@ -280,10 +323,39 @@ class AlgorithmConfig:
                 raise ConfigError(
                     f"algorithm.global_batch_size={self.global_batch_size} must divide the rollout batch "
                     f"prompts_per_step*group_size={completions}")
+        self._check_rewards()
+
+    def _check_rewards(self) -> None:
+        """Each entry's shape, and the options of the built-in rewards (other rewards' are checked by the job)."""
+        from megatron_rl.rewards.registry import check_reward_options
+
+        for name, options in self.reward_options.items():
+            if name == "rm" and options:
+                raise ConfigError(f"algorithm.rewards.rm takes only a weight, not {', '.join(sorted(options))}; "
+                                  "the checkpoint is algorithm.reward_model")
+            check_reward_options(name, options, label=f"algorithm.rewards.{name}")
+
+    @property
+    def _reward_entries(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        entries = {}
+        for name, entry in (self.rewards or {"exact": 1.0}).items():
+            options = dict(entry) if isinstance(entry, dict) else {"weight": entry}
+            weight = options.pop("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ConfigError(f"algorithm.rewards.{name}: weight {weight!r} is not a number; give "
+                                  f"algorithm.rewards.{name}=1.0 or {{weight: 1.0, option: value, ...}}")
+            entries[name] = float(weight), options
+        return entries
 
     @property
     def reward_weights(self) -> dict[str, float]:
-        return dict(self.rewards) or {"exact": 1.0}
+        """Weight per reward name (algorithm.rewards, or {exact: 1.0} when it is empty)."""
+        return {name: weight for name, (weight, _) in self._reward_entries.items()}
+
+    @property
+    def reward_options(self) -> dict[str, dict[str, Any]]:
+        """Options per reward name: its entry's keys other than weight ({} for a plain weight)."""
+        return {name: options for name, (_, options) in self._reward_entries.items()}
 
     @property
     def rollout_size(self) -> int:
@@ -348,13 +420,24 @@ class DataConfig:
     task: Optional[str] = "last_digit"
     """Built-in synthetic task used when train_path is null."""
     train_path: Optional[str] = None
-    """JSONL training data (GRPO prompts, RM preference pairs, SFT examples)."""
+    """Training data (GRPO prompts, RM preference pairs, SFT examples): a .jsonl, .json, .parquet or .arrow file,
+    or a datasets.save_to_disk folder (read with Hugging Face datasets, offline)."""
     eval_path: Optional[str] = None
-    """JSONL held-out data."""
+    """Held-out data, in the same formats."""
     prompt_key: str = "prompt"
-    """JSONL field with the prompt."""
+    """Field (column) with the prompt text."""
     answer_key: str = "answer"
-    """JSONL field with the reference answer or metadata for reward functions."""
+    """Field with the reference answer or metadata for reward functions (SFT: the completion when a record has no
+    completion field)."""
+    messages_key: str = "messages"
+    """Field with a chat, a list of {role, content} messages, used when a record has no prompt_key field: the
+    prompt for GRPO, the prompt of a preference pair, and for SFT the conversation whose last (assistant)
+    message is the completion."""
+    chat_template: bool = False
+    """Render prompts and conversations with the tokenizer's chat template (prompts with the generation prompt);
+    needs a model.tokenizer that has one. False: text as is, messages as "role: content" lines."""
+    system_prompt: Optional[str] = None
+    """System message put before each conversation that has none (needs chat_template=true)."""
     max_length: Optional[int] = None
     """Longest tokenized example; None uses the model's seq_length."""
     truncation: str = "truncate"
@@ -369,14 +452,20 @@ class DataConfig:
         _one_of("data", "truncation", self.truncation, TRUNCATION_POLICIES)
         _positive("data", max_length=self.max_length)
         _non_negative("data", eval_interval=self.eval_interval)
+        if self.system_prompt is not None and not self.chat_template:
+            raise ConfigError("data.system_prompt is set but data.chat_template=false; set data.chat_template=true "
+                              "(the system prompt is a message of the chat template) or drop data.system_prompt")
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
     dir: Optional[str] = None
     """Checkpoint folder; None means <run.dir>/checkpoints."""
-    save_interval: int = 0
-    """Save every N steps (0 = only at the end and on preemption)."""
+    save_interval: Union[int, str] = "auto"
+    """Save every N steps; 0: only at the end and on preemption; auto: whenever max(cluster.signal_delay_s, 10 x
+    the last save's duration) seconds have passed since the previous save, so a hard kill (node failure, a kill
+    inside the warning window) loses about one warning window of work and saving takes at most ~10% of the time.
+    The trainer warns when one step plus a save does not fit in the warning window."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted."""
     resume: bool = True
@@ -390,7 +479,27 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _positive("checkpoint", keep_last=self.keep_last)
-        _non_negative("checkpoint", save_interval=self.save_interval, export_hf_every=self.export_hf_every)
+        if isinstance(self.save_interval, str) and self.save_interval != "auto":
+            raise ConfigError(f"checkpoint.save_interval={self.save_interval!r} is not valid; use auto or a number "
+                              "of steps (0: only at the end and on preemption)")
+        _non_negative("checkpoint", save_interval=None if self.save_interval == "auto" else self.save_interval,
+                      export_hf_every=self.export_hf_every)
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases logging from global rank 0. The API key comes only from WANDB_API_KEY in the job's
+    environment: no config key holds it, so it is never written to a file."""
+
+    project: Optional[str] = None
+    """W&B project (null: WANDB_PROJECT, else W&B's default)."""
+    entity: Optional[str] = None
+    """W&B team or user (null: WANDB_ENTITY, else the key's default entity)."""
+    mode: str = "online"
+    """online, offline (files under the run folder, `wandb sync` later) or disabled."""
+
+    def __post_init__(self) -> None:
+        _one_of("logging.wandb", "mode", self.mode, WANDB_MODES)
 
 
 @dataclass(kw_only=True)
@@ -400,7 +509,11 @@ class LoggingConfig:
     console: str = "progress"
     """Console style: progress (one updating line per step), json, or quiet."""
     tensorboard: bool = True
-    """Also write TensorBoard scalars under <run.dir>/tensorboard when tensorboard is installed."""
+    """Also write TensorBoard scalars under <run.dir>/tensorboard/<phase> (needs tensorboard:
+    pip install 'megatron-rl[logging]')."""
+    wandb: Optional[WandbConfig] = None
+    """Weights & Biases logging, off when null; e.g. logging.wandb.project=NAME. A requeued or resumed job
+    continues the same W&B run (its id is kept in <run.dir>/wandb_run_id)."""
     plot: bool = False
     """Write <run.dir>/curves.png (reward and KL against step) at the end."""
 
@@ -453,3 +566,7 @@ class JobConfig:
             raise ConfigError(
                 f"parallel.micro_batch_size={self.parallel.micro_batch_size} does not divide "
                 f"algorithm.global_batch_size={self.algorithm.global_batch_size}")
+        overlong = self.algorithm.overlong
+        if overlong is not None and overlong.buffer > self.generation.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong.buffer={overlong.buffer} exceeds generation.max_new_tokens="
+                              f"{self.generation.max_new_tokens}; the penalty window must lie inside the limit")

@@ -174,11 +174,17 @@ def run_conversion(cluster: ClusterConfig, run_dir: Path, convert_args: Sequence
     require_tools(("sbatch",) + (WAIT_TOOLS if wait else ()), what="convert --slurm",
                   otherwise="drop --slurm to convert on this machine")
     check_run_dir(run_dir)
-    folder = make_private_dir(log_dir(run_dir))
-    result = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=120)
-    if result.returncode != 0:
-        raise sbatch_error(result.stderr, cluster)
+    lock = acquire(run_dir)  # one job per run folder, conversions included
+    try:
+        folder = make_private_dir(log_dir(run_dir))
+        result = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise sbatch_error(result.stderr, cluster)
+    except BaseException:
+        lock.release()
+        raise
     job_id = result.stdout.strip().split(";")[0]
+    lock.hand_to_job(job_id)
     write_private_text(folder / f"{job_id}_submission.sh", script)
     _announce(job_id, run_dir, f"(one task: launch.py convert {shlex.join(convert_args)})")
     if not wait:

@@ -86,7 +86,9 @@ def sbatch_options(cluster: ClusterConfig, *, output: str) -> list[str]:
                if value is not None]
     extra = [_extra_flag(item) for item in cluster.sbatch_extra]
     if not any(flag.split("=")[0] in ("--requeue", "--no-requeue") for flag in extra):
-        options.append("--no-requeue")
+        # Requeueable, so that an admin's `scontrol requeue`, scheduler preemption (PreemptMode=REQUEUE) and a
+        # node failure start the job again; each start resumes from the newest complete checkpoint.
+        options.append("--requeue" if cluster.max_requeues > 0 else "--no-requeue")
     return options + extra
 
 
@@ -179,7 +181,7 @@ def render_train_script(cluster: ClusterConfig, spec: TrainScript) -> str:
 
 
 def conversion_cluster(cluster: ClusterConfig) -> ClusterConfig:
-    """``cluster`` as a conversion job runs it: one task, no checkpoint signal, no requeue (it starts over)."""
+    """``cluster`` as a conversion job runs it: one task, no checkpoint signal, never requeued (a rerun starts over)."""
     return dataclasses.replace(cluster, nodes=1, tasks_per_node=1, gpus_per_node=0, signal_delay_s=0,
                                max_requeues=0)
 

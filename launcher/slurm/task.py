@@ -24,6 +24,7 @@ from launcher.slurm import REQUEUE_EXIT_CODE
 
 POLL_S = 0.5
 FAILURE_MARK = "megatron-rl task failed:"  # the watcher looks for this line in the tasks' .err logs
+PLACEMENT_MARK = "megatron-rl task placement:"  # ... and for this one in their .out logs (no pickle is read)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +72,7 @@ class TrainTask:
                 if pending:
                     forward(pending[0])
         if code == 0:
+            print(f"{PLACEMENT_MARK} rank {dist.rank} on {node}", flush=True)
             return {"rank": dist.rank, "world_size": dist.world_size, "node": node,
                     "master": f"{dist.master_addr}:{dist.master_port}"}
         if code == REQUEUE_EXIT_CODE:

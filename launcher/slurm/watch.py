@@ -10,7 +10,6 @@ each with a one-paragraph explanation on stderr.
 
 from __future__ import annotations
 
-import pickle
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Optional, TextIO
 
 from launcher.config.schema import ClusterConfig
 from launcher.slurm import REQUEUE_EXIT_CODE
-from launcher.slurm.task import FAILURE_MARK
+from launcher.slurm.task import FAILURE_MARK, PLACEMENT_MARK
 
 FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                           "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"})
@@ -181,8 +180,8 @@ def explain(watch: Watch, final: JobState, *, nodes: str = "") -> int:
         return 0
     code = _exit_code(final.exit_code)
     if final.state == "FAILED" and code == REQUEUE_EXIT_CODE:
-        message = (f"{job} FAILED: it stopped for preemption more often than cluster.max_requeues="
-                   f"{cluster.max_requeues} allows; {rerun}")
+        message = (f"{job} FAILED: it was requeued (preemption, scontrol requeue or a node failure) more often "
+                   f"than cluster.max_requeues={cluster.max_requeues} allows; {rerun}")
     elif final.state == "FAILED":
         message = f"{job} FAILED with exit code {final.exit_code or '?'}{failure_details(watch)}"
     elif final.state == "CANCELLED":
@@ -210,16 +209,17 @@ def _exit_code(text: str) -> int:
 
 
 def placement(watch: Watch) -> str:
-    """`rank 0 on n1, rank 1 on n2` from the tasks' submitit results; "" when no task left one (a plain job)."""
+    """`rank 0 on n1, rank 1 on n2` from the line each task logs when it ends well; "" when none did (a plain
+    job). Read from the text logs: the launcher never unpickles what a job wrote."""
     ranks, found = [], False
     for task in range(watch.num_tasks):
         try:
-            with (watch.log_dir / f"{watch.job_id}_{task}_result.pkl").open("rb") as handle:
-                outcome, result = pickle.load(handle)
-            ranks.append(f"rank {result['rank']} on {result['node']}")
-            found = True
-        except (OSError, pickle.UnpicklingError, KeyError, TypeError, ValueError):
-            ranks.append(f"rank {task}: no result")
+            lines = (watch.log_dir / f"{watch.job_id}_{task}_log.out").read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        marks = [line[len(PLACEMENT_MARK):].strip() for line in lines if line.startswith(PLACEMENT_MARK)]
+        ranks.append(marks[-1] if marks else f"rank {task}: no result")
+        found = found or bool(marks)
     return ", ".join(ranks) if found else ""
 
 

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from launcher.config.schema import KL_ESTIMATORS, LOSS_AGGREGATIONS, AlgorithmConfig
+from launcher.config.schema import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, AlgorithmConfig
 
 Number = int | float | torch.Tensor
 
@@ -46,18 +46,22 @@ class GRPOLossConfig:
     seq-mean-token-sum-norm (Dr. GRPO)."""
     max_response_len: int | None = None
     """Constant normaliser for seq-mean-token-sum-norm (the generation length limit); required in that mode."""
+    importance_ratio: str = "token"
+    """One of the schema's IMPORTANCE_RATIOS: token (PPO/GRPO) or sequence (GSPO, ``sequence_log_ratio``)."""
 
     @classmethod
     def from_algorithm(cls, algo: AlgorithmConfig, *, max_response_len: int) -> "GRPOLossConfig":
         """The loss of a job's ``algorithm`` section (already checked by the schema)."""
         return cls(eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip,
                    kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator, loss_agg_mode=algo.loss_aggregation,
-                   max_response_len=max_response_len)
+                   max_response_len=max_response_len, importance_ratio=algo.importance_ratio)
 
     def __post_init__(self) -> None:
-        if self.kl_kind not in KL_ESTIMATORS or self.loss_agg_mode not in LOSS_AGGREGATIONS:
-            raise ValueError(f"kl_kind={self.kl_kind!r} / loss_agg_mode={self.loss_agg_mode!r}: use one of "
-                             f"{KL_ESTIMATORS} / {LOSS_AGGREGATIONS}")
+        if (self.kl_kind not in KL_ESTIMATORS or self.loss_agg_mode not in LOSS_AGGREGATIONS
+                or self.importance_ratio not in IMPORTANCE_RATIOS):
+            raise ValueError(f"kl_kind={self.kl_kind!r} / loss_agg_mode={self.loss_agg_mode!r} / importance_ratio="
+                             f"{self.importance_ratio!r}: use one of {KL_ESTIMATORS} / {LOSS_AGGREGATIONS} / "
+                             f"{IMPORTANCE_RATIOS}")
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.max_response_len:
             raise ValueError("loss_agg_mode=seq-mean-token-sum-norm needs max_response_len")
 
@@ -74,6 +78,21 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
+                       seq_lengths: torch.Tensor | None = None, sum_over_parts=None) -> torch.Tensor:
+    """GSPO's length-normalised sequence log-ratio, mean over each sequence's tokens of (logp - old_logp), as a
+    [batch, T] tensor that repeats each sequence's value on its positions (differentiable in logp).
+
+    When the rows hold parts of sequences (context parallelism), ``seq_lengths`` are the whole lengths and
+    ``sum_over_parts`` sums a [batch] tensor over the parts (an autograd-aware all-reduce)."""
+    mask = mask.to(logp.dtype)
+    sums = ((logp - old_logp) * mask).sum(dim=-1)
+    if sum_over_parts is not None:
+        sums = sum_over_parts(sums)
+    lengths = mask.sum(dim=-1) if seq_lengths is None else seq_lengths.to(logp.dtype)
+    return (sums / lengths.clamp(min=1)).unsqueeze(-1).expand_as(logp)
+
+
 def policy_ratio_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -84,11 +103,14 @@ def policy_ratio_loss(
     eps_high: float,
     dual_clip: float | None = None,
     log_ratio_clamp: float | None = 20.0,
+    log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token negated clipped surrogate: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), [batch, T].
 
     advantages: [batch] (one per sequence) or [batch, T]. dual_clip c: where A < 0 the loss is further capped
     at -A c (verl's dual clip). log_ratio_clamp only guards exp() against overflow (the clip binds long before).
+    log_ratio: the log importance ratio per position; default the token's own, logp - old_logp (GSPO passes
+    ``sequence_log_ratio``, so every token of a sequence carries the sequence's ratio and clip).
     Stats (detached, over masked tokens): clip_fraction = share of tokens where the clipped branch was chosen
     (so its gradient is zero), dual_clip_fraction, ratio_min, ratio_max (1.0 when no token is masked in).
     """
@@ -96,7 +118,8 @@ def policy_ratio_loss(
         advantages = advantages.unsqueeze(-1).expand_as(logp)
     _check_shapes(mask, logp, old_logp, advantages)
     mask = mask.to(logp.dtype)
-    log_ratio = logp - old_logp
+    log_ratio = logp - old_logp if log_ratio is None else log_ratio
+    _check_shapes(mask, log_ratio)
     if log_ratio_clamp is not None:
         log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
@@ -229,6 +252,7 @@ def grpo_loss(
     global_num_tokens: Number | None = None,
     global_num_seqs: Number | None = None,
     seq_lengths: torch.Tensor | None = None,
+    sum_over_parts=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss = aggregate(policy_ratio_loss + kl_coef * kl_penalty), and detached 0-dim metrics.
 
@@ -237,10 +261,14 @@ def grpo_loss(
     Metrics: loss, pg_loss (aggregated like the loss), kl and entropy (masked token means; 0 when absent),
     clip_fraction, dual_clip_fraction, ratio_min, ratio_max, num_tokens, num_seqs (local counts, for weighting
     when metrics of several micro-batches or ranks are averaged; see `local_normalisers`).
-    seq_lengths: whole-sequence lengths when the rows are parts of sequences (see `aggregate`).
+    seq_lengths: whole-sequence lengths when the rows are parts of sequences (see `aggregate`); with them,
+    sum_over_parts sums a per-sequence [batch] tensor over the parts (the GSPO sequence ratio needs it).
     """
     if config.kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs ref_logp (the frozen reference model's log-probs)")
+    log_ratio = None
+    if config.importance_ratio == "sequence":
+        log_ratio = sequence_log_ratio(logp, old_logp, mask, seq_lengths=seq_lengths, sum_over_parts=sum_over_parts)
     per_token_pg, stats = policy_ratio_loss(
         logp,
         old_logp,
@@ -249,6 +277,7 @@ def grpo_loss(
         eps_low=config.eps_low,
         eps_high=config.eps_high,
         dual_clip=config.dual_clip,
+        log_ratio=log_ratio,
     )
     agg_kwargs = dict(
         max_response_len=config.max_response_len,

@@ -4,8 +4,9 @@
     python launch.py convert megatron-to-hf --ckpt DIR --out DIR [--shard-size 2GB] [--verify]
 
 Modules: ``names`` (name map, pure Python), ``mapping`` (tensor fusions), ``safetensors_io`` (HF folders),
-``dist_reader`` (layout-free checkpoint reads), ``export``, ``importer``, ``verify``, ``spawn``/``worker``
-(torchrun processes) and ``model_build`` (CPU model building incl. MoE with TP>1).
+``dist_reader`` (layout-free checkpoint reads), ``export``, ``importer``, ``streamed_save`` (the import's
+save, reading each shard from the HF files as it is written), ``verify``, ``spawn``/``worker`` (torchrun
+processes) and ``model_build`` (CPU and meta-device model building incl. MoE with TP>1).
 Tests: ``.venv/bin/python -m pytest tests/test_conversion*.py -q``.
 
 Importing this package does not import torch; the functions below import what they need when called.

@@ -1,25 +1,30 @@
-"""Read our ``torch_dist`` checkpoints tensor by tensor, without building the model or starting processes.
+"""Read our ``torch_dist`` checkpoints tensor by tensor, without building the model, starting processes or
+importing torch.
 
-The checkpoint's ``.metadata`` lists every model tensor by its global (layout-free) key and global shape, with
-the chunks each rank saved. ``CheckpointReader.read(refs)`` asks torch.distributed.checkpoint's FileSystemReader
-for exactly the blocks that make up the requested layers/experts, so only those bytes are loaded: TP shards,
-PP stages and EP expert groups are reassembled by their recorded offsets, whatever layout saved them.
+    reader = CheckpointReader("runs/x/checkpoints")        # a checkpoint root or a step folder
+    reader.index[ref].shape, reader.chunks(ref), reader.read_bytes(ref), reader.read([ref])[ref]
+
+The checkpoint's ``.metadata`` (read by a restricted unpickler, ``dcp_files``) lists every model tensor by its
+global (layout-free) key and global shape, with the chunks each rank saved. ``chunks(ref)`` gives each saved chunk
+of a tensor with its place in the tensor, so TP shards, PP stages and EP expert groups are reassembled by their
+recorded offsets, whatever layout saved them; ``read_bytes(ref)`` does that, in memory.
+
+Each chunk is a torch.save record (an uncompressed zip whose ``data/<key>`` entry holds the elements). When the
+record's own pickle shows the chunk stored whole, contiguous and with the expected shape and dtype, the chunk's
+``data_offset`` locates its raw bytes in the file: they are read with pread, or copied file to file by the
+exporter, and torch is never imported. Any other record (``data_offset`` None) is read with
+torch.load(weights_only=True) of its byte range, as torch.distributed.checkpoint itself reads it.
 
 Before anything is read, every storage file named in the metadata is checked to exist and to be long enough,
 so a missing or truncated shard is a one-line error instead of a failure halfway through an export.
-
-``raw_chunks(ref)`` locates the raw bytes of each saved chunk of a tensor inside its storage file (each chunk is
-a torch.save record: an uncompressed zip whose ``data/0`` entry holds the elements), after checking from the
-record's own pickle that the chunk is stored whole, contiguous and with the expected shape. The exporter then
-copies those byte ranges file to file in the kernel; anything unusual returns None and goes through ``read``.
 """
 
 from __future__ import annotations
 
-import collections
 import io
 import json
 import math
+import os
 import pickle
 import struct
 import zipfile
@@ -27,10 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import torch
+import numpy as np
 
 from launcher.errors import ConfigError
+from megatron_rl.conversion.dcp_files import (
+    DTYPE_ITEMSIZE,
+    MetadataIndex,
+    StorageInfo,
+    load_metadata,
+    load_plain_state,
+    load_tensor_record,
+)
 from megatron_rl.conversion.names import MegatronRef, is_model_key, refs_in_stored_tensor
+
+READ_BLOCK = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -43,26 +58,34 @@ class StoredTensor:
     """Indices along the stored tensor's leading layer/expert axes."""
     shape: tuple[int, ...]
     """Shape of the ref's tensor (the stored shape without the leading axes)."""
-    dtype: torch.dtype
-    """Stored dtype."""
+    dtype: str
+    """Stored dtype, by name (float32, bfloat16...)."""
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.itemsize
 
 
 @dataclass(frozen=True)
-class RawChunk:
-    """The raw, contiguous bytes of one saved chunk of a tensor."""
+class Chunk:
+    """One saved chunk of a ref's tensor."""
 
-    path: Path
-    """Storage file."""
-    data_offset: int
-    """Byte offset of the chunk's first element in that file."""
     offsets: tuple[int, ...]
     """Offsets of the chunk in the ref's tensor."""
     sizes: tuple[int, ...]
     """Shape of the chunk."""
+    path: Path
+    """Storage file."""
+    record: StorageInfo
+    """Where the chunk's torch.save record is in that file."""
+    lead: tuple[int, ...]
+    """The ref's indices along the leading layer/expert axes of the saved chunk."""
+    data_offset: Optional[int]
+    """Byte offset of the chunk's first element in ``path`` when stored raw; None: read with torch.load."""
 
 
 class _FileView(io.RawIOBase):
@@ -92,23 +115,6 @@ class _FileView(io.RawIOBase):
         return got
 
 
-class _TensorRecordUnpickler(pickle.Unpickler):
-    """Reads a torch.save pickle of ONE plain tensor without building it: returns (storage id, offset, size,
-    stride); anything else in the pickle raises."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest, **kw: (storage, offset, tuple(size), tuple(stride))
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid):
-        return pid
-
-
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for s in reversed(size):
@@ -119,13 +125,13 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 
 def checkpoint_step_folder(path: str | Path) -> Path:
     """The step folder of ``path`` (a step folder, or a checkpoint root with ``latest``), or a ConfigError."""
-    from megatron_rl.runtime.checkpoint import resolve_checkpoint
-
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"--ckpt {path}: no such folder")
     folder = path if (path / ".metadata").is_file() else None
     if folder is None:
+        from megatron_rl.runtime.checkpoint import resolve_checkpoint
+
         try:
             folder = resolve_checkpoint(path)
         except FileNotFoundError:
@@ -141,43 +147,24 @@ def checkpoint_step_folder(path: str | Path) -> Path:
     return folder
 
 
-class _BlockPlanner:
-    """The part of torch DCP's LoadPlanner that FileSystemReader.read_data calls: where each read block goes."""
-
-    def __init__(self, destinations: dict[tuple[str, tuple[int, ...]], torch.Tensor]):
-        self.destinations = destinations
-
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        dest = self.destinations[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            dest = dest.narrow(dim, offset, length)
-        return dest
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        return None
-
-    def load_bytes(self, read_item, value) -> None:
-        raise RuntimeError("byte objects are not read by the converter")
-
-
 class CheckpointReader:
-    """Index and block reads of one step folder of our checkpoints."""
+    """Index and reads of one step folder of our checkpoints."""
 
     def __init__(self, path: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.folder = checkpoint_step_folder(path)
-        self._reader = FileSystemReader(str(self.folder))
         try:
-            self.metadata = self._reader.read_metadata()
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
+            self.metadata = load_metadata(self.folder / ".metadata")
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError, IndexError,
+                KeyError) as exc:
             raise ConfigError(f"--ckpt {self.folder}: unreadable .metadata ({type(exc).__name__}: {exc})") from None
-        self._reader.set_up_storage_reader(self.metadata, True)
         self._check_storage_files()
         self.index: dict[MegatronRef, StoredTensor] = {}
         for key, md in self.metadata.state_dict_metadata.items():
-            if not hasattr(md, "chunks") or not is_model_key(key):
+            if getattr(md, "chunks", None) is None or not is_model_key(key):
                 continue
+            if md.properties.dtype not in DTYPE_ITEMSIZE:
+                raise ConfigError(f"--ckpt {self.folder}: tensor {key} has dtype {md.properties.dtype}, which the "
+                                  "converter does not read")
             size = tuple(md.size)
             for ref, prepend in refs_in_stored_tensor(key, size):
                 if ref in self.index:
@@ -197,32 +184,32 @@ class CheckpointReader:
                 raise ConfigError(f"--ckpt {self.folder}: shard file {name} is truncated "
                                   f"({path.stat().st_size} bytes, needs {end})")
 
-    def raw_chunks(self, ref: MegatronRef) -> Optional[list[RawChunk]]:
-        """Where the raw bytes of every saved chunk of ``ref`` are, or None if any chunk is not plainly stored."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
+    def chunks(self, ref: MegatronRef) -> list[Chunk]:
+        """Every saved chunk of ``ref``'s tensor; a ConfigError if they do not cover it."""
         stored = self.index[ref]
         n = len(stored.prepend)
         md = self.metadata.state_dict_metadata[stored.key]
-        itemsize = torch.empty((), dtype=stored.dtype).element_size()
         chunks = []
         for chunk in md.chunks:
-            if tuple(chunk.offsets[:n]) != stored.prepend:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if not all(o <= p < o + s for p, o, s in zip(stored.prepend, offsets, sizes)):
                 continue
-            if any(s != 1 for s in chunk.sizes[:n]):
-                return None
-            info = self.metadata.storage_data.get(MetadataIndex(stored.key, chunk.offsets))
-            offset = None if info is None else self._raw_offset(info, tuple(chunk.sizes), itemsize)
-            if offset is None:
-                return None
-            chunks.append(RawChunk(self.folder / info.relative_path, offset, tuple(chunk.offsets[n:]),
-                                   tuple(chunk.sizes[n:])))
-        if sum(math.prod(c.sizes) for c in chunks) != math.prod(stored.shape):
-            return None
+            info = self.metadata.storage_data.get(MetadataIndex(stored.key, offsets))
+            if info is None:
+                continue
+            lead = tuple(p - o for p, o in zip(stored.prepend, offsets))
+            data_offset = self._raw_offset(info, sizes, stored.dtype)
+            if data_offset is not None and n:  # the ref's block in a chunk that may span several layers/experts
+                data_offset += int(np.ravel_multi_index(lead, sizes[:n])) * math.prod(sizes[n:]) * stored.itemsize
+            chunks.append(Chunk(offsets[n:], sizes[n:], self.folder / info.relative_path, info, lead, data_offset))
+        covered = sum(math.prod(c.sizes) for c in chunks)
+        if covered != math.prod(stored.shape):
+            raise ConfigError(f"--ckpt {self.folder}: tensor {ref} is incomplete ({covered} of "
+                              f"{math.prod(stored.shape)} elements saved); the checkpoint is damaged")
         return chunks
 
-    def _raw_offset(self, info, sizes: tuple[int, ...], itemsize: int) -> Optional[int]:
-        if getattr(info, "transform_descriptors", None):
+    def _raw_offset(self, info: StorageInfo, sizes: tuple[int, ...], dtype: str) -> Optional[int]:
+        if info.transform_descriptors:
             return None
         try:
             with open(self.folder / info.relative_path, "rb") as f:
@@ -230,19 +217,74 @@ class CheckpointReader:
                 prefix = archive.namelist()[0].split("/", 1)[0]
                 if archive.read(f"{prefix}/byteorder").strip() not in (b"little",):
                     return None
-                storage, offset, size, stride = _TensorRecordUnpickler(
-                    io.BytesIO(archive.read(f"{prefix}/data.pkl"))).load()
-                entry = archive.getinfo(f"{prefix}/data/{storage[2]}")
+                record = load_tensor_record(archive.read(f"{prefix}/data.pkl"))
+                entry = archive.getinfo(f"{prefix}/data/{record.storage_key}")
                 f.seek(info.offset + entry.header_offset)
                 header = f.read(30)
         except (OSError, KeyError, ValueError, TypeError, IndexError, pickle.UnpicklingError, zipfile.BadZipFile):
             return None
-        if (offset, size, stride) != (0, sizes, _contiguous_strides(sizes)) or header[:4] != b"PK\x03\x04":
+        if (record.dtype, record.offset, record.size, record.stride) != (dtype, 0, sizes, _contiguous_strides(sizes)) \
+                or header[:4] != b"PK\x03\x04":
             return None
-        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != math.prod(sizes) * itemsize:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != math.prod(sizes) * DTYPE_ITEMSIZE[dtype]:
             return None
         name_len, extra_len = struct.unpack("<HH", header[26:30])
         return info.offset + entry.header_offset + 30 + name_len + extra_len
+
+    def read_chunk(self, chunk: Chunk, itemsize: int) -> np.ndarray:
+        """The chunk's bytes, as uint8 of shape (*chunk.sizes, itemsize)."""
+        if chunk.data_offset is None:
+            return self._torch_load_chunk(chunk).reshape(*chunk.sizes, itemsize)
+        out = np.empty((*chunk.sizes, itemsize), dtype=np.uint8)
+        view = memoryview(out.reshape(-1))
+        fd = os.open(chunk.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:done + READ_BLOCK]], chunk.data_offset + done)
+                if n == 0:
+                    raise ConfigError(f"--ckpt {self.folder}: shard file {chunk.path.name} ended early")
+                done += n
+        finally:
+            os.close(fd)
+        return out
+
+    def _torch_load_chunk(self, chunk: Chunk) -> np.ndarray:
+        import torch
+
+        with open(chunk.path, "rb") as f:
+            f.seek(chunk.record.offset)
+            data = f.read(chunk.record.length)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)[chunk.lead]
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, TypeError, IndexError) as exc:
+            raise ConfigError(f"--ckpt {self.folder}: reading tensors failed, shard file {chunk.path.name} is "
+                              f"damaged ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") \
+                from None
+        if tuple(tensor.shape) != chunk.sizes:
+            raise ConfigError(f"--ckpt {self.folder}: shard file {chunk.path.name} holds a {list(tensor.shape)} "
+                              f"chunk where the metadata records {list(chunk.sizes)}")
+        return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    def read_bytes(self, ref: MegatronRef) -> np.ndarray:
+        """The whole tensor of ``ref``, reassembled from every rank's chunks: uint8 of shape (*shape, itemsize)."""
+        stored = self.index[ref]
+        out = np.empty((*stored.shape, stored.itemsize), dtype=np.uint8)
+        for chunk in self.chunks(ref):
+            region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
+            out[region] = self.read_chunk(chunk, stored.itemsize)
+        return out
+
+    def read(self, refs: Iterable[MegatronRef], dtype=None) -> dict:
+        """Whole tensors of ``refs`` as torch tensors (cast to the torch ``dtype`` if given): ``read_bytes``, typed."""
+        import torch
+
+        out = {}
+        for ref in refs:
+            stored = self.index[ref]
+            tensor = torch.from_numpy(self.read_bytes(ref).reshape(-1)).view(getattr(torch, stored.dtype))
+            out[ref] = tensor.reshape(stored.shape) if dtype is None else tensor.reshape(stored.shape).to(dtype)
+        return out
 
     def common_state(self) -> dict[str, Any]:
         """The checkpoint's common state (step, layout, extra) from common.pt."""
@@ -250,39 +292,12 @@ class CheckpointReader:
         if not path.is_file():
             return {}
         try:
+            return load_plain_state(path)
+        except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError, zipfile.BadZipFile):
+            pass  # tensors or an older format in it: torch reads it, still without running pickled code
+        import torch
+
+        try:
             return torch.load(path, map_location="cpu", weights_only=True)  # a user's file: no pickled code
         except Exception as exc:  # a damaged common.pt only loses metadata, not weights
             raise ConfigError(f"--ckpt {self.folder}: unreadable common.pt ({type(exc).__name__}: {exc})") from None
-
-    def read(self, refs: Iterable[MegatronRef], dtype: Optional[torch.dtype] = None) -> dict[MegatronRef, torch.Tensor]:
-        """Whole tensors of ``refs`` (each as saved, reassembled from every rank's chunks), in one pass."""
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-        out: dict[MegatronRef, torch.Tensor] = {}
-        destinations: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        items = []
-        for ref in refs:
-            stored = self.index[ref]
-            tensor = torch.empty(stored.shape, dtype=stored.dtype)
-            offsets = (*stored.prepend, *([0] * len(stored.shape)))
-            sizes = (*([1] * len(stored.prepend)), *stored.shape)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            md = self.metadata.state_dict_metadata[stored.key]
-            new_items = create_read_items_for_chunk_list(stored.key, md, [chunk])
-            covered = sum(math.prod(item.lengths) for item in new_items)
-            if covered != math.prod(sizes):
-                raise ConfigError(f"--ckpt {self.folder}: tensor {ref} is incomplete ({covered} of "
-                                  f"{math.prod(sizes)} elements saved); the checkpoint is damaged")
-            destinations[(stored.key, tuple(offsets))] = tensor.view(sizes)
-            items.extend(new_items)
-            out[ref] = tensor
-        try:
-            self._reader.read_data(LoadPlan(items), _BlockPlanner(destinations)).wait()
-        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as exc:
-            raise ConfigError(f"--ckpt {self.folder}: reading tensors failed, a shard file is damaged "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-        if dtype is not None:
-            out = {ref: t.to(dtype) for ref, t in out.items()}
-        return out

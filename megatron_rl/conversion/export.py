@@ -7,15 +7,20 @@ or in-process (rank 0 of a trainer, no process group needed)::
     from megatron_rl.conversion import export_checkpoint_to_hf
     export_checkpoint_to_hf("runs/x/checkpoints", "runs/x/hf", model="path/to/hf_model_or_preset")
 
-No model is built: tensors are read from the checkpoint's global (layout-free) keys in groups of at most
-``read_budget`` bytes, converted (QKV split per query group, [gate; up] split, padded vocab rows cut) and streamed
-into planned safetensors shards; the next group is read while one is written. Peak memory is about two read
-groups (or the largest tensor, if bigger) plus one converted copy, whatever the model size. Everything is
-written into a hidden temporary folder that is renamed to ``out`` only when complete.
+No model is built, and neither torch nor Megatron is imported unless a tensor needs torch (a dtype cast, a
+checkpoint record of an unusual form). Tensors are read from the checkpoint's global (layout-free) keys and
+streamed, in plan order, into safetensors shards whose headers are planned up front. A tensor whose saved chunks
+are blocks of whole rows (TP=1, or TP shards on dim 0: most bytes) is copied file to file in the kernel
+(copy_file_range), row range by row range (padded vocab rows cut, QKV split per query group, [gate; up] split);
+any other (row-parallel weights at TP>1) is reassembled in memory on a worker thread, up to ``read_budget``
+bytes ahead of the writer, so that its reads overlap the writes. Peak memory is about ``read_budget`` (or the
+largest such tensor, if bigger) plus the tensor being written, whatever the model size. Everything is written
+into a hidden temporary folder that is renamed to ``out`` only when complete and on disk.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -25,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
+
+import numpy as np
 
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
@@ -139,12 +146,17 @@ def prepare_output(out: Path, overwrite: bool) -> Path:
 
 
 def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished temp folder to ``out`` (moving an old ``out`` aside first, then deleting it)."""
+    """Put the finished temp folder on disk (one fsync per file, then the folder) and rename it to ``out``
+    (moving an old ``out`` aside first, then deleting it)."""
+    from megatron_rl.runtime.checkpoint import fsync_path, fsync_tree
+
+    fsync_tree(tmp)
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)
     os.replace(tmp, out)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -201,19 +213,18 @@ def export_config(hf_config: dict, reader, dtype_name: str, reward: bool) -> tup
     return cfg, notes
 
 
-def raw_copy_plan(tm, shape: ModelShape, reader) -> Optional[dict[str, list[tuple[Path, int, int]]]]:
-    """Byte ranges of the checkpoint's files that make up each HF tensor of ``tm``, when its saved chunks are
-    whole rows (TP=1, or sharded on dim 0) so that every HF tensor is a sequence of contiguous byte ranges;
-    None otherwise (row-parallel weights at TP>1, unusual records), and those go through memory."""
+def kernel_copy_plan(tm, shape: ModelShape, reader) -> Optional[dict[str, list[tuple[Path, int, int]]]]:
+    """Byte ranges of the checkpoint's files that make up each HF tensor of ``tm``, when every saved chunk is
+    stored raw and is a block of whole rows (TP=1, or sharded on dim 0) so that every HF tensor is a sequence of
+    contiguous byte ranges; None otherwise (row-parallel weights at TP>1, unusual records): those are assembled
+    in memory (``hf_tensor_bytes``)."""
     from megatron_rl.conversion.names import hf_row_sources
 
-    chunks = reader.raw_chunks(tm.ref)
     stored = reader.index[tm.ref]
-    if chunks is None or not stored.shape:
+    chunks = reader.chunks(tm.ref)
+    if not stored.shape or any(c.data_offset is None or c.sizes[1:] != stored.shape[1:] for c in chunks):
         return None
-    if any(c.offsets[1:] != (0,) * (len(stored.shape) - 1) or c.sizes[1:] != stored.shape[1:] for c in chunks):
-        return None
-    row_bytes = math.prod(stored.shape[1:]) * torch_itemsize(stored.dtype)
+    row_bytes = math.prod(stored.shape[1:]) * stored.itemsize
     chunks = sorted(chunks, key=lambda c: c.offsets[0])
     plan = {}
     for name, blocks in hf_row_sources(tm, shape, stored.shape[0]).items():
@@ -232,24 +243,62 @@ def raw_copy_plan(tm, shape: ModelShape, reader) -> Optional[dict[str, list[tupl
     return plan
 
 
-def torch_itemsize(dtype) -> int:
+def hf_tensor_bytes(tm, shape: ModelShape, reader, out_dtype: Optional[str]) -> dict[str, np.ndarray]:
+    """The bytes of each HF tensor of ``tm``: its global Megatron tensor reassembled in memory, then the HF
+    tensors' rows taken from it (padding rows cut, QKV split per query group, [gate; up] split), cast to
+    ``out_dtype`` if given."""
+    from megatron_rl.conversion.names import hf_row_sources
+
+    stored = reader.index[tm.ref]
+    rows = reader.read_bytes(tm.ref).reshape(stored.shape[0] if stored.shape else 1, -1)
+    out = {}
+    for name, blocks in hf_row_sources(tm, shape, rows.shape[0]).items():
+        data = rows[blocks[0][0]:sum(blocks[0])] if len(blocks) == 1 else \
+            np.concatenate([rows[first:first + n] for first, n in blocks])
+        out[name] = data if out_dtype in (None, stored.dtype) else cast(data, stored.dtype, out_dtype)
+    return out
+
+
+def cast(data: np.ndarray, dtype: str, out_dtype: str) -> np.ndarray:
+    """Bytes of ``dtype`` elements -> bytes of the same values in ``out_dtype`` (torch's rounding)."""
     import torch
 
-    return torch.empty((), dtype=dtype).element_size()
+    values = torch.from_numpy(data.reshape(-1)).view(getattr(torch, dtype))
+    return values.to(getattr(torch, out_dtype)).view(torch.uint8).numpy()
 
 
-def read_batches(maps: list, reader, budget: int) -> list[list]:
-    """Consecutive tensor groups of at most ``budget`` stored bytes (a bigger tensor is a batch of its own)."""
-    batches: list[list] = [[]]
-    size = 0
-    for tm in maps:
-        nbytes = reader.index[tm.ref].nbytes
-        if batches[-1] and size + nbytes > budget:
-            batches.append([])
-            size = 0
-        batches[-1].append(tm)
-        size += nbytes
-    return batches
+class ReadAhead:
+    """``read(item)`` of each item in turn, run on ``pool``'s worker up to ``budget`` bytes (at least one item)
+    ahead of the consumer, so that reading the next tensors overlaps writing this one."""
+
+    def __init__(self, pool: ThreadPoolExecutor, items: list, read: Callable, nbytes: Callable[[Any], int],
+                 budget: int):
+        self.pool, self.items, self.read, self.nbytes, self.budget = pool, items, read, nbytes, budget
+        self.pending: collections.deque = collections.deque()
+        self.queued = 0
+        self.submitted = 0
+        self._submit()
+
+    def _submit(self) -> None:
+        while self.submitted < len(self.items):
+            item = self.items[self.submitted]
+            if self.pending and self.queued + self.nbytes(item) > self.budget:
+                return
+            self.pending.append((item, self.pool.submit(self.read, item)))
+            self.queued += self.nbytes(item)
+            self.submitted += 1
+
+    def next(self) -> Any:
+        item, future = self.pending.popleft()
+        result = future.result()
+        self.queued -= self.nbytes(item)
+        self._submit()
+        return result
+
+    def cancel(self) -> None:
+        """Drop the reads not started yet (after an error)."""
+        for _, future in self.pending:
+            future.cancel()
 
 
 def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *,
@@ -267,10 +316,7 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
     kernel_copy: copy tensors whose bytes need no change (TP=1 or dim-0 shards, no dtype cast) file to file with
     copy_file_range instead of through memory.
     """
-    import torch
-
     from megatron_rl.conversion.dist_reader import CheckpointReader
-    from megatron_rl.conversion.mapping import hf_from_megatron
     from megatron_rl.conversion.names import REWARD_HEAD_WEIGHT, check_convertible, tensor_maps
     from megatron_rl.conversion.safetensors_io import (
         PlannedTensor,
@@ -300,7 +346,7 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
 
     check_stored_tensors(reader, maps, shape, source.origin, reward)
 
-    out_dtype = getattr(torch, DTYPES[dtype]) if dtype else None
+    out_dtype = DTYPES[dtype] if dtype else None
     groups = []
     for tm in maps:
         st_dtype = torch_dtype_name(out_dtype or reader.index[tm.ref].dtype)
@@ -308,8 +354,7 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
                        for name, hf_shape in zip(tm.hf, tm.hf_shapes, strict=True)])
     shards = plan_shards(groups, max_shard)
 
-    out_dtype_name = str(out_dtype or reader.index[maps[0].ref].dtype).replace("torch.", "")
-    hf_config, notes = export_config(source.hf_config, reader, out_dtype_name, reward)
+    hf_config, notes = export_config(source.hf_config, reader, out_dtype or reader.index[maps[0].ref].dtype, reward)
     arch = hf_config["architectures"][0]
 
     tmp = prepare_output(out, overwrite)
@@ -318,29 +363,26 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if source.tokenizer_dir is not None:
             copy_tokenizer_files(Path(source.tokenizer_dir), tmp)
-        raw = {} if out_dtype is not None or not kernel_copy else {tm.ref: raw_copy_plan(tm, shape, reader)
-                                                                   for tm in maps}
-        batches = read_batches([tm for tm in maps if raw.get(tm.ref) is None], reader, read_budget)
-        with ThreadPoolExecutor(max_workers=1) as pool:  # read the next batch while this one is written
-            pending = pool.submit(reader.read, [tm.ref for tm in batches[0]])
-            next_batch = 1
-            tensors: dict = {}
-            kernel_bytes = 0
-            for i, tm in enumerate(maps):
-                if raw.get(tm.ref) is not None:
-                    for name, segments in raw[tm.ref].items():
-                        writer.copy_ranges(name, segments)
-                        kernel_bytes += sum(n for _, _, n in segments)
-                    continue
-                if tm.ref not in tensors:
-                    tensors = pending.result()
-                    if next_batch < len(batches):
-                        pending = pool.submit(reader.read, [t.ref for t in batches[next_batch]])
-                        next_batch += 1
-                for name, tensor in hf_from_megatron(tm, shape, tensors.pop(tm.ref)).items():
-                    writer.write(name, tensor if out_dtype is None else tensor.to(out_dtype))
-                if progress:
-                    progress(f"exported {i + 1}/{len(maps)} tensor groups ({writer.bytes_written / 1e9:.2f} GB)")
+        plans = {tm.ref: kernel_copy_plan(tm, shape, reader) for tm in maps
+                 if kernel_copy and out_dtype in (None, reader.index[tm.ref].dtype)}
+        in_memory = [tm for tm in maps if plans.get(tm.ref) is None]
+        kernel_bytes = 0
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            ahead = ReadAhead(pool, in_memory, lambda tm: hf_tensor_bytes(tm, shape, reader, out_dtype),
+                              lambda tm: reader.index[tm.ref].nbytes, read_budget)
+            try:
+                for i, tm in enumerate(maps):
+                    if plans.get(tm.ref) is not None:
+                        for name, segments in plans[tm.ref].items():
+                            writer.copy_ranges(name, segments)
+                            kernel_bytes += sum(n for _, _, n in segments)
+                    else:
+                        for name, data in ahead.next().items():
+                            writer.write_bytes(name, data)
+                    if progress:
+                        progress(f"exported {i + 1}/{len(maps)} tensor groups ({writer.bytes_written / 1e9:.2f} GB)")
+            finally:
+                ahead.cancel()
         writer.close()
         if check is not None:
             check(tmp)

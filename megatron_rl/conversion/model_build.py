@@ -1,9 +1,9 @@
 """Parallel state and model building for conversion processes (CPU, gloo), including MoE with TP > 1.
 
 Conversion only builds the model to reuse Megatron's own sharded state dict (the exact keys, offsets and
-[gate; up] factories the trainers save and load), so it always runs on the CPU and keeps experts whole per
-rank (expert tensor parallel size 1). That lets TP=2 x PP=2 x EP=2 run on 4 processes: the world size of a
-layout is ``pp * lcm(tp, ep)``.
+[gate; up] factories the trainers save and load), so it always runs on the CPU (or, for an import, on the meta
+device: no weight is allocated) and keeps experts whole per rank (expert tensor parallel size 1). That lets
+TP=2 x PP=2 x EP=2 run on 4 processes: the world size of a layout is ``pp * lcm(tp, ep)``.
 
 MoE (and, on the local spec, MLA) with TP > 1 needs sequence parallelism (Megatron refuses MoE otherwise); the
 training builder's ``layer_spec`` then puts ``megatron_rl.models.norms.SequenceParallelTorchNorm`` in place of the
@@ -13,9 +13,11 @@ training builds. Pipeline splits follow ``names.conversion_dims`` (uneven when p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from launcher.model_shape import ModelShape
 from megatron_rl.conversion.names import layout_world_size  # noqa: F401 (re-exported)
@@ -44,10 +46,29 @@ def init_parallel(tp: int, pp: int, ep: int, *, seed: int = 0) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+class _FactoriesOnMeta(TorchFunctionMode):
+    """``with torch.device("meta")`` for tensor factories called without a device. torch's own device context
+    matches factories by identity, so it misses them once ``runtime.cpu_compat`` has wrapped them; this one
+    matches the functions the wrappers call."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils._device import _device_constructors
+
+        self.factories = {getattr(f, "__wrapped__", f) for f in _device_constructors()}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.factories and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtype: torch.dtype,
-                           initialize: bool = False):
+                           initialize: bool = False, meta: bool = False):
     """The GPTModel chunk of this rank (no virtual pipeline), on the CPU. Without ``initialize`` the weights are
-    left uninitialised (they are about to be overwritten; Megatron's CPU init builds every full matrix)."""
+    left uninitialised (they are about to be overwritten; Megatron's CPU init builds every full matrix); with
+    ``meta`` they are meta tensors (shapes and dtypes only: what a streamed save needs)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -59,11 +80,12 @@ def build_conversion_model(shape: ModelShape, *, tp: int, pp: int, ep: int, dtyp
     config.perform_initialization = initialize
     spec = layer_spec(shape, config)  # sequence-parallel torch norms when sequence_parallel
     rope_scaling = shape.rope_scaling or {}
-    return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(shape.vocab_size, tp),
-        max_sequence_length=shape.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=shape.tie_embeddings,
-        position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
-        rope_scaling=rope_scaling.get("rope_type") == "llama3",
-        rope_scaling_factor=float(rope_scaling.get("factor", 8.0)))
+    with _FactoriesOnMeta() if meta else contextlib.nullcontext():
+        return GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(shape.vocab_size, tp),
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=shape.tie_embeddings,
+            position_embedding_type=shape.position_embedding_type, rotary_base=int(shape.rotary_base),
+            rope_scaling=rope_scaling.get("rope_type") == "llama3",
+            rope_scaling_factor=float(rope_scaling.get("factor", 8.0)))

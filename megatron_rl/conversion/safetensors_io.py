@@ -1,8 +1,10 @@
 """Hugging Face folders: checked reading of (sharded) safetensors and a streaming sharded writer.
 
 Headers are parsed in pure Python (8-byte length + JSON), so a missing, truncated or mismatched shard is found
-before any tensor is read. The writer plans every shard's header from names, dtypes and shapes alone, then
-streams each tensor's bytes into place as soon as it is converted: memory holds one tensor group, not a shard.
+before any tensor is read. Tensors are read with pread into fresh tensors, not through mmap, so a reader's
+resident memory is what it holds, not everything it has read. The writer plans every shard's header from names,
+dtypes and shapes alone, then streams each tensor's bytes into place as soon as it is converted: memory holds
+one tensor group, not a shard.
 
 FP8 block-quantized checkpoints (DeepSeek-V3, Kimi-K2: ``quantization_config`` with ``quant_method: fp8`` and
 ``weight_block_size``; an ``F8_E4M3`` weight ``W`` beside an fp32 ``W_scale_inv`` of one scale per block) are
@@ -14,6 +16,7 @@ Check it: ``.venv/bin/python -m pytest tests/test_conversion_mapping.py -q``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -61,10 +64,16 @@ class TensorEntry:
     """safetensors dtype (F32, BF16...)."""
     shape: tuple[int, ...]
     """Tensor shape."""
+    offset: int
+    """Byte offset of the tensor's first element in the file."""
 
 
 def read_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file, after checking the file holds every byte the header promises."""
+    return _header_and_data_start(path)[0]
+
+
+def _header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -82,7 +91,7 @@ def read_header(path: Path) -> dict[str, Any]:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + length + end > size:
         raise ConfigError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + length + end})")
-    return header
+    return header, 8 + length
 
 
 @dataclass
@@ -95,7 +104,8 @@ class HFCheckpoint:
     """config.json as written."""
     tensors: dict[str, TensorEntry]
     """Every weight tensor by name."""
-    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    _handles: dict[str, int] = field(default_factory=dict, repr=False)
+    """Open file descriptors by file name."""
 
     @classmethod
     def open(cls, folder: str | Path) -> "HFCheckpoint":
@@ -113,10 +123,11 @@ class HFCheckpoint:
         files = _weight_files(folder)
         tensors: dict[str, TensorEntry] = {}
         for name in files:
-            header = read_header(folder / name)
+            header, start = _header_and_data_start(folder / name)
             for key, info in header.items():
                 if key != "__metadata__":
-                    tensors[key] = TensorEntry(name, info["dtype"], tuple(info["shape"]))
+                    tensors[key] = TensorEntry(name, info["dtype"], tuple(info["shape"]),
+                                               start + info["data_offsets"][0])
         index = folder / INDEX_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -134,13 +145,33 @@ class HFCheckpoint:
         return self._raw_rows(name, first, last, cols)
 
     def _raw_rows(self, name: str, first: int, last: int, cols: tuple[slice, ...] = ()):
-        from safetensors import safe_open
+        """Rows [first, last) read with pread, not mmap: a mapped file's pages would count in this process's
+        resident memory for as long as the file stays open, and an import reads a whole model."""
+        import torch
 
         entry = self.tensors[name]
-        handle = self._handles.get(entry.file)
-        if handle is None:
-            handle = self._handles[entry.file] = safe_open(str(self.folder / entry.file), framework="pt")
-        return handle.get_slice(name)[(slice(first, last), *cols)]
+        path = self.folder / entry.file
+        dtype, row_shape = torch_dtype(entry.dtype), entry.shape[1:]
+        row_bytes = math.prod(row_shape) * DTYPE_BYTES[entry.dtype]
+        fd = self._handles.get(entry.file)
+        if fd is None:
+            fd = self._handles[entry.file] = os.open(path, os.O_RDONLY)
+
+        def rows(start: int, stop: int):
+            return _pread_into(fd, path, entry.offset + start * row_bytes,
+                               torch.empty((stop - start, *row_shape), dtype=dtype))
+
+        if not entry.shape:
+            return _pread_into(fd, path, entry.offset, torch.empty((), dtype=dtype))
+        if not cols:
+            return rows(first, last)
+        kept = tuple(len(range(*c.indices(n))) for c, n in zip(cols, row_shape))
+        out = torch.empty((last - first, *kept, *row_shape[len(cols):]), dtype=dtype)
+        block = max(1, WRITE_CHUNK // max(row_bytes, 1))  # whole rows, a bounded block at a time
+        for start in range(first, last, block):
+            stop = min(last, start + block)
+            out[start - first:stop - first] = rows(start, stop)[(slice(None), *cols)]
+        return out
 
     @property
     def fp8_block(self) -> tuple[int, int]:
@@ -182,7 +213,28 @@ class HFCheckpoint:
         return max(counts, key=counts.get) if counts else "F32"
 
     def close(self) -> None:
+        for fd in self._handles.values():
+            os.close(fd)
         self._handles.clear()
+
+
+def _pread_into(fd: int, path: Path, offset: int, out):
+    """Fill the contiguous tensor ``out`` with the bytes at ``offset`` of the open file ``fd`` (``path``). The
+    buffer is taken with ctypes, not ``.numpy()``, which would make the tensor's storage unresizable (the
+    streamed save frees written tensors by resizing their storage to 0)."""
+    import ctypes
+
+    if out.nbytes == 0:
+        return out
+    view = memoryview((ctypes.c_char * out.nbytes).from_address(out.data_ptr())).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:done + WRITE_CHUNK]], offset + done)
+        if n == 0:
+            raise ConfigError(f"{path}: file ended at byte {offset + done} while reading a tensor (changed since "
+                              "it was checked?)")
+        done += n
+    return out
 
 
 def _weight_files(folder: Path) -> list[str]:
@@ -259,7 +311,9 @@ def shard_file_name(index: int, count: int) -> str:
 
 
 class ShardedSafetensorsWriter:
-    """Writes planned shards; tensors must arrive in plan order. ``close()`` writes the index."""
+    """Writes planned shards; tensors must arrive in plan order. ``close()`` writes the index. Nothing is fsynced
+    here: the caller puts the finished folder on disk, one fsync per file at the end (an fsync at each shard's end
+    would stall the stream while the kernel flushes it)."""
 
     def __init__(self, folder: Path, shards: list[list[PlannedTensor]], metadata: Optional[dict] = None):
         self.folder = folder
@@ -304,7 +358,17 @@ class ShardedSafetensorsWriter:
         if (planned.shape, planned.dtype) != (tuple(tensor.shape), torch_dtype_name(tensor.dtype)):
             raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the plan "
                                f"({planned.shape} {planned.dtype})")
-        data = memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        self._append(planned, memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
+
+    def write_bytes(self, name: str, data) -> None:
+        """Append the planned tensor ``name`` from a buffer of exactly its bytes (C order, little-endian)."""
+        planned = self._next_planned(name)
+        data = memoryview(data).cast("B")
+        if len(data) != planned.nbytes:
+            raise RuntimeError(f"tensor {name}: {len(data)} bytes given, the plan holds {planned.nbytes}")
+        self._append(planned, data)
+
+    def _append(self, planned: PlannedTensor, data: memoryview) -> None:
         for start in range(0, len(data), WRITE_CHUNK):  # one huge write() is several times slower on Linux
             self._file.write(data[start:start + WRITE_CHUNK])
         self.bytes_written += planned.nbytes
@@ -329,7 +393,6 @@ class ShardedSafetensorsWriter:
     def _finish_file(self) -> None:
         if self._file is not None:
             self._file.flush()
-            os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
 
@@ -381,7 +444,8 @@ def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
 
 
 _TORCH_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
-                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 
 
 def torch_dtype_name(dtype) -> str:

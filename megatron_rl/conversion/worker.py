@@ -4,8 +4,9 @@
 
 Started by ``megatron_rl.conversion.spawn.run_worker``; not meant to be run by hand. Tasks (JSON list):
 
-* ``import``: build the model at (tp, pp, ep), fill every rank's shards straight from the HF safetensors
-  (each rank reads only its rows), save one of our checkpoints (step 0) into ``out``.
+* ``import``: build the model at (tp, pp, ep) on the meta device and save one of our checkpoints (step 0) into
+  ``out``, each rank reading only its rows of the HF safetensors, one shard at a time, as it writes them
+  (``streamed_save``).
 * ``random``: a freshly initialised model (Megatron's own init) saved into ``out`` (test fixtures).
 * ``reshard``: load ``ckpt`` at (tp, pp, ep) and save it again into ``out``.
 * ``logits``: load ``ckpt`` at (tp, pp, ep), run ``tokens`` through the pipeline, save the full-vocabulary logits
@@ -35,48 +36,6 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def _sharded_tensors(model) -> list:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    sd = model.sharded_state_dict()
-    apply_factories(sd)
-    return [sh for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
-
-
-def fill_from_hf(model, shape, hf, *, skip_prefixes: tuple[str, ...] = ()) -> None:
-    """Copy this rank's share of every parameter from the HF checkpoint ``hf`` (an HFCheckpoint); parameters
-    and keys starting with ``skip_prefixes`` (e.g. a reward head) are left to the caller."""
-    from megatron_rl.conversion.mapping import megatron_region_from_hf
-    from megatron_rl.conversion.names import megatron_shape, parse_megatron_key, tensor_maps
-
-    maps = {tm.ref: tm for tm in tensor_maps(shape)}
-    with torch.no_grad():
-        for param in model.parameters():
-            param.fill_(float("nan"))
-        for sh in _sharded_tensors(model):
-            if sh.key.startswith(skip_prefixes):
-                continue
-            n = sh.prepend_axis_num
-            ref = parse_megatron_key(sh.key, tuple(sh.global_offset[:n]))
-            tm = maps.get(ref)
-            if tm is None:
-                raise ConfigError(f"model tensor {ref} ({sh.key}) has no Hugging Face source in the name map")
-            global_shape = tuple(sh.global_shape[n:])
-            expected = megatron_shape(tm, global_shape[0] if tm.kind == "vocab" else None)
-            if global_shape != expected:
-                raise ConfigError(f"mismatched shapes: Megatron builds {ref} as {list(global_shape)}, the HF "
-                                  f"tensors give {list(expected)}")
-            region = megatron_region_from_hf(tm, shape, global_shape[0], tuple(sh.global_offset[n:]),
-                                             tuple(sh.local_shape), hf.read_rows, sh.data.dtype)
-            sh.data.copy_(region.reshape(sh.data.shape))
-        unset = [name for name, p in model.named_parameters()
-                 if not name.startswith(skip_prefixes) and torch.isnan(p).any()]
-    if unset:
-        raise ConfigError(f"{len(unset)} model parameter(s) got no value from the HF checkpoint, or NaN from it "
-                          f"(first: {unset[0]})")
-
-
 def _model_source(task: dict[str, Any]):
     from megatron_rl.conversion.dist_reader import CheckpointReader
     from megatron_rl.conversion.export import resolve_model_source
@@ -90,18 +49,21 @@ def run_import(task: dict[str, Any]) -> dict[str, Any]:
     from megatron_rl.conversion.model_build import build_conversion_model
     from megatron_rl.conversion.names import shape_from_config
     from megatron_rl.conversion.safetensors_io import HFCheckpoint, copy_tokenizer_files
+    from megatron_rl.conversion.streamed_save import HFShardReader, StreamedSaveStrategy
     from megatron_rl.runtime.checkpoint import save_checkpoint
 
     hf = HFCheckpoint.open(task["hf"])
     shape = shape_from_config(hf.config, str(Path(task["hf"]) / "config.json"), name=Path(task["hf"]).name)
     dtype = DTYPES[task.get("dtype") or ST_TO_NAME.get(hf.dtype(), "fp32")]
-    model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=dtype)
-    fill_from_hf(model, shape, hf)
-    hf.close()
-    # FP8 weights were dequantized while read: the checkpoint (and what it exports) is unquantized
+    model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=dtype, meta=True)
+    # FP8 weights are dequantized while read: the checkpoint (and what it exports) is unquantized
     hf_config = {k: v for k, v in hf.config.items() if k != "quantization_config"}
     extra = {"model": model_metadata(shape, hf_config), "converted_from": str(Path(task["hf"]).resolve())}
-    folder = save_checkpoint(task["out"], step=0, chunks=[model], extra=extra, keep_last=1)
+    try:
+        folder = save_checkpoint(task["out"], step=0, chunks=[model], extra=extra, keep_last=1,
+                                 sharded_strategy=StreamedSaveStrategy(HFShardReader(shape, hf)))
+    finally:
+        hf.close()
     if _rank() == 0:
         (folder / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         tok = folder / HF_TOKENIZER_DIR

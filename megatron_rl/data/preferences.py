@@ -1,10 +1,12 @@
-"""Preference pairs for reward-model training: JSONL (text or chat) or a seeded synthetic task, tokenized and fitted.
+"""Preference pairs for reward-model training: records of any data file (text or chat) or a seeded synthetic task,
+tokenized and fitted.
 
-JSONL, one object per line (blank lines skipped; a bad line raises ConfigError naming file:line):
-- text:  ``{"prompt": "...", "chosen": "...", "rejected": "..."}`` (prompt optional);
+Records (``megatron_rl.data.records``: JSONL, JSON, Parquet, Arrow or a save_to_disk folder; a bad JSONL line
+raises ConfigError naming file:line, a missing column names the file and its columns):
+- text:  ``{"prompt": "...", "chosen": "...", "rejected": "..."}`` (prompt optional; its key is ``data.prompt_key``);
 - chat:  ``{"prompt": [messages] or "...", "chosen": [messages] or "...", "rejected": [...]}``, where a message is
-  ``{"role": ..., "content": ...}``; ``messages`` may stand for a message-list prompt; chosen/rejected may also be
-  whole conversations with no prompt (HH-RLHF style).
+  ``{"role": ..., "content": ...}``; ``messages`` (``data.messages_key``) may stand for a message-list prompt;
+  chosen/rejected may also be whole conversations with no prompt (HH-RLHF style).
 
 How a (prompt, response) becomes tokens (``SequenceEncoder``; the RM scorer uses the same rules):
 - all text: ``prompt + response`` with the tokenizer's special tokens. An HF tokenizer: its own BOS, then EOS
@@ -13,7 +15,9 @@ How a (prompt, response) becomes tokens (``SequenceEncoder``; the RM scorer uses
   tiny-cpu: held-out accuracy 0.98 after 100 steps without <eos>, 0.88 after 800 with it (the extra hop from
   <eos> back to the answer is slow to learn from scratch);
 - any chat part: the conversation ``prompt messages + [assistant response]`` through the tokenizer's chat
-  template when it has one; otherwise ``role: content`` lines as plain text.
+  template when it has one; otherwise ``role: content`` lines as plain text;
+- ``data.chat_template=true``: every pair, text ones too, as that conversation through the template (required),
+  after ``data.system_prompt`` (``megatron_rl.data.chat.ChatFormat``).
 
 Pairs where a side is longer than ``max_length``: ``truncate`` keeps the BOS and the END of the sequence (the reward
 is read at the last token) by cutting the start of the prompt; ``drop`` removes the pair. Both are counted.
@@ -31,15 +35,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional
 
 from launcher.errors import ConfigError
 from megatron_rl.data import synthetic
-from megatron_rl.data.jsonl import read_jsonl
+from megatron_rl.data.chat import ChatFormat, Part, check_part, has_chat_template, plain_text
+from megatron_rl.data.records import FORMATS, RecordFile, read_records
 from megatron_rl.data.tokenizer import CharTokenizer
 
-Messages = list[dict]
-Part = Union[str, Messages]
 PREFERENCE_TASKS: tuple[str, ...] = tuple(f"prefer_{task}" for task in synthetic.TASKS)
 SYNTHETIC_TRAIN_PAIRS = 4096
 SYNTHETIC_EVAL_PAIRS = 256
@@ -81,28 +84,25 @@ class PreferenceData:
         return len(self.chosen)
 
 
-def _as_messages(part: Part, role: str) -> Messages:
-    return [{"role": role, "content": part}] if isinstance(part, str) else list(part)
-
-
 class SequenceEncoder:
     """Token ids of (prompt, response) the way the reward model sees them (see the module docstring)."""
 
-    def __init__(self, tokenizer) -> None:
-        """``tokenizer``: what ``megatron_rl.data.tokenizer.load_tokenizer`` returns."""
+    def __init__(self, tokenizer, chat: Optional[ChatFormat] = None) -> None:
+        """``tokenizer``: what ``megatron_rl.data.tokenizer.load_tokenizer`` returns; ``chat``: the data config's
+        chat format (``ChatFormat.from_config``; None: no forced template, no system prompt)."""
         self.tokenizer = tokenizer
+        self.chat = chat if chat is not None else ChatFormat(tokenizer)
         self.is_char = isinstance(tokenizer, CharTokenizer)
         self.pad_id, self.bos_id, self.eos_id = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
-        self.has_chat_template = not self.is_char and bool(getattr(tokenizer.hf, "chat_template", None))
+        self.has_chat_template = has_chat_template(tokenizer)
 
-    def encode(self, prompt: Optional[Part], response: Part) -> list[int]:
-        if (prompt is None or isinstance(prompt, str)) and isinstance(response, str):
+    def encode(self, prompt: Optional[Part], response: Part, *, where: str = "preference pair") -> list[int]:
+        if not self.chat.chat_template and (prompt is None or isinstance(prompt, str)) and isinstance(response, str):
             return self._encode_text((prompt or "") + response)
-        messages = ([] if prompt is None else _as_messages(prompt, "user")) + _as_messages(response, "assistant")
+        messages = self.chat.conversation(prompt, response)
         if self.has_chat_template:
-            text = self.tokenizer.hf.apply_chat_template(messages, tokenize=False)
-            return list(self.tokenizer.hf(text, add_special_tokens=False)["input_ids"])
-        return self._encode_text("".join(f"{m['role']}: {m['content']}\n" for m in messages))
+            return self.chat.ids(self.chat.render(messages, add_generation_prompt=False, where=where))
+        return self._encode_text(plain_text(messages))
 
     def _encode_text(self, text: str) -> list[int]:
         if self.is_char:
@@ -120,41 +120,34 @@ class SequenceEncoder:
         return ids[:head] + ids[len(ids) - (max_length - head):]
 
 
-def _check_part(value: Any, key: str, where: str) -> Part:
-    if isinstance(value, str):
-        if not value and key != "prompt":
-            raise ConfigError(f"{where}: {key!r} is an empty string")
-        return value
-    if isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value):
-        return value
-    raise ConfigError(f'{where}: {key!r} must be a string or a non-empty list of {{"role": ..., "content": ...}} '
-                      "messages")
-
-
-def parse_preference(obj: dict, where: str) -> PreferenceRecord:
-    """One JSONL object as a PreferenceRecord; ConfigError naming ``where`` otherwise."""
+def parse_preference(data: RecordFile, obj: dict, where: str, *, prompt_key: str = "prompt",
+                     messages_key: str = "messages") -> PreferenceRecord:
+    """One record of ``data`` as a PreferenceRecord; ConfigError naming ``where`` (or the file's columns)."""
     for key in ("chosen", "rejected"):
-        if key not in obj:
-            raise ConfigError(f"{where}: no {key!r} field (a preference pair needs chosen and rejected)")
-    if "prompt" in obj and "messages" in obj:
-        raise ConfigError(f"{where}: give the prompt as 'prompt' or as 'messages', not both")
-    prompt_key = "messages" if "messages" in obj else "prompt"
-    prompt = obj.get(prompt_key)
+        if obj.get(key) is None:
+            raise data.missing(obj, where, key, "a preference pair needs chosen and rejected")
+    if obj.get(prompt_key) is not None and obj.get(messages_key) is not None:
+        raise ConfigError(f"{where}: give the prompt as {prompt_key!r} or as {messages_key!r}, not both")
+    key = messages_key if obj.get(messages_key) is not None else prompt_key
+    prompt = obj.get(key)
     return PreferenceRecord(
-        prompt=None if prompt is None else _check_part(prompt, prompt_key, where),
-        chosen=_check_part(obj["chosen"], "chosen", where), rejected=_check_part(obj["rejected"], "rejected", where),
+        prompt=None if prompt is None else check_part(prompt, key, where, allow_empty=True),
+        chosen=check_part(obj["chosen"], "chosen", where), rejected=check_part(obj["rejected"], "rejected", where),
         source=where)
 
 
-def read_preference_jsonl(path: str | Path) -> list[PreferenceRecord]:
-    records = [parse_preference(obj, where) for obj, where in read_jsonl(
-        path, what="preference file", fix="point data.train_path / data.eval_path at a JSONL file",
-        example='{"prompt": ..., "chosen": ..., "rejected": ...}')]
+def read_preference_records(path: str | Path, *, prompt_key: str = "prompt",
+                            messages_key: str = "messages") -> list[PreferenceRecord]:
+    """The preference pairs of a data file (any of records.FORMATS)."""
+    data = read_records(path, what="preference file", fix=f"point data.train_path / data.eval_path at {FORMATS}",
+                        example=f'{{"{prompt_key}": ..., "chosen": ..., "rejected": ...}}')
+    records = [parse_preference(data, obj, where, prompt_key=prompt_key, messages_key=messages_key)
+               for obj, where in data.rows]
     if not records:
         raise ConfigError(f"preference file {path} holds no pairs")
     return records
+
+
 
 
 def synthetic_preference_records(task: str, *, split: str, num_pairs: int, seed: int) -> list[PreferenceRecord]:
@@ -190,7 +183,8 @@ def tokenize_pairs(records: list[PreferenceRecord], encoder: SequenceEncoder, *,
     """Tokenize, apply the length policy (truncate or drop, counted) and check ids against the model's vocab."""
     data = PreferenceData(chosen=[], rejected=[], name=name, num_read=len(records), num_truncated=0, num_dropped=0)
     for record in records:
-        sides = [encoder.encode(record.prompt, record.chosen), encoder.encode(record.prompt, record.rejected)]
+        sides = [encoder.encode(record.prompt, record.chosen, where=record.source),
+                 encoder.encode(record.prompt, record.rejected, where=record.source)]
         for ids in sides:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
@@ -219,14 +213,15 @@ def load_preference_splits(data_cfg, encoder: SequenceEncoder, *, max_length: in
         if task not in PREFERENCE_TASKS:
             raise ConfigError(f"data.task={task!r} is not a preference task and data.train_path is null; use "
                               f"data.task={PREFERENCE_TASKS[0]} (or another of {', '.join(PREFERENCE_TASKS)}) or give "
-                              "a JSONL file of prompt/chosen/rejected")
+                              "a data file of prompt/chosen/rejected")
         train = tokenize_pairs(synthetic_preference_records(task, split="train", num_pairs=SYNTHETIC_TRAIN_PAIRS,
                                                             seed=seed), encoder, name=f"{task} (train)", **common)
         held_out = synthetic_preference_records(task, split="test", num_pairs=SYNTHETIC_EVAL_PAIRS, seed=seed)
         return train, tokenize_pairs(held_out, encoder, name=f"{task} (held-out)", **common)
-    train = tokenize_pairs(read_preference_jsonl(data_cfg.train_path), encoder, name=str(data_cfg.train_path),
-                           **common)
+    keys = dict(prompt_key=data_cfg.prompt_key, messages_key=data_cfg.messages_key)
+    train = tokenize_pairs(read_preference_records(data_cfg.train_path, **keys), encoder,
+                           name=str(data_cfg.train_path), **common)
     if data_cfg.eval_path is None:
         return train, None
-    return train, tokenize_pairs(read_preference_jsonl(data_cfg.eval_path), encoder, name=str(data_cfg.eval_path),
-                                 **common)
+    return train, tokenize_pairs(read_preference_records(data_cfg.eval_path, **keys), encoder,
+                                 name=str(data_cfg.eval_path), **common)

@@ -1,13 +1,18 @@
-"""JSONL prompt datasets and a deterministic, resumable prompt sampler for GRPO rollouts.
+"""GRPO prompt datasets from any supported data file, and a deterministic, resumable prompt sampler for rollouts.
 
-Each line is a JSON object: `{"prompt": "...", "answer": ..., ...}`; the answer key is configurable and every
-other key is kept as metadata. Blank lines are skipped. Bad input raises ConfigError naming file:line.
+Files: JSONL, JSON, Parquet, Arrow or a ``datasets.save_to_disk`` folder (``megatron_rl.data.records``). Each
+record holds the prompt text under ``data.prompt_key`` ("prompt") or a chat prompt, a list of
+``{"role", "content"}`` messages, under ``data.messages_key`` ("messages"); the reference answer under
+``data.answer_key`` ("answer"); every other field is kept as metadata. With ``data.chat_template=true`` the prompt
+is the tokenizer's chat template with the generation prompt (``data.system_prompt`` first), and its token ids
+come with the record (``encode_prompt``). Bad input raises a one-line ConfigError naming file:line (JSONL) or the
+file and its columns.
 
 Sampling: epoch e visits the dataset in the order of a permutation drawn by `random.Random` seeded from
 (seed, e); batches run on across epoch ends so every batch has batch_size prompts. Every rank that builds a
 sampler with the same seed gets the same batches; `state_dict()` / `load_state_dict()` resume exactly.
 
-Test: `.venv/bin/python -m pytest tests/test_prompt_data.py -q`
+Test: `.venv/bin/python -m pytest tests/test_prompt_data.py tests/test_data_formats.py -q`
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import json
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from launcher.errors import ConfigError
-from megatron_rl.data.jsonl import read_jsonl
+from megatron_rl.data.chat import ChatFormat, check_messages
+from megatron_rl.data.records import FORMATS, RecordFile, read_records
 
 SAMPLER_STATE_VERSION = 1
 
@@ -31,13 +37,17 @@ class PromptRecord:
     """One prompt of a dataset."""
 
     prompt: str
-    """The prompt text, fed to the policy as is (no chat template)."""
+    """The text the policy continues: the prompt as is, or rendered by the chat format (``megatron_rl.data.chat``)."""
     answer: Any
     """Reference answer for verifiers (None when the dataset has none and none is required)."""
     metadata: dict[str, Any]
-    """Every other key of the JSON line."""
+    """Every other field of the record."""
     source: str
-    """Where it came from, as file:line."""
+    """Where it came from: file:line (JSONL), "file row i", or synthetic:<task>:test:<i>."""
+    prompt_ids: Optional[tuple[int, ...]] = None
+    """The chat template's token ids of ``prompt`` (data.chat_template=true); None: encode ``prompt`` with BOS."""
+    given: Any = None
+    """The prompt as the data gave it (text or messages), for encoders that render it themselves (SFT warm-up)."""
 
 
 class PromptDataset(Sequence[PromptRecord]):
@@ -45,7 +55,7 @@ class PromptDataset(Sequence[PromptRecord]):
 
     def __init__(self, records: Sequence[PromptRecord], *, fingerprint: str | None = None) -> None:
         if not records:
-            raise ConfigError('prompt dataset is empty: give a JSONL file with at least one {"prompt": ...} line')
+            raise ConfigError("prompt dataset is empty: give a data file with at least one prompt")
         self.records = list(records)
         if fingerprint is None:
             digest = hashlib.sha256()
@@ -55,24 +65,28 @@ class PromptDataset(Sequence[PromptRecord]):
         self.fingerprint = fingerprint
 
     @classmethod
-    def from_jsonl(
+    def from_files(
         cls,
         paths: str | Path | Sequence[str | Path],
         *,
         prompt_key: str = "prompt",
         answer_key: str = "answer",
+        messages_key: str = "messages",
         require_answer: bool = True,
+        chat: Optional[ChatFormat] = None,
     ) -> PromptDataset:
-        """Read one or more JSONL files, in order."""
+        """Read one or more data files (any of records.FORMATS), in order; ``chat`` renders the prompts (None:
+        text as is, messages as plain lines)."""
         if isinstance(paths, (str, Path)):
             paths = [paths]
         records: list[PromptRecord] = []
         digest = hashlib.sha256()
-        example = f'{{"{prompt_key}": ..., "{answer_key}": ...}}'
+        keys = (prompt_key, answer_key, messages_key)
         for path in paths:
-            for obj, where in read_jsonl(path, what="prompt file", example=example, digest=digest,
-                                         fix="point the dataset path (data.train_path) at an existing JSONL file"):
-                records.append(_parse_record(obj, where, prompt_key, answer_key, require_answer))
+            data = read_records(path, what="prompt file", example=f'{{"{prompt_key}": ..., "{answer_key}": ...}}',
+                                digest=digest, fix=f"point data.train_path / data.eval_path at {FORMATS}")
+            for obj, where in data.rows:
+                records.append(_parse_record(data, obj, where, keys, require_answer, chat))
         if not records:
             raise ConfigError(f"prompt file(s) {', '.join(map(str, paths))} hold no prompts")
         return cls(records, fingerprint=digest.hexdigest()[:16])
@@ -84,18 +98,66 @@ class PromptDataset(Sequence[PromptRecord]):
         return self.records[index]
 
 
-def _parse_record(obj: dict, where: str, prompt_key: str, answer_key: str, require_answer: bool) -> PromptRecord:
-    prompt = obj.get(prompt_key)
-    if not isinstance(prompt, str) or not prompt:
-        raise ConfigError(
-            f"{where}: no non-empty string field {prompt_key!r} (set the dataset's prompt_key to the prompt field)"
-        )
+def _parse_record(data: RecordFile, obj: dict, where: str, keys: tuple[str, str, str], require_answer: bool,
+                  chat: Optional[ChatFormat]) -> PromptRecord:
+    prompt_key, answer_key, messages_key = keys
+    text, messages = obj.get(prompt_key), obj.get(messages_key)
+    if text is not None and messages is not None:
+        raise ConfigError(f"{where}: give the prompt as {prompt_key!r} or as {messages_key!r}, not both")
+    if text is None and messages is None:
+        raise data.missing(obj, where, prompt_key, f"set data.prompt_key to the prompt field (or data.messages_key "
+                                                   "to a chat field)")
+    if messages is not None:
+        prompt = check_messages(messages, messages_key, where)
+    elif not isinstance(text, str) or not text:
+        raise ConfigError(f"{where}: {prompt_key!r} must be a non-empty string (set data.prompt_key to the prompt "
+                          "field)")
+    else:
+        prompt = text
     if answer_key not in obj and require_answer:
-        raise ConfigError(
-            f"{where}: no {answer_key!r} field (set the dataset's answer_key to the field holding the reference answer)"
-        )
-    metadata = {key: value for key, value in obj.items() if key not in (prompt_key, answer_key)}
-    return PromptRecord(prompt=prompt, answer=obj.get(answer_key), metadata=metadata, source=where)
+        raise data.missing(obj, where, answer_key, "set data.answer_key to the field holding the reference answer")
+    metadata = {key: value for key, value in obj.items() if key not in keys}
+    return _prompt_record(chat if chat is not None else ChatFormat(None), prompt, obj.get(answer_key), metadata,
+                          where)
+
+
+def _prompt_record(chat: ChatFormat, prompt, answer: Any, metadata: dict, source: str) -> PromptRecord:
+    text = chat.prompt_text(prompt, where=source)
+    return PromptRecord(prompt=text, answer=answer, metadata=metadata, source=source,
+                        prompt_ids=tuple(chat.ids(text)) if chat.chat_template else None, given=prompt)
+
+
+def load_prompts(data_cfg, path: str | Path, tokenizer, *, require_answer: bool = True) -> PromptDataset:
+    """The prompts of ``path`` with the field mapping and chat format of ``data_cfg`` (the job's DataConfig)."""
+    return PromptDataset.from_files(path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key,
+                                    messages_key=data_cfg.messages_key, require_answer=require_answer,
+                                    chat=ChatFormat.from_config(data_cfg, tokenizer))
+
+
+def load_eval_prompts(cfg, tokenizer) -> Optional[PromptDataset]:
+    """Held-out prompts for evaluation: ``data.eval_path``; else, for a synthetic ``data.task`` (no train_path),
+    each of its test problems once (disjoint from the training problems); else None.
+
+    ``cfg``: the JobConfig; ``tokenizer``: what ``megatron_rl.data.tokenizer.load_tokenizer`` returns."""
+    from megatron_rl.data.synthetic import TASKS, split_problems
+
+    data = cfg.data
+    if data.eval_path is not None:
+        return load_prompts(data, data.eval_path, tokenizer)
+    if data.train_path is not None or data.task not in TASKS:
+        return None
+    chat = ChatFormat.from_config(data, tokenizer)
+    _, problems = split_problems(data.task, seed=cfg.run.seed)
+    records = [_prompt_record(chat, problem["prompt"], problem["answer"], {"task": data.task},
+                              f"synthetic:{data.task}:test:{i}") for i, problem in enumerate(problems)]
+    return PromptDataset(records) if records else None
+
+
+def encode_prompt(tokenizer, record: PromptRecord) -> list[int]:
+    """The token ids a policy continues for ``record``: the chat template's ids, or BOS + the prompt text."""
+    if record.prompt_ids is not None:
+        return list(record.prompt_ids)
+    return tokenizer.encode(record.prompt, add_bos=True)
 
 
 class PromptSampler:

@@ -1,7 +1,7 @@
 r"""Answer extraction for rule-based verifiers: `\boxed{}` contents, `<answer>` tags, numbers in text.
 
 Numbers: optional minus sign, thousands commas ("1,234"), decimals ("2.5", ".5"), fractions ("3/4", "\frac{3}{4}").
-Values are returned as float; comparisons use `numbers_match` (relative 1e-9), so "0.75", "3/4" and
+Values are returned as float; comparisons use `numbers_match` (relative 1e-9 by default), so "0.75", "3/4" and
 "\frac{3}{4}" agree, while "0.3333" and "1/3" do not.
 
 Test: `.venv/bin/python -m pytest tests/test_rewards.py -q`
@@ -111,8 +111,12 @@ def normalize_answer_text(text: str) -> str:
     return re.sub(r"\s+", "", _strip_latex(text)).rstrip(".").lower()
 
 
-def numbers_match(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+MATH_TOLERANCE = 1e-9
+"""Default relative tolerance of numeric answer comparisons (the `tolerance` option of the math rewards)."""
+
+
+def numbers_match(a: float, b: float, rel_tol: float = MATH_TOLERANCE) -> bool:
+    return math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-12)
 
 
 def reference_answer_text(answer: object) -> str:

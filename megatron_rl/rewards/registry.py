@@ -1,4 +1,4 @@
-"""Reward functions by name or dotted path, and their weighted combination.
+r"""Reward functions by name or dotted path, and their weighted combination.
 
 A reward function is any callable `fn(prompts: list[str], completions: list[str], answers: list[Any]) -> list[float]`
 (one score per completion, batched). The registry maps a name to a FACTORY `factory(**options) -> reward fn`,
@@ -6,6 +6,19 @@ so a stateful scorer (a reward model holding weights) registers the same way as 
 
     register_reward("rm", lambda checkpoint: RewardModelScorer(checkpoint))
     fn = build_reward_fn("rm", {"checkpoint": "/ckpt/rm"})
+
+Built in: math (`MathAnswerReward`: tolerance), math_verify (`MathVerifyReward`: tolerance, backend), format
+(`FormatReward`: pattern, required_tags), exact (`ExactMatchReward`: case_sensitive). The options are the
+factory's keyword parameters; a job gives them in the config, next to the weight:
+
+    algorithm:
+      rewards:
+        math_verify: {weight: 1.0, tolerance: 1.0e-6}
+        format: {weight: 0.2, pattern: '<think>.*?</think>\s*<answer>.*?</answer>'}
+        mypkg.rewards:length_bonus: 0.1          # a plain weight: no options
+
+Your own reward: a module on PYTHONPATH (on every node) with a function of the signature above, named by its
+dotted path; with options, the path names a factory (a class or function) called as `factory(**options)`.
 
 Test: `.venv/bin/python -m pytest tests/test_rewards.py -q`
 """
@@ -19,8 +32,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from launcher.errors import ConfigError
-from megatron_rl.rewards.verifiers import ExactMatchReward, FormatReward, MathAnswerReward
+from launcher.errors import ConfigError, did_you_mean
+from megatron_rl.rewards.verifiers import ExactMatchReward, FormatReward, MathAnswerReward, MathVerifyReward
 
 RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
 RewardFactory = Callable[..., RewardFn]
@@ -45,6 +58,7 @@ def registered_rewards() -> list[str]:
 
 
 register_reward("math", MathAnswerReward)
+register_reward("math_verify", MathVerifyReward)
 register_reward("format", FormatReward)
 register_reward("exact", ExactMatchReward)
 
@@ -106,13 +120,36 @@ def load_reward_fn(path: str) -> Any:
     return target
 
 
-def _call_factory(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> Any:
+def _check_options(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> None:
+    """ConfigError naming label when options are not the factory's keyword parameters (listing those)."""
     try:
-        inspect.signature(factory).bind(**options)
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return
+    params = signature.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        valid = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ConfigError(f"{label}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+                              f"{did_you_mean(unknown[0], valid)}; valid options: "
+                              f"{', '.join(valid) or 'none (give just a weight)'}")
+    try:
+        signature.bind(**options)
     except TypeError as error:
-        raise ConfigError(f"reward {label!r}: options {sorted(options)} do not fit its factory: {error}") from None
-    except ValueError:  # builtins without a signature: let the call decide
-        pass
+        raise ConfigError(f"{label}: the options do not fit its factory ({error}); add them next to the weight") \
+            from None
+
+
+def check_reward_options(spec: str, options: Mapping[str, Any], *, label: str) -> None:
+    """For a registered name: ConfigError naming label when options do not fit its factory. Dotted paths and
+    names registered later (by the job's own imports) are checked when the job builds them."""
+    if spec in _FACTORIES:
+        _check_options(_FACTORIES[spec], options, label)
+
+
+def _call_factory(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> Any:
+    _check_options(factory, options, f"reward {label!r}")
     return factory(**options)
 
 

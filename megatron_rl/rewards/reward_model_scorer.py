@@ -28,6 +28,7 @@ import torch
 
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
+from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import SequenceEncoder
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.models.builder import ModelOptions, compute_dtype
@@ -97,8 +98,11 @@ class RewardModelScorer:
         self.folder, meta = read_reward_model_metadata(checkpoint)
         self.shape = shape_from_metadata(meta)
         self.max_length = int(max_length or meta["max_length"])
-        self.encoder = SequenceEncoder(load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer"),
-                                                      trust_remote_code=bool(meta.get("trust_remote_code", False))))
+        loaded = load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer"),
+                                trust_remote_code=bool(meta.get("trust_remote_code", False)))
+        # pairs are scored in the chat format the reward model was trained with (older checkpoints: plain text)
+        self.encoder = SequenceEncoder(loaded, ChatFormat(loaded, chat_template=bool(meta.get("chat_template")),
+                                                          system_prompt=meta.get("system_prompt")))
         self.micro_batch_size = micro_batch_size
         dims = current_dims()
         dims = dataclasses.replace(dims, sp=sequence_parallel and dims.tp > 1).with_split(self.shape.num_layers)

@@ -35,12 +35,38 @@ class Rollout:
     prompts: list[str]
     completions: list[str]
     answers: list[Any]
+    truncated: list[bool] = field(default_factory=list)
+    """Per completion: cut at generation.max_new_tokens instead of ending by itself."""
     rewards: Optional[torch.Tensor] = None
     per_fn: dict[str, list[float]] = field(default_factory=dict)
     advantages: Optional[torch.Tensor] = None
     seq_multiple: int = 1
     """The training length is rounded up to a multiple of this (``Engine.sequence_multiple``: 2*cp under
     context parallelism, tp (times cp) under sequence parallelism); the extra positions are masked padding."""
+
+    def select(self, rows: list[int]) -> "Rollout":
+        """The completions ``rows`` (in that order), with their scores."""
+        pick = lambda values: [values[i] for i in rows]  # noqa: E731
+        index = torch.tensor(rows, dtype=torch.long)
+        return Rollout(prompt_ids=pick(self.prompt_ids), response_ids=pick(self.response_ids),
+                       logprobs=pick(self.logprobs), prompts=pick(self.prompts), completions=pick(self.completions),
+                       answers=pick(self.answers), truncated=pick(self.truncated),
+                       rewards=None if self.rewards is None else self.rewards[index],
+                       per_fn={name: pick(values) for name, values in self.per_fn.items()},
+                       advantages=None if self.advantages is None else self.advantages[index],
+                       seq_multiple=self.seq_multiple)
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """One rollout of several, in order (scores and advantages joined when they have them)."""
+        joined = lambda name: [v for part in parts for v in getattr(part, name)]  # noqa: E731
+        return Rollout(prompt_ids=joined("prompt_ids"), response_ids=joined("response_ids"),
+                       logprobs=joined("logprobs"), prompts=joined("prompts"), completions=joined("completions"),
+                       answers=joined("answers"), truncated=joined("truncated"),
+                       rewards=None if parts[0].rewards is None else torch.cat([part.rewards for part in parts]),
+                       per_fn={name: [v for part in parts for v in part.per_fn[name]] for name in parts[0].per_fn},
+                       advantages=None if parts[0].advantages is None else torch.cat([p.advantages for p in parts]),
+                       seq_multiple=parts[0].seq_multiple)
 
     @property
     def seq_length(self) -> int:
@@ -64,7 +90,7 @@ def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
         seq = prompt + response
         tokens[i, :len(seq)] = torch.tensor(seq)
         start, end = len(prompt) - 1, len(seq) - 1  # label positions of the response tokens
-        loss_mask[i, start:end] = 1.0
+        loss_mask[i, start:end] = 1.0 if row.get("in_loss", True) else 0.0
         old_logp[i, start:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
         advantages[i] = row["advantage"]
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
@@ -75,11 +101,14 @@ def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
     return batch
 
 
-def rollout_rows(rollout: Rollout) -> list[dict]:
+def rollout_rows(rollout: Rollout, *, mask_truncated: bool = False) -> list[dict]:
+    """One training row per completion; with ``mask_truncated`` a completion cut at the length limit stays in
+    the batch but not in the loss (DAPO's overlong filtering)."""
     rows = []
     for i in range(len(rollout.response_ids)):
         rows.append({"prompt_ids": rollout.prompt_ids[i], "response_ids": rollout.response_ids[i],
-                     "logprobs": rollout.logprobs[i], "advantage": float(rollout.advantages[i])})
+                     "logprobs": rollout.logprobs[i], "advantage": float(rollout.advantages[i]),
+                     "in_loss": not (mask_truncated and rollout.truncated[i])})
     return rows
 
 
@@ -96,7 +125,8 @@ def make_grpo_loss(config: GRPOLossConfig):
         seq_lengths, counts_sequences = whole_sequence_lengths(mask)
         loss_sum, metrics = grpo_loss(logp, batch["old_logp"], batch["advantages"], mask, config=config,
                                       ref_logp=batch.get("ref_logp"), entropy=entropy,
-                                      global_num_tokens=1, global_num_seqs=1, seq_lengths=seq_lengths)
+                                      global_num_tokens=1, global_num_seqs=1, seq_lengths=seq_lengths,
+                                      sum_over_parts=None if seq_lengths is None else sum_over_context_parallel)
         tokens = metrics["num_tokens"]
         sequences = metrics["num_seqs"] if counts_sequences else torch.zeros_like(metrics["num_seqs"])
         denominator = (tokens if config.loss_agg_mode == "token-mean" else sequences).to(torch.int)
@@ -109,6 +139,14 @@ def make_grpo_loss(config: GRPOLossConfig):
         return loss_sum, denominator, reports
 
     return loss_fn
+
+
+def sum_over_context_parallel(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the context-parallel group, differentiably (each rank gets the gradient of the sum)."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(values, group=ps.get_context_parallel_group())
 
 
 def whole_sequence_lengths(mask: torch.Tensor) -> tuple[Optional[torch.Tensor], bool]:

@@ -35,9 +35,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
-import torch
-
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -124,10 +121,14 @@ def _local_rank() -> int:
 
 
 def _rank() -> int:
+    import torch
+
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _barrier() -> None:
+    import torch
+
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
@@ -269,6 +270,9 @@ def layout_signature() -> dict[str, int]:
 
 
 def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     from megatron.core import tensor_parallel
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -279,6 +283,9 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
@@ -301,6 +308,8 @@ def _model_sharded_state_dict(chunks: list) -> dict:
 
 
 def _rng_sharded_object(state: Any):
+    import torch
+
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -308,8 +317,11 @@ def _rng_sharded_object(state: Any):
 
 
 def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=None, scheduler=None,
-                    extra: Optional[dict] = None, keep_last: int = 2, save_optimizer: bool = True) -> Path:
-    """Save a checkpoint of ``step`` and publish it atomically; returns the published folder."""
+                    extra: Optional[dict] = None, keep_last: int = 2, save_optimizer: bool = True,
+                    sharded_strategy=None) -> Path:
+    """Save a checkpoint of ``step`` and publish it atomically; returns the published folder.
+    ``sharded_strategy``: Megatron's save strategy for the tensors (default its torch_dist one; the streaming
+    import passes one that reads each shard from the Hugging Face files as it is written)."""
     from megatron.core import dist_checkpointing
 
     root = Path(ckpt_dir)
@@ -328,7 +340,7 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, str(tmp))
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
     if _local_rank() == 0:
         fsync_tree(tmp)  # one rank per node flushes what that node's ranks wrote (shared page cache)
     _barrier()
@@ -379,6 +391,8 @@ def _allocate_optimizer_state(optimizer) -> None:
     Without Apex/TE, Megatron's distributed optimizer reads the step count from the torch optimizer's
     per-parameter state when building the loading state dict, and a never-stepped optimizer has none.
     """
+    import torch
+
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = sub.optimizer
         for group in inner.param_groups:
@@ -420,6 +434,8 @@ def _unshare_adam_steps(optimizer) -> None:
     Without Apex/TE, megatron-core 0.16.1 puts ONE step tensor into every parameter's state; torch's Adam
     then increments it once per parameter per step and the bias correction goes wrong after a resume.
     """
+    import torch
+
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in sub.optimizer.state.values():
             if "step" in state and torch.is_tensor(state["step"]):

@@ -19,6 +19,10 @@ import torch
 from launcher.parallel import ParallelDims
 
 T = TypeVar("T")
+RANK_ZERO_WORK_TIMEOUT_S = 24 * 3600
+"""How long the other ranks wait in ``on_rank_zero`` (a Hugging Face export of a 1 TB model takes many
+minutes): far beyond parallel.timeout_s, which stays short so that a hung collective is found quickly."""
+_rank_zero_wait: dict[str, object] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +108,9 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
         torch.distributed.init_process_group(
             backend=backend, init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
             rank=dist_env.rank, world_size=dist_env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    # A CPU group for waiting on rank 0's long single-rank I/O; gloo exists wherever torch does (no NCCL needed).
+    _rank_zero_wait["group"] = torch.distributed.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, RANK_ZERO_WORK_TIMEOUT_S)))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
@@ -119,6 +126,7 @@ def shutdown() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _rank_zero_wait.clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -129,11 +137,12 @@ def global_rank() -> int:
 
 
 def on_rank_zero(fn: Callable[[], T]) -> Optional[T]:
-    """Run ``fn`` on global rank 0 only (shared-file writes), then hold every rank until it is done.
+    """Run ``fn`` on global rank 0 only (shared-file writes, a Hugging Face export), then hold every rank until
+    it is done: for up to RANK_ZERO_WORK_TIMEOUT_S after ``initialize``, not the short collective timeout.
 
     Returns fn's result on rank 0 and None elsewhere.
     """
     result = fn() if global_rank() == 0 else None
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=_rank_zero_wait.get("group"))
     return result

@@ -29,6 +29,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_rl.runtime.checkpoint import unwrap
+from megatron_rl.runtime.memory import peak_memory_of
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -128,7 +129,7 @@ def generation_phase(engine, *, offload_optimizer: bool = False,
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-        with torch.no_grad():
+        with torch.no_grad(), peak_memory_of(engine.peak_memory, "generate"):  # after the offload
             yield offloads
     finally:
         if offloads is not None:

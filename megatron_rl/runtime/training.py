@@ -12,7 +12,7 @@ sequence count for a sequence mean.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -23,6 +23,7 @@ from launcher.config.schema import JobConfig
 from launcher.model_shape import ModelShape
 from launcher.parallel import ParallelDims
 from megatron_rl.models.builder import ModelOptions, build_model_chunks, compute_dtype, padded_vocab_size
+from megatron_rl.runtime.memory import peak_memory_of
 
 # loss_fn(model_output, batch) -> (loss_sum, denominator as an int tensor, {name: (sum, count)})
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
@@ -138,6 +139,8 @@ class Engine:
     micro_batch_size: int
     make_optimizer: Callable[[list], tuple[Any, Any]]
     step: int = 0
+    peak_memory: dict[str, int] = field(default_factory=dict)
+    """Peak bytes per phase since the trainer last logged them (``megatron_rl.runtime.memory``)."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -156,12 +159,13 @@ class Engine:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
-            data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
-            num_microbatches=len(microbatches), seq_length=seq_length,
-            micro_batch_size=self.micro_batch_size, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
+        with peak_memory_of(self.peak_memory, "train"):
+            reports = get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
+                data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
+                num_microbatches=len(microbatches), seq_length=seq_length,
+                micro_batch_size=self.micro_batch_size, forward_only=False)
+            _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step += 1
         metrics = reduce_reports(reports, report_names)
@@ -185,10 +189,18 @@ class Engine:
     def reference_logprobs(self, reference: list, microbatches: list[dict], *, seq_length: int) -> None:
         """Store the frozen ``reference`` chunks' log-probs of each micro-batch's labels as ``ref_logp``
         (on the last pipeline stage, the only one that computes the loss)."""
-        logprobs = forward_logprobs(reference, microbatches, seq_length=seq_length,
-                                    micro_batch_size=self.micro_batch_size)
-        for batch, ref in zip(microbatches, logprobs):
-            batch["ref_logp"] = ref
+        self._store_logprobs(reference, microbatches, "ref_logp", seq_length=seq_length)
+
+    def recompute_old_logprobs(self, microbatches: list[dict], *, seq_length: int) -> None:
+        """Replace each micro-batch's ``old_logp`` (the sampler's) with this engine's own training-forward
+        log-probs, so that the first update's ratio is exactly 1 whatever kernels generation used. Call it before
+        the rollout's first optimizer step: the weights must still be those that sampled it."""
+        self._store_logprobs(self.chunks, microbatches, "old_logp", seq_length=seq_length)
+
+    def _store_logprobs(self, chunks: list, microbatches: list[dict], key: str, *, seq_length: int) -> None:
+        logprobs = forward_logprobs(chunks, microbatches, seq_length=seq_length, micro_batch_size=self.micro_batch_size)
+        for batch, values in zip(microbatches, logprobs):
+            batch[key] = values
 
     def frozen_copy(self, folder: Path) -> list:
         """Chunks with this engine's current weights, frozen (no grad, eval mode), saved in ``folder``; when

@@ -23,6 +23,7 @@ from launcher.config.schema import JobConfig
 from launcher.slurm import REQUEUE_EXIT_CODE
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.distributed import global_rank, on_rank_zero
+from megatron_rl.runtime.memory import GIB, PHASES
 from megatron_rl.runtime.metrics import MetricsLogger
 
 
@@ -46,6 +47,19 @@ def _new_run_id() -> str:
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+WARMUP_DONE = "warmup_steps_done"
+"""Extra-state key of a trainer with a warm-up phase: its steps done when the checkpoint was saved."""
+AUTO_SAVE_OVERHEAD = 10
+"""checkpoint.save_interval=auto keeps at least this many save durations between saves (at most ~10% saving)."""
+
+
+def auto_save_due(*, since_save_s: float, last_save_s: float, warning_window_s: float) -> bool:
+    """checkpoint.save_interval=auto: save once a warning window (cluster.signal_delay_s) has passed since the
+    previous save, but no sooner than AUTO_SAVE_OVERHEAD save durations. Before the first save its duration is
+    unknown (0), so with no warning window the first step is saved, which measures it."""
+    return since_save_s >= max(warning_window_s, AUTO_SAVE_OVERHEAD * last_save_s)
 
 
 class Preempted(SystemExit):
@@ -75,12 +89,16 @@ class TrainerContext:
         self.rank = global_rank()
         self.logger = MetricsLogger(self.cfg.run.dir, total_steps=self.cfg.run.steps,
                                     console=self.cfg.logging.console, tensorboard=self.cfg.logging.tensorboard,
-                                    enabled=self.rank == 0)
+                                    wandb=self.cfg.logging.wandb, enabled=self.rank == 0)
         install_stop_handlers()
-        if os.environ.get("MEGATRON_RL_STOP_AFTER_STEP"):
-            self._stop_after = int(os.environ["MEGATRON_RL_STOP_AFTER_STEP"])
-        else:
-            self._stop_after = None
+        # Deterministic preemption for tests: "N" stops after training step N, "sft:N" after warm-up step N.
+        phase, _, at = os.environ.get("MEGATRON_RL_STOP_AFTER_STEP", "").rpartition(":")
+        self._stop_after = (phase or None, int(at)) if at else None
+        self._last_save_end = time.monotonic()
+        self._last_step_end: Optional[float] = None
+        self._save_s = 0.0
+        self._warned_window = False
+        self.last_step = 0  # the last step the loop finished (or resumed at)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -110,7 +128,8 @@ class TrainerContext:
             engine.step = state["step"]
             self.resumed_extra = state["extra"]
             ckpt.set_run_id(state["extra"].get("run_id"))  # None for checkpoints of older versions
-            self.logger.truncate_after(engine.step)
+            self.logger.truncate_after(engine.step, warmup_kept=state["extra"].get(WARMUP_DONE))
+            self.last_step = engine.step
             self.say(f"resumed from {found} (step {engine.step}"
                      f"{', new layout: RNG reseeded' if state['layout_changed'] else ''})")
             return engine.step
@@ -122,29 +141,72 @@ class TrainerContext:
                 self.say(f"initialised weights from {source}")
             else:
                 self.say(f"initialised weights from {source} ({load_init(source, engine.chunks)})")
-        self.logger.truncate_after(0, keep_warmup=False)
+        self.logger.truncate_after(0, warmup_kept=0)
         return 0
 
     def end_step(self, engine, step: int, metrics: dict[str, float]) -> None:
-        """Log the step; save at the interval; on a preemption request save and exit for requeue."""
-        self.logger.log(step, metrics)
-        stop = self._agree_on_stop(step)
-        interval = self.cfg.checkpoint.save_interval
-        if stop or (interval and step % interval == 0 and step < self.cfg.run.steps):
-            self.save(engine, step)
+        """Log the step (with each phase's peak memory on the fullest rank); save at the interval; on a
+        preemption request save and exit for requeue."""
+        now = time.monotonic()
+        step_s = None if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
+        peaks = [float(engine.peak_memory.get(phase, 0)) for phase in PHASES]
+        stop, save_due, *peaks = self._agree(self._stop_requested(None, step), self._save_due(step, now), *peaks)
+        engine.peak_memory.clear()
+        self.logger.log(step, {**metrics, **{f"peak_memory_{phase}_gib": round(peak / GIB, 4)
+                                             for phase, peak in zip(PHASES, peaks) if peak}})
+        self.last_step = step
+        if step >= self.cfg.run.steps:
+            return
         if stop:
-            self.say(f"preemption requested: saved step {step}, exiting with code {REQUEUE_EXIT_CODE} for requeue")
-            self.logger.close()
-            raise Preempted()
+            self.preempt(engine, step, what=f"step {step}")
+        if save_due:
+            self.save(engine, step)
+            self._warn_if_the_window_is_short(step_s)
 
-    def _agree_on_stop(self, step: int) -> bool:
-        local = _stop_signal["received"] or (self._stop_after is not None and step >= self._stop_after)
-        flag = torch.tensor([1.0 if local else 0.0])
+    def stop_in_phase(self, phase: str, step: int) -> bool:
+        """After ``phase``'s step ``step`` (e.g. the SFT warm-up): whether any rank was asked to stop. A
+        collective: every rank calls it at the same point."""
+        return self._agree(self._stop_requested(phase, step))[0]
+
+    def preempt(self, engine, step: int, *, what: str) -> None:
+        """Save checkpoint ``step`` (its extra state tells where inside the run it stopped) and exit for requeue."""
+        self.save(engine, step)
+        self.say(f"preemption requested: saved {what}, exiting with code {REQUEUE_EXIT_CODE} for requeue")
+        self.logger.close()
+        raise Preempted()
+
+    def _stop_requested(self, phase: Optional[str], step: int) -> bool:
+        """This rank's view: a stop signal arrived, or MEGATRON_RL_STOP_AFTER_STEP names this phase and step."""
+        return _stop_signal["received"] or (self._stop_after is not None and self._stop_after[0] == phase
+                                            and step >= self._stop_after[1])
+
+    def _save_due(self, step: int, now: float) -> bool:
+        interval = self.cfg.checkpoint.save_interval
+        if interval == "auto":  # rank 0's clock decides for everyone (the flags are max-reduced)
+            return self.rank == 0 and auto_save_due(since_save_s=now - self._last_save_end, last_save_s=self._save_s,
+                                                    warning_window_s=self.cfg.cluster.signal_delay_s)
+        return bool(interval) and step % interval == 0
+
+    @staticmethod
+    def _agree(*values):
+        """Each value's maximum over all ranks (one collective); booleans come back as booleans."""
+        box = torch.tensor([float(v) for v in values], dtype=torch.float64)
         if torch.cuda.is_available():
-            flag = flag.cuda()
+            box = box.cuda()
         if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item() > 0) and step < self.cfg.run.steps
+            torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
+        return [bool(got > 0) if isinstance(v, bool) else got for v, got in zip(values, box.tolist())]
+
+    def _warn_if_the_window_is_short(self, step_s: Optional[float]) -> None:
+        window = self.cfg.cluster.signal_delay_s
+        if (self._warned_window or step_s is None or "SLURM_JOB_ID" not in os.environ
+                or step_s + self._save_s <= window):
+            return
+        self._warned_window = True
+        self.say(f"warning: a step takes {step_s:.0f} s and a save {self._save_s:.0f} s, more than the "
+                 f"{window} s warning window (cluster.signal_delay_s): a preemption or time-limit warning comes "
+                 f"too late to checkpoint; raise cluster.signal_delay_s to at least {step_s + self._save_s:.0f}")
 
     def save(self, engine, step: int, *, final: bool = False) -> Path:
         extra = dict(self.extra_state())
@@ -152,9 +214,12 @@ class TrainerContext:
             from megatron_rl.conversion.export import model_metadata
 
             extra["model"] = model_metadata(self.shape, tokenizer_dir=self.cfg.model.tokenizer)
+        start = time.monotonic()
         folder = ckpt.save_checkpoint(self.ckpt_dir, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
                                       scheduler=engine.scheduler, extra=extra,
                                       keep_last=self.cfg.checkpoint.keep_last)
+        self._last_save_end = time.monotonic()
+        self._save_s = self._last_save_end - start
         self._saves = getattr(self, "_saves", 0) + 1
         every = self.cfg.checkpoint.export_hf_every
         if self.cfg.checkpoint.export_hf and (final or (every and self._saves % every == 0)):
@@ -172,10 +237,22 @@ class TrainerContext:
             self.say(f"exported {folder.name} to Hugging Face format: {out} ({summary.num_shards} shard(s))")
 
     def finish(self, engine) -> None:
-        if self.cfg.checkpoint.save_at_end and engine.step > 0:
-            folder = self.save(engine, engine.step, final=True)
+        """Save the last step (the loop's step: a GRPO step takes several optimizer steps) and close the log."""
+        if self.cfg.checkpoint.save_at_end and self.last_step > 0:
+            folder = self.save(engine, self.last_step, final=True)
             self.say(f"saved final checkpoint {folder}")
         self.logger.close()
+        if self.rank == 0:
+            self.say_prediction_beside_measurement()
+
+    def say_prediction_beside_measurement(self) -> None:
+        """The planner's step time and memory for this job (prediction.json, written at launch) beside what the
+        run measured (metrics.jsonl); nothing when the launcher wrote no prediction."""
+        from launcher.calibrate import PREDICTION_FILE, calibration_report, one_line
+
+        if (Path(self.cfg.run.dir) / PREDICTION_FILE).is_file():
+            on = None if torch.cuda.is_available() else "cpu"  # GPU names do not map onto gpu_type names
+            self.say(one_line(calibration_report(self.cfg.run.dir, on=on)))
 
     def say(self, message: str) -> None:
         if self.rank == 0:

@@ -27,17 +27,20 @@ import torch
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
-from megatron_rl.algorithms.advantages import expand_group_mask, group_advantages, groups_with_signal
+from megatron_rl.algorithms.advantages import group_advantages, groups_with_signal
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig
+from megatron_rl.data.chat import ChatFormat
+from megatron_rl.data.prompts import encode_prompt, load_eval_prompts
 from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
+from megatron_rl.rewards import overlong_penalty
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
 from megatron_rl.runtime.training import (Engine, build_engine, data_parallel_share, data_parallel_slice,
                                           gather_data_parallel, logits_forward)
-from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.common import WARMUP_DONE, TrainerContext
 
-RULE_VERIFIERS = ("exact", "math")
+RULE_VERIFIERS = ("exact", "math", "math_verify")
 
 
 # ----------------------------------------------------------------------------------------------- the loop
@@ -45,16 +48,27 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     run = GrpoRun(cfg, shape, ctx)
     start = run.resume_or_warm_up()
     for step in range(start + 1, cfg.run.steps + 1):
-        with ctx.timer() as t_generate:
-            prompts = run.sampler.next_batch()
-            rollout = run.generate(prompts)
-        with ctx.timer() as t_score:
-            run.score(rollout)
+        batch = run.sample()  # generate and score; DAPO dynamic sampling draws until the batch has signal
         with ctx.timer() as t_train:
-            train_metrics = run.train_on(rollout)
-        metrics = run.step_metrics(rollout, train_metrics, t_generate.seconds, t_score.seconds, t_train.seconds)
-        ctx.end_step(run.engine, step, metrics)
+            train_metrics = run.train_on(batch.kept)
+        if run.eval_prompts is not None and step % cfg.data.eval_interval == 0:
+            run.evaluate(step)  # held-out pass@1, logged with phase "eval"
+        ctx.end_step(run.engine, step, run.step_metrics(batch, train_metrics, t_train.seconds))
     run.finish()
+
+
+@dataclasses.dataclass
+class SampledBatch:
+    """What one step sampled: every completion drawn (the reward metrics are theirs) and those trained on."""
+
+    drawn: Rollout
+    """Every completion generated this step, scored."""
+    kept: Rollout
+    """The completions trained on (with dynamic sampling, the groups with signal)."""
+    draws: int
+    """Rollout rounds it took."""
+    generate_s: float
+    score_s: float
 
 
 class GrpoRun:
@@ -69,7 +83,8 @@ class GrpoRun:
         if self.tokenizer.vocab_size > shape.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model {shape.name} only "
                               f"{shape.vocab_size}; use a matching model.tokenizer")
-        self.dataset, self.sft_examples = load_prompt_data(cfg, Path(cfg.run.dir))
+        self.dataset, self.sft_examples = load_prompt_data(cfg, Path(cfg.run.dir), self.tokenizer)
+        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer) if cfg.data.eval_interval else None
         from megatron_rl.data.prompts import PromptSampler
 
         self.sampler = PromptSampler(self.dataset, self.algo.prompts_per_step, seed=cfg.run.seed)
@@ -79,51 +94,88 @@ class GrpoRun:
         self.engine: Engine = build_engine(cfg, shape)
         self.reference = None
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
+        self.warmup_done = 0
+        self.recompute_old_logprobs = wants_recomputed_old_logprobs(cfg, shape, self.engine)
         ctx.extra_state = self.extra_state
 
     # ------------------------------------------------------------------ state
     def extra_state(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "generator": self.generator.get_state()}
+        return {"sampler": self.sampler.state_dict(), "generator": self.generator.get_state(),
+                WARMUP_DONE: self.warmup_done}
 
     def resume_or_warm_up(self) -> int:
         start = self.ctx.resume(self.engine)
-        if start:
-            extra = self.ctx.resumed_extra
+        extra = self.ctx.resumed_extra
+        if extra:  # this run's checkpoint, perhaps one saved inside the warm-up (step 0)
             self.sampler.load_state_dict(extra["sampler"])
             self.generator.set_state(extra["generator"])
-        elif self.algo.sft_warmup_steps:
+            self.warmup_done = extra.get(WARMUP_DONE, self.algo.sft_warmup_steps)
+        if self.warmup_done < self.algo.sft_warmup_steps:
             self.warm_up()
         if self.algo.kl_coef > 0:  # the weights GRPO started from, kept with the run's checkpoints
             self.reference = self.engine.frozen_copy(self.ctx.ckpt_dir / "reference")
         return start
 
     def warm_up(self) -> None:
-        """A short SFT stage (the project's SFT trainer step) before GRPO; logged with phase "sft"."""
+        """A short SFT stage (the project's SFT trainer step) before GRPO; logged with phase "sft". A stop request
+        is taken after each step: the checkpoint (step 0) records how far the warm-up got, and the requeued run
+        goes on from there."""
         from megatron_rl.trainers.sft import batch_for_step, encode_examples, sft_seq_length, sft_step
 
-        examples = encode_examples(self.tokenizer, self.sft_examples, self.cfg.model.seq_length or self.shape.seq_length)
+        examples = encode_examples(self.tokenizer, self.sft_examples, self.cfg.model.seq_length or self.shape.seq_length,
+                                   ChatFormat.from_config(self.cfg.data, self.tokenizer))
         seq_length = sft_seq_length(examples, multiple=self.engine.sequence_multiple)
-        for step in range(1, self.algo.sft_warmup_steps + 1):
+        total = self.algo.sft_warmup_steps
+        for step in range(self.warmup_done + 1, total + 1):
             batch = batch_for_step(examples, step=step, batch_size=self.algo.global_batch_size, seed=self.cfg.run.seed)
             with training_phase(self.engine):
                 metrics = sft_step(self.engine, batch, global_batch_size=self.algo.global_batch_size,
                                    micro_batch_size=self.cfg.parallel.micro_batch_size, seq_length=seq_length,
                                    pad_id=self.tokenizer.pad_id)
-            self.ctx.logger.log(step, metrics, phase="sft", total=self.algo.sft_warmup_steps)
+            self.ctx.logger.log(step, metrics, phase="sft", total=total)
+            self.warmup_done = step
+            if step < total and self.ctx.stop_in_phase("sft", step):
+                self.ctx.preempt(self.engine, 0, what=f"SFT warm-up step {step} of {total}")
         self.engine.reset_optimizer_schedule()
         self.ctx.say(f"SFT warm-up: {self.algo.sft_warmup_steps} steps, final loss {metrics['loss']:.4f}")
 
-    # ------------------------------------------------------------------ generate
-    def generate(self, prompts: list) -> Rollout:
-        """group_size completions per prompt; each rollout worker (data-parallel x context-parallel rank)
-        samples its share, then all see all."""
+    # ------------------------------------------------------------------ sample
+    def sample(self) -> SampledBatch:
+        """prompts_per_step prompts x group_size completions, generated and scored. With drop_zero_signal_groups
+        (DAPO dynamic sampling) groups whose rewards are all equal are dropped and more prompts are drawn until
+        prompts_per_step groups have signal, at most max_sampling_draws rounds."""
+        group, wanted = self.algo.group_size, self.algo.prompts_per_step
+        drawn, kept, generate_s, score_s = [], [], 0.0, 0.0
+        while True:
+            with self.ctx.timer() as t_generate:
+                rollout = self.generate(self.sampler.next_batch())
+            with self.ctx.timer() as t_score:
+                self.score(rollout)
+            generate_s, score_s = generate_s + t_generate.seconds, score_s + t_score.seconds
+            drawn.append(rollout)
+            if not self.algo.drop_zero_signal_groups:
+                kept.append(rollout)
+                break
+            signal = groups_with_signal(rollout.rewards, group).tolist()
+            kept.append(rollout.select([g * group + i for g, ok in enumerate(signal) if ok for i in range(group)]))
+            if sum(len(k.response_ids) for k in kept) >= wanted * group or len(drawn) >= self.algo.max_sampling_draws:
+                break
+        batch = Rollout.concat(kept)
+        return SampledBatch(drawn=Rollout.concat(drawn), kept=batch.select(list(range(min(len(batch.response_ids),
+                                                                                          wanted * group)))),
+                            draws=len(drawn), generate_s=generate_s, score_s=score_s)
+
+    def generate(self, prompts: list, *, group: Optional[int] = None, seed: Optional[int] = None) -> Rollout:
+        """``group`` (default group_size) completions per prompt; each rollout worker (data-parallel x
+        context-parallel rank) samples its share, then all see all. ``seed``: default the next draw of the run's
+        generation RNG."""
         from megatron_rl.generation import data_parallel_seed, generate
 
-        group = self.algo.group_size
+        group = group or self.algo.group_size
         texts = [p.prompt for p in prompts for _ in range(group)]
-        prompt_ids = [self.tokenizer.encode(t, add_bos=True) for t in texts]
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts for _ in range(group)]
         gen = self.cfg.generation
-        step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
         mine = data_parallel_share(prompt_ids, with_context_parallel=True)
         with generation_phase(self.engine, offload_optimizer=gen.offload_optimizer):
             out = generate(
@@ -131,17 +183,49 @@ class GrpoRun:
                 max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
                 eos_id=self.tokenizer.eos_id, stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
                 vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=data_parallel_seed(step_seed))
-        sampled = gather_data_parallel([(list(tokens), list(map(float, lp)))
-                                        for tokens, lp in zip(out.tokens, out.logprobs)], with_context_parallel=True)
-        responses, logprobs = [tokens for tokens, _ in sampled], [lp for _, lp in sampled]
+        sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length")
+                                        for tokens, lp, reason in zip(out.tokens, out.logprobs, out.finish_reasons)],
+                                       with_context_parallel=True)
+        responses = [tokens for tokens, _, _ in sampled]
         completions = [self.tokenizer.decode(r) for r in responses]
-        return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, prompts=texts,
-                       completions=completions, answers=[p.answer for p in prompts for _ in range(group)],
-                       seq_multiple=self.engine.sequence_multiple)
+        return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=[lp for _, lp, _ in sampled],
+                       prompts=texts, completions=completions, answers=[p.answer for p in prompts for _ in range(group)],
+                       truncated=[cut for _, _, cut in sampled], seq_multiple=self.engine.sequence_multiple)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """pass@1 (one sample per held-out prompt, the generation settings) and mean reward, logged with phase
+        "eval". Its seeds are its own, so evaluating leaves training's random stream, and metrics, unchanged."""
+        from megatron.core import parallel_state
+
+        prompts = list(self.eval_prompts)
+        workers = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        chunk = -(-self.algo.rollout_size // workers) * workers
+        parts = []
+        with self.ctx.timer() as t_eval:
+            for start in range(0, len(prompts), chunk):
+                batch = prompts[start:start + chunk]
+                padded = [batch[i % len(batch)] for i in range(-(-len(batch) // workers) * workers)]
+                seed = random.Random(f"eval:{self.cfg.run.seed}:{step}:{start}").getrandbits(62)
+                parts.append(self.generate(padded, group=1, seed=seed).select(list(range(len(batch)))))
+        rollout = Rollout.concat(parts)
+        total, rollout.per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+        rollout.rewards = torch.tensor(total, dtype=torch.float32)
+        metrics = {"pass_at_1": float(correct_answers(rollout).float().mean()),
+                   "reward_mean": float(rollout.rewards.mean()), "prompts": float(len(prompts)),
+                   "time_eval_s": t_eval.seconds}
+        self.ctx.logger.log(step, metrics, phase="eval")
+        return metrics
 
     # ------------------------------------------------------------------ score
     def score(self, rollout: Rollout) -> None:
+        """Rewards (plus DAPO's overlong penalty when algorithm.overlong is set) and group advantages."""
         total, per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+        overlong = self.algo.overlong
+        if overlong is not None:
+            per_fn["overlong"] = overlong_penalty([len(r) for r in rollout.response_ids],
+                                                  max_len=self.cfg.generation.max_new_tokens,
+                                                  buffer_len=overlong.buffer, penalty_factor=overlong.penalty)
+            total = [t + p for t, p in zip(total, per_fn["overlong"])]
         rollout.rewards = torch.tensor(total, dtype=torch.float32)
         rollout.per_fn = per_fn
         rollout.advantages = group_advantages(rollout.rewards, self.algo.group_size,
@@ -149,44 +233,56 @@ class GrpoRun:
 
     # ------------------------------------------------------------------ train
     def train_on(self, rollout: Rollout) -> dict[str, float]:
-        """One optimizer step per mini-batch of global_batch_size completions."""
-        rows = rollout_rows(rollout)
-        if self.algo.drop_zero_signal_groups:
-            keep = expand_group_mask(groups_with_signal(rollout.rewards, self.algo.group_size), self.algo.group_size)
-            rows = [row for row, kept in zip(rows, keep.tolist()) if kept]
+        """algorithm.epochs passes over the rollout, one optimizer step per mini-batch of global_batch_size
+        completions. The old policy's log-probs (when recomputed) and the reference's are taken first, from the
+        weights that sampled the rollout."""
+        rows = rollout_rows(rollout, mask_truncated=self.algo.mask_truncated)
         gbs = self.algo.global_batch_size
         usable = len(rows) - len(rows) % gbs
         if usable == 0:
             return {"skipped_minibatches": 1.0}
         seq_length = rollout.seq_length
+        minibatches = [[collate_rollout(mb, seq_length=seq_length, pad_id=self.tokenizer.pad_id)
+                        for mb in data_parallel_slice(rows[start:start + gbs],
+                                                      micro_batch_size=self.cfg.parallel.micro_batch_size)]
+                       for start in range(0, usable, gbs)]
         totals: dict[str, list[float]] = {}
         with training_phase(self.engine):
-            for start in range(0, usable, gbs):
-                micro = data_parallel_slice(rows[start:start + gbs], micro_batch_size=self.cfg.parallel.micro_batch_size)
-                batches = [collate_rollout(mb, seq_length=seq_length, pad_id=self.tokenizer.pad_id) for mb in micro]
+            for batches in minibatches:
+                if self.recompute_old_logprobs:
+                    self.engine.recompute_old_logprobs(batches, seq_length=seq_length)
                 if self.reference is not None:
                     self.engine.reference_logprobs(self.reference, batches, seq_length=seq_length)
-                metrics = self.engine.train_step(batches, self.loss_fn, seq_length=seq_length, report_names=REPORTS,
-                                                 forward_fn=logits_forward)
-                for key, value in metrics.items():
-                    totals.setdefault(key, []).append(value)
-                if start == 0:
-                    totals["first_ratio_min"] = [metrics["ratio_min"]]
-                    totals["first_ratio_max"] = [metrics["ratio_max"]]
+            for epoch in range(1, self.algo.epochs + 1):
+                for batches in minibatches:
+                    metrics = self.engine.train_step(batches, self.loss_fn, seq_length=seq_length,
+                                                     report_names=REPORTS, forward_fn=logits_forward)
+                    if not totals:
+                        totals["first_ratio_min"] = [metrics["ratio_min"]]
+                        totals["first_ratio_max"] = [metrics["ratio_max"]]
+                    for key, value in metrics.items():
+                        totals.setdefault(key, []).append(value)
+                    if self.algo.epochs > 1:
+                        for key in ("clip_fraction", "kl"):
+                            totals.setdefault(f"{key}_epoch{epoch}", []).append(metrics[key])
         return _combine_minibatches(totals)
 
     # ------------------------------------------------------------------ metrics and end
-    def step_metrics(self, rollout: Rollout, train: dict, t_gen: float, t_score: float, t_train: float) -> dict:
+    def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
+        """Reward, accuracy and lengths of every completion drawn; training metrics; times and throughput."""
+        rollout, t_gen, t_score = batch.drawn, batch.generate_s, batch.score_s
         rewards = rollout.rewards
         lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float32)
-        verifier = next((name for name in RULE_VERIFIERS if name in rollout.per_fn), None)
-        correct = torch.tensor(rollout.per_fn[verifier]) >= 1.0 if verifier else rewards > 0
+        correct = correct_answers(rollout)
         gen_tokens = float(lengths.sum())
         train_tokens = gen_tokens + sum(len(p) for p in rollout.prompt_ids)
         metrics = {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "accuracy": float(correct.float().mean()), "response_length": float(lengths.mean()),
             **{f"reward_{name}": float(torch.tensor(v).mean()) for name, v in rollout.per_fn.items()},
+            "truncated_fraction": sum(rollout.truncated) / len(rollout.truncated),
+            **({"sampling_draws": float(batch.draws), "groups_kept": len(batch.kept.response_ids) / self.algo.group_size}
+               if self.algo.drop_zero_signal_groups else {}),
             **train,
             "generate_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
             "train_tokens_per_s": train_tokens / max(t_train, 1e-9),
@@ -204,6 +300,23 @@ class GrpoRun:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def correct_answers(rollout: Rollout) -> torch.Tensor:
+    """Per completion: a rule verifier's full score, or (without one) a positive reward."""
+    verifier = next((name for name in RULE_VERIFIERS if name in rollout.per_fn), None)
+    return torch.tensor(rollout.per_fn[verifier]) >= 1.0 if verifier else rollout.rewards > 0
+
+
+def wants_recomputed_old_logprobs(cfg: JobConfig, shape: ModelShape, engine: Engine) -> bool:
+    """algorithm.recompute_old_logprobs, with auto resolved: recompute whenever generation's kernels may differ
+    from training's (bf16 or fp16 numerics, Transformer Engine layers, MoE routing)."""
+    from megatron_rl.models.builder import have_transformer_engine
+
+    setting = cfg.algorithm.recompute_old_logprobs
+    if setting != "auto":
+        return bool(setting)
+    return engine.opts.dtype != torch.float32 or have_transformer_engine() or shape.is_moe
+
+
 def _combine_minibatches(totals: dict[str, list[float]]) -> dict[str, float]:
     combined = {}
     for key, values in totals.items():
@@ -217,28 +330,28 @@ def _combine_minibatches(totals: dict[str, list[float]]) -> dict[str, float]:
     return combined
 
 
-def load_prompt_data(cfg: JobConfig, run_dir: Path):
-    """(PromptDataset, SFT examples) from data.train_path, or the synthetic data.task written under run.dir/data."""
-    from megatron_rl.data.prompts import PromptDataset
+def load_prompt_data(cfg: JobConfig, run_dir: Path, tokenizer):
+    """(PromptDataset, SFT warm-up examples) from data.train_path (any format of megatron_rl.data.records, with
+    the field mapping and chat format of cfg.data), or the synthetic data.task written under run.dir/data."""
+    from megatron_rl.data.prompts import load_prompts
     from megatron_rl.data.synthetic import TASKS, write_synthetic_dataset
-    from megatron_rl.data.sft import read_sft_jsonl
+    from megatron_rl.data.sft import read_sft_records
 
     if cfg.data.warmup_task is not None and cfg.data.warmup_task not in TASKS:
         raise ConfigError(f"data.warmup_task={cfg.data.warmup_task!r} is not a synthetic task ({', '.join(TASKS)}); "
                           "or set it to null")
     if cfg.data.train_path:
-        dataset = PromptDataset.from_jsonl(cfg.data.train_path, prompt_key=cfg.data.prompt_key,
-                                           answer_key=cfg.data.answer_key)
-        sft = [{"prompt": r.prompt, "completion": str(r.answer)} for r in dataset]
+        dataset = load_prompts(cfg.data, cfg.data.train_path, tokenizer)
+        sft = [{"prompt": r.given, "completion": str(r.answer)} for r in dataset]
         return dataset, _warmup_records(cfg) or sft
     if cfg.data.task not in TASKS:
         raise ConfigError(f"data.task={cfg.data.task!r} is not a synthetic task ({', '.join(TASKS)}); "
-                          "or set data.train_path to a JSONL file")
+                          "or set data.train_path to a data file")
     data_dir = run_dir / "data"
     on_rank_zero(lambda: write_synthetic_dataset(data_dir, task=cfg.data.task, seed=cfg.run.seed,
                                                  sft_answers="random"))
-    dataset = PromptDataset.from_jsonl(data_dir / "train.jsonl")
-    return dataset, _warmup_records(cfg) or read_sft_jsonl(data_dir / "sft.jsonl")
+    dataset = load_prompts(cfg.data, data_dir / "train.jsonl", tokenizer)
+    return dataset, _warmup_records(cfg) or read_sft_records(data_dir / "sft.jsonl")
 
 
 def _warmup_records(cfg: JobConfig) -> list[dict]:
@@ -252,7 +365,8 @@ def _warmup_records(cfg: JobConfig) -> list[dict]:
 
 
 def build_rewards(cfg: JobConfig, shape: ModelShape):
-    """WeightedRewards from algorithm.rewards ({name or dotted path: weight}); `rm` is the trained reward model."""
+    """WeightedRewards from algorithm.rewards ({name or dotted path: weight or {weight, options}}); `rm` is the
+    trained reward model."""
     from megatron_rl.rewards import WeightedRewards, build_reward_fn
 
     fns, weights = {}, {}
@@ -267,6 +381,6 @@ def build_rewards(cfg: JobConfig, shape: ModelShape):
                                           micro_batch_size=cfg.parallel.micro_batch_size,
                                           sequence_parallel=cfg.parallel.sequence_parallel)
         else:
-            fns[name] = build_reward_fn(name)
+            fns[name] = build_reward_fn(name, cfg.algorithm.reward_options[name])
         weights[name] = float(weight)
     return WeightedRewards(fns=fns, weights=weights)

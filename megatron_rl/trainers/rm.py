@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
+from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.models.reward_model import (
@@ -133,7 +134,8 @@ def reward_model_metadata(cfg: JobConfig, shape: ModelShape, *, max_length: int)
     if tokenizer is not None and Path(tokenizer).is_dir():
         tokenizer = str(Path(tokenizer).resolve())
     return {"version": METADATA_VERSION, "shape": shape.to_dict(), "tokenizer": tokenizer, "max_length": max_length,
-            "trust_remote_code": cfg.model.trust_remote_code}
+            "trust_remote_code": cfg.model.trust_remote_code, "chat_template": cfg.data.chat_template,
+            "system_prompt": cfg.data.system_prompt}
 
 
 def resume_or_init(cfg: JobConfig, ctx: TrainerContext, engine: Engine) -> int:
@@ -170,7 +172,8 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     if max_length > shape.max_position_embeddings:
         raise ConfigError(f"data.max_length={max_length} exceeds {shape.name}'s max_position_embeddings "
                           f"{shape.max_position_embeddings}")
-    encoder = SequenceEncoder(load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code))
+    tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    encoder = SequenceEncoder(tokenizer, ChatFormat.from_config(cfg.data, tokenizer))
     train_data, eval_data = load_preference_splits(cfg.data, encoder, max_length=max_length,
                                                    vocab_size=shape.vocab_size, seed=cfg.run.seed)
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)

@@ -4,7 +4,8 @@
 
 Also the warm-up stage of the default GRPO job (``algorithm.sft_warmup_steps``): a short SFT pass that teaches
 a fresh tiny model the answer format, so GRPO starts from a policy that answers (at chance level).
-Data: ``megatron_rl.data.sft`` (JSONL lines with ``prompt`` and ``completion``).
+Data: ``megatron_rl.data.sft`` (prompt/completion or chat records from JSONL, JSON, Parquet, Arrow or a
+save_to_disk folder; ``data.chat_template`` renders them with the tokenizer's chat template).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
-from megatron_rl.data.sft import encode_sft_example, read_sft_jsonl
+from megatron_rl.data.chat import ChatFormat
+from megatron_rl.data.sft import encode_sft_example, read_sft_records
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
 from megatron_rl.trainers.pretrain import lm_batch, lm_loss
 from megatron_rl.trainers.common import TrainerContext
@@ -24,9 +26,10 @@ from megatron_rl.trainers.common import TrainerContext
 REPORTS = ("loss",)
 
 
-def encode_examples(tokenizer, records: list[dict], max_length: int) -> list[tuple[list[int], list[int]]]:
+def encode_examples(tokenizer, records: list[dict], max_length: int,
+                    chat: ChatFormat | None = None) -> list[tuple[list[int], list[int]]]:
     """(ids, loss mask) per record (``encode_sft_example``)."""
-    return [encode_sft_example(tokenizer, r["prompt"], r["completion"], max_length) for r in records]
+    return [encode_sft_example(tokenizer, r["prompt"], r["completion"], max_length, chat=chat) for r in records]
 
 
 def collate_sft(examples: list[tuple[list[int], list[int]]], *, seq_length: int, pad_id: int) -> dict:
@@ -66,14 +69,15 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
 
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.data.train_path:
-        records = read_sft_jsonl(cfg.data.train_path, prompt_key=cfg.data.prompt_key)
+        records = read_sft_records(cfg.data.train_path, prompt_key=cfg.data.prompt_key,
+                                   answer_key=cfg.data.answer_key, messages_key=cfg.data.messages_key)
     elif cfg.data.task in TASKS:
         train_problems, _ = split_problems(cfg.data.task, seed=cfg.run.seed)
         records = sft_records(train_problems, task=cfg.data.task, answers="correct")
     else:
-        raise ConfigError(f"data.task={cfg.data.task!r} has no SFT data; set data.train_path to a JSONL file")
+        raise ConfigError(f"data.task={cfg.data.task!r} has no SFT data; set data.train_path to a data file")
     max_length = cfg.data.max_length or cfg.model.seq_length or shape.seq_length
-    examples = encode_examples(tokenizer, records, max_length)
+    examples = encode_examples(tokenizer, records, max_length, ChatFormat.from_config(cfg.data, tokenizer))
     engine = build_engine(cfg, shape)
     seq_length = sft_seq_length(examples, multiple=engine.sequence_multiple)
     start = ctx.resume(engine)

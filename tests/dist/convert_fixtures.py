@@ -9,8 +9,8 @@ As a script (one torchrun job runs every Megatron-side task of tests/test_conver
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 4 tests/dist/convert_fixtures.py TASKS.json
 
 it runs ``megatron_rl.conversion.worker`` with one more task kind, ``reward_fixture``: a reward model built by
-``megatron_rl.models.reward_model`` (trunk filled from an HF model, a seeded head), saved as one of our
-checkpoints, with the rewards that model computes on the given tokens.
+``megatron_rl.models.reward_model`` (trunk filled in memory from an HF model by ``fill_from_hf``, a seeded
+head), saved as one of our checkpoints, with the rewards that model computes on the given tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +66,34 @@ def randomize_weights(model) -> None:
                 param.normal_(0.0, 0.5 if "embed" in name else 0.15)
 
 
+def sharded_tensors(model) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sd = model.sharded_state_dict()
+    apply_factories(sd)
+    return [sh for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
+
+
+def fill_from_hf(model, shape, hf, *, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Copy this rank's share of every parameter of an in-memory ``model`` from the HF checkpoint ``hf``, with
+    the importer's reader; parameters and keys starting with ``skip_prefixes`` (a reward head) are left out."""
+    import torch
+
+    from megatron_rl.conversion.streamed_save import HFShardReader
+
+    reader = HFShardReader(shape, hf)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
+        for sh in sharded_tensors(model):
+            if not sh.key.startswith(skip_prefixes):
+                sh.data.copy_(reader.read(sh))
+        unset = [name for name, p in model.named_parameters()
+                 if not name.startswith(skip_prefixes) and torch.isnan(p).any()]
+    assert not unset, f"{len(unset)} parameter(s) got no value from the HF checkpoint (first: {unset[0]})"
+
+
 def run_reward_fixture(task: dict) -> dict:
     import torch
     from megatron.core import parallel_state as ps
@@ -73,7 +101,6 @@ def run_reward_fixture(task: dict) -> dict:
     from megatron_rl.conversion.export import model_metadata
     from megatron_rl.conversion.names import shape_from_config
     from megatron_rl.conversion.safetensors_io import HFCheckpoint
-    from megatron_rl.conversion.worker import _sharded_tensors, fill_from_hf
     from megatron_rl.models.builder import ModelOptions
     from megatron_rl.runtime.distributed import current_dims
     from megatron_rl.models.reward_model import build_reward_model
@@ -87,7 +114,7 @@ def run_reward_fixture(task: dict) -> dict:
     head = {"rm_head.weight": 0.3 * torch.randn(1, shape.hidden_size, generator=generator),
             "rm_head.bias": torch.tensor([0.25])}
     with torch.no_grad():
-        for sh in _sharded_tensors(model):
+        for sh in sharded_tensors(model):
             if sh.key in head:
                 rows = zip(sh.global_offset, sh.local_shape, strict=True)
                 block = head[sh.key][tuple(slice(o, o + s) for o, s in rows)]

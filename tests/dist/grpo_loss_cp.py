@@ -6,7 +6,8 @@ Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/g
 Two CP ranks hold chunks (0, 3) and (1, 2) of every row (Megatron's load-balanced order, ``slice_batch_for_cp``),
 with responses that cross chunk boundaries. As Megatron's schedule does, the loss sums and the denominators are
 summed over the CP group (the data-parallel-with-CP reduction) and the gradients w.r.t. the logits too; for
-each aggregation mode the ratio and the gradient must equal the pure whole-batch loss and its gradient.
+each aggregation mode (and GSPO's sequence ratio, whose per-sequence sums cross the ranks) the loss and the
+gradient must equal the pure whole-batch loss and its gradient.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ def main() -> None:
     initialize(job_dims(cp=2), seed=0)
     group = ps.get_context_parallel_group()
     result = {"cp_rank": ps.get_context_parallel_rank(), "modes": {}}
-    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    cases = [(mode, "token") for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
+    cases.append(("seq-mean-token-mean", "sequence"))  # GSPO: each sequence's ratio spans both ranks' chunks
+    for mode, ratio in cases:
         config = GRPOLossConfig(eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_kind="k3", loss_agg_mode=mode,
-                                max_response_len=8)
+                                max_response_len=8, importance_ratio=ratio)
         full = whole_batch()
         logits = full.pop("logits").requires_grad_(True)
         # the pure loss of the whole rows
@@ -70,7 +73,7 @@ def main() -> None:
         torch.distributed.all_reduce(totals, group=group)
         torch.distributed.all_reduce(grad, group=group)
         grad = grad / totals[1]
-        result["modes"][mode] = {
+        result["modes"][mode if ratio == "token" else f"{mode}, {ratio} ratio"] = {
             "expected": float(expected), "got": float(totals[0] / totals[1]),
             "reported": float(totals[2] / totals[3]), "denominator": float(totals[1]),
             "local_denominator": float(denominator), "max_grad_diff": float((grad - expected_grad).abs().max()),

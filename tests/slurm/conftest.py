@@ -20,6 +20,8 @@ from typing import Iterator
 
 import pytest
 
+from helpers import without_measurements
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEV_CLUSTER_SCRIPT = REPO_ROOT / "slurm" / "dev-cluster.sh"
 DEFAULT_DEV_CLUSTER_DIR = Path("/tmp/megatron-rl-dev-cluster")
@@ -151,8 +153,13 @@ def slurm_cluster() -> Iterator[DevCluster]:
 PRETRAIN_TWO_NODES = ("cluster.executor=slurm", "cluster.nodes=2", "cluster.tasks_per_node=1", "parallel.tp=2",
                       "algorithm.name=pretrain", "run.steps=6")
 """The tiny 2-node job of the Slurm tests: Megatron TP=2 over gloo, one rank on each node, 6 steps."""
-TIMING_KEYS = ("step_time_s", "tokens_per_s")
+
 JOB_ID = re.compile(r"submitted Slurm job (\d+)")
+GRPO_TWO_NODES = ("cluster.executor=slurm", "cluster.nodes=2", "cluster.tasks_per_node=1", "parallel.tp=2",
+                  "logging.tensorboard=false", "algorithm.sft_warmup_steps=5", "algorithm.prompts_per_step=4",
+                  "algorithm.group_size=4", "algorithm.global_batch_size=8", "parallel.micro_batch_size=4",
+                  "run.steps=6", "checkpoint.save_interval=2", "checkpoint.keep_last=5")
+"""A tiny GRPO job with TP=2 across the two nodes, saving every 2 steps."""
 HOSTILE_JOB_NAME = "it's a \"job\" $(touch {markers}/name1) `touch {markers}/name2` ;x"
 """A job name that creates files in {markers} if any shell runs it as code."""
 HOSTILE_FOLDER = "run it's \"x\" $(touch dir1) `touch dir2` ;y"
@@ -177,7 +184,7 @@ class LaunchRun:
     """Wall time of launch.py."""
 
     def metrics(self) -> list[dict]:
-        """metrics.jsonl without the timing keys (which differ between runs)."""
+        """metrics.jsonl without what differs between identical runs (times, throughput, peak memory)."""
         return Launcher.metrics(self.run_dir)
 
 
@@ -211,17 +218,27 @@ class Launcher:
 
     pretrain_two_nodes: tuple[str, ...] = PRETRAIN_TWO_NODES
     """The overrides of the tiny 2-node job."""
+    grpo_two_nodes: tuple[str, ...] = GRPO_TWO_NODES
+    """The overrides of the tiny 2-node GRPO job."""
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**self.cluster.env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
 
     @staticmethod
     def metrics(run_dir: Path) -> list[dict]:
-        """A run's metrics.jsonl without the timing keys (which differ between runs)."""
+        """A run's metrics.jsonl without what differs between identical runs (times, throughput, peak memory)."""
         import json
 
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines if line]
+        return without_measurements([json.loads(line) for line in lines if line])
+
+    @staticmethod
+    def grpo_metrics(run_dir: Path) -> list[dict]:
+        """Every line of a GRPO run's metrics.jsonl (warm-up included) without the timing keys."""
+        import json
+
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return without_measurements([json.loads(line) for line in lines if line])
 
     def start(self, *args: str, run_dir: Path, env: dict[str, str] | None = None) -> StartedLaunch:
         """Start launch.py ARGS run.dir=run_dir --wait; its stdout/stderr go to files next to run_dir."""
@@ -333,3 +350,12 @@ def two_node_runs(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) 
 def pretrain_baseline(two_node_runs: TwoNodeRuns) -> LaunchRun:
     """The uninterrupted 2-node job through launch.py; other runs compare their metrics to it."""
     return two_node_runs.launch
+
+
+
+@pytest.fixture(scope="session")
+def grpo_two_node_baseline(launcher: Launcher, tmp_path_factory: pytest.TempPathFactory) -> LaunchRun:
+    """GRPO_TWO_NODES uninterrupted; interrupted runs and the local run compare their metrics to it."""
+    run = launcher.run(*GRPO_TWO_NODES, run_dir=tmp_path_factory.mktemp("grpo-baseline") / "run", timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run

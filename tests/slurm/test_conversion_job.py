@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,10 +30,27 @@ def test_conversion_runs_as_a_one_task_slurm_job(launcher: Launcher, slurm_clust
     out, run_dir = tmp_path / "ckpt", tmp_path / "run"
     command = [sys.executable, "launch.py", "convert", "hf-to-megatron", "--hf", str(hf), "--out", str(out),
                "--slurm", "--wait", "cluster.time=00:10:00", f"run.dir={run_dir}"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=launcher.env(), capture_output=True, text=True, timeout=240,
-                            stdin=subprocess.DEVNULL)
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=launcher.env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        lock = run_dir / ".lock"
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and "slurm_job_id" in lock.read_text()):
+            assert time.monotonic() < deadline and first.poll() is None, f"no job id in {lock}"
+            time.sleep(0.1)
+        held_by = json.loads(lock.read_text())["slurm_job_id"]
+        second = subprocess.run([arg for arg in command if arg != "--wait"], cwd=REPO_ROOT, env=launcher.env(),
+                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        stdout, stderr = first.communicate(timeout=240)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stdout + second.stderr
+    assert second.stderr.startswith(f"error: run.dir={run_dir} is in use by Slurm job {held_by}"), second.stderr
+    result = subprocess.CompletedProcess(command, first.returncode, stdout, stderr)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     job_id = result.stdout.split("submitted Slurm job ", 1)[1].split()[0]
+    assert held_by == job_id
     assert f"slurm: job {job_id} COMPLETED" in result.stdout
     assert "wrote " in (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
     assert (out / "latest").is_file() and (out / "step_00000000").is_dir()

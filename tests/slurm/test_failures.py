@@ -71,8 +71,8 @@ def test_unknown_cluster_key_lists_the_valid_ones(tmp_path: Path) -> None:
             "container_image, container_mounts, signal_delay_s, max_requeues") in result.stderr
 
 
-def _running(launcher: Launcher, tmp_path: Path) -> tuple[StartedLaunch, str]:
-    started = launcher.start(*LONG_JOB, run_dir=tmp_path / "run")
+def _running(launcher: Launcher, tmp_path: Path, *extra: str) -> tuple[StartedLaunch, str]:
+    started = launcher.start(*LONG_JOB, *extra, run_dir=tmp_path / "run")
     job_id = started.job_id()
     launcher.cluster.wait_running(job_id, timeout=120)
     return started, job_id
@@ -99,7 +99,8 @@ def test_cancelled_job_ends_wait_with_a_clear_status(launcher: Launcher, tmp_pat
 
 @pytest.mark.slurm
 def test_node_set_down_ends_wait_with_node_fail(launcher: Launcher, tmp_path: Path) -> None:
-    started, job_id = _running(launcher, tmp_path)
+    # a job that may not be requeued (a requeueable one resumes: tests/slurm/test_requeue_resume.py)
+    started, job_id = _running(launcher, tmp_path, "cluster.max_requeues=0")
     cluster = launcher.cluster
     try:
         down_at = time.monotonic()

@@ -73,7 +73,7 @@ def test_requeue_limit_ends_the_job_with_exit_code_3(preempted_runs: dict[str, L
     run = preempted_runs["limited"]
     assert run.returncode == 3, run.stdout + run.stderr
     assert "already requeued 0 times (MAX_REQUEUES=0)" in run.stdout
-    assert "stopped for preemption more often than cluster.max_requeues=0 allows" in run.stderr
+    assert "more often than cluster.max_requeues=0 allows" in run.stderr
     assert _runs_in_sacct(slurm_cluster, run.job_id) == ["FAILED|3:0"]
     assert [m["step"] for m in run.metrics()] == [1]
     assert (Path(run.run_dir) / "checkpoints" / "step_00000001").is_dir()
