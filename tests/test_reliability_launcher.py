@@ -237,8 +237,12 @@ def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
     run_dir = tmp_path / "busy"
     args = [sys.executable, str(REPO_ROOT / "launch.py"), *TINY_RUN, "checkpoint.save_at_end=false",
             f"run.dir={run_dir}"]
+    # SIGINT back to its default in the child: by this point of a full run some library has set it to SIG_IGN
+    # in the pytest process (Python still reports its own handler), and an ignored SIGINT is inherited, so
+    # Ctrl-C would never reach the launcher (seen in full runs: the rank trained on for 240 s).
     first = subprocess.Popen([*args, "run.steps=1000000"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists():  # the first job is training
@@ -247,11 +251,14 @@ def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
         holder = json.loads((run_dir / ".lock").read_text())
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
         config = (run_dir / "config.yaml").read_text()
-        second = run_launch(*TINY_RUN, "run.steps=5", f"run.dir={run_dir}", timeout=180)  # a slow disk, not a hang
+        second = run_launch(*TINY_RUN, "run.steps=5", f"run.dir={run_dir}", timeout=60)
         _one_line_error(second, f"run.dir={run_dir} is in use by pid {first.pid} on {socket.gethostname()}")
         assert (run_dir / "config.yaml").read_text() == config, "the refused launch rewrote config.yaml"
         first.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its ranks, then releases the lock
-        assert first.wait(timeout=60) == 130
+        try:
+            assert first.wait(timeout=60) == 130
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launch.py did not stop within 60 s of Ctrl-C:\n{_stuck_report(run_dir)}") from None
     finally:
         if first.poll() is None:
             first.kill()
@@ -260,6 +267,23 @@ def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert _processes_using(str(run_dir)) == []
     assert not (run_dir / ".lock").exists()
+
+
+def _stuck_report(run_dir: Path) -> str:
+    """State, kernel wait channel and command of every process whose command line names ``run_dir``, and the
+    last lines of rank 0's log: what a hung stop was waiting for."""
+    lines = []
+    for pid in _processes_using(str(run_dir)):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().split()
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"pid {pid} state {stat[2]} wchan {wchan}: {cmd[:200]}")
+        except OSError:
+            continue
+    log = run_dir / "logs" / "rank0.log"
+    tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else ["(no rank0.log)"]
+    return "\n".join(lines + ["rank0.log:"] + tail)
 
 
 def _dead_pid() -> int:
