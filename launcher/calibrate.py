@@ -88,8 +88,10 @@ def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict]]:
         raise ConfigError(f"--calibrate {run}: no {METRICS_FILE} yet; wait for the job's first step") from None
     metrics = []
     for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            metrics.append(json.loads(line)) if line.strip() else None
+            metrics.append(json.loads(line))
         except ValueError:
             if number < len(lines):  # the last line may be half written by a running job
                 raise ConfigError(f"--calibrate {run}: {METRICS_FILE} line {number} is not JSON") from None
