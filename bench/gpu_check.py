@@ -15,7 +15,10 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
 3. colocated generation throughput: greedy decoding of a batch on the training engine's own weights
    (optimizer state resident) against ``transformers`` ``generate`` on a copy of the same weights; the KV-cache
    log-probs of that run against the training forward, and ``transformers``' teacher-forced log-probs.
-4. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
+4. router replay (bench/router_replay.py): a 32-expert top-4 MoE rollout in the main dtype, generation log-probs
+   against the training forward with free routing and with the recorded routes replayed; replay must not widen
+   the log-ratio spread.
+5. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
    rollout's KV-cache log-probs are checked against the training forward. bf16 tolerance: max |diff| <= 0.25
    nats and mean |diff| <= 0.02 nats (bf16 keeps 8 mantissa bits; decode and full-sequence GEMMs round
    differently).
@@ -290,6 +293,19 @@ def moe_check(run_dir: str, device: torch.device) -> dict:
                                                                    out.logprobs, reference), dtype="fp32")}
 
 
+def router_replay_check(run_dir: str, dtype: str) -> dict:
+    """bench/router_replay.py's measurement on this device: one MoE rollout's log-ratio spread (generation against
+    the training forward) with free routing and with the recorded routes replayed; and how many routes flipped."""
+    import yaml
+
+    from router_replay import BENCH_MOE, build, ratio_spread
+
+    shape_yaml = Path(run_dir) / "bench-moe.yaml"
+    shape_yaml.write_text(yaml.safe_dump(BENCH_MOE))
+    engine, shape = build(str(shape_yaml), dtype, f"{run_dir}/router_replay")
+    return {"model": f"{shape.name}, {dtype}", **ratio_spread(engine, shape, prompts=32, prompt_len=8, new_tokens=24)}
+
+
 def training_mfu(engine, shape, sizes: CheckSizes, gpu_type: str) -> dict:
     """Timed next-token training steps on the engine; model FLOPs and MFU from the planner's cost model."""
     from launcher.planner.costs import Workload
@@ -562,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"environment: {json.dumps(result['environment'])}")
             attempt("exactness_fp32", lambda: exactness_check(sizes.exact_model, device))
             attempt("moe", lambda: moe_check(run_dir, device))
+            attempt("router_replay", lambda: router_replay_check(run_dir, sizes.dtype))
             shape = load_model_shape(str(REPO_ROOT / sizes.model))
             holder: dict[str, Any] = {}
 
@@ -627,6 +644,9 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "generation_kv_cache_logprobs": flag("generation", "kv_cache_vs_training_forward", "passed"),
         "grpo_kv_cache_logprobs": flag("grpo", "kv_cache_vs_training_forward", "passed"),
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
+        "router_replay_narrows_ratio": flag("router_replay", "router_replay")
+        and result["router_replay"]["router_replay"]["log_ratio_max_abs"]
+        <= result["router_replay"]["free_routing"]["log_ratio_max_abs"] + 1e-6,
     }
     if result.get("install", {}).get("rc") is not None:
         checks["install"] = result["install"]["rc"] == 0

@@ -30,3 +30,15 @@ def run_launch(*args: str, timeout: float = 300, env: dict | None = None) -> sub
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def torchrun_check(script: str, out: Path, *args: str, nproc: int = 2) -> list[dict]:
+    """Run ``tests/dist/<script> --out OUT ARGS`` on ``nproc`` local gloo ranks; each rank's ``OUT/rank{R}.json``."""
+    from launcher.ports import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(REPO_ROOT / "tests" / "dist" / script), "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -69,6 +69,7 @@ def test_every_shipped_config_loads_and_its_layout_is_legal(path):
     (["cluster.executor=kubernetes"], "cluster.executor='kubernetes' is not valid"),
     (["cluster.nodes=2", "cluster.executor=local"], "local runs use one node"),
     (["algorithm.kl_estimator=k4"], "use one of: k1, k2, k3"),
+    (["algorithm.name=sft", "algorithm.router_replay=true"], "algorithm.router_replay=true replays the experts of GRPO"),
     (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
     (["notakeyvalue"], "must look like section.key=value"),
 ])
@@ -140,6 +141,7 @@ def test_did_you_mean_suggests_only_close_options():
     (["parallel.tp=2", "parallel.pp=2"], "tp*pp*cp = 2*2*1 = 4 does not divide the world size 2"),
     (["parallel.cp=2", "parallel.tp=2"], "does not divide the world size 2"),
     (["parallel.ep=2"], "has no experts"),
+    (["algorithm.router_replay=true"], "algorithm.router_replay=true needs an MoE model and tiny-cpu is dense"),
     (["algorithm.name=pretrain", "algorithm.global_batch_size=3", "parallel.micro_batch_size=1"],
      "not divisible by parallel.micro_batch_size*dp"),
     (["algorithm.prompts_per_step=3", "algorithm.group_size=1", "algorithm.global_batch_size=1",
@@ -161,6 +163,7 @@ def test_layouts_that_cannot_run_are_rejected(overrides, message):
     (["parallel.pp=4", "cluster.tasks_per_node=4"], "2 layers over parallel.pp=4 is not legal"),
     (["parallel.tp=2", "parallel.pp=2", "cluster.executor=local"], "does not divide the world size 2"),
     (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0 must be positive"),
+    (["algorithm.router_replay=true"], "needs an MoE model and tiny-cpu is dense; set it to false"),
     (["--no-such-flag"], "unrecognized arguments"),
 ])
 def test_cli_rejects_bad_input_with_one_line_and_exit_2(launch, tmp_path, args, fragment):

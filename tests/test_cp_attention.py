@@ -21,15 +21,11 @@ gathered in rank order) gives differences of order 1 (attention 1.8, per-token l
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from launcher.ports import free_port
+from helpers import torchrun_check
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "tests" / "dist" / "cp_attention_check.py"
@@ -40,12 +36,7 @@ AFTER_ADAM_TOL = 1e-4  # log-probs after two Adam steps (lr 0.01): Adam normalis
 
 
 def _torchrun(out: Path, nproc: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(SCRIPT), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return torchrun_check(SCRIPT.name, out, nproc=nproc)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])

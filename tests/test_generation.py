@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from megatron_rl.runtime.phases import HostOffload
+from helpers import torchrun_check
 from launcher.ports import free_port
 from megatron_rl.generation.sampling import SamplingParams, choose_tokens, sampling_logits
 
@@ -159,12 +160,7 @@ def test_host_offload_frees_storage_and_restores_values_and_views_exactly():
 # Distributed runs.
 
 def _torchrun(out: Path, *args: str, nproc: int = 2) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(SCRIPT), "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return torchrun_check(SCRIPT.name, out, *args, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +217,24 @@ def test_generation_logprobs_equal_training_forward(request, layout):
         assert rank["sampled_vs_sequence_logprobs"] < LOGPROB_TOL
         if "greedy_vs_loss_path" in rank:
             assert rank["greedy_vs_loss_path"] < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
+def test_shared_prefill_equals_prefilling_every_row(request, layout):
+    """GRPO groups prefilled once per distinct prefix (the cache rows copied to the group) give the tokens and
+    log-probs of prefilling every row, greedy and sampled with the same seed (so the same draws from the same
+    distribution), and the training forward's log-probs."""
+    for rank in request.getfixturevalue(layout):
+        prompts = rank["prompts"]
+        grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9]]
+        shortest = min(len(p) for p in grouped)
+        distinct = len({tuple(p[:shortest]) for p in grouped})
+        for name, run in rank["shared_prefill"].items():
+            assert run["prefill_rows"] == distinct < len(grouped), (name, run)
+            assert run["unshared_prefill_rows"] == run["rows"]
+            assert run["tokens_equal"], (name, run)
+            assert run["logprob_diff"] < LOGPROB_TOL and run["vs_sequence_logprobs"] < LOGPROB_TOL, (name, run)
+            assert run["forward_passes"][0] == run["forward_passes"][1]
 
 
 def test_pipeline_generation_equals_recomputation(pp2_vpp2):

@@ -101,3 +101,12 @@ def test_usage_error_exits_2():
     proc = subprocess.run(["bash", str(SCRIPT), "--bogus"], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 2 and "usage: bench/gpu_check.sh" in proc.stderr
+
+
+def test_router_replay_figures_in_fp32(dry_run):
+    """Dry run (fp32): no route differs between generation and the training forward, so replay changes nothing."""
+    result, _, _ = dry_run
+    replay = result["router_replay"]
+    assert replay["tokens"] > 0 and replay["route_flip_fraction"] == 0.0
+    assert replay["router_replay"] == replay["free_routing"]
+    assert replay["free_routing"]["log_ratio_max_abs"] < 1e-5

@@ -17,16 +17,11 @@ Run: ``.venv/bin/python -m pytest tests/test_grpo_layouts.py -q``
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO_ROOT, read_metrics, run_launch
-from launcher.ports import free_port
+from helpers import read_metrics, run_launch, torchrun_check
 
 SHORT = ["cluster.executor=local", "logging.tensorboard=false", "checkpoint.save_at_end=false",
          "algorithm.sft_warmup_steps=30", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
@@ -44,8 +39,11 @@ def _grpo(run_dir, *extra) -> list[dict]:
 
 
 RUNS = {  # name: overrides; FIVE_LAYERS is the 5-layer tiny-cpu variant
-    "moe_1proc": [*MOE, "cluster.tasks_per_node=1"],
-    "moe_tp2_ep2_sp": [*MOE, "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
+    # router replay on in both MoE runs: after a rollout's first optimizer step the replayed routes are the
+    # sampling policy's, no longer the current one's, so a run with replay is compared with a run with replay
+    "moe_1proc": [*MOE, "cluster.tasks_per_node=1", "algorithm.router_replay=true"],
+    "moe_tp2_ep2_sp": [*MOE, "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                       "algorithm.router_replay=true"],
     "pp1_5layers": ["FIVE_LAYERS", "cluster.tasks_per_node=1"],
     "pp2_5layers": ["FIVE_LAYERS", "parallel.pp=2"],
     "dp2_seq_mean": SEQ_MEAN,
@@ -76,12 +74,7 @@ def job(tmp_path_factory):
 
 
 def _torchrun(out, script: str, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(REPO_ROOT / "tests" / "dist" / script), "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return torchrun_check(script, out, *args)
 
 
 # ------------------------------------------------------------------------------------------------ GRPO runs
@@ -112,6 +105,19 @@ def test_same_rollout_workers_give_the_same_run(job, layout, reference):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a, b)
 
 
+def test_router_replay_run_trains_on_recorded_routes(job):
+    """Both MoE runs replay every trained completion's routes (2 MoE layers per position), the same ones at
+    TP2·EP2·SP as in one process; a dense run has none."""
+    got, _ = job("moe_tp2_ep2_sp")
+    ref, _ = job("moe_1proc")
+    dense, _ = job("dp2_seq_mean")
+    for m, r in zip(got, ref, strict=True):
+        positions = m["response_length"] * 16  # completions per step, all trained
+        assert m["replayed_routes"] > 2 * positions, m  # plus the prompts' positions
+        assert m["replayed_routes"] == r["replayed_routes"]
+    assert all("replayed_routes" not in m for m in dense)
+
+
 def test_uneven_split_is_chosen_by_the_launcher(job):
     import yaml
 
@@ -133,9 +139,14 @@ def test_generation_logprobs_equal_training_forward_at_the_layout(tmp_path, layo
     workers = {r["worker"] for r in ranks}
     assert workers == ({0, 1} if layout in ("cp2", "moe_ep2_dp2") else {0})
     for rank in ranks:
-        for name in ("greedy", "sampled", "eos", "megatron_path"):
+        for name in ("greedy", "sampled", "eos", "megatron_path", "grouped"):
             run = rank[name]
-            assert run["rows_checked"] == 8 and run["max_logprob_diff"] < LOGPROB_TOL, (name, run)
+            assert run["rows_checked"] == (8 if name != "grouped" else 8 * len(workers)), (name, run)
+            assert run["max_logprob_diff"] < LOGPROB_TOL, (name, run)
+        # grouped prompts are prefilled once per distinct prompt; experts shared across workers: as many as the
+        # worker with the most (4)
+        own = 2 if rank["worker"] == 0 else 4
+        assert rank["grouped"]["prefill_rows"] == (4 if layout == "moe_ep2_dp2" else own), rank["grouped"]
         assert rank["megatron_path"]["tokens"] == rank["greedy"]["tokens"]
         assert rank["flags_after"] == rank["flags_before"]  # SP / CP back on for training
         assert rank["train_after_generation"]["finite"]

@@ -271,6 +271,9 @@ class AlgorithmConfig:
     """DAPO soft overlong punishment {buffer, penalty}; null: off."""
     mask_truncated: bool = False
     """Leave completions cut at generation.max_new_tokens out of the loss (DAPO's overlong filtering)."""
+    router_replay: bool = False
+    """MoE models: record the experts generation routed each token to and route the rollout's training forwards
+    (old log-probs, reference, updates) the same way, so routing flips do not show up as policy ratios (R3)."""
     clip_eps_low: float = 0.2
     """Lower clip of the policy ratio: 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -312,6 +315,9 @@ class AlgorithmConfig:
         _non_negative("algorithm", clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
                       kl_coef=self.kl_coef, rm_centering_coef=self.rm_centering_coef,
                       sft_warmup_steps=self.sft_warmup_steps)
+        if self.router_replay and self.name != "grpo":
+            raise ConfigError(f"algorithm.router_replay=true replays the experts of GRPO rollouts; algorithm.name="
+                              f"{self.name} has none, so set it to false")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
         if self.clip_eps_low >= 1:

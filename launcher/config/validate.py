@@ -47,5 +47,7 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
                           f"cp={dims.cp}, sequence_parallel={str(dims.sp).lower()}: Megatron splits each sequence "
                           f"into 2*cp chunks and, under sequence parallelism, each rank's part over tp); use a "
                           f"multiple of {multiple}")
+    if cfg.algorithm.router_replay and not shape.is_moe:
+        raise ConfigError(f"algorithm.router_replay=true needs an MoE model and {shape.name} is dense; set it to false")
     check_limits(dataclasses.asdict(par), trainer_limits(shape, cfg.algorithm.name))
     return dp

@@ -170,6 +170,14 @@ class Lockstep:
                              f"got {-int(values[1])} to {int(values[0])}")
         return -int(values[2]), int(values[3])
 
+    def max_over_workers(self, value: int) -> int:
+        """The largest ``value`` of the workers (this worker's own when disabled)."""
+        if not self.enabled:
+            return value
+        packed = torch.tensor([value], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(packed)
+
     def all_done(self, done: torch.Tensor) -> bool:
         """True when every worker's rows are finished (this worker's ``done`` [batch] bool)."""
         local = bool(done.all())

@@ -71,6 +71,8 @@ class ModelOptions:
     """Its coefficient (0 turns it off)."""
     moe_expert_bias_update: bool = False
     """model.moe_expert_bias_update: update the router's expert bias (rate EXPERT_BIAS_UPDATE_RATE) or keep it."""
+    router_replay: bool = False
+    """algorithm.router_replay: routers that can record and replay their top-k (megatron_rl/models/router_replay.py)."""
 
 
 EXPERT_BIAS_UPDATE_RATE = 1e-3
@@ -114,6 +116,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_grouped_gemm=have_transformer_engine(),  # TE's grouped GEMM experts on GPUs
             moe_aux_loss_coeff=aux_loss_coeff(opts),
             moe_router_load_balancing_type=opts.moe_load_balancing if opts.moe_aux_loss_coeff else "none",
+            moe_enable_routing_replay=opts.router_replay,
             expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
     recompute = {}
     if opts.recompute == "selective":
@@ -409,6 +412,10 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
 
 def build_model_chunks(shape: ModelShape, opts: ModelOptions) -> list:
     """All model chunks this rank holds: one, or vpp of them with interleaved pipelining."""
-    if opts.dims.vpp > 1:
-        return [build_gpt_model(shape, opts, vp_stage=i) for i in range(opts.dims.vpp)]
-    return [build_gpt_model(shape, opts)]
+    chunks = [build_gpt_model(shape, opts, vp_stage=i) for i in range(opts.dims.vpp)] if opts.dims.vpp > 1 \
+        else [build_gpt_model(shape, opts)]
+    if opts.router_replay and shape.is_moe:
+        from megatron_rl.models.router_replay import install
+
+        install(chunks)
+    return chunks

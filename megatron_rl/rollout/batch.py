@@ -40,6 +40,9 @@ class Rollout:
     rewards: Optional[torch.Tensor] = None
     per_fn: dict[str, list[float]] = field(default_factory=dict)
     advantages: Optional[torch.Tensor] = None
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """With algorithm.router_replay: per completion, the experts generation routed each fed position to
+    (``GenerationOutput.routes``, this rank's MoE layers); empty otherwise."""
     seq_multiple: int = 1
     """The training length is rounded up to a multiple of this (``Engine.sequence_multiple``: 2*cp under
     context parallelism, tp (times cp) under sequence parallelism); the extra positions are masked padding."""
@@ -54,7 +57,7 @@ class Rollout:
                        rewards=None if self.rewards is None else self.rewards[index],
                        per_fn={name: pick(values) for name, values in self.per_fn.items()},
                        advantages=None if self.advantages is None else self.advantages[index],
-                       seq_multiple=self.seq_multiple)
+                       routes=pick(self.routes) if self.routes else [], seq_multiple=self.seq_multiple)
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
@@ -66,7 +69,7 @@ class Rollout:
                        rewards=None if parts[0].rewards is None else torch.cat([part.rewards for part in parts]),
                        per_fn={name: [v for part in parts for v in part.per_fn[name]] for name in parts[0].per_fn},
                        advantages=None if parts[0].advantages is None else torch.cat([p.advantages for p in parts]),
-                       seq_multiple=parts[0].seq_multiple)
+                       routes=joined("routes"), seq_multiple=parts[0].seq_multiple)
 
     @property
     def seq_length(self) -> int:
@@ -79,7 +82,8 @@ class Rollout:
 def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
     """A training micro-batch of rollout rows, right-padded; loss_mask marks the response's label positions.
 
-    The reference model's log-probs, when there is one, are added as ``ref_logp`` by its forward pass."""
+    The reference model's log-probs, when there is one, are added as ``ref_logp`` by its forward pass. Rows with
+    ``routes`` (router replay) give ``routes`` [b, seq_length, slots, topk], ``NO_ROUTE`` past each row's end."""
     batch_size = len(rows)
     tokens = torch.full((batch_size, seq_length + 1), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((batch_size, seq_length), dtype=torch.float32)
@@ -96,9 +100,21 @@ def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
              "old_logp": old_logp, "advantages": advantages,
              "position_ids": torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1).contiguous()}
+    if rows and "routes" in rows[0]:
+        batch["routes"] = _collate_routes([row["routes"] for row in rows], seq_length=seq_length)
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     return batch
+
+
+def _collate_routes(routes: list[torch.Tensor], *, seq_length: int) -> torch.Tensor:
+    from megatron_rl.models.router_replay import NO_ROUTE
+
+    slots, topk = routes[0].shape[1:]
+    out = torch.full((len(routes), seq_length, slots, topk), NO_ROUTE, dtype=routes[0].dtype)
+    for i, row in enumerate(routes):
+        out[i, :row.size(0)] = row
+    return out
 
 
 def rollout_rows(rollout: Rollout, *, mask_truncated: bool = False) -> list[dict]:
@@ -108,7 +124,8 @@ def rollout_rows(rollout: Rollout, *, mask_truncated: bool = False) -> list[dict
     for i in range(len(rollout.response_ids)):
         rows.append({"prompt_ids": rollout.prompt_ids[i], "response_ids": rollout.response_ids[i],
                      "logprobs": rollout.logprobs[i], "advantage": float(rollout.advantages[i]),
-                     "in_loss": not (mask_truncated and rollout.truncated[i])})
+                     "in_loss": not (mask_truncated and rollout.truncated[i]),
+                     **({"routes": rollout.routes[i]} if rollout.routes else {})})
     return rows
 
 

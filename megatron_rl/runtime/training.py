@@ -69,12 +69,14 @@ def forward_logprobs(chunks: list, microbatches: list[dict], *, seq_length: int,
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_rl.models.router_replay import routes_released
+
     sink: list[torch.Tensor] = []
     was_training = [chunk.training for chunk in chunks]
     for chunk in chunks:
         chunk.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), routes_released(chunks):
             get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=logprob_collector(sink), forward_fn=logits_forward),
                 data_iterator=_data_iterators(chunks, microbatches), model=chunks,
@@ -124,6 +126,7 @@ def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
         dims=ParallelDims.from_config(cfg.parallel, world_size=torch.distributed.get_world_size()), recompute=cfg.parallel.recompute, dtype=compute_dtype(cfg.model.dtype),
         moe_load_balancing=cfg.model.moe_load_balancing, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
         moe_expert_bias_update=cfg.model.moe_expert_bias_update,
+        router_replay=cfg.algorithm.name == "grpo" and cfg.algorithm.router_replay and shape.is_moe,
         seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed)
 
 
@@ -156,10 +159,12 @@ class Engine:
         """Forward-backward over ``microbatches`` (this DP rank's share) and one optimizer step."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron_rl.models.router_replay import routes_released
+
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with peak_memory_of(self.peak_memory, "train"):
+        with peak_memory_of(self.peak_memory, "train"), routes_released(self.chunks):
             reports = get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
                 data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
@@ -178,7 +183,9 @@ class Engine:
         """Forward pass through the schedule without gradients (evaluation)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        with torch.no_grad():
+        from megatron_rl.models.router_replay import routes_released
+
+        with torch.no_grad(), routes_released(self.chunks):
             reports = get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
                 data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
@@ -241,10 +248,15 @@ def _data_iterators(chunks: list, microbatches: list[dict]):
 
 def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn, forward_fn: ForwardFn):
     """Micro-batches arrive whole; under context parallelism each rank keeps its two sequence chunks (Megatron's
-    load-balanced order) of every per-token entry. The schedule is given the global sequence length."""
+    load-balanced order) of every per-token entry. The schedule is given the global sequence length. A batch
+    with ``routes`` routes its tokens by them (``megatron_rl.models.router_replay``)."""
     from megatron_rl.models.cp_attention import slice_batch_for_cp
 
     batch = slice_batch_for_cp(next(data_iterator))
+    if "routes" in batch:  # a rollout's recorded experts (algorithm.router_replay)
+        from megatron_rl.models.router_replay import replay
+
+        replay(model, batch["routes"])
     return forward_fn(model, batch), partial(loss_fn, batch=batch)
 
 

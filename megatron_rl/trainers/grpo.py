@@ -11,7 +11,9 @@ advantages, train (one or more optimizer steps through Megatron's forward-backwa
 Layouts: generation runs at every training layout (megatron_rl/generation/layout.py): sequence and context
 parallelism are off while generating, context-parallel ranks generate as extra rollout workers (the rollout is
 split over the dp*cp workers, then gathered whole on every rank, and training slices it by DP rank as usual),
-and MoE models at ep > 1 decode in lockstep over the workers that share experts.
+and MoE models at ep > 1 decode in lockstep over the workers that share experts. With algorithm.router_replay an
+MoE rollout carries the experts generation chose, and its training forwards use them
+(megatron_rl/models/router_replay.py).
 """
 
 from __future__ import annotations
@@ -165,10 +167,12 @@ class GrpoRun:
                                                                                           wanted * group)))),
                             draws=len(drawn), generate_s=generate_s, score_s=score_s)
 
-    def generate(self, prompts: list, *, group: Optional[int] = None, seed: Optional[int] = None) -> Rollout:
+    def generate(self, prompts: list, *, group: Optional[int] = None, seed: Optional[int] = None,
+                 record_routes: Optional[bool] = None) -> Rollout:
         """``group`` (default group_size) completions per prompt; each rollout worker (data-parallel x
         context-parallel rank) samples its share, then all see all. ``seed``: default the next draw of the run's
-        generation RNG."""
+        generation RNG. ``record_routes`` (default algorithm.router_replay): keep the experts each token was
+        routed to, for the training forwards to replay."""
         from megatron_rl.generation import data_parallel_seed, generate
 
         group = group or self.algo.group_size
@@ -182,15 +186,19 @@ class GrpoRun:
                 [ckpt.unwrap(c) for c in self.engine.chunks], mine,
                 max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
                 eos_id=self.tokenizer.eos_id, stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
-                vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=data_parallel_seed(step_seed))
-        sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length")
-                                        for tokens, lp, reason in zip(out.tokens, out.logprobs, out.finish_reasons)],
+                vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=data_parallel_seed(step_seed),
+                record_routes=self.algo.router_replay if record_routes is None else record_routes)
+        routes = out.routes or [None] * len(out.tokens)
+        sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length", route)
+                                        for tokens, lp, reason, route in zip(out.tokens, out.logprobs,
+                                                                             out.finish_reasons, routes)],
                                        with_context_parallel=True)
-        responses = [tokens for tokens, _, _ in sampled]
+        responses = [tokens for tokens, _, _, _ in sampled]
         completions = [self.tokenizer.decode(r) for r in responses]
-        return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=[lp for _, lp, _ in sampled],
+        return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=[lp for _, lp, _, _ in sampled],
                        prompts=texts, completions=completions, answers=[p.answer for p in prompts for _ in range(group)],
-                       truncated=[cut for _, _, cut in sampled], seq_multiple=self.engine.sequence_multiple)
+                       truncated=[cut for _, _, cut, _ in sampled], seq_multiple=self.engine.sequence_multiple,
+                       routes=[route for *_, route in sampled] if out.routes is not None else [])
 
     def evaluate(self, step: int) -> dict[str, float]:
         """pass@1 (one sample per held-out prompt, the generation settings) and mean reward, logged with phase
@@ -206,7 +214,7 @@ class GrpoRun:
                 batch = prompts[start:start + chunk]
                 padded = [batch[i % len(batch)] for i in range(-(-len(batch) // workers) * workers)]
                 seed = random.Random(f"eval:{self.cfg.run.seed}:{step}:{start}").getrandbits(62)
-                parts.append(self.generate(padded, group=1, seed=seed).select(list(range(len(batch)))))
+                parts.append(self.generate(padded, group=1, seed=seed, record_routes=False).select(list(range(len(batch)))))
         rollout = Rollout.concat(parts)
         total, rollout.per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
         rollout.rewards = torch.tensor(total, dtype=torch.float32)
@@ -284,6 +292,9 @@ class GrpoRun:
             **({"sampling_draws": float(batch.draws), "groups_kept": len(batch.kept.response_ids) / self.algo.group_size}
                if self.algo.drop_zero_signal_groups else {}),
             **train,
+            # (token, MoE layer) routes the training forwards replayed, on this rank's pipeline stage
+            **({"replayed_routes": float(sum(r.shape[0] * r.shape[1] for r in batch.kept.routes))}
+               if batch.kept.routes else {}),
             "generate_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
             "train_tokens_per_s": train_tokens / max(t_train, 1e-9),
             "time_generate_s": t_gen, "time_score_s": t_score, "time_train_s": t_train,

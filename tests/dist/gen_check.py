@@ -197,6 +197,22 @@ def main() -> None:
     result["sampled_vs_sequence_logprobs"] = max_abs_diff(sampled.logprobs,
                                                           response_slice(full, prompts, sampled.lengths))
 
+    # Shared prefill: GRPO-style groups (each prompt 4 times, and two prompts with the same 3-token start),
+    # prefilled once per distinct prefix, against prefilling every row; greedy and sampled (the same seed).
+    grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9]]
+    result["shared_prefill"] = {}
+    for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5))):
+        shared = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, **kwargs)
+        every_row = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
+                             **kwargs)
+        full = sequence_logprobs(chunks, padded(grouped, shared.tokens))
+        result["shared_prefill"][name] = {
+            "rows": len(grouped), "prefill_rows": shared.prefill_rows, "unshared_prefill_rows": every_row.prefill_rows,
+            "tokens_equal": shared.tokens == every_row.tokens,
+            "logprob_diff": max_abs_diff(shared.logprobs, every_row.logprobs),
+            "vs_sequence_logprobs": max_abs_diff(shared.logprobs, response_slice(full, grouped, shared.lengths)),
+            "forward_passes": [shared.forward_passes, every_row.forward_passes]}
+
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]
     stop_seq = greedy.tokens[1][1:3]

@@ -87,9 +87,16 @@ def main() -> None:
             "eos": dict(temperature=1.0, seed=5 + result["worker"], eos_id=mine[0][-1]),
             "megatron_path": dict(temperature=0.0, fast_attention=False)}  # Megatron's own attention, modules
     multiple = engine.sequence_multiple
+    # GRPO-style groups: worker 0 has 2 distinct prompts, worker 1 has 4 (8 rows each); an EP lockstep makes both
+    # prefill 4 rows, otherwise each prefills its own distinct ones
+    distinct = prompts_of_all_workers()[:2] if result["worker"] == 0 else prompts_of_all_workers()[2:6]
+    grouped = [p for p in distinct for _ in range(8 // len(distinct))]
+    inputs = {name: mine for name in runs}
+    runs["grouped"], inputs["grouped"] = dict(temperature=0.0), grouped
     for name, kwargs in runs.items():
-        out = generate(engine.chunks, mine, vocab_size=vocab, max_new_tokens=NEW_TOKENS, **kwargs)
-        every = gather_data_parallel([(p, t, lp) for p, t, lp in zip(mine, out.tokens, out.logprobs)],
+        out = generate(engine.chunks, inputs[name], vocab_size=vocab, max_new_tokens=NEW_TOKENS, **kwargs)
+        mine_now = inputs[name]
+        every = gather_data_parallel([(p, t, lp) for p, t, lp in zip(mine_now, out.tokens, out.logprobs)],
                                      with_context_parallel=True)
         width = max(len(p) + len(t) for p, t, _ in every)
         width = 1 + -(-(width - 1) // multiple) * multiple  # the training forward's length: a multiple again
@@ -100,6 +107,7 @@ def main() -> None:
         result[name] = {"tokens": out.tokens, "lengths": out.lengths, "finish_reasons": out.finish_reasons,
                         "forward_passes": out.forward_passes, "decode_path": out.decode_path,
                         "decode_attention": out.decode_attention, "max_logprob_diff": diff,
+                        "prefill_rows": out.prefill_rows,
                         "rows_checked": len(every)}
     result["flags_after"] = flags(chunks)
     after = train_step(3)
