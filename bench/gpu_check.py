@@ -152,11 +152,13 @@ def megatron_to_hf(model, shape, *, dtype: torch.dtype, device: torch.device):
     return hf.eval()
 
 
-def hf_generate(hf, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def hf_generate(hf, prompts: torch.Tensor, new_tokens: int, eos_id: int | None = None) -> torch.Tensor:
+    """Greedy ``transformers`` generate: exactly ``new_tokens`` per row, or with ``eos_id`` until each row's eos
+    (the rows after it padded with 0, as ``generate`` pads finished rows)."""
+    lengths = dict(min_new_tokens=new_tokens) if eos_id is None else {}
     with torch.inference_mode():
         out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-                          use_cache=True)
+                          do_sample=False, pad_token_id=0, eos_token_id=eos_id, use_cache=True, **lengths)
     return out[:, prompts.shape[1]:]
 
 

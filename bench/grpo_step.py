@@ -148,7 +148,7 @@ def build_our_run(settings: BenchSettings):
     from launcher.model_shape import load_model_shape
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.trainers.common import TrainerContext
-    from megatron_rl.trainers.grpo import GrpoRun, SampledBatch
+    from megatron_rl.trainers.grpo import GrpoRun
 
     completions = settings.prompts * settings.group
     cfg = load_config(None, [
@@ -186,19 +186,17 @@ def ours_worker(conn, settings: BenchSettings) -> None:
         nonlocal step
         step += 1
         t0 = time.perf_counter()
-        prompts = run.sampler.next_batch()
-        rollout = run.generate(prompts)
-        t1 = time.perf_counter()
-        run.score(rollout)
+        sampled = run.sample()  # the trainer's own step: generate and score, then train, metrics, log
         t2 = time.perf_counter()
-        train_metrics = run.train_on(rollout)
+        train_metrics = run.train_on(sampled.kept)
         t3 = time.perf_counter()
-        sampled = SampledBatch(drawn=rollout, kept=rollout, draws=1, generate_s=t1 - t0, score_s=t2 - t1)
         metrics = run.step_metrics(sampled, train_metrics, t3 - t2)
         ctx.end_step(run.engine, step, metrics)
         t4 = time.perf_counter()
-        return {"total": t4 - t0, "generate": t1 - t0, "score": t2 - t1, "train": t3 - t2, "other": t4 - t3,
-                "prompts": rollout.prompts if step == 1 else None,
+        rollout = sampled.drawn
+        other = t4 - t3 + (t2 - t0 - sampled.generate_s - sampled.score_s)
+        return {"total": t4 - t0, "generate": sampled.generate_s, "score": sampled.score_s, "train": t3 - t2,
+                "other": other, "prompts": rollout.prompts if step == 1 else None,
                 "response_tokens": sum(len(r) for r in rollout.response_ids),
                 "first_ratio": [metrics.get("first_ratio_min"), metrics.get("first_ratio_max")]}
 

@@ -138,6 +138,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     grpo = None
     if algo.name == "grpo":
         grpo = GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=cfg.generation.max_new_tokens,
+                          generation_concurrency=cfg.generation.max_concurrent,
                           reference_model=algo.kl_coef > 0, kv_cache_released_for_training=True,
                           optimizer_offloaded_for_generation=cfg.generation.offload_optimizer)
     try:

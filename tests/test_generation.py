@@ -220,21 +220,46 @@ def test_generation_logprobs_equal_training_forward(request, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
-def test_shared_prefill_equals_prefilling_every_row(request, layout):
-    """GRPO groups prefilled once per distinct prefix (the cache rows copied to the group) give the tokens and
-    log-probs of prefilling every row, greedy and sampled with the same seed (so the same draws from the same
-    distribution), and the training forward's log-probs."""
+def test_shared_prefill_and_compaction_equal_the_static_path(request, layout):
+    """GRPO groups prefilled once per distinct prefix (the cache rows copied to the group), finished rows dropped
+    from the decode batch: the tokens, finish reasons and log-probs of prefilling and feeding every row, greedy
+    and sampled with the same seed (the same draws from the same distribution: the random draw is made for the
+    whole batch and indexed), and the training forward's log-probs."""
     for rank in request.getfixturevalue(layout):
         prompts = rank["prompts"]
-        grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9]]
+        long_prompts = [[(7 * i) % 90 + 5 for i in range(30)], [(7 * i) % 90 + 5 for i in range(30)][::-1]]
+        grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9],
+                                                             *long_prompts]
         shortest = min(len(p) for p in grouped)
         distinct = len({tuple(p[:shortest]) for p in grouped})
         for name, run in rank["shared_prefill"].items():
             assert run["prefill_rows"] == distinct < len(grouped), (name, run)
             assert run["unshared_prefill_rows"] == run["rows"]
-            assert run["tokens_equal"], (name, run)
+            assert run["tokens_equal"] and run["finish_reasons_equal"], (name, run)
             assert run["logprob_diff"] < LOGPROB_TOL and run["vs_sequence_logprobs"] < LOGPROB_TOL, (name, run)
+            assert run["sampling_logprob_diff"] < LOGPROB_TOL, (name, run)
             assert run["forward_passes"][0] == run["forward_passes"][1]
+            assert run["compactions"][0] >= 1 and run["compactions"][1] == 0, (name, run)
+        assert rank["shared_prefill"]["greedy_eos"]["stopped"] >= 4  # prompt 0's group stops at its 3rd token
+
+
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
+def test_max_concurrent_generates_in_waves_with_a_smaller_cache(request, layout):
+    """generation.max_concurrent=8: the rows go through in waves of 8, with the same greedy tokens and log-probs,
+    and the KV cache holds 8 rows instead of all of them."""
+    for rank in request.getfixturevalue(layout):
+        waves = rank["waves"]
+        assert waves["rows"] > 8 and waves["tokens_equal"] and waves["logprob_diff"] < LOGPROB_TOL, waves
+        capped, whole = waves["kv_cache_bytes"]
+        assert 0 < capped <= whole * 8 / waves["rows"], waves
+
+
+def test_pipelined_decode_equals_stages_in_turn(pp2_vpp2):
+    """PP2 x VPP2: the rows split into 2 parts that overlap across the stages give the tokens and log-probs of
+    one part running the stages in turn."""
+    for rank in pp2_vpp2:
+        run = rank["pipeline_microbatches"]
+        assert run["tokens_equal"] and run["logprob_diff"] < LOGPROB_TOL, run
 
 
 def test_pipeline_generation_equals_recomputation(pp2_vpp2):

@@ -8,6 +8,7 @@ Run: .venv/bin/python -m pytest tests/test_plan_launch.py -q
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from launcher.job import apply_plan, prepare
 from launcher.limits import TRAINER_LIMITS, trainer_limits
 from launcher.model_shape import load_model_shape
 from launcher.parallel import ParallelDims
-from launcher.planner import PLANNED_KEYS
+from launcher.planner import PLANNED_KEYS, parse_layout
 
 PATHS = ["model.init_from=/ckpt", "model.tokenizer=/tok", "data.train_path=/data.jsonl"]
 """The '???' keys of the shipped cluster configs: launch needs them, plan does not."""
@@ -89,13 +90,29 @@ def test_plan_picks_the_layout_that_launch_resolves(capsys, tmp_path, job):
 def test_the_grpo_sizing_comes_from_the_config(capsys):
     planned = _plan(capsys, "--config", "grpo_llama70b")
     assert planned["workload"]["grpo"] == {"rollout_batch_size": 128 * 16, "max_prompt_length": 4096 // 4,
-                                           "max_response_length": 2048, "reference_model": True,
+                                           "max_response_length": 2048, "generation_concurrency": None,
+                                           "reference_model": True,
                                            "kv_cache_released_for_training": True,
                                            "optimizer_offloaded_for_generation": True}
     kept = _plan(capsys, "--config", "grpo_llama70b", "generation.offload_optimizer=false", "algorithm.kl_coef=0")
     assert kept["workload"]["grpo"]["optimizer_offloaded_for_generation"] is False
     assert kept["workload"]["grpo"]["reference_model"] is False
     assert kept["memory_gib"]["reference_model"] == 0
+
+
+def test_generation_max_concurrent_bounds_the_planned_kv_cache(capsys):
+    """generation.max_concurrent reaches the planner, which sizes the KV cache for that many sequences per rollout
+    worker (the runtime generates in waves of that many), not for the worker's whole share of the rollout."""
+    whole = _plan(capsys, "--config", "grpo_llama70b")
+    held = [f"parallel.{key}={whole['layout'][key]}" for key in ("tp", "pp", "cp", "ep")]
+    capped = _plan(capsys, "--config", "grpo_llama70b", "generation.max_concurrent=16", *held)
+    assert capped["workload"]["grpo"]["generation_concurrency"] == 16
+    layout = whole["layout"]
+    per_worker = 128 * 16 / (layout["dp"] * layout["cp"])
+    assert per_worker > 16
+    assert capped["layout"] == whole["layout"]
+    ratio = capped["memory_gib"]["kv_cache_generating"] / whole["memory_gib"]["kv_cache_generating"]
+    assert ratio == pytest.approx(16 / per_worker, rel=1e-2)  # GiB rounded to 3 decimals
 
 
 @pytest.mark.parametrize("where", ["command line", "yaml file", "--layout"])
@@ -148,6 +165,12 @@ def test_shorthand_flags_set_the_config_keys(capsys):
                                                          "model.name=tiny-cpu-moe"),
     (["--gpus", "16", "cluster.nodes=2"], "cluster.nodes is given twice, by --gpus and by cluster.nodes=2"),
     (["--config", "grpo_llama70b", "parallel.tp=3"], "parallel.tp=3: num_attention_heads (64) not divisible by tp=3"),
+    (["--config", "grpo_llama70b", "--layout", "tp=8,tp=4"], "--layout: tp is given twice; give it once"),
+    (["--config", "grpo_llama70b", "--layout", "tp="], "--layout tp=: must be an integer"),
+    (["--config", "grpo_llama70b", "--layout", "pp"], "--layout: 'pp' is not key=value"),
+    (["--config", "grpo_llama70b", "--layout", "recompute=some"], "--layout recompute=some: use one of"),
+    (["--config", "grpo_llama405b", "--layout", "first_stage_layers=500"],
+     "parallel.first_stage_layers=500: no pp gives a legal pipeline split of 126 layers"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(capsys, args, message):
     assert cli.main(["plan", *args]) == 2
@@ -223,3 +246,66 @@ def test_moe_plans_write_the_expert_tensor_parallel_size_the_planner_models(caps
     assert cfg.parallel.etp is None and dims.etp == result.layout.etp == (1 if dims.ep > 1 else dims.tp)
     assert cli.main(["plan", *job, "parallel.etp=2", "parallel.tp=2"]) == 2
     assert "the planner models experts at etp=1 under ep > 1 and etp=tp otherwise" in capsys.readouterr().err
+
+
+# ---------------- explanation and --layout ----------------
+def test_the_plan_prints_the_step_time_by_part_and_why_the_runner_up_lost(capsys):
+    planned = _plan(capsys, "--config", "grpo_llama70b")
+    parts = planned["time_breakdown_s"]
+    assert sum(parts.values()) == pytest.approx(planned["predicted"]["step_time_s"], abs=1e-3)
+    assert parts["generation"] > 0 and parts["logprob_passes"] > 0 and min(parts.values()) >= 0
+    runner = planned["runner_up"]
+    assert set(runner) == {"layout", "step_time_s", "slower_by", "main_reason", "deltas_s", "excluded_by"}
+    assert runner["layout"] == planned["alternatives"][0]["layout"] and runner["excluded_by"] == {}
+    assert runner["slower_by"] > 0 and runner["deltas_s"][runner["main_reason"]] == max(runner["deltas_s"].values())
+    assert cli.main(["plan", "--config", "grpo_llama70b"]) == 0
+    text = capsys.readouterr().out
+    assert "Time per step" in text and "generation" in text and "log-prob passes" in text
+    line = next(x for x in text.splitlines() if x.startswith("Runner-up"))
+    assert " slower (" in line and f"tp={runner['layout']['tp']} pp={runner['layout']['pp']}" in line
+
+
+def test_kept_keys_that_exclude_a_faster_layout_make_it_the_runner_up(capsys):
+    free = _plan(capsys, "--config", "grpo_llama70b")
+    assert free["layout"]["pp"] != 4
+    kept = _plan(capsys, "--config", "grpo_llama70b", "--layout", "pp=4")
+    runner = kept["runner_up"]
+    assert runner["layout"] == free["layout"] and runner["excluded_by"] == {"pp": 4}
+    assert runner["slower_by"] < 0 and runner["deltas_s"][runner["main_reason"]] == min(runner["deltas_s"].values())
+    assert cli.main(["plan", "--config", "grpo_llama70b", "--layout", "pp=4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Runner-up"))
+    assert " faster (" in line and line.endswith("excluded by the kept pp=4")
+
+
+@pytest.mark.parametrize("config", ["grpo_llama405b", "grpo_deepseek_v3"])
+def test_the_alternatives_of_the_shipped_large_jobs_differ_in_tp_pp_cp_ep(capsys, config):
+    planned = _plan(capsys, "--config", config)
+    sizes = {tuple(a["layout"][k] for k in ("tp", "pp", "cp", "ep")) for a in planned["alternatives"]}
+    assert len(sizes) >= 3
+
+
+@pytest.mark.parametrize("layout", ["first_stage_layers=7", "first_stage_layers=7,last_stage_layers=7",
+                                    "tp=8,first_stage_layers=7"])
+def test_a_layout_with_a_split_key_and_no_pp_searches_the_rest(capsys, layout):
+    planned = _plan(capsys, "--config", "grpo_llama405b", "--layout", layout)
+    assert planned["fits"] and planned["layout"]["pp"] > 1 and "pp" not in planned["constraints"]
+    for key, value in (item.split("=") for item in layout.split(",")):
+        assert planned["layout"][key] == int(value) and planned["constraints"][key] == int(value)
+
+
+def test_a_fixed_layout_that_does_not_fit_exits_3_naming_the_nearest_layout_that_fits(capsys):
+    too_big = "tp=8,pp=1,vpp=1,cp=1,ep=1,mbs=1,recompute=none,sp=true"
+    assert cli.main(["plan", "--config", "grpo_llama70b", "--layout", too_big]) == 3
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("error: ")
+    needs = re.search(r"the leanest layout needs ([\d.]+) of ([\d.]+) GiB", captured.err)
+    assert needs and float(needs[1]) > float(needs[2])
+    nearest = re.search(r"nearest layout that fits: --layout (\S+) ", captured.err)[1]
+    kept = dict(item.split("=") for item in too_big.split(","))
+    got = dict(item.split("=") for item in nearest.split(","))
+    assert {k: got[k] for k in ("tp", "cp", "ep", "sp")} == {k: kept[k] for k in ("tp", "cp", "ep", "sp")}
+    assert cli.main(["plan", "--config", "grpo_llama70b", "--layout", too_big, "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["nearest_layout"] == nearest
+    planned = _plan(capsys, "--config", "grpo_llama70b", "--layout", nearest)
+    assert planned["fits"] and planned["memory_gib"]["total"] <= planned["memory_gib"]["capacity"]
+    assert {key: planned["layout"][key] for key in parse_layout(nearest)} == parse_layout(nearest)

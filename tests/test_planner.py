@@ -317,3 +317,114 @@ def test_cli_errors(capsys):
     assert "no such preset" in capsys.readouterr().err
     assert cli_main(["--model", "tiny-cpu", "--gpus", "8", "--mode", "dpo"]) == 2
     assert capsys.readouterr().err.startswith("error: plan: argument --mode")
+
+
+# ---------------- explanation: step time by part, runner-up, alternatives, --layout ----------------
+def _grpo_llama70b_plan():
+    from launcher.config.loader import given_keys, load_config
+    from launcher.job import load_shape, plan_job
+
+    cfg = load_config("grpo_llama70b", [], allow_missing=True)
+    return plan_job(cfg, load_shape(cfg.model.name), given=given_keys("grpo_llama70b", []))
+
+
+BREAKDOWN_PLANS = {
+    "dense-pretrain": lambda: plan(load_model_shape("llama-3.3-70b"), num_gpus=64, gpu_type=H100,
+                                   global_batch_size=128, seq_length=4096),
+    "moe-mtp-pretrain": lambda: plan(load_model_shape("deepseek-v3"), num_gpus=256, gpu_type="h200-141gb",
+                                     global_batch_size=512),
+    "shipped-grpo-llama70b": _grpo_llama70b_plan,
+}
+
+
+@pytest.mark.parametrize("case", BREAKDOWN_PLANS, ids=list(BREAKDOWN_PLANS))
+def test_time_breakdown_parts_are_non_negative_and_sum_to_the_step_time(case):
+    from launcher.planner import TIME_PARTS
+
+    res = BREAKDOWN_PLANS[case]()
+    for e in (res.estimate, *res.alternatives):
+        parts = e.breakdown_s
+        assert list(parts) == list(TIME_PARTS) and min(parts.values()) >= 0, parts
+        assert sum(parts.values()) == pytest.approx(e.step_time_s, rel=1e-6)
+    parts = res.estimate.breakdown_s
+    assert parts["compute"] > 0 and (parts["pp_bubble"] > 0) == (res.layout.pp > 1)
+    assert (parts["generation"] > 0 and parts["logprob_passes"] > 0) == (case == "shipped-grpo-llama70b")
+    assert (parts["ep_all_to_all"] > 0) == (res.layout.ep > 1)
+    if case == "moe-mtp-pretrain":
+        assert res.layout.ep > 1
+    obj = json.loads(res.to_json())
+    assert sum(obj["time_breakdown_s"].values()) == pytest.approx(res.estimate.step_time_s, abs=1e-4)
+    text = res.explain().split("Time per step", 1)[1].split("\n\n", 1)[0]
+    assert all(TIME_PARTS[key] in text for key, seconds in parts.items() if seconds > 0)
+
+
+def test_the_runner_up_over_slow_tp_links_loses_on_tp_communication():
+    """Two layouts that differ only in TP (dp follows), on a GPU whose TP links are as slow as the network between
+    nodes: the larger TP must lose mainly on TP communication."""
+    from dataclasses import replace
+
+    slow_tp = replace(GPUS["h100-80gb"], name="h100-tp-over-ib", nvlink_gb_s=GPUS["h100-80gb"].internode_gb_s)
+    res = evaluate(load_model_shape("llama-3.3-70b"), "pp=8,vpp=1,cp=1,mbs=1,recompute=none,sp=true,"
+                   "account_for_embedding=false,account_for_loss=false", num_gpus=64, gpu_type=slow_tp,
+                   global_batch_size=128, seq_length=4096)
+    runner = res.runner_up
+    assert runner is not None and runner.estimate is res.alternatives[0] and runner.excluded_by == {}
+    differs = {k for k, v in res.layout.to_dict().items() if runner.estimate.layout.to_dict()[k] != v}
+    assert differs == {"tp", "dp"} and runner.estimate.layout.tp > res.layout.tp
+    assert runner.slower_by > 0 and runner.main_reason == "tp_comm"
+    assert sum(runner.deltas_s.values()) == pytest.approx(runner.estimate.step_time_s - res.estimate.step_time_s,
+                                                          rel=1e-6)
+    line = res.explain().split("Runner-up   ", 1)[1].splitlines()[0]
+    assert "slower" in line and line.endswith("TP communication")
+    assert json.loads(res.to_json())["runner_up"]["main_reason"] == "tp_comm"
+
+
+def test_alternatives_list_the_fastest_of_each_other_parallel_size_first():
+    shape = load_model_shape("llama-3.3-70b")
+    res = plan(shape, num_gpus=128, gpu_type=H100, global_batch_size=512, seq_length=4096, top_k=6)
+    sizes = [(a.layout.tp, a.layout.pp, a.layout.cp, a.layout.ep) for a in res.alternatives]
+    chosen = (res.layout.tp, res.layout.pp, res.layout.cp, res.layout.ep)
+    brute = search(_workload("llama-3.3-70b", 128, 512, seq=4096), keep_all=False)
+    fastest = {}
+    for e in sorted(brute.fitting, key=lambda e: (e.step_time_s, e.total)):
+        fastest.setdefault((e.layout.tp, e.layout.pp, e.layout.cp, e.layout.ep), e)
+    distinct = len(fastest) - 1
+    assert distinct >= 3 and len(res.alternatives) == 6
+    head = res.alternatives[:min(distinct, 6)]
+    assert chosen not in sizes[:len(head)] and len(set(sizes[:len(head)])) == len(head)
+    for a in head:
+        key = (a.layout.tp, a.layout.pp, a.layout.cp, a.layout.ep)
+        assert a.step_time_s == fastest[key].step_time_s
+    assert [a.step_time_s for a in head] == sorted(a.step_time_s for a in head)
+
+
+def test_layout_arg_reads_back_as_the_same_layout():
+    from launcher.planner import layout_arg
+
+    for lay in (Layout(tp=8, pp=16, vpp=2, cp=2, ep=1, dp=4, micro_batch_size=2, recompute="selective",
+                       sequence_parallel=True, account_for_embedding=True, account_for_loss=True),
+                Layout(tp=1, pp=16, vpp=1, cp=1, ep=64, dp=128, micro_batch_size=1, recompute="full",
+                       sequence_parallel=False, first_stage_layers=4, last_stage_layers=1)):
+        parsed = parse_layout(layout_arg(lay))
+        assert parsed == {k: v for k, v in lay.to_dict().items() if k != "dp" and v is not None}
+
+
+def test_parse_layout_refuses_a_key_given_twice():
+    with pytest.raises(ConfigError, match="micro_batch_size is given twice"):
+        parse_layout("mbs=1,micro_batch_size=2")
+
+
+@pytest.mark.parametrize("split", [{"first_stage_layers": 7}, {"first_stage_layers": 7, "last_stage_layers": 7},
+                                   {"account_for_embedding": True, "account_for_loss": True}])
+def test_pipeline_split_keys_without_pp_search_the_pp(split):
+    res = plan(load_model_shape("llama-3.1-405b"), num_gpus=256, gpu_type="h200-141gb", global_batch_size=512,
+               seq_length=4096, fixed=split)
+    assert res.fits and res.layout.pp > 1 and res.constraints == split
+    assert all(getattr(res.layout, k) == v for k, v in split.items())
+
+
+def test_a_split_that_no_pp_accepts_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"first_stage_layers=500: no pp gives a legal pipeline split of 126 "
+                                          r"layers \(at pp=\d+: "):
+        plan(load_model_shape("llama-3.1-405b"), num_gpus=256, gpu_type="h200-141gb", global_batch_size=512,
+             seq_length=4096, fixed={"first_stage_layers": 500})

@@ -9,12 +9,16 @@ keys of the same names. With --config the file's values are the defaults and fla
 a flag and by key=value is an error. Without --config, ``--model`` sizes a pretraining job unless --mode or
 algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU model).
 
-The search keeps every parallel.* key that is given (file, key=value or --layout) and holds the trainer limits
-(``launcher/limits.py``); the plan lists both. Example: ``python launch.py plan --model llama-3.1-405b --gpus 16384
---gpu-type h100-80gb --global-batch-size 2048``.
+The search keeps every parallel.* key that is given (file, key=value or --layout; any subset: the rest is searched)
+and holds the trainer limits (``launcher/limits.py``); the plan lists both. It prints the chosen layout's memory and
+step time by part, the runner-up and the part of the step time it lost on (or, when the kept keys excluded a
+faster layout, that one), and the alternatives: the fastest of each other tp/pp/cp/ep first. Example:
+``python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb --global-batch-size 2048``.
 ``python launch.py plan --calibrate RUN_DIR [--json]`` prints a run's prediction (written at launch) beside what it
 measured, with the error of each (``launcher/calibrate.py``).
-Exit codes: 0 plan printed; 2 bad input; 3 nothing fits (the message names the smallest GPU count that would).
+Exit codes: 0 plan printed; 2 bad input; 3 nothing fits: one line on stderr with the memory the leanest layout needs,
+the nearest layout that fits when keys were kept (as a --layout value, which plans with exit 0), and the smallest GPU
+count that would fit.
 """
 
 from __future__ import annotations
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the plan subcommand; returns the exit code."""
     from launcher.config.loader import given_keys, load_config
     from launcher.job import load_shape, plan_job
-    from launcher.planner import NoFeasibleLayout
+    from launcher.planner import NoFeasibleLayout, layout_arg
 
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     try:
@@ -163,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         if as_json:
             leanest = exc.leanest.memory_gib() if exc.leanest is not None else None
+            nearest = exc.nearest
             print(json.dumps({"fits": False, "error": str(exc), "smallest_gpus": exc.smallest_gpus,
-                              "leanest_memory_gib": leanest}))
+                              "leanest_memory_gib": leanest,
+                              "nearest_layout": layout_arg(nearest.layout) if nearest is not None else None,
+                              "nearest_memory_gib": nearest.memory_gib() if nearest is not None else None}))
         return EXIT_NO_FIT
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -383,9 +383,14 @@ class GenerationConfig:
     offload_optimizer: bool = False
     """Move optimizer state and grads to host memory while generating (frees GPU memory for the KV cache; on
     CPU it runs the same code for nothing)."""
+    max_concurrent: Optional[int] = None
+    """Most completions a rollout worker decodes at once: its share of the rollout is generated in waves of this
+    many, which bounds the KV cache (the planner counts this cap); null: the whole share at once."""
 
     def __post_init__(self) -> None:
         _positive("generation", max_new_tokens=self.max_new_tokens)
+        if self.max_concurrent is not None:
+            _positive("generation", max_concurrent=self.max_concurrent)
         _non_negative("generation", temperature=self.temperature, top_k=self.top_k)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"generation.top_p={self.top_p} must be in (0, 1]")

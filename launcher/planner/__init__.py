@@ -20,13 +20,14 @@ from typing import Any, Mapping
 from launcher.errors import ConfigError, did_you_mean
 from launcher.limits import as_yaml, check_limits
 from launcher.model_shape import ModelShape
+from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
 from launcher.planner.costs import GrpoSizing, Runtime, Workload
-from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout
+from launcher.planner.estimate import RECOMPUTE_MODES, TIME_PARTS, Estimate, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.search import SearchOutcome, search
 
-__all__ = ["GPUS", "PLANNED_KEYS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult", "Runtime",
-           "evaluate", "parse_layout", "plan", "smallest_fitting_gpus"]
+__all__ = ["GPUS", "PLANNED_KEYS", "TIME_PARTS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult",
+           "RunnerUp", "Runtime", "evaluate", "layout_arg", "parse_layout", "plan", "smallest_fitting_gpus"]
 
 MODES = ("pretrain", "grpo", "rm")
 PRECISIONS = ("bf16", "fp8")
@@ -39,12 +40,16 @@ class NoFeasibleLayout(ConfigError):
 
     exit_code = 3
 
-    def __init__(self, message: str, *, smallest_gpus: int | None, leanest: Estimate | None = None):
+    def __init__(self, message: str, *, smallest_gpus: int | None, leanest: Estimate | None = None,
+                 nearest: Estimate | None = None):
         super().__init__(message)
         self.smallest_gpus = smallest_gpus
         """Smallest GPU count (same GPU type, batch, sequence and fixed keys) that fits; None if none was found."""
         self.leanest = leanest
         """The legal layout that needed the least memory, where one was estimated."""
+        self.nearest = nearest
+        """With kept layout keys: the fitting layout on these GPUs that changes them least (compare.change_cost);
+        None when no keys were kept or nothing fits here."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +61,11 @@ class PlanResult:
     estimate: Estimate
     """Its full estimate (bytes, stage split, bubble)."""
     alternatives: tuple[Estimate, ...] = ()
-    """Next-fastest fitting layouts with different parallel sizes."""
+    """Next-fastest fitting layouts: the fastest of each other (tp, pp, cp, ep) first, then other vpp, micro-batch
+    and recompute variants (_alternatives)."""
+    runner_up: RunnerUp | None = None
+    """The best layout not chosen and why it lost: the first alternative, or the planner's own pick when the kept
+    keys excluded a faster one; None without alternatives."""
     rejections: dict[str, dict] = field(default_factory=dict)
     """constraint -> {"count": candidates ruled out, "example": one reason}."""
     considered: int = 0
@@ -92,13 +101,9 @@ class PlanResult:
 
     def to_dict(self) -> dict:
         """The issue's JSON object (plus stage split, rejections and search counts)."""
-        def summary(e: Estimate) -> dict:
-            return {"layout": _layout_json(e.layout), "memory_gib": e.memory_gib(), "fits": e.fits,
-                    "predicted": {"step_time_s": round(e.step_time_s, 4), "mfu": round(e.mfu, 4),
-                                  "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1)}}
-
-        out = summary(self.estimate)
-        out["alternatives"] = [summary(a) for a in self.alternatives]
+        out = _summary(self.estimate)
+        out["alternatives"] = [_summary(a) for a in self.alternatives]
+        out["runner_up"] = self.runner_up.to_dict() if self.runner_up else None
         out["stage_layers"] = list(self.estimate.stage_layers)
         out["rejections"] = self.rejections
         out["search"] = {"considered": self.considered, "evaluated": self.evaluated,
@@ -123,9 +128,20 @@ class PlanResult:
         return explain(self)
 
 
-def _layout_json(layout: Layout) -> dict:
-    d = layout.to_dict()
-    return d
+def _summary(e: Estimate) -> dict:
+    """One layout's JSON: layout, memory, fits, predicted speed and the step time by part."""
+    return {"layout": e.layout.to_dict(), "memory_gib": e.memory_gib(), "fits": e.fits,
+            "predicted": {"step_time_s": round(e.step_time_s, 4), "mfu": round(e.mfu, 4),
+                          "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1)},
+            "time_breakdown_s": {k: round(v, 6) for k, v in e.breakdown_s.items()}}
+
+
+def layout_arg(layout: Layout) -> str:
+    """The --layout value that keeps every key of ``layout`` (parse_layout reads it back; the split keys are
+    spelt out, so the same pipeline split comes back)."""
+    values = {key: getattr(layout, key) for key in PLANNED_KEYS}
+    short = {"micro_batch_size": "mbs", "sequence_parallel": "sp"}
+    return ",".join(f"{short.get(key, key)}={as_yaml(value)}" for key, value in values.items() if value is not None)
 
 
 def parse_layout(text: str) -> dict:
@@ -140,6 +156,8 @@ def parse_layout(text: str) -> dict:
             raise ConfigError(f"--layout: '{item}' is not key=value (e.g. tp=8,pp=16,mbs=1)")
         key, value = (x.strip() for x in item.split("=", 1))
         key = aliases.get(key.lower(), key.lower())
+        if key in out:
+            raise ConfigError(f"--layout: {key} is given twice; give it once")
         if key in ints:
             try:
                 out[key] = int(value)
@@ -192,9 +210,9 @@ def _describe(w: Workload) -> dict:
            "selective_modules": list(w.selective_modules())}
     if w.mode == "grpo":
         g = w.grpo or GrpoSizing()
-        rollouts, prompt, response, _ = w.grpo_sizes()
+        rollouts, prompt, response, concurrency = w.grpo_sizes()
         out["grpo"] = {"rollout_batch_size": rollouts, "max_prompt_length": prompt, "max_response_length": response,
-                       "reference_model": g.reference_model,
+                       "generation_concurrency": concurrency or None, "reference_model": g.reference_model,
                        "kv_cache_released_for_training": g.kv_cache_released_for_training,
                        "optimizer_offloaded_for_generation": g.optimizer_offloaded_for_generation}
     return out
@@ -204,22 +222,60 @@ def _rejections(outcome: SearchOutcome) -> dict[str, dict]:
     return {k: {"count": n, "example": outcome.examples[k]} for k, n in outcome.rejections.most_common()}
 
 
-def _alternatives(best: Estimate, fitting: list[Estimate], top_k: int) -> tuple[Estimate, ...]:
-    seen = {_parallel_key(best.layout)}
-    alts = []
-    for e in fitting:
-        key = _parallel_key(e.layout)
-        if key in seen:
-            continue
-        seen.add(key)
-        alts.append(e)
-        if len(alts) >= top_k:
+def _alternatives(best: Estimate, ranked: list[Estimate], top_k: int) -> tuple[Estimate, ...]:
+    """Up to top_k of ``ranked`` (fastest first, ``best`` first of all): the fastest of each (tp, pp, cp, ep) other
+    than best's, then the fastest of each remaining (tp, pp, vpp, cp, ep)."""
+    sizes = {_sizes_key(best.layout)}
+    per_size = []
+    for e in ranked:
+        if len(per_size) >= top_k:
             break
-    return tuple(alts)
+        if _sizes_key(e.layout) not in sizes:
+            sizes.add(_sizes_key(e.layout))
+            per_size.append(e)
+    seen = {_parallel_key(e.layout) for e in (best, *per_size)}
+    others = []
+    for e in ranked:
+        if len(per_size) + len(others) >= top_k:
+            break
+        if _parallel_key(e.layout) not in seen:
+            seen.add(_parallel_key(e.layout))
+            others.append(e)
+    return (*per_size, *others)
+
+
+def _sizes_key(layout: Layout) -> tuple:
+    return (layout.tp, layout.pp, layout.cp, layout.ep)
 
 
 def _parallel_key(layout: Layout) -> tuple:
     return (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep)
+
+
+def _runner_up(w: Workload, best: Estimate, alternatives: tuple[Estimate, ...], kept: Mapping[str, Any],
+               limits_held: Mapping[str, Any]) -> RunnerUp | None:
+    """The planner's own pick when the ``kept`` keys excluded a faster layout, else the first alternative."""
+    if kept:
+        free = search(w, dict(limits_held), keep_all=False).fitting
+        own = min(free, key=lambda e: (e.step_time_s, e.total), default=None)
+        if own is not None and own.step_time_s < best.step_time_s:
+            return runner_up(best, own, kept)
+    return runner_up(best, alternatives[0]) if alternatives else None
+
+
+def _nearest_fitting(w: Workload, kept: Mapping[str, Any], limits_held: Mapping[str, Any]) -> Estimate | None:
+    """The fitting layout that changes the ``kept`` keys least: searched with the kept TP/CP/EP/SP held first
+    (more pipeline stages, more recompute, a smaller micro-batch), with only the trainer limits held if none fits."""
+    sizes = {k: v for k, v in kept.items() if k in SIZE_KEYS}
+    attempts = [{**limits_held, **sizes}] if sizes else []
+    for held in (*attempts, dict(limits_held)):
+        try:
+            found = nearest(search(w, held, keep_all=True).fitting, kept)
+        except ConfigError:
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | None = None,
@@ -233,32 +289,53 @@ def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | N
     limits = dict(limits or {})
     constraints = dict(fixed or {})
     check_limits(constraints, limits)
-    held = {**{k: value for k, (value, _) in limits.items() if k in PLANNED_KEYS}, **constraints}
+    limits_held = _held_limits(limits)
     w = _workload(shape, num_gpus=num_gpus, gpu_type=gpu_type, seq_length=seq_length,
                   global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime)
     start = time.perf_counter()
-    outcome = search(w, held, keep_all=False)
+    outcome = search(w, {**limits_held, **constraints}, keep_all=False)
     elapsed = time.perf_counter() - start
     if not outcome.fitting:
-        smallest = smallest_fitting_gpus(w, held)
-        reasons = "; ".join(f"{k}: {v['count']}" for k, v in _rejections(outcome).items()) or "no candidates"
-        where = (f"the smallest GPU count that fits is {smallest} x {w.gpu.name}" if smallest else
-                 f"no GPU count up to {_MAX_GPUS} fits" + (" while keeping those" if held else
-                                                          "; shorten the sequence or the batch"))
-        leanest = outcome.leanest
-        needs = (f"; the leanest layout needs {leanest.total / GIB:.1f} of {leanest.capacity / GIB:.1f} GiB"
-                 if leanest is not None else "")
-        limited = {k: value for k, (value, _) in limits.items() if k not in constraints}
-        kept = ((f", keeping {_pairs(constraints)}" if constraints else "")
-                + (f", trainer limits {_pairs(limited)}" if limited else ""))
-        raise NoFeasibleLayout(f"no layout of {shape.name} fits on {num_gpus} x {w.gpu.name} "
-                               f"(seq {w.seq_length}, global batch {global_batch_size}, mode {mode}{kept}; "
-                               f"ruled out: {reasons}){needs}; {where}", smallest_gpus=smallest, leanest=leanest)
+        raise _no_fit(w, outcome, constraints, limits, with_nearest=top_k > 0)
     ranked = sorted(outcome.fitting, key=lambda e: (e.step_time_s, e.total))
     best = ranked[0]
-    return PlanResult(layout=best.layout, estimate=best, alternatives=_alternatives(best, ranked, top_k),
+    alternatives = _alternatives(best, ranked, top_k)
+    return PlanResult(layout=best.layout, estimate=best, alternatives=alternatives,
+                      runner_up=_runner_up(w, best, alternatives, constraints, limits_held) if top_k else None,
                       rejections=_rejections(outcome), considered=outcome.considered, evaluated=outcome.evaluated,
                       search_seconds=elapsed, workload=_describe(w), constraints=constraints, limits=limits)
+
+
+def _no_fit(w: Workload, outcome: SearchOutcome, constraints: Mapping[str, Any],
+            limits: Mapping[str, tuple[Any, str]], *, with_nearest: bool) -> NoFeasibleLayout:
+    """The one-line error for a search that found nothing fitting: what it kept, what ruled the candidates out,
+    the leanest one's memory, the nearest fitting layout (with kept keys and ``with_nearest``) and the smallest
+    GPU count that fits."""
+    limits_held = _held_limits(limits)
+    held = {**limits_held, **constraints}
+    smallest = smallest_fitting_gpus(w, held)
+    reasons = "; ".join(f"{k}: {v['count']}" for k, v in _rejections(outcome).items()) or "no candidates"
+    where = (f"the smallest GPU count that fits is {smallest} x {w.gpu.name}" if smallest else
+             f"no GPU count up to {_MAX_GPUS} fits" + (" while keeping those" if held else
+                                                      "; shorten the sequence or the batch"))
+    leanest = outcome.leanest
+    needs = (f"; the leanest layout needs {leanest.total / GIB:.1f} of {leanest.capacity / GIB:.1f} GiB"
+             if leanest is not None else "")
+    near = _nearest_fitting(w, constraints, limits_held) if constraints and with_nearest else None
+    hint = (f"; nearest layout that fits: --layout {layout_arg(near.layout)} ({near.total / GIB:.1f} GiB)"
+            if near is not None else "")
+    limited = {k: value for k, (value, _) in limits.items() if k not in constraints}
+    kept = ((f", keeping {_pairs(constraints)}" if constraints else "")
+            + (f", trainer limits {_pairs(limited)}" if limited else ""))
+    return NoFeasibleLayout(f"no layout of {w.shape.name} fits on {w.num_gpus} x {w.gpu.name} "
+                            f"(seq {w.seq_length}, global batch {w.global_batch_size}, mode {w.mode}{kept}; "
+                            f"ruled out: {reasons}){needs}{hint}; {where}", smallest_gpus=smallest, leanest=leanest,
+                            nearest=near)
+
+
+def _held_limits(limits: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
+    """The layout keys the trainer limits hold, with their values."""
+    return {k: value for k, (value, _) in limits.items() if k in PLANNED_KEYS}
 
 
 def _pairs(values: Mapping[str, Any]) -> str:
@@ -289,7 +366,8 @@ def evaluate(shape: ModelShape, layout_partial: dict | str, *, num_gpus: int, gp
     else:
         reasons = "; ".join(f"{k}: {v['example']}" for k, v in _rejections(outcome).items()) or "no candidates"
         raise ConfigError(f"--layout {layout_partial}: no legal completion ({reasons})")
-    return PlanResult(layout=chosen.layout, estimate=chosen, alternatives=alts, rejections=_rejections(outcome),
+    return PlanResult(layout=chosen.layout, estimate=chosen, alternatives=alts,
+                      runner_up=runner_up(chosen, alts[0]) if alts else None, rejections=_rejections(outcome),
                       considered=outcome.considered, evaluated=outcome.evaluated, search_seconds=elapsed,
                       workload=_describe(w))
 

@@ -42,6 +42,9 @@ DP_BUCKET_BYTES = 160e6
 GRAD_ACCUM_BYTES = 4
 """Megatron keeps fp32 main gradients for bf16 training."""
 
+LAYER_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all")
+"""The parts a layer's (and the output layer's) time is split into, LayerCost.parts_s's keys."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Runtime:
@@ -102,6 +105,8 @@ class LayerCost:
     stored_bytes: float  # kept until backward (multiplied by micro-batches in flight)
     working_bytes: float  # one layer's full working set (full recompute only)
     hw_flops: float  # fwd+bwd+recompute FLOPs on this GPU
+    parts_s: dict[str, float]
+    """fwd_s + bwd_s by part (LAYER_PARTS): compute, recompute (what it adds), TP, CP and EP communication."""
 
 
 @dataclass
@@ -141,7 +146,8 @@ class Workload:
         self.nvlink = self.gpu.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
         self.ib = self.gpu.internode_gb_s * 1e9 * LINK_EFFICIENCY
         self.modules = set(self.selective_modules())
-        self._layer_cache: dict = {}
+        self.active_params = s.num_active_params()
+        self._cost_cache: dict = {}
 
     def selective_modules(self) -> tuple[str, ...]:
         """--recompute-modules that recompute=selective uses here: core_attn only without flash attention (flash
@@ -170,10 +176,14 @@ class Workload:
     # ---------- per layer ----------
     def layer_cost(self, kind: str, tp: int, cp: int, sp: bool, mbs: int, recompute: str, ep: int) -> LayerCost:
         """Cost of one decoder layer ('dense' or 'moe') for one micro-batch on one GPU."""
-        key = (kind, tp, cp, sp, mbs, recompute, ep)
-        hit = self._layer_cache.get(key)
+        return self._cached((kind, tp, cp, sp, mbs, recompute, ep),
+                            lambda: self._layer_cost(kind, tp, cp, sp, mbs, recompute, ep))
+
+    def _cached(self, key: tuple, make):
+        """make()'s value, computed once per key (callers do not mutate it)."""
+        hit = self._cost_cache.get(key)
         if hit is None:
-            hit = self._layer_cache[key] = self._layer_cost(kind, tp, cp, sp, mbs, recompute, ep)
+            hit = self._cost_cache[key] = make()
         return hit
 
     def _act_terms(self, kind: str, tp: int, sp: bool) -> dict[str, float]:
@@ -295,7 +305,8 @@ class Workload:
                 hidden = min(t_ep, 0.5 * expert_time)
                 t_ep = t_ep - hidden + OVERLAP_CONTENTION * hidden
         fwd = t_gemm + t_core_fwd + t_mem_fwd + t_softmax_fwd + t_tp_fwd + t_cp_fwd + t_ep
-        bwd = 2 * t_gemm + t_core_bwd + t_mem_bwd + t_softmax_bwd + t_tp_bwd + t_cp_bwd + t_ep
+        bwd_once = 2 * t_gemm + t_core_bwd + t_mem_bwd + t_softmax_bwd + t_tp_bwd + t_cp_bwd + t_ep
+        bwd = bwd_once
         hw = 3 * gemm + core_hw_fwd * (3.5 if flash else 3.0)
         if recompute == "full":
             bwd += fwd
@@ -311,35 +322,48 @@ class Workload:
                 up = tokens * 2 * (s.q_lora_rank * self.n * self.dqk + s.kv_lora_rank * self.n * (s.qk_nope_head_dim + self.dv)) / tp
                 bwd += up / (self.gemm_peak * eff)
                 hw += up
+        comm = {"tp_comm": t_tp_fwd + t_tp_bwd, "cp_comm": t_cp_fwd + t_cp_bwd, "ep_all_to_all": 2 * t_ep}
+        compute = 3 * t_gemm + t_core_fwd + t_core_bwd + t_mem_fwd + t_mem_bwd + t_softmax_fwd + t_softmax_bwd
+        parts = {"compute": compute, "recompute": bwd - bwd_once, **comm}
         stored, working = self._stored_per_token(kind, tp, sp, recompute)
         return LayerCost(fwd_s=fwd, bwd_s=bwd, stored_bytes=stored * tokens, working_bytes=working * tokens,
-                         hw_flops=hw)
+                         hw_flops=hw, parts_s=parts)
 
     # ---------- embedding / output on the end stages ----------
-    def output_cost(self, tp: int, cp: int, sp: bool, mbs: int) -> tuple[float, float]:
-        """(fwd+bwd seconds, logits bytes held) of the output layer and loss for one micro-batch."""
+    def output_cost(self, tp: int, cp: int, sp: bool, mbs: int) -> tuple[dict[str, float], float]:
+        """(fwd+bwd seconds by part: compute and tp_comm, logits bytes held) of the output layer and loss for one
+        micro-batch."""
+        return self._cached(("output", tp, cp, sp, mbs), lambda: self._output_cost(tp, cp, mbs))
+
+    def _output_cost(self, tp: int, cp: int, mbs: int) -> tuple[dict[str, float], float]:
         tokens = mbs * self.seq_length / cp
         flops = 3 * tokens * self.output_flops / tp
-        t = flops / (self.gemm_peak * self.gemm_efficiency(self.h / tp, tokens))
+        compute = flops / (self.gemm_peak * self.gemm_efficiency(self.h / tp, tokens))
         logits_bytes = tokens * self.vocab_out / tp * 6  # bf16 logits + fp32 softmax for the loss
-        t += tokens * self.vocab_out / tp * 16 / self.hbm
+        compute += tokens * self.vocab_out / tp * 16 / self.hbm
+        t_tp = 0.0
         if tp > 1:
             unit = tokens * self.h * 2 * (tp - 1) / tp / self.nvlink
-            t += 2 * unit * (TP_OVERLAP_EXPOSED if self.runtime.tp_comm_overlap else 1.0)
-        return t, logits_bytes
+            t_tp = 2 * unit * (TP_OVERLAP_EXPOSED if self.runtime.tp_comm_overlap else 1.0)
+        return {"compute": compute, "tp_comm": t_tp}, logits_bytes
 
-    def mtp_cost(self, tp, cp, sp, mbs, recompute, ep) -> tuple[float, float]:
-        """(seconds fwd+bwd, stored bytes) added to the last stage by multi-token prediction per micro-batch."""
+    def mtp_cost(self, tp, cp, sp, mbs, recompute, ep) -> tuple[dict[str, float], float]:
+        """(seconds fwd+bwd by part, stored bytes) added to the last stage by multi-token prediction per
+        micro-batch."""
+        return self._cached(("mtp", tp, cp, sp, mbs, recompute, ep),
+                            lambda: self._mtp_cost(tp, cp, sp, mbs, recompute, ep))
+
+    def _mtp_cost(self, tp, cp, sp, mbs, recompute, ep) -> tuple[dict[str, float], float]:
         s = self.shape
         if not s.mtp_num_layers:
-            return 0.0, 0.0
+            return {}, 0.0
         kind = "moe" if s.is_moe else "dense"
         layer = self.layer_cost(kind, tp, cp, sp, mbs, recompute, ep)
-        out_t, out_b = self.output_cost(tp, cp, sp, mbs)
+        out_parts, out_b = self.output_cost(tp, cp, sp, mbs)
         tokens = mbs * self.seq_length / cp
         proj = 3 * tokens * 4 * self.h * self.h / tp / (self.gemm_peak * self.gemm_efficiency(self.h / tp, tokens))
-        t = s.mtp_num_layers * (layer.fwd_s + layer.bwd_s + out_t + proj)
-        return t, s.mtp_num_layers * (layer.stored_bytes + out_b)
+        per_layer = add_parts(layer.parts_s, out_parts, {"compute": proj})
+        return scale_parts(per_layer, s.mtp_num_layers), s.mtp_num_layers * (layer.stored_bytes + out_b)
 
     # ---------- weights ----------
     def weight_bytes_per_param(self, shard: int) -> tuple[float, float, float]:
@@ -370,7 +394,7 @@ class Workload:
         _, prompt, response, conc = self.grpo_sizes()
         per_rank = sequences
         waves = math.ceil(per_rank / conc) if conc else 1
-        active = self.shape.num_active_params() * 2
+        active = self.active_params * 2
         prefill = per_rank * prompt * active / (tp * pp) / (self.bf16_peak * self.gpu.gemm_efficiency * 0.5)
         weight_read = params_per_gpu * 2
         # each decode step reads the weights once per wave and half the KV cache on average; PP stages take turns
@@ -395,6 +419,20 @@ def kv_cache_elements_per_token_per_layer(shape: ModelShape, tp: int) -> int:
         heads = shape.num_attention_heads // tp
         return heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
     return 2 * max(1, shape.num_query_groups // tp) * shape.kv_channels
+
+
+def add_parts(*parts: dict[str, float]) -> dict[str, float]:
+    """Sum of time breakdowns, key by key."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, seconds in part.items():
+            out[key] = out.get(key, 0.0) + seconds
+    return out
+
+
+def scale_parts(parts: dict[str, float], factor: float) -> dict[str, float]:
+    """A time breakdown times ``factor`` (layers, micro-batches)."""
+    return {key: seconds * factor for key, seconds in parts.items()}
 
 
 def gib(x: float) -> float:

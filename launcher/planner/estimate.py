@@ -1,4 +1,5 @@
-"""One layout in, memory per GPU and step time out: the Layout type, Megatron's pipeline splits, the estimate.
+"""One layout in, memory per GPU and step time out: the Layout type, Megatron's pipeline splits, the estimate and
+its step time by part (TIME_PARTS, Estimate.breakdown_s).
 
 The pipeline split follows Megatron-Core's rules (transformer_config.py): an even split; or the embedding and/or
 the loss counted as one layer each (--account-for-embedding/loss-in-pipeline-split); or explicit first/last
@@ -12,10 +13,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from launcher.config.schema import RECOMPUTE_MODES
 from launcher.parallel import virtual_stage_layers
-from launcher.planner.costs import GIB, IB_LATENCY_S, NVLINK_LATENCY_S, OVERLAP_CONTENTION, Workload
+from launcher.planner.costs import (GIB, IB_LATENCY_S, LAYER_PARTS, NVLINK_LATENCY_S, OVERLAP_CONTENTION, LayerCost,
+                                    Workload, add_parts, scale_parts)
+
+TIME_PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
+              "cp_comm": "CP communication", "ep_all_to_all": "EP all-to-all", "pp_p2p": "PP send/recv",
+              "pp_bubble": "PP bubble", "dp_comm": "DP grad reduce/param gather", "optimizer": "optimizer step",
+              "logprob_passes": "log-prob passes", "generation": "generation"}
+"""Estimate.breakdown_s's keys (the parts of a step's time) -> what the plan calls them. The training parts are
+the slowest pipeline rank's, times its micro-batches; pp_bubble is the pipeline fill and drain; dp_comm the
+exposed part of the data-parallel gradient reduce and parameter all-gather; GRPO adds the log-prob forward passes
+(old policy, reference) and the rollout generation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +138,48 @@ def rank_groups(moe_pattern: tuple[bool, ...], num_layers: int, pp: int, vpp: in
     return tuple(RankGroup(rs[0], len(rs), k[0], k[1], k[2], k[3]) for k, rs in groups.items())
 
 
+class TimeTerms(NamedTuple):
+    """The terms of one layout's step time as estimate() adds them up, kept apart so that the breakdown by part
+    is built only for the layouts a plan shows (a NamedTuple: the search makes one per estimate)."""
+
+    slowest: RankGroup
+    """The pipeline rank group with the longest time per micro-batch (it sets the pipeline's pace)."""
+    dense: LayerCost
+    """One dense layer's cost per micro-batch."""
+    moe: LayerCost
+    """One MoE layer's cost per micro-batch (the dense one for dense models)."""
+    output_parts: dict[str, float]
+    """The output layer and loss per micro-batch, by part (on the last rank)."""
+    mtp_parts: dict[str, float]
+    """Multi-token prediction per micro-batch, by part (on the last rank; empty without MTP)."""
+    p2p_s: float
+    """Pipeline sends and receives per micro-batch on a rank."""
+    micro_batches: int
+    """Micro-batches per pipeline per step."""
+    pp_bubble: float
+    """Pipeline fill and drain seconds."""
+    dp_comm: float
+    """Exposed data-parallel gradient reduce and parameter all-gather seconds."""
+    optimizer: float
+    """Optimizer step seconds."""
+    logprob_passes: float
+    """GRPO old-policy and reference log-prob forward seconds (0 otherwise)."""
+    generation: float
+    """GRPO rollout generation seconds (0 otherwise)."""
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per step by TIME_PARTS key."""
+        g = self.slowest
+        stage = {key: g.dense_layers * self.dense.parts_s[key] + g.moe_layers * self.moe.parts_s[key]
+                 for key in LAYER_PARTS}
+        if g.last:
+            stage = add_parts(stage, self.output_parts, self.mtp_parts)
+        stage["pp_p2p"] = self.p2p_s
+        return {**dict.fromkeys(TIME_PARTS, 0.0), **scale_parts(stage, self.micro_batches),
+                "pp_bubble": self.pp_bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer,
+                "logprob_passes": self.logprob_passes, "generation": self.generation}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Estimate:
     """Predicted memory (bytes, worst pipeline rank) and speed of one layout."""
@@ -146,6 +200,9 @@ class Estimate:
     (activations, plus grads and optimizer when GrpoSizing.optimizer_offloaded_for_generation)."""
     reference_model: float
     """GRPO frozen reference model bytes (0 otherwise)."""
+    kv_cache_generating: float
+    """GRPO: the whole KV cache while generating, on the same GPU (``kv_cache`` is what it adds to the
+    training phase's peak); sized for generation.max_concurrent sequences when that is set."""
     overhead: float
     """Runtime reserve: fixed overhead plus fragmentation."""
     capacity: float
@@ -154,6 +211,8 @@ class Estimate:
     """Pipeline rank these bytes belong to."""
     step_time_s: float
     """Predicted seconds per optimizer step (GRPO: rollout + log-prob passes + update)."""
+    time_terms: TimeTerms
+    """What step_time_s is made of, unsummed (breakdown_s adds it up by part)."""
     mfu: float
     """Model FLOPs / (step time x GPUs x bf16 peak)."""
     tokens_per_s_per_gpu: float
@@ -174,10 +233,16 @@ class Estimate:
         """Whether the worst GPU stays within device memory."""
         return self.total <= self.capacity
 
+    @property
+    def breakdown_s(self) -> dict[str, float]:
+        """step_time_s by part: every TIME_PARTS key, each >= 0, summing to step_time_s."""
+        return self.time_terms.breakdown()
+
     def memory_gib(self) -> dict[str, float]:
         """Memory breakdown in GiB (the issue's JSON keys plus reference_model)."""
         keys = ("weights", "gradients", "optimizer", "activations", "kv_cache", "reference_model", "overhead")
         out = {k: round(getattr(self, k) / GIB, 3) for k in keys}
+        out["kv_cache_generating"] = round(self.kv_cache_generating / GIB, 3)  # not part of the total
         out["total"] = round(self.total / GIB, 3)
         out["capacity"] = round(self.capacity / GIB, 3)
         return out
@@ -220,8 +285,9 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
     dense_c = w.layer_cost("dense", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
     moe_c = (w.layer_cost("moe", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
              if s.is_moe else dense_c)
-    out_t, logits_b = w.output_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size)
-    mtp_t, mtp_b = w.mtp_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
+    out_parts, logits_b = w.output_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size)
+    mtp_parts, mtp_b = w.mtp_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
+    end_t = sum(out_parts.values()) + sum(mtp_parts.values())
     tokens = L.micro_batch_size * w.seq_length / L.cp
     rep = L.tp if L.sequence_parallel else 1
     gpn = w.gpu.gpus_per_node
@@ -242,16 +308,17 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
     worst = None
     t_max = t_sum = 0.0
     worst_bwd = worst_fwd = 0.0
+    slowest = groups[0]
     max_params = (0.0, 0.0)
     for gr in groups:
         t_fwd = gr.dense_layers * dense_c.fwd_s + gr.moe_layers * moe_c.fwd_s
         t_bwd = gr.dense_layers * dense_c.bwd_s + gr.moe_layers * moe_c.bwd_s
         t = t_fwd + t_bwd + 2 * L.vpp * p2p
         if gr.last:
-            t += out_t + mtp_t
+            t += end_t
         t_sum += t * gr.count
         if t > t_max:
-            t_max, worst_fwd, worst_bwd = t, t_fwd, t_bwd
+            t_max, worst_fwd, worst_bwd, slowest = t, t_fwd, t_bwd, gr
         ne, ex = stage_params(w, gr, L)
         if ne + ex > sum(max_params):
             max_params = (ne, ex)
@@ -280,7 +347,8 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
         if worst is None or base + overhead > worst[0]:
             worst = (base + overhead, gr.rank, weights, grads, opt, act, kv_extra, ref, overhead, kv)
 
-    step_pp = m * t_max + (t_sum - t_max) / L.vpp
+    bubble_s = (t_sum - t_max) / L.vpp
+    step_pp = m * t_max + bubble_s
     bubble = 1.0 - m * t_max / step_pp if step_pp else 0.0
     # data-parallel gradient reduce (and param all-gather) with overlap
     ne, ex = max_params
@@ -302,18 +370,24 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
     t_opt = ((shard_ne + shard_ex) * 28 + (ne + ex) * 2) / w.hbm
     step = step_pp + t_dp + t_opt
     flops = w.model_flops_per_token() * w.global_batch_size * w.seq_length
+    t_logprob = t_gen = 0.0
     if grpo:
         rollouts, prompt, response, _ = w.grpo_sizes()
         fwd_share = worst_fwd / max(worst_fwd + worst_bwd, 1e-30)
         passes = 1 + int(w.grpo is None or w.grpo.reference_model)
-        step += passes * fwd_share * step_pp
+        t_logprob = passes * fwd_share * step_pp
+        step += t_logprob
         flops += passes * flops / 3
-        step += w.generation_time(L.tp, L.pp, L.dp * L.cp, sum(max_params), worst[9], seqs_per_rank)
-        flops += 2 * s.num_active_params() * rollouts * (prompt + response)
+        t_gen = w.generation_time(L.tp, L.pp, L.dp * L.cp, sum(max_params), worst[9], seqs_per_rank)
+        step += t_gen
+        flops += 2 * w.active_params * rollouts * (prompt + response)
+    terms = TimeTerms(slowest, dense_c, moe_c, out_parts, mtp_parts, 2 * L.vpp * p2p, m, bubble_s, t_dp, t_opt,
+                      t_logprob, t_gen)
     mfu = flops / (step * w.num_gpus * w.bf16_peak)
     return Estimate(layout=layout, weights=worst[2], gradients=worst[3], optimizer=worst[4], activations=worst[5],
                     kv_cache=worst[6], reference_model=worst[7], overhead=worst[8], capacity=w.gpu.memory_gib * GIB,
-                    worst_rank=worst[1], step_time_s=step, mfu=mfu,
+                    kv_cache_generating=worst[9],
+                    worst_rank=worst[1], step_time_s=step, time_terms=terms, mfu=mfu,
                     tokens_per_s_per_gpu=w.global_batch_size * w.seq_length / step / w.num_gpus,
                     bubble_fraction=bubble,
                     stage_layers=virtual_stage_layers(s.num_layers, L.pp, L.vpp, L.first_stage_layers,

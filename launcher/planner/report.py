@@ -1,4 +1,5 @@
-"""Human-readable plan: the chosen layout, memory breakdown, predicted speed, alternatives, constraints.
+"""Human-readable plan: the chosen layout, memory and step-time breakdowns, predicted speed, the runner-up and
+why it lost, alternatives, constraints.
 
 Print one: ``python launch.py plan --model llama-3.3-70b --gpus 64 --gpu-type h100-80gb``.
 """
@@ -8,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from launcher.limits import as_yaml
-from launcher.planner.estimate import Estimate, Layout
+from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 
 if TYPE_CHECKING:
     from launcher.planner import PlanResult
+    from launcher.planner.compare import RunnerUp
 
 
 def layout_line(layout: Layout) -> str:
@@ -51,6 +53,34 @@ def _grpo_line(grpo: dict | None) -> list[str]:
             f"{grpo['max_response_length']} tokens" + "".join(f", {x}" for x in extras)]
 
 
+def time_lines(e: Estimate) -> list[str]:
+    """The step time by part (the parts that take time), with each one's share."""
+    lines = ["Time per step (s; the training parts are the slowest pipeline rank's)"]
+    for key, seconds in e.breakdown_s.items():
+        if seconds > 0 or key == "compute":
+            lines.append(f"  {TIME_PARTS[key]:<28}{seconds:>10.3f}  {_percent(seconds / e.step_time_s):>6}")
+    lines.append(f"  {'total':<28}{e.step_time_s:>10.3f}")
+    return lines
+
+
+def runner_up_line(r: RunnerUp, chosen: Estimate) -> str:
+    """Why the runner-up lost: how much slower it is and the part that accounts for most of it, or how much faster
+    it is and the kept keys that excluded it."""
+    main = f"{_percent(r.deltas_s[r.main_reason] / chosen.step_time_s, sign=True)} {TIME_PARTS[r.main_reason]}"
+    head = f"Runner-up   {layout_line(r.estimate.layout)} is"
+    if r.slower_by >= 0:
+        return f"{head} {_percent(r.slower_by)} slower ({r.estimate.step_time_s:.4g} s): {main}"
+    kept = ",".join(f"{k}={as_yaml(v)}" for k, v in r.excluded_by.items())
+    return (f"{head} {_percent(-r.slower_by)} faster ({r.estimate.step_time_s:.4g} s: {main}), "
+            f"excluded by the kept {kept}")
+
+
+def _percent(fraction: float, sign: bool = False) -> str:
+    """A share as a percentage: one decimal, or two significant digits below 0.1%."""
+    spec = ("+" if sign else "") + (".1f" if abs(fraction) >= 1e-3 or fraction == 0 else ".2g")
+    return f"{100 * fraction:{spec}}%"
+
+
 def explain(result: PlanResult) -> str:
     """Tables for the terminal."""
     w, e = result.workload, result.estimate
@@ -66,14 +96,18 @@ def explain(result: PlanResult) -> str:
     shared = w.get("grpo", {}).get("kv_cache_released_for_training")
     for key in ("weights", "gradients", "optimizer", "activations", "kv_cache", "reference_model", "overhead"):
         if mem[key] or key in always:
-            note = "  (beyond the memory it shares with training)" if key == "kv_cache" and shared else ""
+            note = (f"  (beyond the memory it shares with training; {mem['kv_cache_generating']:.2f} while generating)"
+                    if key == "kv_cache" and shared else "")
             lines.append(f"  {key:<16}{mem[key]:>9.2f}{note}")
     verdict = "fits" if e.fits else "DOES NOT FIT"
     lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}")
     lines += ["", f"Predicted   step {e.step_time_s:.4g} s, MFU {100 * e.mfu:.1f}% of bf16 peak, "
                   f"{e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, pipeline bubble {100 * e.bubble_fraction:.1f}%"]
+    lines += ["", *time_lines(e)]
+    if result.runner_up is not None:
+        lines += ["", runner_up_line(result.runner_up, e)]
     if result.alternatives:
-        lines += ["", "Alternatives (fastest first)",
+        lines += ["", "Alternatives (the fastest of each other tp/pp/cp/ep, then other variants; fastest first)",
                   "   tp   pp  vpp  cp   ep     dp  mbs  recompute    step_s   mfu%  mem_gib"]
         lines += [_row(a) for a in result.alternatives]
     if result.constraints:

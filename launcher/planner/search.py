@@ -4,7 +4,9 @@ Legality (Megatron-Core 0.16 rules): TP inside one node; heads and query groups 
 divisible by 2*CP (load-balanced causal CP) and by TP under sequence parallelism; TP*CP*PP divides the world;
 the pipeline split is one Megatron accepts (launcher.parallel.split_error); the global batch divides into DP*MBS
 micro-batches, and interleaving needs the micro-batch count divisible by PP (default group size); experts
-divisible by EP and EP dividing TP*CP*DP (expert tensor parallelism 1).
+divisible by EP and EP dividing TP*CP*DP (expert tensor parallelism 1). Fixed keys are kept and the rest searched:
+a pipeline-split key (SPLIT_KEYS) without pp searches the pp values whose split Megatron accepts; a split that no pp
+accepts, or none at a fixed pp, is a ConfigError.
 
 Pruning that does not change the answer: a layout whose weights and optimizer alone overflow skips its
 micro-batch and recompute variants; for one parallel layout and micro-batch size, the first recompute mode
@@ -20,12 +22,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from launcher.errors import ConfigError
+from launcher.limits import as_yaml
 from launcher.parallel import split_error, uneven_splits
 from launcher.planner.costs import GIB, Workload
 from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout, estimate, rank_groups, stage_params
 
 MAX_CP = 64
 MAX_MBS = 16
+SPLIT_KEYS = ("vpp", "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss")
+"""Layout keys that shape the pipeline split (with pp)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -49,6 +54,10 @@ class SearchOutcome:
     examples: dict[str, str] = field(default_factory=dict)
     considered: int = 0
     evaluated: int = 0
+    legal_splits: int = 0
+    """(pp, split) pairs that Megatron accepts, over every pp tried."""
+    split_errors: dict[int, str] = field(default_factory=dict)
+    """pp -> why Megatron refused every split tried at that pp."""
 
     def reject(self, constraint: str, count: int, example: str) -> None:
         """Count `count` candidate layouts ruled out by `constraint`."""
@@ -99,7 +108,16 @@ def search(w: Workload, fixed: dict | None = None, *, keep_all: bool = True, fir
         _search(w, fixed, out, keep_all and not first_fit, first_fit, prune)
     except _FirstFit:
         pass
+    if not out.legal_splits and out.split_errors and any(k in fixed for k in SPLIT_KEYS):
+        pp = max(out.split_errors)
+        raise ConfigError(f"--layout {_given(fixed, SPLIT_KEYS)}: no pp gives a legal pipeline split of "
+                          f"{w.shape.num_layers} layers (at pp={pp}: {out.split_errors[pp]})")
     return out
+
+
+def _given(fixed: dict, keys: tuple[str, ...]) -> str:
+    """The fixed ``keys`` as the --layout text that gave them."""
+    return ",".join(f"{k}={as_yaml(fixed[k])}" for k in keys if k in fixed)
 
 
 def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_fit: bool, prune: bool) -> None:
@@ -177,13 +195,12 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
     for cand in pipeline_splits(s.num_layers, pp, fixed.get("vpp"), fixed):
         why = split_error(s.num_layers, pp, *cand[4:], *cand[:4])
         (whys if why else splits).append(why or cand)
+    if not splits and "pp" in fixed:
+        raise ConfigError(f"--layout {_given(fixed, (*SPLIT_KEYS, 'pp'))}: no legal pipeline split for "
+                          f"{s.num_layers} layers: {whys[0]}")
+    out.legal_splits += len(splits)
     if not splits:
-        split_keys = ("vpp", "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
-                      "pp")
-        given = [f"{k}={fixed[k]}" for k in split_keys if k in fixed]
-        if given:
-            raise ConfigError(f"--layout {','.join(given)}: no legal pipeline split for {s.num_layers} layers: "
-                              f"{whys[0]}")
+        out.split_errors[pp] = whys[0]
     for why in whys:
         out.reject("pipeline split", inner * len(eps), why)
         out.considered += inner * len(eps)

@@ -21,13 +21,32 @@ On the default job it cuts generation time by 30% (15.3 -> 10.8 ms a step) with 
 Cache. ``megatron.core.inference.contexts.StaticInferenceContext`` sized ``[batch, longest sequence]``; it is
 released (and the release checked) before ``generate`` returns, so training never runs next to a cache.
 Finished rows stop growing (their tokens stay ``pad_id``); decoding stops when every row has finished.
+``max_concurrent`` caps the rows (and so the cache) by generating the prompts in consecutive waves.
+
+Compaction. Once at most 3/4 of the fed rows are still running, the finished ones leave the decode batch: the
+live rows' cache rows move to the front (``compacted_rows``) and later steps feed only them. Every row's random
+draws are made for the whole batch and indexed (``choose_tokens(rows=)``), so tokens, log-probs and finish
+reasons are those of the static batch. On a GPU the host looks at the finished rows every
+``STOP_CHECK_EVERY_GPU`` steps (each look is a device sync; rows that finished in between just stop writing)
+and compacts to multiples of ``ROW_BUCKET_GPU`` rows, so decode steps come in few shapes.
+
+Why not Megatron's dynamic engine. ``DynamicInferenceContext`` (paged KV cache, requests joining and leaving,
+CUDA graphs per batch bucket) is what continuous batching wants, but it allocates on ``torch.cuda`` at
+construction and its attention needs the flash-decode kernels, so it cannot run, or be tested, on the CPU path
+that CI runs; its ``TextGenerationController`` and static engine decode a fixed batch, as this loop did before
+compaction. This module keeps Megatron's static context and the training modules (no weight copy) and adds the
+compaction and shared prefill itself. CUDA-graph capture of the decode step is not done (unverified territory
+until a device runs it).
 
 Parallelism.
 * TP: logits are gathered over the vocabulary (``runtime_gather_output``), every TP rank draws with the same
   generator, and the chosen tokens are also broadcast from TP rank 0 so that the ranks cannot drift apart.
-* PP (and virtual PP): each step runs the stages in turn, hidden states handed on with send/recv; the last
-  stage picks the tokens and broadcasts them (with their log-probs) to every stage. Stages idle while
-  others compute (no micro-batch overlap): correct, simple, and slower than a pipelined decoder.
+* PP (and virtual PP): each step's rows go through the stages in ``pipeline_microbatches`` parts, hidden
+  states handed on with send/recv, so that stage s computes part m + 1 while stage s + 1 computes part m; the
+  last stage picks the tokens and broadcasts them (with their log-probs) to every stage. Within one step this
+  overlaps only the pipeline's fill and drain, (M + P - 1) / (M P) of the stages-in-turn time at best, so the
+  default is pp parts on GPUs and 1 on the CPU (``default_pipeline_microbatches``). Overlapping successive
+  steps (part m's step t + 1 on stage 0 while the last stage finishes part m + 1's step t) is not done.
 * DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks, except
   for MoE models at ep > 1 (below).
 * SP and CP: switched off for the call (layout.py ``whole_sequences``): a decode step has one token per row,
@@ -86,6 +105,8 @@ class GenerationOutput:
     """Model forwards run (1 prefill + decode steps)."""
     prefill_rows: int
     """Rows the prefill forward ran: fewer than the prompts when rows shared their prefix (``share_prefill``)."""
+    compactions: int
+    """Times finished rows were dropped from the decode batch (``compact``)."""
     kv_cache_bytes: int
     """Bytes the KV cache held on this rank; released before ``generate`` returned."""
     decode_attention: str
@@ -122,10 +143,19 @@ def check_generation_layout(chunks: list) -> None:
                                   "model with flash_decode=False")
 
 
-class _StageChain:
-    """One forward of every pipeline stage (and virtual stage) in turn, hidden states handed on by send/recv."""
+def default_pipeline_microbatches(pp: int, device: torch.device) -> int:
+    """pp parts on a GPU, where a stage's forward is long next to its fixed cost; 1 (the stages in turn) on the
+    CPU, where splitting doubles the per-forward overhead: bench/pipeline_decode.py measured 2 parts at PP2
+    0.71x the speed of the stages in turn (small model, 64 rows)."""
+    return pp if device.type == "cuda" else 1
 
-    def __init__(self, chunks: list, context, *, device: torch.device) -> None:
+
+class _StageChain:
+    """One forward of every pipeline stage (and virtual stage), hidden states handed on by send/recv; under PP
+    the rows go through in ``microbatches`` parts, so that stage s works on part m + 1 while stage s + 1 works
+    on part m (each part writes its own rows of the cache: ``batch_size_offset``)."""
+
+    def __init__(self, chunks: list, context, *, device: torch.device, microbatches: Optional[int] = None) -> None:
         from megatron.core import parallel_state as ps
 
         self.chunks = chunks
@@ -145,6 +175,8 @@ class _StageChain:
         if self.tp_size > 1:
             self.tp_group = ps.get_tensor_model_parallel_group()
             self.tp_src_rank = ps.get_tensor_model_parallel_src_rank()
+        self.microbatches = default_pipeline_microbatches(self.pp_size, device) if microbatches is None \
+            else microbatches
 
     @property
     def is_last_stage(self) -> bool:
@@ -155,6 +187,23 @@ class _StageChain:
         if self.pp_size == 1 and len(self.chunks) == 1:
             return self.chunks[0](tokens, positions, None, inference_context=self.context,
                                   runtime_gather_output=True)[:, -1]
+        rows = tokens.size(0)
+        parts = max(1, min(self.microbatches, rows))
+        bounds = [(rows * i // parts, rows * (i + 1) // parts) for i in range(parts)]
+        outputs, sends = [], []
+        try:
+            for start, stop in bounds:
+                self.context.batch_size_offset = start
+                output = self._rows_forward(tokens[start:stop], positions[start:stop], sends)
+                if output is not None:
+                    outputs.append(output)
+        finally:
+            self.context.batch_size_offset = 0
+            for handle, _ in sends:
+                handle.wait()
+        return torch.cat(outputs) if self.is_last_stage else None
+
+    def _rows_forward(self, tokens: torch.Tensor, positions: torch.Tensor, sends: list) -> Optional[torch.Tensor]:
         output = None
         last_chunk = len(self.chunks) - 1
         for v, model in enumerate(self.chunks):
@@ -165,7 +214,8 @@ class _StageChain:
                 model.set_input_tensor(hidden)
             output = model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
             if v < last_chunk or not self.is_last_stage:
-                torch.distributed.send(output.contiguous(), dst=self.next_rank, group=self.pp_group)
+                sent = output.contiguous()  # kept alive until the send completes
+                sends.append((torch.distributed.isend(sent, dst=self.next_rank, group=self.pp_group), sent))
         return output[:, -1] if self.is_last_stage else None
 
     def share(self, choice: Optional[StepChoice], batch: int) -> StepChoice:
@@ -272,12 +322,73 @@ def copy_cache_rows(context, expand: torch.Tensor, *, positions: int) -> None:
             tensor[:positions, :batch] = tensor[:positions].index_select(1, expand)
 
 
+def _joined(waves: list[GenerationOutput]) -> GenerationOutput:
+    """One output of consecutive waves of prompts, in prompt order."""
+    rows = lambda name: [row for wave in waves for row in getattr(wave, name)]  # noqa: E731
+    return GenerationOutput(
+        tokens=rows("tokens"), logprobs=rows("logprobs"), sampling_logprobs=rows("sampling_logprobs"),
+        lengths=rows("lengths"), finish_reasons=rows("finish_reasons"),
+        forward_passes=sum(w.forward_passes for w in waves), kv_cache_bytes=max(w.kv_cache_bytes for w in waves),
+        prefill_rows=sum(w.prefill_rows for w in waves), compactions=sum(w.compactions for w in waves),
+        decode_attention=waves[0].decode_attention, decode_path=waves[0].decode_path,
+        routes=None if waves[0].routes is None else rows("routes"))
+
+
+STOP_CHECK_EVERY_GPU = 8
+"""Decode steps between the host's looks at the finished rows on a GPU (each look is a device sync)."""
+ROW_BUCKET_GPU = 8
+"""On a GPU the compacted batch is a multiple of this many rows, so decode steps come in few shapes."""
+
+
+def stop_check_interval(device: torch.device) -> int:
+    return STOP_CHECK_EVERY_GPU if device.type == "cuda" else 1
+
+
+def row_bucket(running: int) -> int:
+    """Rows to keep feeding for ``running`` live ones: exact on the CPU, rounded up to ROW_BUCKET_GPU on a GPU."""
+    if not torch.cuda.is_available():
+        return running
+    return -(-running // ROW_BUCKET_GPU) * ROW_BUCKET_GPU
+
+
+COMPACT_MIN_ROWS = 8
+"""Fewer fed rows than this are never compacted: the saving is below the bookkeeping it adds to every step."""
+COMPACT_MIN_STEPS_LEFT = 8
+"""Nor with fewer decode steps left than this (the default job's 4-token responses never compact)."""
+
+
+def worth_compacting(fed: int, keep: int, *, steps_left: int) -> bool:
+    """Compact when at most 3/4 of the ``fed`` rows would be kept (and two or more can go), at least
+    COMPACT_MIN_ROWS are fed and COMPACT_MIN_STEPS_LEFT steps remain: at most ~2.4 ln(batch) compactions, each a
+    copy of the kept cache rows, against the dropped rows' share of every later step."""
+    return (keep <= (3 * fed) // 4 and fed - keep >= 2 and fed >= COMPACT_MIN_ROWS
+            and steps_left >= COMPACT_MIN_STEPS_LEFT)
+
+
+def compacted_rows(context, done: torch.Tensor, active: Optional[torch.Tensor], running: int, *,
+                   positions: int) -> torch.Tensor:
+    """The batch rows to feed from now on: those of ``active`` (None: every row) not ``done``, padded with
+    finished ones up to ``running`` (an expert-parallel lockstep wants the busiest worker's row count on every
+    worker; a GPU a bucketed row count). Their cache rows move to the front, in that order, over the first
+    ``positions`` positions."""
+    batch = done.numel()
+    current = torch.arange(batch, device=done.device) if active is None else active
+    live = current[~done[current]]
+    if live.numel() < running:
+        live = torch.cat([live, current[done[current]][:running - live.numel()]])
+    slot = torch.empty(batch, dtype=torch.long, device=done.device)
+    slot[current] = torch.arange(current.numel(), device=done.device)
+    copy_cache_rows(context, slot[live], positions=positions)
+    return live
+
+
 def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None,
              stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[Sequence[int]] = (),
              seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
              pad_id: int = 0, fast_attention: bool = True, fast_decode: bool = True,
-             record_routes: bool = False, share_prefill: bool = True) -> GenerationOutput:
+             record_routes: bool = False, share_prefill: bool = True, compact: bool = True,
+             max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None) -> GenerationOutput:
     """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
@@ -290,7 +401,12 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     ``record_routes``: also return each sequence's expert routes (``GenerationOutput.routes``; an MoE model
     built with router replay). ``share_prefill``: rows whose prefilled prefix is the same (a GRPO group's
     completions of one prompt) are prefilled once and the cache rows copied (``shared_prefill_rows``); False
-    prefills every row. Returns on every rank of the model-parallel group.
+    prefills every row. ``compact``: drop finished rows from the decode batch (``worth_compacting``); False
+    feeds every row until the last one finishes. ``max_concurrent`` (generation.max_concurrent): decode at most
+    this many prompts at once, in consecutive waves, so the KV cache holds that many rows (the planner counts
+    the same cap). ``pipeline_microbatches`` (default ``default_pipeline_microbatches``): parts of the rows each
+    pipelined forward is split into, so the stages overlap; 1 runs the stages one after another. Returns on every rank of the
+    model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
@@ -314,6 +430,16 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     if generator is None and not params.greedy:
         generator = torch.Generator(device=device)
         generator.manual_seed(0 if seed is None else seed)
+    if max_concurrent is not None and len(prompts) > max_concurrent:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        return _joined([generate(models, prompts[i:i + max_concurrent], vocab_size=vocab_size,
+                                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 eos_id=eos_id, stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
+                                 generator=generator, pad_id=pad_id, fast_attention=fast_attention,
+                                 fast_decode=fast_decode, record_routes=record_routes, share_prefill=share_prefill,
+                                 compact=compact, pipeline_microbatches=pipeline_microbatches)
+                        for i in range(0, len(prompts), max_concurrent)])
 
     tokens = torch.full((batch, total), pad_id, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
@@ -334,25 +460,28 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
         from megatron_rl.models.router_replay import RouteRecorder
     recorder = RouteRecorder(chunks, batch=batch, total=total, device=device) if record_routes else None
     sources, expand = shared_prefill_rows(tokens[:, :shortest], lockstep) if share_prefill else (None, None)
-    forwards = 0
+    forwards, compactions = 0, 0
+    check_every = stop_check_interval(device)
     lean, used_lean = None, False
     try:
         with whole_sequences(chunks), torch.inference_mode(), \
                 sdpa_core_attention(chunks if fast_attention else []) as swapped, \
                 cache as context, RopeOnceDecode(chunks if fast_attention else [], context) as rope_once:
-            chain = _StageChain(chunks, context, device=device)
+            chain = _StageChain(chunks, context, device=device, microbatches=pipeline_microbatches)
             fed_from = 0
+            active = None  # the batch rows still fed (cache rows 0..len-1), once finished rows are compacted away
             for t in range(shortest, total):
+                fed = slice(None) if active is None else active
                 if lean is not None:
-                    logits = lean.step(tokens[:, t - 1], t - 1)
+                    logits = lean.step(tokens[fed, t - 1], t - 1)
                 elif forwards == 0 and sources is not None:
                     logits = chain.forward(tokens[sources, :t], positions[sources, :t])
                     copy_cache_rows(context, expand, positions=t)
                     logits = None if logits is None else logits[expand]
                 else:
-                    logits = chain.forward(tokens[:, fed_from:t], positions[:, fed_from:t])
+                    logits = chain.forward(tokens[fed, fed_from:t], positions[fed, fed_from:t])
                 if recorder is not None:
-                    recorder.take(fed_from, t, rows=expand if forwards == 0 else None)
+                    recorder.take(fed_from, t, sources=expand if forwards == 0 else None, rows=active)
                 context.sequence_len_offset += t - fed_from
                 if forwards == 0:
                     context.enable_decode_mode()
@@ -362,9 +491,11 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                         used_lean = True
                 forwards += 1
                 fed_from = t
-                local = (choose_tokens(logits, vocab_size=vocab_size, params=params, generator=generator)
-                         if logits is not None else None)
-                choice = chain.share(local, batch)
+                local = (choose_tokens(logits, vocab_size=vocab_size, params=params, generator=generator,
+                                       rows=active, batch=batch) if logits is not None else None)
+                choice = chain.share(local, batch if active is None else active.numel())
+                if active is not None:
+                    choice = choice.scattered(active, batch)
                 writing = (prompt_lens <= t) & ~done
                 tokens[:, t] = torch.where(writing, choice.tokens, tokens[:, t])
                 policy_lp[:, t] = torch.where(writing, choice.policy_logprobs, 0.0)
@@ -375,8 +506,16 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                     stopped |= hit
                     end = torch.where(hit, t + 1, end)
                 done |= writing & (end <= t + 1)
-                if lockstep.all_done(done):
+                if (t + 1 - shortest) % check_every:
+                    continue  # finished rows stop writing; the host learns of them at the next check
+                running = lockstep.running(done)
+                if running == 0:
                     break
+                fed_rows = batch if active is None else active.numel()
+                keep = min(fed_rows, row_bucket(running))
+                if compact and worth_compacting(fed_rows, keep, steps_left=total - 1 - t):
+                    active = compacted_rows(context, done, active, keep, positions=t)
+                    compactions += 1
     finally:
         lean = None
         if recorder is not None:
@@ -396,7 +535,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
         lengths=[e - s for s, e in zip(starts, ends)],
         finish_reasons=["stop" if f else "length" for f in flags],
         forward_passes=forwards, kv_cache_bytes=cache.nbytes,
-        prefill_rows=batch if sources is None else int(sources.numel()),
+        prefill_rows=batch if sources is None else int(sources.numel()), compactions=compactions,
         decode_attention="+".join(name for name, used in (("sdpa", swapped > 0), ("rope-once", rope_once.enabled))
                                   if used) or "megatron",
         decode_path="lean" if used_lean else "modules",

@@ -170,6 +170,10 @@ class Lockstep:
                              f"got {-int(values[1])} to {int(values[0])}")
         return -int(values[2]), int(values[3])
 
+    def running(self, done: torch.Tensor) -> int:
+        """The most rows still decoding on any worker (this worker's ``done`` [batch] bool); 0 ends the loop."""
+        return self.max_over_workers(int((~done).sum()))
+
     def max_over_workers(self, value: int) -> int:
         """The largest ``value`` of the workers (this worker's own when disabled)."""
         if not self.enabled:
@@ -177,13 +181,4 @@ class Lockstep:
         packed = torch.tensor([value], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return int(packed)
-
-    def all_done(self, done: torch.Tensor) -> bool:
-        """True when every worker's rows are finished (this worker's ``done`` [batch] bool)."""
-        local = bool(done.all())
-        if not self.enabled:
-            return local
-        flag = torch.tensor([0 if local else 1], dtype=torch.long, device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return int(flag) == 0
 

@@ -80,10 +80,23 @@ class StepChoice:
     sampling_logprobs: torch.Tensor
     """[batch] float32: log-prob under the sampling distribution (0 for greedy)."""
 
+    def scattered(self, rows: torch.Tensor, batch: int) -> "StepChoice":
+        """This choice of batch rows ``rows``, placed in a ``batch``-row choice (the other rows 0)."""
+        def place(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(batch, dtype=values.dtype, device=values.device).index_copy_(0, rows, values)
+
+        return StepChoice(tokens=place(self.tokens), policy_logprobs=place(self.policy_logprobs),
+                          sampling_logprobs=place(self.sampling_logprobs))
+
 
 def choose_tokens(logits: torch.Tensor, *, vocab_size: int, params: SamplingParams,
-                  generator: Optional[torch.Generator]) -> StepChoice:
-    """Pick the next token of every row from ``logits`` ``[batch, padded_vocab]``."""
+                  generator: Optional[torch.Generator], rows: Optional[torch.Tensor] = None,
+                  batch: Optional[int] = None) -> StepChoice:
+    """Pick the next token of every row from ``logits`` ``[batch, padded_vocab]``.
+
+    ``rows`` (with ``batch``): ``logits`` are those rows of a ``batch``-row decode (finished rows compacted
+    away); the random draw is still made for the whole batch and indexed, so each row's draws are the same
+    whatever rows are still decoding."""
     logits = logits.float()
     policy = torch.log_softmax(logits, dim=-1)
     real = logits[:, :vocab_size]
@@ -94,7 +107,9 @@ def choose_tokens(logits: torch.Tensor, *, vocab_size: int, params: SamplingPara
         shaped = sampling_logits(real, params)
         probs = torch.softmax(shaped, dim=-1)
         # A zero draw would turn a removed token's 0/0 into NaN, which argmax would pick.
-        race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+        shape = probs.shape if rows is None else (batch, probs.size(-1))
+        race = torch.empty(shape, dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
+        race = (race if rows is None else race[rows]).clamp_min_(torch.finfo(probs.dtype).tiny)
         tokens = (probs / race).argmax(dim=-1)
         sampled_lp = torch.log_softmax(shaped, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     policy_lp = policy.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -60,7 +60,17 @@ class RolloutRouterReplay(RouterReplay):
         self.recorded_topk_idx: Optional[torch.Tensor] = None
         self.router_replay_action: Optional[RouterReplayAction] = None
         self.replay_backward_list: list[torch.Tensor] = []
+        self.recorded_parts: list[torch.Tensor] = []
         self.slot = slot
+
+    def record_indices(self, topk_indices: torch.Tensor) -> None:
+        """Every forward's indices until cleared: a pipelined decode step runs its rows in several parts."""
+        self.recorded_topk_idx = topk_indices
+        self.recorded_parts.append(topk_indices)
+
+    def clear_indices(self) -> None:
+        super().clear_indices()
+        self.recorded_parts = []
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         action = self.router_replay_action
@@ -122,15 +132,24 @@ class RouteRecorder:
         for replay in self.replays:
             replay.set_router_replay_action(RouterReplayAction.RECORD)
 
-    def take(self, start: int, end: int, *, rows: Optional[torch.Tensor] = None) -> None:
-        """``rows``: the forward ran fewer rows (a shared prefill); row i of the batch is their ``rows[i]``."""
+    def take(self, start: int, end: int, *, sources: Optional[torch.Tensor] = None,
+             rows: Optional[torch.Tensor] = None) -> None:
+        """``sources``: the forward ran fewer rows (a shared prefill) and batch row i is their ``sources[i]``;
+        ``rows``: the forward ran only these batch rows (the others finished and were compacted away)."""
         for replay in self.replays:
-            recorded = replay.get_recorded_indices()  # [(end - start) * rows fed, topk], sequence-major
+            parts = replay.recorded_parts  # each [(end - start) * rows of the part, topk], sequence-major
+            topk = parts[0].size(-1)
             if self.routes is None:
-                self.routes = torch.full((self.batch, self.total, self.slots, recorded.size(-1)), NO_ROUTE,
+                self.routes = torch.full((self.batch, self.total, self.slots, topk), NO_ROUTE,
                                          dtype=torch.int16, device=self.device)
-            per_row = recorded.view(end - start, -1, recorded.size(-1)).transpose(0, 1)
-            self.routes[:, start:end, replay.slot] = per_row if rows is None else per_row[rows]
+            per_row = torch.cat([part.view(end - start, -1, topk).transpose(0, 1) for part in parts])
+            per_row = per_row.to(self.routes.dtype)
+            if sources is not None:
+                per_row = per_row[sources]
+            if rows is None:
+                self.routes[:, start:end, replay.slot] = per_row
+            else:
+                self.routes[rows, start:end, replay.slot] = per_row
             replay.clear_indices()
 
     def rows(self, lengths: list[int]) -> list[torch.Tensor]:

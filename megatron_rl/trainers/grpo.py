@@ -187,7 +187,8 @@ class GrpoRun:
                 max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
                 eos_id=self.tokenizer.eos_id, stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
                 vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=data_parallel_seed(step_seed),
-                record_routes=self.algo.router_replay if record_routes is None else record_routes)
+                record_routes=self.algo.router_replay if record_routes is None else record_routes,
+                max_concurrent=gen.max_concurrent)
         routes = out.routes or [None] * len(out.tokens)
         sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length", route)
                                         for tokens, lp, reason, route in zip(out.tokens, out.logprobs,

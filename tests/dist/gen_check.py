@@ -197,21 +197,50 @@ def main() -> None:
     result["sampled_vs_sequence_logprobs"] = max_abs_diff(sampled.logprobs,
                                                           response_slice(full, prompts, sampled.lengths))
 
-    # Shared prefill: GRPO-style groups (each prompt 4 times, and two prompts with the same 3-token start),
-    # prefilled once per distinct prefix, against prefilling every row; greedy and sampled (the same seed).
-    grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9]]
+    # Shared prefill and compaction: GRPO-style groups (each prompt 4 times, and two prompts with the same 3-token
+    # start) prefilled once per distinct prefix, finished rows dropped from the decode batch (prompt lengths
+    # differ, so rows end at different steps; one stop token ends some early), against the static path that
+    # prefills and feeds every row; greedy and sampled (the same seed).
+    long_prompts = [[(7 * i) % 90 + 5 for i in range(30)], [(7 * i) % 90 + 5 for i in range(30)][::-1]]
+    grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9], *long_prompts]
     result["shared_prefill"] = {}
-    for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5))):
+    for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5)),
+                         ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
         shared = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, **kwargs)
-        every_row = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
-                             **kwargs)
+        static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
+                          compact=False, **kwargs)
         full = sequence_logprobs(chunks, padded(grouped, shared.tokens))
         result["shared_prefill"][name] = {
-            "rows": len(grouped), "prefill_rows": shared.prefill_rows, "unshared_prefill_rows": every_row.prefill_rows,
-            "tokens_equal": shared.tokens == every_row.tokens,
-            "logprob_diff": max_abs_diff(shared.logprobs, every_row.logprobs),
+            "rows": len(grouped), "prefill_rows": shared.prefill_rows, "unshared_prefill_rows": static.prefill_rows,
+            "compactions": [shared.compactions, static.compactions],
+            "tokens_equal": shared.tokens == static.tokens,
+            "finish_reasons_equal": shared.finish_reasons == static.finish_reasons,
+            "stopped": shared.finish_reasons.count("stop"),
+            "logprob_diff": max_abs_diff(shared.logprobs, static.logprobs),
+            "sampling_logprob_diff": max_abs_diff(shared.sampling_logprobs, static.sampling_logprobs),
             "vs_sequence_logprobs": max_abs_diff(shared.logprobs, response_slice(full, grouped, shared.lengths)),
-            "forward_passes": [shared.forward_passes, every_row.forward_passes]}
+            "forward_passes": [shared.forward_passes, static.forward_passes]}
+
+    # Pipelined decode: the rows in pp parts so that the stages overlap, against one part (stages in turn).
+    if args.pp > 1:
+        seconds = {}
+        runs = {}
+        for parts in (1, 2):
+            started = time.perf_counter()
+            runs[parts] = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                   pipeline_microbatches=parts)
+            seconds[parts] = time.perf_counter() - started
+        result["pipeline_microbatches"] = {
+            "tokens_equal": runs[1].tokens == runs[2].tokens,
+            "logprob_diff": max_abs_diff(runs[1].logprobs, runs[2].logprobs),
+            "seconds_one_part": seconds[1], "seconds_two_parts": seconds[2]}
+
+    # generation.max_concurrent: the same rows in waves of 8 (the KV cache sized for 8 rows).
+    waves = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, max_concurrent=8)
+    whole = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    result["waves"] = {"rows": len(grouped), "tokens_equal": waves.tokens == whole.tokens,
+                       "logprob_diff": max_abs_diff(waves.logprobs, whole.logprobs),
+                       "kv_cache_bytes": [waves.kv_cache_bytes, whole.kv_cache_bytes]}
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]

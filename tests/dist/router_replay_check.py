@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-PROMPT_LENGTHS = (5, 9, 3, 7, 6, 4, 11, 2)
+PROMPT_LENGTHS = (5, 9, 3, 7, 6, 4, 11, 24, 2, 8, 5, 3, 10, 6, 4, 24)  # 8 per worker; the 24s outlive the rest
 NEW_TOKENS = 6
 TIE_GAP = 1e-5
 
@@ -176,6 +176,7 @@ def main() -> None:
     result["recording"] = compare(probe, probe.calls, full_tokens, recorded)
     result["recorded_slots"] = int(recorded[0].size(1))
     result["recorded_positions"] = sum(int(route.size(0)) for route in recorded)
+    result["compactions"] = out.compactions
 
     # 2. perturbed routers: free routing now differs, replay follows the recording
     from megatron.core.transformer.moe.router import TopKRouter
