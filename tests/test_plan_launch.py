@@ -100,6 +100,19 @@ def test_the_grpo_sizing_comes_from_the_config(capsys):
     assert kept["memory_gib"]["reference_model"] == 0
 
 
+@pytest.mark.parametrize("key, check", [("parallel.vpp=2", lambda p: p["vpp"] == 2 and p["pp"] > 1),
+                                        ("parallel.sequence_parallel=true",
+                                         lambda p: p["sequence_parallel"] and p["tp"] > 1)])
+def test_keys_that_need_other_sizes_are_completed_by_the_planner(capsys, tmp_path, key, check):
+    """Under parallel.auto, vpp without pp (and sp without tp) is kept and the planner picks a pp (tp) for it, in
+    plan and launch alike; without auto the schema refuses it."""
+    planned = _plan(capsys, "--config", "grpo_llama70b", key)
+    assert check(planned["layout"])
+    assert check(_dry_run_parallel(capsys, tmp_path, "grpo_llama70b", [key]))
+    with pytest.raises(ConfigError, match="needs parallel"):
+        load_config(None, [key])
+
+
 def test_generation_max_concurrent_bounds_the_planned_kv_cache(capsys):
     """generation.max_concurrent reaches the planner, which sizes the KV cache for that many sequences per rollout
     worker (the runtime generates in waves of that many), not for the worker's whole share of the rollout."""

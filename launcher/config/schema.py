@@ -140,6 +140,8 @@ class ParallelConfig:
                   last_stage_layers=self.last_stage_layers, timeout_s=self.timeout_s)
         _one_of("parallel", "recompute", self.recompute, RECOMPUTE_MODES)
         _one_of("parallel", "backend", self.backend, BACKENDS)
+        if self.auto:
+            return  # the planner picks the tp and pp these need; ParallelDims checks the layout it resolves
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
