@@ -16,7 +16,7 @@ Shared prefill. Rows whose prefilled prefix is the same (a GRPO group's ``group_
 or prompts that start alike) are prefilled once: the prefill forward runs the distinct prefixes only, and every
 layer's cache rows and the last logits are then copied to the rows that share them (``copy_cache_rows``), so
 the sampled distribution and the random stream are those of prefilling every row (``share_prefill=False``).
-On the default job it cuts generation time by 30% (15.3 -> 10.8 ms a step) with the same 300 rewards.
+On the default job it cuts generation time by 30% (15.3 -> 10.5 ms a step) with the same 300 rewards.
 
 Cache. ``megatron.core.inference.contexts.StaticInferenceContext`` sized ``[batch, longest sequence]``; it is
 released (and the release checked) before ``generate`` returns, so training never runs next to a cache.
@@ -298,7 +298,8 @@ class _Stops:
         return hit
 
 
-def shared_prefill_rows(prefix: torch.Tensor, lockstep: Lockstep) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def shared_prefill_rows(prefix: torch.Tensor,
+                        lockstep: Lockstep) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(rows to prefill, for every row the index of its source among them) when rows of ``prefix`` [batch,
     prefill length] repeat, else (None, None). Under an expert-parallel lockstep every worker prefills the same
     number of rows (the most any worker needs; the extra ones repeat its first), since the token exchange of an
@@ -344,9 +345,9 @@ def stop_check_interval(device: torch.device) -> int:
     return STOP_CHECK_EVERY_GPU if device.type == "cuda" else 1
 
 
-def row_bucket(running: int) -> int:
+def row_bucket(running: int, device: torch.device) -> int:
     """Rows to keep feeding for ``running`` live ones: exact on the CPU, rounded up to ROW_BUCKET_GPU on a GPU."""
-    if not torch.cuda.is_available():
+    if device.type != "cuda":
         return running
     return -(-running // ROW_BUCKET_GPU) * ROW_BUCKET_GPU
 
@@ -405,8 +406,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     feeds every row until the last one finishes. ``max_concurrent`` (generation.max_concurrent): decode at most
     this many prompts at once, in consecutive waves, so the KV cache holds that many rows (the planner counts
     the same cap). ``pipeline_microbatches`` (default ``default_pipeline_microbatches``): parts of the rows each
-    pipelined forward is split into, so the stages overlap; 1 runs the stages one after another. Returns on every rank of the
-    model-parallel group.
+    pipelined forward is split into, so the stages overlap; 1 runs the stages one after another. Returns on every
+    rank of the model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
@@ -512,7 +513,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 if running == 0:
                     break
                 fed_rows = batch if active is None else active.numel()
-                keep = min(fed_rows, row_bucket(running))
+                keep = min(fed_rows, row_bucket(running, device))
                 if compact and worth_compacting(fed_rows, keep, steps_left=total - 1 - t):
                     active = compacted_rows(context, done, active, keep, positions=t)
                     compactions += 1

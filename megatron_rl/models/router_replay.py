@@ -157,9 +157,7 @@ class RouteRecorder:
         return [routes[i, :n].clone() for i, n in enumerate(lengths)]
 
     def close(self) -> None:
-        for replay in self.replays:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+        _release(self.replays)
 
 
 def replay(chunk, routes: torch.Tensor) -> None:
@@ -190,7 +188,10 @@ def routes_released(chunks: list):
     try:
         yield
     finally:
-        for chunk in chunks:
-            for r in routers(chunk):
-                r.clear_indices()
-                r.clear_router_replay_action()
+        _release([r for chunk in chunks for r in routers(chunk)])
+
+
+def _release(replays: list) -> None:
+    for r in replays:
+        r.clear_indices()
+        r.clear_router_replay_action()
