@@ -265,6 +265,40 @@ def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
     }
 
 
+def attention_kernels_check(exact_yaml: str, device: torch.device) -> dict:
+    """runtime.attention=flash against unfused on the same fp32 weights and tokens: TE's fused/flash backend
+    against TE's unfused one on a GPU with TE (Megatron's attention_backend), torch's SDPA against Megatron's
+    DotProductAttention without TE. TE reads the backend from NVTE_* variables, which each build sets; they are
+    cleared around the part so the main model sets its own."""
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.models.builder import ModelOptions, build_gpt_model
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.training import sequence_logprobs
+
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    shape = load_model_shape(str(REPO_ROOT / exact_yaml))
+    tokens = torch.randint(3, shape.vocab_size, (4, 32), generator=torch.Generator().manual_seed(5)).to(device)
+    logprobs, modules = {}, {}
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for kernel in ("flash", "unfused"):
+            for name in names:
+                os.environ.pop(name, None)
+            model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7, attention=kernel))
+            with torch.no_grad():
+                logprobs[kernel] = sequence_logprobs(model, tokens)
+            modules[kernel] = type(unwrap(model).decoder.layers[0].self_attention.core_attention).__name__
+            del model
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+        for name in names:
+            os.environ.pop(name, None)
+    diff = (logprobs["flash"] - logprobs["unfused"]).abs()
+    return {"model": f"{shape.name}, fp32", "core_attention": modules, "max_abs_diff": float(diff.max()),
+            "passed": bool(diff.max() < 1e-4)}
+
+
 def moe_check(run_dir: str, device: torch.device) -> dict:
     """The MoE path on this device, fp32: the tiny MoE preset (on a GPU with Transformer Engine: TE layers, grouped
     GEMM experts, the all-to-all dispatcher), two training steps, then KV-cache generation against the training
@@ -580,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"environment: {json.dumps(result['environment'])}")
             attempt("exactness_fp32", lambda: exactness_check(sizes.exact_model, device))
             attempt("moe", lambda: moe_check(run_dir, device))
+            attempt("attention_kernels", lambda: attention_kernels_check(sizes.exact_model, device))
             attempt("router_replay", lambda: router_replay_check(run_dir, sizes.dtype))
             shape = load_model_shape(str(REPO_ROOT / sizes.model))
             holder: dict[str, Any] = {}
@@ -646,6 +681,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "generation_kv_cache_logprobs": flag("generation", "kv_cache_vs_training_forward", "passed"),
         "grpo_kv_cache_logprobs": flag("grpo", "kv_cache_vs_training_forward", "passed"),
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
+        "attention_kernels_agree": flag("attention_kernels", "passed"),
         "router_replay_narrows_ratio": flag("router_replay", "router_replay")
         and result["router_replay"]["router_replay"]["log_ratio_max_abs"]
         <= result["router_replay"]["free_routing"]["log_ratio_max_abs"] + 1e-6,

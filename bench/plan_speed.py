@@ -6,6 +6,8 @@ Run: ``.venv/bin/python bench/plan_speed.py``. The last line is one JSON object:
   reference_s         median wall time of the same search with no pruning (every candidate estimated), timed side
                       by side on the same machine; speedup = reference_s / search_s
   considered          candidate layouts enumerated; evaluated = layouts whose memory and time were estimated
+  grpo_search_s       per shipped GRPO config (configs/grpo_*.yaml): wall time of its plan's search, as
+                      ``launch.py plan --config`` runs it (median of REPEATS); must stay under 3 s each
 The model is Narayanan et al.'s GPT-1T (128 layers, hidden 25600, 160 heads, ffn 102400, vocab 51200), seq 2048,
 global batch 4096 sequences, bf16.
 """
@@ -41,6 +43,25 @@ def _median_time(fn) -> float:
     return statistics.median(times)
 
 
+def grpo_search_times() -> dict[str, float | str]:
+    """Median search seconds of every shipped GRPO config's plan (or the one-line reason it has none)."""
+    from launcher.config.loader import given_keys, load_config
+    from launcher.errors import ConfigError
+    from launcher.job import load_shape, plan_job
+
+    out: dict[str, float | str] = {}
+    for path in sorted((Path(__file__).resolve().parents[1] / "configs").glob("grpo_*.yaml")):
+        cfg = load_config(str(path), [], allow_missing=True)
+        shape = load_shape(cfg.model.name)
+        given = given_keys(str(path), [])
+        try:
+            out[path.stem] = round(statistics.median(plan_job(cfg, shape, given=given).search_seconds
+                                                     for _ in range(REPEATS)), 4)
+        except ConfigError as exc:
+            out[path.stem] = f"no plan: {str(exc)[:80]}"
+    return out
+
+
 def main() -> dict:
     """Run the benchmark; print a summary and the JSON line; return the JSON object."""
     shape = shape_from_megatron_dict(GPT_1T, name="gpt-1t", source="bench/plan_speed.py")
@@ -66,6 +87,7 @@ def main() -> dict:
                "reference_s": round(reference_s, 4), "reference_evaluated": brute.evaluated,
                "speedup": round(reference_s / search_s, 2),
                "same_answer": abs(best_brute.step_time_s - result.estimate.step_time_s) < 1e-9,
+               "grpo_search_s": grpo_search_times(),
                "timing": f"median of {REPEATS} runs, wall clock, this machine"}
     print(json.dumps(summary))
     return summary

@@ -22,7 +22,7 @@ from launcher.limits import check_limits, trainer_limits
 from launcher.model_shape import ModelShape, load_model_shape
 from launcher.private import check_run_dir, make_private_dir, write_private_text
 
-PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain"}
+PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain", "dpo": "dpo", "ppo": "ppo"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,36 +116,40 @@ def resolve_executor(name: str) -> str:
 
 
 def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = frozenset(), precision: str = "bf16",
-             top_k: int = 5):
+             top_k: int = 5, mean_response_length: int | None = None):
     """The one sizing call for a job, made by ``prepare`` (parallel.auto=true) and by ``launch.py plan``: the
-    planner's search for cfg's world size, GPU type, sequence length, global batch and trainer, and for GRPO its
-    rollout size, response length (generation.max_new_tokens), reference model (algorithm.kl_coef > 0), KV cache
-    release and optimizer offload (generation.offload_optimizer). It keeps the ``parallel.*`` keys named in
+    planner's search for cfg's world size, GPU type, sequence length, global batch and trainer, with the job's
+    runtime (``runtime:`` section: TE, attention kernel, TP/DP overlap, gradient dtype;
+    ``launcher.planner.inputs.runtime_of``), and for GRPO/PPO its rollout (``inputs.rollout_sizing``: size, group,
+    response length and ``mean_response_length`` (None: half the max), reference model, old log-prob recompute,
+    epochs, reward model, KV cache release and optimizer offload). It keeps the ``parallel.*`` keys named in
     ``given`` (``launcher.config.loader.given_keys``) and the trainer limits (``launcher.limits``).
     Returns the PlanResult; NoFeasibleLayout when nothing fits, ConfigError when a given key cannot be kept."""
-    from launcher.planner import PLANNED_KEYS, GrpoSizing, NoFeasibleLayout, Runtime, plan
+    from launcher.planner import PLANNED_KEYS, NoFeasibleLayout, plan
+    from launcher.planner.inputs import RL_ALGORITHMS, rollout_sizing, runtime_of
 
     algo, par = cfg.algorithm, cfg.parallel
     limits = trainer_limits(shape, algo.name)
     given_parallel = {key.removeprefix("parallel.") for key in given if key.startswith("parallel.")}
-    check_limits({key: getattr(par, key) for key in given_parallel}, limits)
+    check_limits({key: getattr(par, key) for key in given_parallel if hasattr(par, key)}, limits)
     if shape.is_moe and "etp" in given_parallel:
         raise ConfigError(f"parallel.etp={par.etp}: the planner models experts at etp=1 under ep > 1 and etp=tp "
                           "otherwise; leave parallel.etp unset, or give the whole layout with parallel.auto=false")
-    fixed = {key: getattr(par, key) for key in PLANNED_KEYS if key in given_parallel}
+    fixed = {key: getattr(par, key) for key in PLANNED_KEYS if key in given_parallel and hasattr(par, key)}
     if "vpp" in fixed:
         fixed["vpp"] = fixed["vpp"] or 1  # null: plain 1F1B
-    grpo = None
-    if algo.name == "grpo":
-        grpo = GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=cfg.generation.max_new_tokens,
-                          generation_concurrency=cfg.generation.max_concurrent,
-                          reference_model=algo.kl_coef > 0, kv_cache_released_for_training=True,
-                          optimizer_offloaded_for_generation=cfg.generation.offload_optimizer)
+    if fixed.get("recompute_num_layers", 0) is None:
+        del fixed["recompute_num_layers"]  # null: every layer, the Layout default
+    runtime = runtime_of(cfg)
+    if mean_response_length is not None and algo.name not in RL_ALGORITHMS:
+        raise ConfigError(f"--mean-response-len sizes a rollout; algorithm.name={algo.name} generates none")
+    grpo = (rollout_sizing(cfg, shape, runtime, mean_response_length=mean_response_length)
+            if algo.name in RL_ALGORITHMS else None)
     try:
         return plan(shape, num_gpus=cfg.cluster.world_size, gpu_type=cfg.cluster.gpu_type,
                     seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
                     mode=PLANNER_MODES[algo.name], precision=precision, grpo=grpo, top_k=top_k,
-                    runtime=Runtime(distributed_optimizer=par.distributed_optimizer), fixed=fixed, limits=limits)
+                    runtime=runtime, fixed=fixed, limits=limits)
     except NoFeasibleLayout:
         raise
     except ConfigError as exc:  # the search names held keys as --layout ones; here they are parallel.* keys
@@ -158,7 +162,7 @@ def evaluate_layout(cfg: JobConfig, shape: ModelShape):
     from launcher.planner import PLANNED_KEYS, NoFeasibleLayout
 
     try:
-        held = {f"parallel.{key}" for key in PLANNED_KEYS if key != "etp"}  # etp: the planner's own rule
+        held = {f"parallel.{key}" for key in PLANNED_KEYS if key != "etp" and hasattr(cfg.parallel, key)}
         return plan_job(cfg, shape, given=held, top_k=0)
     except (ConfigError, NoFeasibleLayout):
         return None

@@ -19,6 +19,7 @@ TRAINERS = {
     "sft": "megatron_rl.trainers.sft",
     "grpo": "megatron_rl.trainers.grpo",
     "rm": "megatron_rl.trainers.rm",
+    "dpo": "megatron_rl.trainers.dpo",
 }
 
 

@@ -51,6 +51,19 @@ def test_every_rank_is_in_one_cp_group(ranks):
 
 
 @pytest.mark.parametrize("case", ["gqa_causal", "mha_causal", "gqa_padded_mask"])
+def test_sdpa_attention_matches_dot_product_attention(ranks, case):
+    """runtime.attention=flash without TE: torch's SDPA kernel gives DotProductAttention's output and grads on the
+    whole sequence, at cp > 1 on this rank's part, and for decode queries and a chunk after a cached prefix."""
+    for rank in ranks:
+        result = next(r for r in rank["attention"] if r["case"] == case)
+        assert result["sdpa_whole"] <= ATTENTION_TOL * 10
+        assert result["sdpa_cp"] <= ATTENTION_TOL * 10
+        if case != "gqa_padded_mask":
+            assert result["sdpa_decode"] <= ATTENTION_TOL * 10
+            assert result["sdpa_chunk"] <= ATTENTION_TOL * 10
+
+
+@pytest.mark.parametrize("case", ["gqa_causal", "mha_causal", "gqa_padded_mask"])
 def test_core_attention_matches_dot_product_attention(ranks, case):
     """Output and q/k/v gradients of this rank's part equal DotProductAttention on the whole sequence."""
     cp = len(ranks)

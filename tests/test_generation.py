@@ -10,7 +10,9 @@ tokens as the module path and log-probs within 1e-5 of it and of the training fo
 
 The distributed cases start ``tests/dist/gen_check.py`` in their own torchrun (Megatron's parallel state is
 process-global): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2,
-PP=2 with 2 virtual stages on a 4-layer variant, and the tiny Qwen3-MoE-like model (QK norm, 4 experts).
+PP=2 with 2 virtual stages on a 4-layer variant, and the tiny Qwen3-MoE-like model (QK norm, 4 experts). The
+TP=1 and PP=2 runs train layers built with SDPA attention (runtime.attention=auto: flash), TP=2 and MoE with
+Megatron's unfused DotProductAttention, which generation swaps to SDPA (generation/attention.py).
 Each compares its KV-cache generation with independent references computed in the same process:
 step-by-step recomputation without a cache (PP=1 runs), one training-style forward of the final sequences
 through Megatron's schedule (all runs), ``sequence_logprobs``, the model's own loss, and generation with
@@ -170,12 +172,12 @@ def tp1_dp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("tp2"), "--tp", "2")
+    return _torchrun(tmp_path_factory.mktemp("tp2"), "--tp", "2", "--attention", "unfused")
 
 
 @pytest.fixture(scope="module")
 def moe_tp1(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("moe"), "--model", "tiny-cpu-moe", nproc=1)
+    return _torchrun(tmp_path_factory.mktemp("moe"), "--model", "tiny-cpu-moe", "--attention", "unfused", nproc=1)
 
 
 @pytest.fixture(scope="module")

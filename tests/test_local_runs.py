@@ -39,14 +39,38 @@ def test_metrics_are_logged_per_step(baseline):
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"],
+                                    ["parallel.recompute=full", "parallel.recompute_num_layers=1"],
+                                    ["runtime.attention=unfused"]],
+                         ids=["tp2", "pp2", "block_recompute", "unfused_attention"])
 def test_model_parallel_matches_data_parallel(launch, tmp_path, baseline, layout):
-    """TP=2 (or PP=2) on 2 processes vs TP=PP=1 (DP=2): same seed, same global batch -> same losses."""
+    """TP=2 (or PP=2) on 2 processes vs TP=PP=1 (DP=2): same seed, same global batch -> same losses. So do a
+    partial (block) recompute of 1 of the 2 layers, and Megatron's unfused attention against the baseline's SDPA
+    (runtime.attention=auto: flash)."""
     reference, _ = baseline
     metrics = _run(launch, tmp_path / "run", *layout)
     for ref, got in zip(reference, metrics, strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], abs=2e-5), (ref, got)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_overlapped_grad_reduce_equals_the_reduce_after_backward(launch, tmp_path, baseline):
+    """runtime.overlap_grad_reduce (on in the baseline: DP=2, 2 micro-batches per rank, so the first runs under
+    no_sync) reduces the same buckets during the backward pass: the same metrics, bit for bit."""
+    reference, _ = baseline
+    metrics = _run(launch, tmp_path / "run", "parallel.tp=1", "parallel.pp=1", "runtime.overlap_grad_reduce=false")
+    assert without_measurements(metrics) == without_measurements(reference)
+
+
+def test_bf16_gradients_reach_the_optimizer(launch, tmp_path):
+    """runtime.grad_dtype=bf16 (bf16 parameters, DP=2): main grads and their reduce in bf16 train like fp32 grads,
+    to bf16 precision, and not identically (the setting reaches Megatron's DDP)."""
+    runs = {dtype: _run(launch, tmp_path / dtype, "model.dtype=bf16", f"runtime.grad_dtype={dtype}")
+            for dtype in ("fp32", "bf16")}
+    for ref, got in zip(runs["fp32"], runs["bf16"], strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=2e-2)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-2)
+    assert [m["grad_norm"] for m in runs["bf16"]] != [m["grad_norm"] for m in runs["fp32"]]
 
 
 def test_cpu_redirections_are_all_reviewed(baseline):

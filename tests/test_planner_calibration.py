@@ -8,7 +8,7 @@ Table: .venv/bin/python -m launcher.planner.calibration
 import pytest
 
 from launcher.model_shape import load_model_shape
-from launcher.planner import evaluate, plan
+from launcher.planner import Runtime, evaluate, plan
 from launcher.planner.calibration import evaluate_row, korthikanti_memory, load_rows
 
 ROWS = load_rows()
@@ -53,18 +53,23 @@ def test_planner_pick_is_no_slower_than_published(row):
 
 
 # ---- published layouts not in the calibration file (not used for fitting) ----
+OVERLAPPED_TP = Runtime(tp_comm_overlap=True)
+"""The held-out runs below are of the TE era with TP communication overlapped (NeMo's Nemotron-4 and Llama 3.1
+405B recipes set tp_comm_overlap at TP8; the planner's own default is off because no trainer here turns it on)."""
+
+
 def test_llama3_405b_on_16k_h100():
     """Llama 3 paper Table 4: TP8 CP1 PP16 DP128, seq 8192, 16 sequences per DP rank: 41% BF16 MFU (43% at 8K
     GPUs). With Megatron's fp32 gradient buffers CP1 needs full recompute here; CP2 runs without."""
     shape = load_model_shape("llama-3.1-405b")
     cp1 = evaluate(shape, "tp=8,pp=16,cp=1", num_gpus=16384, gpu_type="h100-80gb", global_batch_size=2048,
-                   seq_length=8192)
+                   seq_length=8192, runtime=OVERLAPPED_TP)
     assert cp1.fits and cp1.estimate.mfu == pytest.approx(0.41, rel=0.15)
     cp2 = evaluate(shape, "tp=8,pp=16,cp=2", num_gpus=16384, gpu_type="h100-80gb", global_batch_size=2048,
-                   seq_length=8192)
+                   seq_length=8192, runtime=OVERLAPPED_TP)
     assert cp2.fits and 0.38 * 0.85 < cp2.estimate.mfu < 0.43 * 1.15
     eight_k = evaluate(shape, "tp=8,pp=16,cp=1", num_gpus=8192, gpu_type="h100-80gb", global_batch_size=2048,
-                       seq_length=8192)
+                       seq_length=8192, runtime=OVERLAPPED_TP)
     assert eight_k.estimate.mfu > cp1.estimate.mfu  # more micro-batches per pipeline, smaller bubble
 
 
@@ -72,7 +77,7 @@ def test_llama3_405b_on_16k_h100():
 def test_nemotron4_340b_tp8_pp12(gpus, gbs, mfu):
     """Nemotron-4 340B report: TP8 PP12 on H100, seq 4096, MFU 42.4% (1536 GPUs) and 41.0% (6144 GPUs)."""
     res = evaluate(load_model_shape("nemotron-4-340b"), "tp=8,pp=12,cp=1", num_gpus=gpus, gpu_type="h100-80gb",
-                   global_batch_size=gbs)
+                   global_batch_size=gbs, runtime=OVERLAPPED_TP)
     assert res.fits and res.estimate.mfu == pytest.approx(mfu, rel=0.15)
 
 

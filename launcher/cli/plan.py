@@ -5,9 +5,11 @@ The flags are shorthands for config keys: ``--model`` model.name, ``--gpus N`` N
 cluster.tasks_per_node, one task per GPU, in nodes of the config file's cluster.gpus_per_node or else of the GPU
 type's node size), ``--gpu-type`` cluster.gpu_type, ``--seq-len`` model.seq_length, ``--global-batch-size``
 algorithm.global_batch_size, ``--mode`` algorithm.name, ``--layout tp=8,pp=16,mbs=1,sp=true,...`` the parallel.*
-keys of the same names. With --config the file's values are the defaults and flags override them; a key given by
-a flag and by key=value is an error. Without --config, ``--model`` sizes a pretraining job unless --mode or
-algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU model).
+keys of the same names, ``--attention`` runtime.attention, ``--grad-dtype`` runtime.grad_dtype, ``--tp-comm-overlap``
+runtime.tp_comm_overlap=true. ``--mean-response-len N`` (GRPO/PPO) is the rollout's mean response length, which step
+time depends on (default half of generation.max_new_tokens). With --config the file's values are the defaults and
+flags override them; a key given by a flag and by key=value is an error. Without --config, ``--model`` sizes a
+pretraining job unless --mode or algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU model).
 
 The search keeps every parallel.* key that is given (file, key=value or --layout; any subset: the rest is searched)
 and holds the trainer limits (``launcher/limits.py``); the plan lists both. It prints the chosen layout's memory and
@@ -33,7 +35,9 @@ from launcher.errors import ConfigError
 
 EXIT_NO_FIT = 3
 SHORTHANDS = {"model": "model.name", "gpu_type": "cluster.gpu_type", "seq_len": "model.seq_length",
-              "global_batch_size": "algorithm.global_batch_size", "mode": "algorithm.name"}
+              "global_batch_size": "algorithm.global_batch_size", "mode": "algorithm.name",
+              "attention": "runtime.attention", "grad_dtype": "runtime.grad_dtype",
+              "tp_comm_overlap": "runtime.tp_comm_overlap"}
 """plan's flags (argparse names) -> the config key each one sets."""
 GPUS_KEYS = ("cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node")
 """What --gpus sets (it reads cluster.gpus_per_node, the node size, from the config file when that gives it)."""
@@ -73,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="algorithm.global_batch_size: sequences per optimizer step")
     p.add_argument("--mode", choices=ALGORITHMS, help="algorithm.name, the trainer")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="planning precision")
+    p.add_argument("--attention", choices=["flash", "unfused"],
+                   help="runtime.attention: the core attention kernel (default: the config's; auto is flash)")
+    p.add_argument("--grad-dtype", choices=["fp32", "bf16"], help="runtime.grad_dtype: main gradients and their "
+                   "data-parallel reduction")
+    p.add_argument("--tp-comm-overlap", action="store_const", const="true", default=None,
+                   help="runtime.tp_comm_overlap=true: overlap TP collectives with GEMMs (needs TE on GPUs)")
+    p.add_argument("--mean-response-len", type=bounded_int("--mean-response-len", MAX_TOKENS), metavar="N",
+                   help="GRPO/PPO: mean response tokens of the rollout, at most generation.max_new_tokens "
+                        "(default: half of it)")
     p.add_argument("--layout", help="parallel.* keys to keep, e.g. tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,"
                    "recompute=selective,sp=true")
     p.add_argument("--top-k", type=bounded_int("--top-k", 100), default=5, help="alternatives to show")
@@ -157,12 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.calibrate is not None:
             return calibrate(args)
         overrides = job_overrides(args)
-        cfg = load_config(args.config, overrides, allow_missing=True)
+        # with --gpus, the first load only reads the node size: runtime keys are checked once the GPUs are set
+        first = [o for o in overrides if not o.startswith("runtime.")] if args.gpus is not None else overrides
+        cfg = load_config(args.config, first, allow_missing=True)
         if args.gpus is not None:
             overrides += gpus_overrides(args.gpus, cfg, given_keys(args.config, overrides))
             cfg = load_config(args.config, overrides, allow_missing=True)
         result = plan_job(cfg, load_shape(cfg.model.name), given=given_keys(args.config, overrides),
-                          precision=args.precision, top_k=args.top_k)
+                          precision=args.precision, top_k=args.top_k, mean_response_length=args.mean_response_len)
     except NoFeasibleLayout as exc:
         print(f"error: {exc}", file=sys.stderr)
         if as_json:

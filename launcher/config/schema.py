@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from launcher.errors import ConfigError
 
 EXECUTORS = ("auto", "local", "slurm")
-ALGORITHMS = ("grpo", "rm", "sft", "pretrain")
+ALGORITHMS = ("grpo", "rm", "sft", "pretrain", "dpo")
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -27,6 +27,9 @@ WANDB_MODES = ("online", "offline", "disabled")
 IMPORTANCE_RATIOS = ("token", "sequence")
 TRUNCATION_POLICIES = ("truncate", "drop")
 MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss")
+DPO_LOSSES = ("sigmoid", "ipo")
+ATTENTION_KERNELS = ("auto", "flash", "unfused")
+GRAD_DTYPES = ("fp32", "bf16")
 
 
 def _one_of(section: str, key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -126,6 +129,9 @@ class ParallelConfig:
     """Sequences per micro-batch."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full."""
+    recompute_num_layers: Optional[int] = None
+    """With recompute=full: recompute only the first N decoder layers of each (virtual) pipeline stage and keep
+    the others' activations (Megatron's recompute_method=block); None recomputes every layer."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
     backend: str = "auto"
@@ -137,8 +143,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
                   micro_batch_size=self.micro_batch_size, first_stage_layers=self.first_stage_layers,
-                  last_stage_layers=self.last_stage_layers, timeout_s=self.timeout_s)
+                  last_stage_layers=self.last_stage_layers, timeout_s=self.timeout_s,
+                  recompute_num_layers=self.recompute_num_layers)
         _one_of("parallel", "recompute", self.recompute, RECOMPUTE_MODES)
+        if self.recompute_num_layers is not None and self.recompute != "full":
+            raise ConfigError(f"parallel.recompute_num_layers={self.recompute_num_layers} needs parallel.recompute="
+                              f"full (it is {self.recompute}); set recompute=full or recompute_num_layers=null")
         _one_of("parallel", "backend", self.backend, BACKENDS)
         if self.auto:
             return  # the planner picks the tp and pp these need; ParallelDims checks the layout it resolves
@@ -146,6 +156,51 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    """Kernels and overlaps the job runs with. ``launch.py plan`` plans with the same ones (``plan_job``)."""
+
+    transformer_engine: Union[bool, str] = "auto"
+    """Transformer Engine layers: true (the job stops when TE does not import on a GPU), false (Megatron's local
+    torch layers even where TE is installed) or auto (TE whenever it imports and a GPU is present). The planner
+    takes auto as TE on GPU jobs (cluster.gpus_per_node > 0) and none on CPU jobs."""
+    attention: str = "auto"
+    """Core attention kernel: flash (TE's fused attention; without TE, torch's scaled_dot_product_attention:
+    neither keeps the s x s scores), unfused (softmax(QK^T)V with the scores kept for backward: Megatron's
+    DotProductAttention, or TE's unfused backend) or auto (flash)."""
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel collectives with the GEMMs (TE userbuffers, Megatron's --tp-comm-overlap); needs
+    TE on GPUs and parallel.sequence_parallel."""
+    overlap_grad_reduce: bool = True
+    """Reduce the data-parallel gradients bucket by bucket during the last micro-batch's backward pass (Megatron
+    DDP's overlap_grad_reduce) instead of all after it."""
+    grad_dtype: str = "fp32"
+    """Main gradients and their data-parallel reduction: fp32, or bf16 (half the gradient memory and traffic;
+    needs bf16 parameters)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.transformer_engine, str) and self.transformer_engine != "auto":
+            raise ConfigError(f"runtime.transformer_engine={self.transformer_engine!r} is not valid; use true, false "
+                              "or auto")
+        _one_of("runtime", "attention", self.attention, ATTENTION_KERNELS)
+        _one_of("runtime", "grad_dtype", self.grad_dtype, GRAD_DTYPES)
+
+    def uses_transformer_engine(self, *, gpus: bool) -> bool:
+        """Whether a job on GPUs (or not) runs TE layers, as planned: auto counts on TE wherever there are GPUs."""
+        return gpus if self.transformer_engine == "auto" else bool(self.transformer_engine)
+
+    @property
+    def attention_kernel(self) -> str:
+        """flash or unfused: auto resolved."""
+        return attention_kernel(self.attention)
+
+
+def attention_kernel(setting: str) -> str:
+    """runtime.attention resolved: auto is flash, with Transformer Engine (its fused kernels) or without (torch's
+    scaled_dot_product_attention)."""
+    return "flash" if setting == "auto" else setting
 
 
 @dataclass(kw_only=True)
@@ -227,6 +282,11 @@ class ClusterConfig:
     def world_size(self) -> int:
         return self.nodes * self.tasks_per_node
 
+    @property
+    def has_gpus(self) -> bool:
+        """A GPU job (gpus_per_node > 0); CPU jobs request none."""
+        return self.gpus_per_node > 0
+
 
 @dataclass(kw_only=True)
 class OverlongConfig:
@@ -245,7 +305,8 @@ class OverlongConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """What the job trains: grpo, rm (reward model), sft or pretrain (next-token prediction)."""
+    """What the job trains: grpo, rm (reward model), sft, pretrain (next-token prediction) or dpo (direct
+    preference optimisation on preference pairs)."""
     global_batch_size: int = 128
     """Sequences per optimizer step (GRPO: completions per optimizer step)."""
     group_size: int = 8
@@ -298,6 +359,17 @@ class AlgorithmConfig:
     """RM: margin subtracted in -log sigmoid(r_chosen - r_rejected - margin)."""
     rm_centering_coef: float = 0.0
     """RM: coefficient of the reward-centering term mean((r_c + r_r)^2)."""
+    dpo_beta: float = 0.1
+    """DPO: beta (> 0), how strongly the policy is held to the reference; the implicit reward of a response is
+    beta * (log pi - log ref), summed over its tokens. IPO: the regulariser tau (target margin 1 / (2 beta))."""
+    dpo_label_smoothing: float = 0.0
+    """DPO (dpo_loss=sigmoid): the assumed probability that a preference label is flipped, in [0, 0.5)
+    (conservative DPO: (1 - e) * -log sigmoid(z) + e * -log sigmoid(-z)); 0 = plain DPO."""
+    dpo_loss: str = "sigmoid"
+    """DPO loss: sigmoid (DPO) or ipo (squared distance of the length-averaged log-ratio margin from 1 / (2 beta),
+    as TRL)."""
+    dpo_sft_coef: float = 0.0
+    """DPO: weight of an NLL term on the chosen responses (mean per chosen token over the batch); 0 = off."""
     sft_warmup_steps: int = 30
     """Supervised steps run before GRPO (0 = none); the data is set by data.warmup_task."""
 
@@ -307,6 +379,7 @@ class AlgorithmConfig:
         _one_of("algorithm", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of("algorithm", "loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("algorithm", "importance_ratio", self.importance_ratio, IMPORTANCE_RATIOS)
+        self._check_dpo()
         if isinstance(self.recompute_old_logprobs, str) and self.recompute_old_logprobs != "auto":
             raise ConfigError(f"algorithm.recompute_old_logprobs={self.recompute_old_logprobs!r} is not valid; use "
                               "true, false or auto")
@@ -332,6 +405,18 @@ class AlgorithmConfig:
                     f"algorithm.global_batch_size={self.global_batch_size} must divide the rollout batch "
                     f"prompts_per_step*group_size={completions}")
         self._check_rewards()
+
+    def _check_dpo(self) -> None:
+        _one_of("algorithm", "dpo_loss", self.dpo_loss, DPO_LOSSES)
+        _positive("algorithm", dpo_beta=self.dpo_beta)
+        _non_negative("algorithm", dpo_sft_coef=self.dpo_sft_coef)
+        smoothing = self.dpo_label_smoothing
+        if not 0 <= smoothing < 0.5:
+            raise ConfigError(f"algorithm.dpo_label_smoothing={smoothing} must be in [0, 0.5) (the probability "
+                              "that a label is flipped); use e.g. 0.1, or 0 for plain DPO")
+        if smoothing and self.dpo_loss != "sigmoid":
+            raise ConfigError(f"algorithm.dpo_label_smoothing={smoothing} applies to dpo_loss=sigmoid only; set it to "
+                              f"0 with dpo_loss={self.dpo_loss}")
 
     def _check_rewards(self) -> None:
         """Each entry's shape, and the options of the built-in rewards (other rewards' are checked by the job)."""
@@ -559,6 +644,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -579,7 +665,25 @@ class JobConfig:
             raise ConfigError(
                 f"parallel.micro_batch_size={self.parallel.micro_batch_size} does not divide "
                 f"algorithm.global_batch_size={self.algorithm.global_batch_size}")
+        self._check_runtime()
         overlong = self.algorithm.overlong
         if overlong is not None and overlong.buffer > self.generation.max_new_tokens:
             raise ConfigError(f"algorithm.overlong.buffer={overlong.buffer} exceeds generation.max_new_tokens="
                               f"{self.generation.max_new_tokens}; the penalty window must lie inside the limit")
+
+    def _check_runtime(self) -> None:
+        rt, gpus = self.runtime, self.cluster.has_gpus
+        if rt.transformer_engine is True and not gpus:
+            raise ConfigError("runtime.transformer_engine=true needs GPUs, and cluster.gpus_per_node is 0; set "
+                              "runtime.transformer_engine=auto or give the GPUs")
+        if rt.tp_comm_overlap:
+            if not rt.uses_transformer_engine(gpus=gpus):
+                raise ConfigError("runtime.tp_comm_overlap=true needs Transformer Engine on GPUs; set it false")
+            if not self.parallel.auto and not self.parallel.sequence_parallel:
+                raise ConfigError("runtime.tp_comm_overlap=true needs parallel.sequence_parallel=true; set both")
+        if rt.grad_dtype == "bf16":
+            bf16 = self.model.dtype == "bf16" or (self.model.dtype == "auto" and gpus)
+            if not bf16:
+                raise ConfigError(f"runtime.grad_dtype=bf16 needs bf16 parameters, and model.dtype={self.model.dtype}"
+                                  f"{' on CPU' if self.model.dtype == 'auto' else ''} is not; set "
+                                  "runtime.grad_dtype=fp32 or model.dtype=bf16")

@@ -49,5 +49,22 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
                           f"multiple of {multiple}")
     if cfg.algorithm.router_replay and not shape.is_moe:
         raise ConfigError(f"algorithm.router_replay=true needs an MoE model and {shape.name} is dense; set it to false")
+    check_runtime(cfg, dims, shape)
     check_limits(dataclasses.asdict(par), trainer_limits(shape, cfg.algorithm.name))
     return dp
+
+
+def check_runtime(cfg: JobConfig, dims: ParallelDims, shape: ModelShape) -> None:
+    """The runtime.* kernels and overlaps against the resolved layout and the trainer."""
+    rt, par = cfg.runtime, cfg.parallel
+    if rt.tp_comm_overlap and cfg.algorithm.name != "pretrain":
+        raise ConfigError(f"runtime.tp_comm_overlap=true needs every forward at one shape (TE's userbuffers), "
+                          f"which algorithm.name={cfg.algorithm.name} does not have (only pretrain does); set it "
+                          "false")
+    if rt.tp_comm_overlap and not dims.sp:
+        raise ConfigError("runtime.tp_comm_overlap=true needs parallel.sequence_parallel=true; set it")
+    if par.recompute_num_layers is not None:
+        most = max(dims.with_split(shape.num_layers).stage_layers(shape.num_layers))
+        if par.recompute_num_layers > most:
+            raise ConfigError(f"parallel.recompute_num_layers={par.recompute_num_layers} exceeds the {most} layers "
+                              f"of the largest pipeline stage; give at most {most}, or null to recompute all")

@@ -22,14 +22,16 @@ from launcher.limits import as_yaml, check_limits
 from launcher.model_shape import ModelShape
 from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
 from launcher.planner.costs import GrpoSizing, Runtime, Workload
-from launcher.planner.estimate import RECOMPUTE_MODES, TIME_PARTS, Estimate, Layout
+from launcher.config.schema import RECOMPUTE_MODES
+from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
+from launcher.planner.rl_step import RL_MODES, rollout
 from launcher.planner.search import SearchOutcome, search
 
 __all__ = ["GPUS", "PLANNED_KEYS", "TIME_PARTS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult",
            "RunnerUp", "Runtime", "evaluate", "layout_arg", "parse_layout", "plan", "smallest_fitting_gpus"]
 
-MODES = ("pretrain", "grpo", "rm")
+MODES = ("pretrain", "grpo", "rm", "dpo", "ppo", "eval")
 PRECISIONS = ("bf16", "fp8")
 PLANNED_KEYS = tuple(f.name for f in fields(Layout) if f.name != "dp")
 """The ``parallel:`` keys the planner chooses (its layout's names; dp follows from them)."""
@@ -97,7 +99,7 @@ class PlanResult:
         """step_time_s, mfu (fraction of the bf16 peak), tokens_per_s_per_gpu."""
         e = self.estimate
         return {"step_time_s": round(e.step_time_s, 4), "mfu": round(e.mfu, 4),
-                "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1)}
+                "training_mfu": round(e.training_mfu, 4), "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1)}
 
     def to_dict(self) -> dict:
         """The issue's JSON object (plus stage split, rejections and search counts)."""
@@ -132,6 +134,7 @@ def _summary(e: Estimate) -> dict:
     """One layout's JSON: layout, memory, fits, predicted speed and the step time by part."""
     return {"layout": e.layout.to_dict(), "memory_gib": e.memory_gib(), "fits": e.fits,
             "predicted": {"step_time_s": round(e.step_time_s, 4), "mfu": round(e.mfu, 4),
+                          "training_mfu": round(e.training_mfu, 4),
                           "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1)},
             "time_breakdown_s": {k: round(v, 6) for k, v in e.breakdown_s.items()}}
 
@@ -148,7 +151,8 @@ def parse_layout(text: str) -> dict:
     """'tp=8,pp=16,vpp=4,cp=1,ep=1,mbs=1,recompute=selective,sp=true' -> partial layout dict with the
     ``parallel:`` names (PLANNED_KEYS and etp; mbs and sp are short for micro_batch_size and sequence_parallel)."""
     aliases = {"mbs": "micro_batch_size", "sp": "sequence_parallel"}
-    ints = {"tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch_size", "first_stage_layers", "last_stage_layers"}
+    ints = {"tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch_size", "first_stage_layers", "last_stage_layers",
+            "recompute_num_layers"}
     bools = {"sequence_parallel", "account_for_embedding", "account_for_loss"}
     out: dict = {}
     for item in filter(None, (p.strip() for p in str(text).split(","))):
@@ -198,8 +202,8 @@ def _workload(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: in
     if seq > shape.max_position_embeddings:
         raise ConfigError(f"--seq-len {seq} exceeds the model's max_position_embeddings "
                           f"({shape.max_position_embeddings})")
-    if mode == "grpo" and grpo is not None and grpo.rollout_batch_size is not None and grpo.rollout_batch_size < 1:
-        raise ConfigError("grpo rollout_batch_size must be >= 1")
+    if grpo is not None and mode in RL_MODES:
+        _check_rollout(grpo, seq)
     return Workload(shape=shape, gpu=gpu, num_gpus=num_gpus, seq_length=seq, global_batch_size=global_batch_size,
                     mode=mode, precision=precision, runtime=runtime or Runtime(), grpo=grpo)
 
@@ -208,14 +212,37 @@ def _describe(w: Workload) -> dict:
     out = {"model": w.shape.name, "gpus": w.num_gpus, "gpu_type": w.gpu.name, "seq_length": w.seq_length,
            "global_batch_size": w.global_batch_size, "mode": w.mode, "precision": w.precision,
            "selective_modules": list(w.selective_modules())}
-    if w.mode == "grpo":
+    if w.mode in RL_MODES:
         g = w.grpo or GrpoSizing()
-        rollouts, prompt, response, concurrency = w.grpo_sizes()
-        out["grpo"] = {"rollout_batch_size": rollouts, "max_prompt_length": prompt, "max_response_length": response,
-                       "generation_concurrency": concurrency or None, "reference_model": g.reference_model,
-                       "kv_cache_released_for_training": g.kv_cache_released_for_training,
+        r = rollout(w)
+        out["grpo"] = {"rollout_batch_size": r.sequences, "max_prompt_length": r.prompt,
+                       "max_response_length": r.response, "mean_response_length": r.mean_response,
+                       "samples_per_prompt": r.group, "generation_concurrency": r.concurrency or None,
+                       "reference_model": g.reference_model and w.mode != "eval",
+                       "recompute_old_logprobs": g.recompute_old_logprobs and w.mode != "eval",
+                       "reward_model": g.reward_model, "train_seq_length": r.train_seq,
+                       "optimizer_steps": r.steps, "kv_cache_released_for_training": g.kv_cache_released_for_training,
                        "optimizer_offloaded_for_generation": g.optimizer_offloaded_for_generation}
+    if w.mode == "dpo":
+        out["dpo"] = {"pairs": w.global_batch_size, "sequences": 2 * w.global_batch_size,
+                      "reference": "log-probs precomputed once over the data; no reference model held"}
+    out["runtime"] = {"transformer_engine": w.runtime.transformer_engine,
+                      "attention": "flash" if w.runtime.flash_attention else "unfused",
+                      "tp_comm_overlap": w.runtime.tp_comm_overlap,
+                      "overlap_grad_reduce": w.runtime.overlap_grad_reduce,
+                      "main_grad_bytes": w.runtime.main_grad_bytes, "memory_margin": w.runtime.memory_margin}
     return out
+
+
+def _check_rollout(g: GrpoSizing, seq: int) -> None:
+    """One-line errors for a rollout sizing the step model cannot take."""
+    if g.rollout_batch_size is not None and g.rollout_batch_size < 1:
+        raise ConfigError("grpo rollout_batch_size must be >= 1")
+    prompt = g.max_prompt_length if g.max_prompt_length is not None else seq // 4
+    response = g.max_response_length if g.max_response_length is not None else seq - prompt
+    mean = g.mean_response_length
+    if mean is not None and not 1 <= mean <= response:
+        raise ConfigError(f"--mean-response-len {mean}: give a length from 1 to the longest response ({response})")
 
 
 def _rejections(outcome: SearchOutcome) -> dict[str, dict]:
@@ -391,7 +418,8 @@ def smallest_fitting_gpus(w: Workload, fixed: Mapping[str, Any] | None = None) -
         except ConfigError:  # the fixed keys cannot split this count
             return False
 
-    floor = w.shape.num_params() * 6.0 / (w.gpu.memory_gib * 1024**3)  # bf16 weights + fp32 grads must fit
+    wb, gb, _ = w.weight_bytes_per_param(1)
+    floor = w.shape.num_params() * (wb + gb) / (w.gpu.memory_gib * 1024**3)  # weights + grads must fit
     small = [c for c in range(1, gpn + 1) if gpn % c == 0 and c > w.num_gpus and c >= floor]
     for c in small:
         if fits(c):

@@ -10,9 +10,7 @@ Check it: ``.venv/bin/python -m pytest tests/test_planner_calibration.py -q``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from launcher.model_shape import ModelShape
 from launcher.planner.gpus import GIB, GpuSpec
@@ -40,7 +38,13 @@ IB_LATENCY_S = 15e-6
 DP_BUCKET_BYTES = 160e6
 """Gradient bucket size in bytes (Megatron: 40M fp32 elements)."""
 GRAD_ACCUM_BYTES = 4
-"""Megatron keeps fp32 main gradients for bf16 training."""
+"""Megatron keeps fp32 main gradients for bf16 training (Runtime.main_grad_bytes)."""
+MEMORY_MARGIN = 0.05
+"""Default safety margin: 5% of device memory (4.0 GiB of an H100's 79.6) left free beyond everything counted."""
+MOE_DROPLESS_IMBALANCE = 1.3
+"""Assumed busiest-EP-rank load under dropless routing with load balancing, over the even share. Not fitted: an
+allowance in the range that auxiliary-loss-balanced MoE training reports (per-expert loads within about +-30% of
+even once balancing has converged); early training and small EP groups can exceed it."""
 
 LAYER_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all")
 """The parts a layer's (and the output layer's) time is split into, LayerCost.parts_s's keys."""
@@ -48,44 +52,83 @@ LAYER_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all")
 
 @dataclass(frozen=True, kw_only=True)
 class Runtime:
-    """Software features of the training run; defaults are modern Megatron-Core (what the launcher emits)."""
+    """Software features of the training run. Defaults are what this project's trainers run on GPUs with
+    Transformer Engine (``launcher.job.plan_job`` maps the config's ``runtime:`` section onto them); the calibration
+    rows state their own era's (calibration.py)."""
 
+    transformer_engine: bool = True
+    """Transformer Engine layers (needed by tp_comm_overlap; without TE attention is unfused unless asked)."""
     flash_attention: bool = True
-    """Fused (flash) attention: no s*s scores stored, causal blocks skipped."""
-    tp_comm_overlap: bool = True
-    """--tp-comm-overlap: TP collectives overlapped with GEMMs."""
+    """Fused (flash) attention: no s*s scores stored, causal blocks skipped; False = unfused softmax(QK^T)V."""
+    tp_comm_overlap: bool = False
+    """--tp-comm-overlap: TP collectives overlapped with GEMMs (TE userbuffers). Off: no trainer turns it on
+    unless runtime.tp_comm_overlap is set."""
     overlap_grad_reduce: bool = True
     """--overlap-grad-reduce: DP gradient reduce overlapped with the last backward."""
     overlap_param_gather: bool = True
     """--overlap-param-gather: distributed-optimizer all-gather overlapped with the next forward."""
     distributed_optimizer: bool = True
     """--use-distributed-optimizer: fp32 master weights and Adam states sharded over DP x CP."""
-    grad_reduce_bytes: int = 4
-    """Bytes per gradient element on the wire (fp32 main grads)."""
+    main_grad_bytes: int = GRAD_ACCUM_BYTES
+    """Bytes per main-gradient element held per parameter: 4 (fp32, Megatron's default for bf16 training) or 2
+    (bf16 main grads, runtime.grad_dtype=bf16)."""
+    grad_reduce_bytes: int | None = None
+    """Bytes per gradient element on the DP wire; None = main_grad_bytes (Megatron reduces the main grads)."""
     selective_modules: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj")
     """--recompute-modules for recompute=selective (moe_act / mla_up_proj only where the model has them)."""
     moe_a2a_overlap: bool = False
     """Expert all-to-all hidden behind compute (Megatron --overlap-moe-expert-parallel-comm / DualPipe)."""
+    moe_capacity_factor: float | None = None
+    """MoE expert capacity factor (tokens an expert takes, over the even share); None = dropless routing, where the
+    busiest expert-parallel rank gets moe_dropless_imbalance times the even share."""
+    moe_dropless_imbalance: float = MOE_DROPLESS_IMBALANCE
+    """Busiest EP rank's routed tokens over the even share under dropless routing (memory and expert time)."""
     overhead_gib: float = 3.0
     """Fixed per-GPU overhead: CUDA context, NCCL buffers, cuBLAS/TE workspaces."""
     fragmentation: float = 0.05
     """Allocator fragmentation, as a fraction of everything else."""
+    memory_margin: float = MEMORY_MARGIN
+    """Safety margin: the fraction of device memory a layout must leave free beyond everything counted (overhead
+    and fragmentation included); the plan prints it. 0 = fill to capacity."""
+
+    @property
+    def wire_grad_bytes(self) -> int:
+        """Bytes per gradient element the DP reduce moves."""
+        return self.main_grad_bytes if self.grad_reduce_bytes is None else self.grad_reduce_bytes
+
+    @property
+    def expert_load(self) -> float:
+        """Busiest EP rank's routed tokens over the even share (capacity factor, or the dropless allowance)."""
+        return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_dropless_imbalance
 
 
 @dataclass(frozen=True, kw_only=True)
 class GrpoSizing:
-    """Rollout sizing for mode=grpo (memory of the colocated generation and the reference model)."""
+    """Rollout sizing for the RL modes (grpo, ppo, eval): generation, log-prob passes and optimizer steps."""
 
     rollout_batch_size: int | None = None
     """Sequences generated per step (prompts x samples per prompt); None = global batch size."""
     max_prompt_length: int | None = None
-    """Longest prompt in tokens; None = a quarter of the sequence length."""
+    """Longest prompt in tokens; None = a quarter of the sequence length. Prompts are taken at this length (the
+    planner knows no mean prompt length)."""
     max_response_length: int | None = None
     """Longest response in tokens; None = sequence length minus prompt length."""
+    mean_response_length: int | None = None
+    """Mean response length in tokens (step time depends on it); None = half of max_response_length. Lengths are
+    taken as spread evenly up to twice the mean (capped at the max), and some row of every wave reaches the max."""
+    samples_per_prompt: int = 1
+    """Completions per prompt (algorithm.group_size): a group's shared prompt is prefilled once."""
     generation_concurrency: int | None = None
     """Sequences decoded at once per generation data-parallel rank; None = all of its rollouts."""
     reference_model: bool = True
-    """Keep a frozen bf16 reference model on the GPUs for the KL term."""
+    """Keep a frozen bf16 reference model on the GPUs for the KL term (algorithm.kl_coef > 0)."""
+    recompute_old_logprobs: bool = True
+    """Recompute the old policy's log-probs with a training forward (algorithm.recompute_old_logprobs resolved)."""
+    epochs: int = 1
+    """Passes over each rollout (algorithm.epochs), rollout / global batch optimizer steps each."""
+    reward_model: bool = False
+    """A colocated reward model (algorithm.reward_model), taken as the policy's shape: bf16 weights on the GPUs
+    and one scoring forward over the rollout."""
     kv_cache_bytes: int = 2
     """Bytes per cached K/V element."""
     kv_cache_released_for_training: bool = False
@@ -93,7 +136,7 @@ class GrpoSizing:
     only training holds (activations), so the peak is the larger phase, not the sum."""
     optimizer_offloaded_for_generation: bool = False
     """True when optimizer state and grads wait in host memory while generating (generation.offload_optimizer):
-    with the KV cache released for training, the cache also reuses their memory."""
+    with the KV cache released for training, the cache also reuses their memory; the copies cost host-link time."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +188,7 @@ class Workload:
         self.hbm = self.gpu.hbm_tb_s * 1e12 * HBM_EFFICIENCY
         self.nvlink = self.gpu.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
         self.ib = self.gpu.internode_gb_s * 1e9 * LINK_EFFICIENCY
+        self.host_link = self.gpu.host_link_gb_s * 1e9 * LINK_EFFICIENCY
         self.modules = set(self.selective_modules())
         self.active_params = s.num_active_params()
         self._cost_cache: dict = {}
@@ -186,8 +230,9 @@ class Workload:
             hit = self._cost_cache[key] = make()
         return hit
 
-    def _act_terms(self, kind: str, tp: int, sp: bool) -> dict[str, float]:
-        """Stored activation bytes per local token for one layer, by tensor (Korthikanti's accounting)."""
+    def _act_terms(self, kind: str, tp: int, sp: bool, ep: int = 1) -> dict[str, float]:
+        """Stored activation bytes per local token for one layer, by tensor (Korthikanti's accounting); under
+        EP the routed-expert tensors are the busiest rank's (Runtime.expert_load)."""
         s, h, n, g, d = self.shape, self.h, self.n, self.g, self.d
         rep = tp if sp else 1
         gemm_in = 1.0 if self.precision == "fp8" else 2.0  # TE stores fp8 GEMM inputs
@@ -210,7 +255,8 @@ class Workload:
             t["fc1_out"] = 2 * f * self.fc1_mult / tp
             t["act_out"] = gemm_in * f / tp
         else:
-            k, fm, fs = s.moe_router_topk, s.moe_ffn_hidden_size, s.moe_shared_expert_intermediate_size
+            fm, fs = s.moe_ffn_hidden_size, s.moe_shared_expert_intermediate_size
+            k = s.moe_router_topk * (self.runtime.expert_load if ep > 1 else 1.0)
             t["router"] = 4 * s.num_experts / rep
             t["expert_io"] = k * (gemm_in * h + 2 * h) / rep
             t["expert_fc1"] = k * 2 * fm * self.fc1_mult / rep
@@ -219,8 +265,8 @@ class Workload:
                 t["shared"] = (2 * fs * self.fc1_mult + gemm_in * fs) / tp
         return t
 
-    def _stored_per_token(self, kind: str, tp: int, sp: bool, recompute: str) -> tuple[float, float]:
-        terms = self._act_terms(kind, tp, sp)
+    def _stored_per_token(self, kind: str, tp: int, sp: bool, recompute: str, ep: int = 1) -> tuple[float, float]:
+        terms = self._act_terms(kind, tp, sp, ep)
         full = sum(terms.values())
         if recompute == "full":
             return terms["x_in"], full
@@ -252,7 +298,8 @@ class Workload:
             per_expert_tokens = tokens / rep * s.moe_router_topk * ep / s.num_experts
             e_eff = self.gemm_efficiency(min(s.moe_ffn_hidden_size, h), per_expert_tokens)
             experts = tokens * self.expert_flops / tp
-            expert_time = experts / (self.gemm_peak * e_eff)
+            load = self.runtime.expert_load if ep > 1 else 1.0  # the busiest EP rank sets the pace
+            expert_time = load * experts / (self.gemm_peak * e_eff)
             t_gemm += expert_time
             gemm += experts
         core_model = tokens * self.core_flops / tp
@@ -296,7 +343,7 @@ class Workload:
         # EP all-to-all: dispatch + combine per direction
         t_ep = 0.0
         if kind == "moe" and ep > 1:
-            per_gpu = tokens / rep * s.moe_router_topk * h * 2 * (ep - 1) / ep
+            per_gpu = tokens / rep * s.moe_router_topk * h * 2 * (ep - 1) / ep * self.runtime.expert_load
             gpn = self.gpu.gpus_per_node
             inter = 0.0 if ep <= gpn else 1.0 - gpn / ep
             t_ep = 2 * max(per_gpu * (1 - inter) / self.nvlink, per_gpu * inter / self.ib if inter else 0.0)
@@ -325,7 +372,7 @@ class Workload:
         comm = {"tp_comm": t_tp_fwd + t_tp_bwd, "cp_comm": t_cp_fwd + t_cp_bwd, "ep_all_to_all": 2 * t_ep}
         compute = 3 * t_gemm + t_core_fwd + t_core_bwd + t_mem_fwd + t_mem_bwd + t_softmax_fwd + t_softmax_bwd
         parts = {"compute": compute, "recompute": bwd - bwd_once, **comm}
-        stored, working = self._stored_per_token(kind, tp, sp, recompute)
+        stored, working = self._stored_per_token(kind, tp, sp, recompute, ep)
         return LayerCost(fwd_s=fwd, bwd_s=bwd, stored_bytes=stored * tokens, working_bytes=working * tokens,
                          hw_flops=hw, parts_s=parts)
 
@@ -367,14 +414,17 @@ class Workload:
 
     # ---------- weights ----------
     def weight_bytes_per_param(self, shard: int) -> tuple[float, float, float]:
-        """(weights, grads, optimizer) bytes per parameter held by a GPU, optimizer sharded `shard` ways."""
+        """(weights, grads, optimizer) bytes per parameter held by a GPU, optimizer sharded `shard` ways; eval
+        (generation only) holds bf16 weights alone."""
         weights = 2.0 + (1.0 if self.precision == "fp8" else 0.0)
+        if self.mode == "eval":
+            return weights, 0.0, 0.0
         opt = 12.0 / shard if self.runtime.distributed_optimizer else 12.0
-        return weights, float(GRAD_ACCUM_BYTES), opt
+        return weights, float(self.runtime.main_grad_bytes), opt
 
     # ---------- GRPO extras ----------
     def grpo_sizes(self) -> tuple[int, int, int, int]:
-        """(rollout sequences, prompt length, response length, concurrency or 0) for mode=grpo."""
+        """(rollout sequences, prompt length, response length, concurrency or 0) for the RL modes."""
         g = self.grpo or GrpoSizing()
         rollouts = g.rollout_batch_size or self.global_batch_size
         prompt = g.max_prompt_length if g.max_prompt_length is not None else self.seq_length // 4
@@ -387,19 +437,6 @@ class Workload:
         g = self.grpo or GrpoSizing()
         per_token_layer = kv_cache_elements_per_token_per_layer(self.shape, tp)
         return sequences * (prompt + response) * layers_on_stage * per_token_layer * g.kv_cache_bytes
-
-    def generation_time(self, tp: int, pp: int, gen_dp: int, params_per_gpu: float, kv_bytes_total: float,
-                        sequences: float) -> float:
-        """Rollout time estimate: prefill at GEMM speed, decode bound by reading weights and KV from HBM."""
-        _, prompt, response, conc = self.grpo_sizes()
-        per_rank = sequences
-        waves = math.ceil(per_rank / conc) if conc else 1
-        active = self.active_params * 2
-        prefill = per_rank * prompt * active / (tp * pp) / (self.bf16_peak * self.gpu.gemm_efficiency * 0.5)
-        weight_read = params_per_gpu * 2
-        # each decode step reads the weights once per wave and half the KV cache on average; PP stages take turns
-        decode = waves * response * pp * (weight_read + 0.5 * kv_bytes_total / waves) / self.hbm
-        return prefill + decode
 
 
 def kv_cache_elements_per_token_per_layer(shape: ModelShape, tp: int) -> int:

@@ -1,5 +1,6 @@
-"""One layout in, memory per GPU and step time out: the Layout type, Megatron's pipeline splits, the estimate and
-its step time by part (TIME_PARTS, Estimate.breakdown_s).
+"""One layout in, memory per GPU and step time out: the Layout type, Megatron's pipeline splits, one optimizer
+step's estimate (training_estimate) and its time by part (TIME_PARTS, Estimate.breakdown_s); estimate() hands the
+post-training modes to rl_step.py, which builds on training_estimate.
 
 The pipeline split follows Megatron-Core's rules (transformer_config.py): an even split; or the embedding and/or
 the loss counted as one layer each (--account-for-embedding/loss-in-pipeline-split); or explicit first/last
@@ -13,25 +14,34 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
-from launcher.config.schema import RECOMPUTE_MODES
 from launcher.parallel import virtual_stage_layers
-from launcher.planner.costs import (GIB, IB_LATENCY_S, LAYER_PARTS, NVLINK_LATENCY_S, OVERLAP_CONTENTION, LayerCost,
-                                    Workload, add_parts, scale_parts)
+from launcher.planner.costs import (DP_BUCKET_BYTES, GIB, IB_LATENCY_S, LAYER_PARTS, NVLINK_LATENCY_S,
+                                    OVERLAP_CONTENTION, LayerCost, Workload, add_parts, scale_parts)
 
+TRAINING_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all", "pp_p2p", "pp_bubble", "dp_comm",
+                  "optimizer")
+"""The TIME_PARTS of the optimizer steps (what ``plan --mode pretrain`` of the same layout and tokens prints)."""
+RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch", "reward_model", "critic")
+"""The TIME_PARTS an RL step adds (rl_step.py)."""
 TIME_PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
               "cp_comm": "CP communication", "ep_all_to_all": "EP all-to-all", "pp_p2p": "PP send/recv",
               "pp_bubble": "PP bubble", "dp_comm": "DP grad reduce/param gather", "optimizer": "optimizer step",
-              "logprob_passes": "log-prob passes", "generation": "generation"}
-"""Estimate.breakdown_s's keys (the parts of a step's time) -> what the plan calls them. The training parts are
-the slowest pipeline rank's, times its micro-batches; pp_bubble is the pipeline fill and drain; dp_comm the
-exposed part of the data-parallel gradient reduce and parameter all-gather; GRPO adds the log-prob forward passes
-(old policy, reference) and the rollout generation."""
+              "logprob_passes": "log-prob passes", "generation_prefill": "generation prefill",
+              "generation_decode": "generation decode", "phase_switch": "phase switches (KV, offload)",
+              "reward_model": "reward model scoring", "critic": "critic (values + training)"}
+"""Estimate.breakdown_s's keys (the parts of a step's time) -> what the plan calls them. The training parts
+(TRAINING_PARTS) are the slowest pipeline rank's, times its micro-batches, times the optimizer steps of the step;
+pp_bubble is the pipeline fill and drain; dp_comm the exposed part of the data-parallel gradient reduce and
+parameter all-gather. The RL modes add RL_PARTS: the log-prob forward passes (old policy, reference), the rollout's
+prefill and decode, the phase switches (KV cache allocation, optimizer offload and reload), the colocated reward
+model's scoring forward and PPO's critic."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
+
     """A complete Megatron-Core parallel layout for one training job."""
 
     tp: int
@@ -61,6 +71,10 @@ class Layout:
     """--account-for-embedding-in-pipeline-split."""
     account_for_loss: bool = False
     """--account-for-loss-in-pipeline-split."""
+    recompute_num_layers: int | None = None
+    """With recompute=full: only the first N decoder layers of each virtual stage are recomputed, the others keep
+    their activations (Megatron's --recompute-method block); None = every layer (uniform, 1 per checkpoint).
+    Never searched: kept when given."""
 
     @property
     def etp(self) -> int:
@@ -100,7 +114,10 @@ class Layout:
             args["account-for-embedding-in-pipeline-split"] = True
         if self.account_for_loss:
             args["account-for-loss-in-pipeline-split"] = True
-        if self.recompute == "full":
+        if self.recompute == "full" and self.recompute_num_layers is not None:
+            args.update({"recompute-granularity": "full", "recompute-method": "block",
+                         "recompute-num-layers": self.recompute_num_layers})
+        elif self.recompute == "full":
             args.update({"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1})
         elif self.recompute == "selective":
             args["recompute-granularity"] = "selective"
@@ -108,9 +125,9 @@ class Layout:
         return args
 
 
-@dataclass(frozen=True)
-class RankGroup:
-    """Pipeline ranks with the same contents; memory is worst at the lowest rank (most micro-batches in flight)."""
+class RankGroup(NamedTuple):
+    """Pipeline ranks with the same contents; memory is worst at the lowest rank (most micro-batches in flight).
+    A NamedTuple: cache keys hash it on every estimate."""
 
     rank: int  # lowest rank of the group
     count: int  # ranks in the group
@@ -145,7 +162,7 @@ class TimeTerms(NamedTuple):
     slowest: RankGroup
     """The pipeline rank group with the longest time per micro-batch (it sets the pipeline's pace)."""
     dense: LayerCost
-    """One dense layer's cost per micro-batch."""
+    """One dense layer's cost per micro-batch (on the slowest group; mixed under partial recompute)."""
     moe: LayerCost
     """One MoE layer's cost per micro-batch (the dense one for dense models)."""
     output_parts: dict[str, float]
@@ -155,29 +172,32 @@ class TimeTerms(NamedTuple):
     p2p_s: float
     """Pipeline sends and receives per micro-batch on a rank."""
     micro_batches: int
-    """Micro-batches per pipeline per step."""
+    """Micro-batches per pipeline per optimizer step."""
     pp_bubble: float
     """Pipeline fill and drain seconds."""
     dp_comm: float
     """Exposed data-parallel gradient reduce and parameter all-gather seconds."""
     optimizer: float
     """Optimizer step seconds."""
-    logprob_passes: float
-    """GRPO old-policy and reference log-prob forward seconds (0 otherwise)."""
-    generation: float
-    """GRPO rollout generation seconds (0 otherwise)."""
+    steps: int = 1
+    """Optimizer steps per step (RL: epochs x rollout / global batch; eval: 0)."""
+    rl_parts: dict[str, float] = {}
+    """RL_PARTS seconds per step (empty outside the RL modes)."""
 
-    def breakdown(self) -> dict[str, float]:
-        """Seconds per step by TIME_PARTS key."""
+    def training_step(self) -> dict[str, float]:
+        """Seconds of ONE optimizer step by TRAINING_PARTS key."""
         g = self.slowest
         stage = {key: g.dense_layers * self.dense.parts_s[key] + g.moe_layers * self.moe.parts_s[key]
                  for key in LAYER_PARTS}
         if g.last:
             stage = add_parts(stage, self.output_parts, self.mtp_parts)
         stage["pp_p2p"] = self.p2p_s
-        return {**dict.fromkeys(TIME_PARTS, 0.0), **scale_parts(stage, self.micro_batches),
-                "pp_bubble": self.pp_bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer,
-                "logprob_passes": self.logprob_passes, "generation": self.generation}
+        return {**scale_parts(stage, self.micro_batches), "pp_bubble": self.pp_bubble, "dp_comm": self.dp_comm,
+                "optimizer": self.optimizer}
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per step by TIME_PARTS key."""
+        return {**dict.fromkeys(TIME_PARTS, 0.0), **scale_parts(self.training_step(), self.steps), **self.rl_parts}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,20 +209,20 @@ class Estimate:
     weights: float
     """bf16 (+fp8 copy) weight bytes on the fullest GPU."""
     gradients: float
-    """fp32 main-gradient bytes."""
+    """Main-gradient bytes (Runtime.main_grad_bytes per parameter)."""
     optimizer: float
     """Adam master weights and moments (sharded with the distributed optimizer)."""
     activations: float
     """Activations kept for backward, micro-batches in flight included, plus logits on the last rank."""
     kv_cache: float
-    """GRPO rollout KV cache bytes on top of the training phase (0 otherwise): all of it, or with
+    """RL rollout KV cache bytes on top of the training phase (0 otherwise): all of it, or with
     GrpoSizing.kv_cache_released_for_training only what exceeds the memory that training alone holds
     (activations, plus grads and optimizer when GrpoSizing.optimizer_offloaded_for_generation)."""
     reference_model: float
-    """GRPO frozen reference model bytes (0 otherwise)."""
+    """Frozen bf16 reference model bytes (0 otherwise)."""
     kv_cache_generating: float
-    """GRPO: the whole KV cache while generating, on the same GPU (``kv_cache`` is what it adds to the
-    training phase's peak); sized for generation.max_concurrent sequences when that is set."""
+    """RL: the whole KV cache while generating, on the same GPU (``kv_cache`` is what it adds to the training
+    phase's peak); sized for generation.max_concurrent sequences when that is set."""
     overhead: float
     """Runtime reserve: fixed overhead plus fragmentation."""
     capacity: float
@@ -210,28 +230,44 @@ class Estimate:
     worst_rank: int
     """Pipeline rank these bytes belong to."""
     step_time_s: float
-    """Predicted seconds per optimizer step (GRPO: rollout + log-prob passes + update)."""
+    """Predicted seconds per step (RL: rollout + log-prob passes + every optimizer step of the rollout)."""
     time_terms: TimeTerms
     """What step_time_s is made of, unsummed (breakdown_s adds it up by part)."""
     mfu: float
-    """Model FLOPs / (step time x GPUs x bf16 peak)."""
+    """Model FLOPs of the whole step (generation and log-prob passes included) / (step time x GPUs x peak)."""
     tokens_per_s_per_gpu: float
-    """Trained tokens per second per GPU."""
+    """Trained tokens per step / step time / GPUs (NeMo RL's definition for the RL modes; eval: generated)."""
     bubble_fraction: float
     """Share of the pipeline time lost to fill and drain."""
     stage_layers: tuple[int, ...]
     """Decoder layers per virtual stage, execution order."""
+    inference_buffers: float = 0.0
+    """RL: generation buffers beyond the KV cache on top of the training phase (live rows' logits and sampling
+    tensors, the prefill forward's working set); shared with training memory like kv_cache."""
+    reward_model: float = 0.0
+    """Colocated reward model's bf16 weights (0 otherwise)."""
+    critic: float = 0.0
+    """PPO critic's weights, gradients and optimizer state (0 otherwise)."""
+    training_mfu: float = 0.0
+    """Model FLOPs of the optimizer steps over the training parts' time only (TRAINING_PARTS)."""
+    margin: float = 0.0
+    """Runtime.memory_margin as a fraction of capacity: what a fitting layout leaves free."""
 
     @property
     def total(self) -> float:
         """Bytes on the worst GPU."""
         return (self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
-                + self.reference_model + self.overhead)
+                + self.inference_buffers + self.reference_model + self.reward_model + self.critic + self.overhead)
+
+    @property
+    def usable(self) -> float:
+        """Device bytes a layout may fill: capacity less the safety margin."""
+        return self.capacity * (1.0 - self.margin)
 
     @property
     def fits(self) -> bool:
-        """Whether the worst GPU stays within device memory."""
-        return self.total <= self.capacity
+        """Whether the worst GPU stays within device memory less the safety margin."""
+        return self.total <= self.usable
 
     @property
     def breakdown_s(self) -> dict[str, float]:
@@ -239,17 +275,32 @@ class Estimate:
         return self.time_terms.breakdown()
 
     def memory_gib(self) -> dict[str, float]:
-        """Memory breakdown in GiB (the issue's JSON keys plus reference_model)."""
-        keys = ("weights", "gradients", "optimizer", "activations", "kv_cache", "reference_model", "overhead")
+        """Memory breakdown in GiB (the issue's JSON keys plus the RL ones), the total, capacity and margin."""
+        keys = ("weights", "gradients", "optimizer", "activations", "kv_cache", "inference_buffers",
+                "reference_model", "reward_model", "critic", "overhead")
         out = {k: round(getattr(self, k) / GIB, 3) for k in keys}
         out["kv_cache_generating"] = round(self.kv_cache_generating / GIB, 3)  # not part of the total
         out["total"] = round(self.total / GIB, 3)
         out["capacity"] = round(self.capacity / GIB, 3)
+        out["free"] = round((self.capacity - self.total) / GIB, 3)
+        out["margin_required"] = round(self.capacity * self.margin / GIB, 3)
         return out
 
 
+MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "kv_cache", "inference_buffers",
+               "reference_model", "reward_model", "critic")
+"""Estimate's memory parts (bytes) before the overhead; what a memory hook (training_estimate) may fill."""
+_ZEROS = (0.0,) * len(MEMORY_KEYS)
+_NO_MEMORY = dict.fromkeys(MEMORY_KEYS, 0.0)
+
+
 def stage_params(w: Workload, group: RankGroup, layout: Layout) -> tuple[float, float]:
-    """(non-expert, expert) parameters held by one GPU of this pipeline rank group."""
+    """(non-expert, expert) parameters held by one GPU of this pipeline rank group (cached per workload)."""
+    return w._cached(("stage params", group, layout.tp, layout.ep, layout.pp > 1),
+                     lambda: _stage_params(w, group, layout))
+
+
+def _stage_params(w: Workload, group: RankGroup, layout: Layout) -> tuple[float, float]:
     s = w.shape
     dense = group.dense_layers * (s.attention_params() + s.dense_mlp_params())
     moe_other = s.attention_params() + s.moe_mlp_params() - s.expert_params_per_moe_layer() if s.is_moe else 0
@@ -276,15 +327,57 @@ def _overlapped(comm: float, window: float) -> float:
     return comm - hidden + OVERLAP_CONTENTION * hidden
 
 
-def estimate(w: Workload, layout: Layout) -> Estimate:
-    """Memory and time of a legal layout (legality is checked by the search module)."""
+def _mixed(full: LayerCost, none: LayerCost, f: float) -> LayerCost:
+    """A layer that is fully recomputed a fraction ``f`` of the time (partial recompute averaged over a rank)."""
+    if f >= 1.0:
+        return full
+    mix = lambda a, b: f * a + (1 - f) * b  # noqa: E731
+    return LayerCost(fwd_s=mix(full.fwd_s, none.fwd_s), bwd_s=mix(full.bwd_s, none.bwd_s),
+                     stored_bytes=mix(full.stored_bytes, none.stored_bytes), working_bytes=full.working_bytes,
+                     hw_flops=mix(full.hw_flops, none.hw_flops),
+                     parts_s={k: mix(full.parts_s[k], none.parts_s[k]) for k in full.parts_s})
+
+
+def _recomputed_fraction(layout: Layout, stage_layers: tuple[int, ...], rank: int) -> float:
+    """Share of a pipeline rank's layers that recompute=full recomputes (all, or the first recompute_num_layers
+    of each of its virtual stages)."""
+    n = layout.recompute_num_layers
+    if layout.recompute != "full" or n is None:
+        return 1.0
+    chunks = [stage_layers[c * layout.pp + rank] for c in range(layout.vpp)]
+    return sum(min(n, c) for c in chunks) / max(1, sum(chunks))
+
+
+def _layer_costs(w: Workload, L: Layout) -> tuple[LayerCost, LayerCost, LayerCost, LayerCost]:
+    """(dense, moe) layer costs at the layout's recompute, then the same without recompute (partial recompute)."""
+    costs = []
+    for recompute in (L.recompute, "none"):
+        dense = w.layer_cost("dense", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, recompute, L.ep)
+        moe = (w.layer_cost("moe", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, recompute, L.ep)
+               if w.shape.is_moe else dense)
+        costs += [dense, moe]
+    return costs[0], costs[1], costs[2], costs[3]
+
+
+Finish = Callable[[float, "TimeTerms", float], dict]
+"""(the worst rank's optimizer-state bytes, the optimizer step's TimeTerms, its model FLOPs) -> the Estimate fields
+the mode restates (step time, terms, MFUs, tokens/s): how rl_step turns one optimizer step into an RL step."""
+MemoryHook = Callable[[RankGroup, float, float, dict], dict]
+"""(rank group, its non-expert and expert parameters per GPU, its training-phase MEMORY_KEYS bytes) -> the MEMORY_KEYS
+bytes of the mode (RL: KV cache, buffers, frozen models); the worst rank is chosen on their sum."""
+
+
+def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = None,
+                      finish: Finish | None = None) -> Estimate:
+    """Memory and time of one optimizer step of ``w`` on a legal layout (legality is checked by the search);
+    ``memory`` lets a mode (rl_step) restate each rank's memory, ``finish`` its time."""
     s, L = w.shape, layout
     m = w.global_batch_size // (L.dp * L.micro_batch_size)
     groups = rank_groups(s.moe_layers, s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
                          L.account_for_embedding, L.account_for_loss)
-    dense_c = w.layer_cost("dense", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
-    moe_c = (w.layer_cost("moe", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
-             if s.is_moe else dense_c)
+    stage_layers = virtual_stage_layers(s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
+                                        L.account_for_embedding, L.account_for_loss)
+    dense_r, moe_r, dense_n, moe_n = _layer_costs(w, L)
     out_parts, logits_b = w.output_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size)
     mtp_parts, mtp_b = w.mtp_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
     end_t = sum(out_parts.values()) + sum(mtp_parts.values())
@@ -299,18 +392,14 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
     opt_ne = 12.0 / dp_shard if w.runtime.distributed_optimizer else 12.0
     opt_ex = 12.0 / edp if w.runtime.distributed_optimizer else 12.0
 
-    grpo = w.mode == "grpo"
-    if grpo:
-        rollouts, _, _, conc = w.grpo_sizes()
-        gen_dp = L.dp * L.cp
-        seqs_per_rank = rollouts / gen_dp
-        live_seqs = min(seqs_per_rank, conc) if conc else seqs_per_rank
     worst = None
     t_max = t_sum = 0.0
     worst_bwd = worst_fwd = 0.0
-    slowest = groups[0]
+    slowest = (groups[0], dense_r, moe_r)
     max_params = (0.0, 0.0)
     for gr in groups:
+        f = _recomputed_fraction(L, stage_layers, gr.rank)
+        dense_c, moe_c = _mixed(dense_r, dense_n, f), _mixed(moe_r, moe_n, f)
         t_fwd = gr.dense_layers * dense_c.fwd_s + gr.moe_layers * moe_c.fwd_s
         t_bwd = gr.dense_layers * dense_c.bwd_s + gr.moe_layers * moe_c.bwd_s
         t = t_fwd + t_bwd + 2 * L.vpp * p2p
@@ -318,7 +407,7 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
             t += end_t
         t_sum += t * gr.count
         if t > t_max:
-            t_max, worst_fwd, worst_bwd, slowest = t, t_fwd, t_bwd, gr
+            t_max, worst_fwd, worst_bwd, slowest = t, t_fwd, t_bwd, (gr, dense_c, moe_c)
         ne, ex = stage_params(w, gr, L)
         if ne + ex > sum(max_params):
             max_params = (ne, ex)
@@ -332,64 +421,69 @@ def estimate(w: Workload, layout: Layout) -> Estimate:
             act += tokens * s.hidden_size * 2 / rep * inflight
         if gr.last:
             act += logits_b + mtp_b
-        kv = ref = 0.0
-        if grpo:
-            kv = w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, live_seqs)
-            if (w.grpo is None or w.grpo.reference_model):
-                ref = (ne + ex) * 2.0
-        weights, grads, opt = (ne + ex) * wb, (ne + ex) * gb, ne * opt_ne + ex * opt_ex
-        kv_extra = kv  # what the KV cache adds to the training phase's peak
-        if grpo and w.grpo is not None and w.grpo.kv_cache_released_for_training:
-            training_only = act + (grads + opt if w.grpo.optimizer_offloaded_for_generation else 0.0)
-            kv_extra = max(0.0, kv - training_only)
-        base = weights + grads + opt + act + kv_extra + ref
+        parts = {"weights": (ne + ex) * wb, "gradients": (ne + ex) * gb,
+                 "optimizer": (ne * opt_ne + ex * opt_ex) if gb else 0.0, "activations": act}
+        if memory is not None:
+            parts = memory(gr, ne, ex, parts)
+        base = sum(map(parts.get, MEMORY_KEYS, _ZEROS))
         overhead = w.runtime.overhead_gib * GIB + w.runtime.fragmentation * base
         if worst is None or base + overhead > worst[0]:
-            worst = (base + overhead, gr.rank, weights, grads, opt, act, kv_extra, ref, overhead, kv)
+            worst = (base + overhead, gr.rank, parts, overhead)
 
     bubble_s = (t_sum - t_max) / L.vpp
     step_pp = m * t_max + bubble_s
     bubble = 1.0 - m * t_max / step_pp if step_pp else 0.0
-    # data-parallel gradient reduce (and param all-gather) with overlap
+    t_dp = _dp_time(w, L, max_params, worst_fwd, worst_bwd)
     ne, ex = max_params
+    shard_ne = ne / dp_shard if w.runtime.distributed_optimizer else ne
+    shard_ex = ex / edp if w.runtime.distributed_optimizer else ex
+    t_opt = ((shard_ne + shard_ex) * 28 + (ne + ex) * 2) / w.hbm
+    parts = {**_NO_MEMORY, **worst[2]}
+    optimizer = parts["optimizer"]
+    step = step_pp + t_dp + t_opt
+    flops = w.model_flops_per_token() * w.global_batch_size * w.seq_length
+    gr, dense_c, moe_c = slowest
+    terms = TimeTerms(gr, dense_c, moe_c, out_parts, mtp_parts, 2 * L.vpp * p2p, m, bubble_s, t_dp, t_opt)
+    mfu = flops / (step * w.num_gpus * w.bf16_peak)
+    timing = {"step_time_s": step, "time_terms": terms, "mfu": mfu, "training_mfu": mfu,
+              "tokens_per_s_per_gpu": w.global_batch_size * w.seq_length / step / w.num_gpus}
+    if finish is not None:
+        timing = finish(optimizer, terms, flops)
+    return Estimate(layout=layout, weights=parts["weights"], gradients=parts["gradients"],
+                    optimizer=parts["optimizer"], activations=parts["activations"], kv_cache=parts["kv_cache"],
+                    inference_buffers=parts["inference_buffers"], reference_model=parts["reference_model"],
+                    reward_model=parts["reward_model"], critic=parts["critic"], overhead=worst[3],
+                    capacity=w.gpu.memory_gib * GIB, kv_cache_generating=parts.get("kv_cache_generating", 0.0),
+                    worst_rank=worst[1], bubble_fraction=bubble, stage_layers=stage_layers,
+                    margin=w.runtime.memory_margin, **timing)
+
+
+def _dp_time(w: Workload, L: Layout, max_params: tuple[float, float], fwd: float, bwd: float) -> float:
+    """Exposed data-parallel gradient reduce (and distributed-optimizer parameter all-gather) seconds."""
+    ne, ex = max_params
+    gpn = w.gpu.gpus_per_node
     t_dp = 0.0
     rs_frac = 1.0 if w.runtime.distributed_optimizer else 2.0
-    for params, group, stride in ((ne, dp_shard, L.tp), (ex, edp, L.ep)):
+    edp = L.tp * L.cp * L.dp // (L.ep * L.etp)
+    for params, group, stride in ((ne, L.dp * L.cp, L.tp), (ex, edp, L.ep)):
         if group <= 1 or params <= 0:
             continue
         bw = w.nvlink if stride * group <= gpn else w.ib
         lat = (NVLINK_LATENCY_S if bw == w.nvlink else IB_LATENCY_S) * 2 * int(group).bit_length()
-        grad_bytes = params * w.runtime.grad_reduce_bytes
-        t_red = rs_frac * grad_bytes * (group - 1) / group / bw + lat * (grad_bytes / 160e6 + 1)
-        t_dp += _overlapped(t_red, worst_bwd) if w.runtime.overlap_grad_reduce else t_red
+        grad_bytes = params * w.runtime.wire_grad_bytes
+        t_red = rs_frac * grad_bytes * (group - 1) / group / bw + lat * (grad_bytes / DP_BUCKET_BYTES + 1)
+        t_dp += _overlapped(t_red, bwd) if w.runtime.overlap_grad_reduce else t_red
         if w.runtime.distributed_optimizer:
             t_ag = params * 2 * (group - 1) / group / bw
-            t_dp += _overlapped(t_ag, worst_fwd) if w.runtime.overlap_param_gather else t_ag
-    shard_ne = ne / dp_shard if w.runtime.distributed_optimizer else ne
-    shard_ex = ex / edp if w.runtime.distributed_optimizer else ex
-    t_opt = ((shard_ne + shard_ex) * 28 + (ne + ex) * 2) / w.hbm
-    step = step_pp + t_dp + t_opt
-    flops = w.model_flops_per_token() * w.global_batch_size * w.seq_length
-    t_logprob = t_gen = 0.0
-    if grpo:
-        rollouts, prompt, response, _ = w.grpo_sizes()
-        fwd_share = worst_fwd / max(worst_fwd + worst_bwd, 1e-30)
-        passes = 1 + int(w.grpo is None or w.grpo.reference_model)
-        t_logprob = passes * fwd_share * step_pp
-        step += t_logprob
-        flops += passes * flops / 3
-        t_gen = w.generation_time(L.tp, L.pp, L.dp * L.cp, sum(max_params), worst[9], seqs_per_rank)
-        step += t_gen
-        flops += 2 * w.active_params * rollouts * (prompt + response)
-    terms = TimeTerms(slowest, dense_c, moe_c, out_parts, mtp_parts, 2 * L.vpp * p2p, m, bubble_s, t_dp, t_opt,
-                      t_logprob, t_gen)
-    mfu = flops / (step * w.num_gpus * w.bf16_peak)
-    return Estimate(layout=layout, weights=worst[2], gradients=worst[3], optimizer=worst[4], activations=worst[5],
-                    kv_cache=worst[6], reference_model=worst[7], overhead=worst[8], capacity=w.gpu.memory_gib * GIB,
-                    kv_cache_generating=worst[9],
-                    worst_rank=worst[1], step_time_s=step, time_terms=terms, mfu=mfu,
-                    tokens_per_s_per_gpu=w.global_batch_size * w.seq_length / step / w.num_gpus,
-                    bubble_fraction=bubble,
-                    stage_layers=virtual_stage_layers(s.num_layers, L.pp, L.vpp, L.first_stage_layers,
-                                                      L.last_stage_layers, L.account_for_embedding,
-                                                      L.account_for_loss))
+            t_dp += _overlapped(t_ag, fwd) if w.runtime.overlap_param_gather else t_ag
+    return t_dp
+
+
+def estimate(w: Workload, layout: Layout) -> Estimate:
+    """Memory and time of a legal layout for w's mode: the RL modes (grpo, ppo, eval) and dpo go through
+    rl_step.py, the others are one optimizer step."""
+    if w.mode in ("grpo", "ppo", "eval", "dpo"):
+        from launcher.planner.rl_step import mode_estimate
+
+        return mode_estimate(w, layout)
+    return training_estimate(w, layout)

@@ -36,6 +36,9 @@ class GpuSpec:
     """Network bandwidth per GPU (one NIC per GPU), GB/s."""
     gpus_per_node: int
     """GPUs sharing one NVLink domain (one node)."""
+    host_link_gb_s: float
+    """Host (CPU memory) link per GPU per direction, GB/s: PCIe Gen4 x16 = 32 (A100 SXM4), PCIe Gen5 x16 = 64
+    (H100/H200/B200 SXM, NVIDIA's HGX specs: 128 GB/s both directions); what an optimizer offload crosses."""
     gemm_efficiency: float
     """Calibrated fraction of bf16 peak reached by large GEMMs (saturation value of the efficiency curve)."""
     calibration: str
@@ -46,19 +49,19 @@ GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec(name="a100-40gb", memory_gib=40.0, bf16_tflops=312.0, fp8_tflops=None, hbm_tb_s=1.555,
-                nvlink_gb_s=300.0, internode_gb_s=25.0, gpus_per_node=8, gemm_efficiency=0.84,
+                nvlink_gb_s=300.0, internode_gb_s=25.0, gpus_per_node=8, host_link_gb_s=32.0, gemm_efficiency=0.84,
                 calibration="inherits a100-80gb (same SXM4 compute)"),
         GpuSpec(name="a100-80gb", memory_gib=80.0, bf16_tflops=312.0, fp8_tflops=None, hbm_tb_s=2.039,
-                nvlink_gb_s=300.0, internode_gb_s=25.0, gpus_per_node=8, gemm_efficiency=0.84,
+                nvlink_gb_s=300.0, internode_gb_s=25.0, gpus_per_node=8, host_link_gb_s=32.0, gemm_efficiency=0.84,
                 calibration="fitted on Korthikanti 2022 A100 rows (calibration.md)"),
         GpuSpec(name="h100-80gb", memory_gib=79.6, bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tb_s=3.35,
-                nvlink_gb_s=450.0, internode_gb_s=50.0, gpus_per_node=8, gemm_efficiency=0.68,
+                nvlink_gb_s=450.0, internode_gb_s=50.0, gpus_per_node=8, host_link_gb_s=64.0, gemm_efficiency=0.68,
                 calibration="fitted on Megatron-Core H100 weak-scaling rows (calibration.md)"),
         GpuSpec(name="h200-141gb", memory_gib=140.4, bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tb_s=4.8,
-                nvlink_gb_s=450.0, internode_gb_s=50.0, gpus_per_node=8, gemm_efficiency=0.68,
+                nvlink_gb_s=450.0, internode_gb_s=50.0, gpus_per_node=8, host_link_gb_s=64.0, gemm_efficiency=0.68,
                 calibration="inherits h100-80gb (same tensor cores, more and faster HBM)"),
         GpuSpec(name="b200-180gb", memory_gib=178.0, bf16_tflops=2250.0, fp8_tflops=4500.0, hbm_tb_s=8.0,
-                nvlink_gb_s=900.0, internode_gb_s=50.0, gpus_per_node=8, gemm_efficiency=0.68,
+                nvlink_gb_s=900.0, internode_gb_s=50.0, gpus_per_node=8, host_link_gb_s=64.0, gemm_efficiency=0.68,
                 calibration="UNCALIBRATED: inherits h100-80gb efficiency"),
     )
 }

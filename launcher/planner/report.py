@@ -46,11 +46,53 @@ def _grpo_line(grpo: dict | None) -> list[str]:
     if not grpo:
         return []
     extras = [name for name, on in (("reference model", grpo["reference_model"]),
+                                    ("old log-probs recomputed", grpo["recompute_old_logprobs"]),
+                                    ("reward model", grpo["reward_model"]),
                                     ("KV cache released for training", grpo["kv_cache_released_for_training"]),
                                     ("optimizer offloaded while generating",
                                      grpo["optimizer_offloaded_for_generation"])) if on]
-    return [f"GRPO        {grpo['rollout_batch_size']} rollouts of {grpo['max_prompt_length']} + "
-            f"{grpo['max_response_length']} tokens" + "".join(f", {x}" for x in extras)]
+    concurrency = grpo["generation_concurrency"]
+    return [f"Rollout     {grpo['rollout_batch_size']} sequences ({grpo['samples_per_prompt']} per prompt) of "
+            f"{grpo['max_prompt_length']} + up to {grpo['max_response_length']} tokens, mean response "
+            f"{grpo['mean_response_length']:g} (--mean-response-len), "
+            + (f"{concurrency} decoded at once per rank" if concurrency else "all decoded at once"),
+            f"            {grpo['optimizer_steps']} optimizer steps at {grpo['train_seq_length']} tokens"
+            + "".join(f", {x}" for x in extras)]
+
+
+def _dpo_line(dpo: dict | None) -> list[str]:
+    if not dpo:
+        return []
+    return [f"DPO         {dpo['pairs']} pairs = {dpo['sequences']} sequences per step (chosen and rejected); "
+            f"reference {dpo['reference']}"]
+
+
+def _runtime_line(runtime: dict | None) -> list[str]:
+    if not runtime:
+        return []
+    te = "Transformer Engine" if runtime["transformer_engine"] else "no Transformer Engine"
+    grads = "fp32" if runtime["main_grad_bytes"] == 4 else "bf16"
+    return [f"Runtime     {te}, {runtime['attention']} attention, TP overlap "
+            f"{'on' if runtime['tp_comm_overlap'] else 'off'}, DP overlap "
+            f"{'on' if runtime['overlap_grad_reduce'] else 'off'}, {grads} main grads"]
+
+
+def margin_text(e: Estimate) -> str:
+    """'margin 11.2 GiB (14.1%; keeps >= 5%)': what the layout leaves free and the safety margin it must keep."""
+    free = e.capacity - e.total
+    return (f"margin {free / 1024**3:.1f} GiB ({_percent(free / e.capacity)}; keeps >= "
+            f"{_percent(e.margin)})")
+
+
+def predicted_lines(e: Estimate, *, rl: bool) -> list[str]:
+    """Step time, MFU and tokens/s; for the RL modes the training MFU apart from the whole step's."""
+    head = (f"Predicted   step {e.step_time_s:.4g} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+            + (" (trained tokens per step / step / GPUs, as NeMo RL)" if rl else "")
+            + f", pipeline bubble {100 * e.bubble_fraction:.1f}%")
+    if not rl:
+        return [head + f", MFU {100 * e.mfu:.1f}% of bf16 peak"]
+    return [head, f"            MFU {100 * e.training_mfu:.1f}% of bf16 peak in training (its FLOPs over its time), "
+                  f"{100 * e.mfu:.1f}% over the whole step (generation and log-prob passes included)"]
 
 
 def time_lines(e: Estimate) -> list[str]:
@@ -87,22 +129,23 @@ def explain(result: PlanResult) -> str:
     mem = e.memory_gib()
     lines = [f"Plan for {w['model']} on {w['gpus']} x {w['gpu_type']} (seq {w['seq_length']}, global batch "
              f"{w['global_batch_size']}, mode {w['mode']}, {w['precision']})",
-             *_grpo_line(w.get("grpo")),
+             *_grpo_line(w.get("grpo")), *_dpo_line(w.get("dpo")), *_runtime_line(w.get("runtime")),
              "", f"Layout      {layout_line(e.layout)}",
              f"Pipeline    {e.layout.split_name()}; decoder layers per rank: "
              f"{stage_summary(e.stage_layers, e.layout.pp, e.layout.vpp)}",
              "", f"Memory per GPU (GiB, fullest pipeline rank = {e.worst_rank})"]
     always = {"weights", "gradients", "optimizer", "activations", "overhead", *(("kv_cache",) if "grpo" in w else ())}
     shared = w.get("grpo", {}).get("kv_cache_released_for_training")
-    for key in ("weights", "gradients", "optimizer", "activations", "kv_cache", "reference_model", "overhead"):
+    for key in ("weights", "gradients", "optimizer", "activations", "kv_cache", "inference_buffers", "reference_model",
+                "reward_model", "critic", "overhead"):
         if mem[key] or key in always:
             note = (f"  (beyond the memory it shares with training; {mem['kv_cache_generating']:.2f} while generating)"
-                    if key == "kv_cache" and shared else "")
+                    if key == "kv_cache" and shared else "  (beyond the memory it shares with training)"
+                    if key == "inference_buffers" and shared else "")
             lines.append(f"  {key:<16}{mem[key]:>9.2f}{note}")
     verdict = "fits" if e.fits else "DOES NOT FIT"
-    lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}")
-    lines += ["", f"Predicted   step {e.step_time_s:.4g} s, MFU {100 * e.mfu:.1f}% of bf16 peak, "
-                  f"{e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, pipeline bubble {100 * e.bubble_fraction:.1f}%"]
+    lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}, {margin_text(e)}")
+    lines += ["", *predicted_lines(e, rl="grpo" in w)]
     lines += ["", *time_lines(e)]
     if result.runner_up is not None:
         lines += ["", runner_up_line(result.runner_up, e)]

@@ -25,7 +25,9 @@ from launcher.errors import ConfigError
 from launcher.limits import as_yaml
 from launcher.parallel import split_error, uneven_splits
 from launcher.planner.costs import GIB, Workload
-from launcher.planner.estimate import RECOMPUTE_MODES, Estimate, Layout, estimate, rank_groups, stage_params
+from launcher.config.schema import RECOMPUTE_MODES
+from launcher.planner.estimate import Estimate, Layout, estimate, rank_groups, stage_params
+from launcher.planner.rl_step import RL_MODES, generation_floor
 
 MAX_CP = 64
 MAX_MBS = 16
@@ -122,7 +124,7 @@ def _given(fixed: dict, keys: tuple[str, ...]) -> str:
 
 def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_fit: bool, prune: bool) -> None:
     s, world, gpn = w.shape, w.num_gpus, w.gpu.gpus_per_node
-    capacity = w.gpu.memory_gib * GIB
+    capacity = w.gpu.memory_gib * GIB * (1.0 - w.runtime.memory_margin)
     overhead = w.runtime.overhead_gib * GIB
 
     def bad(fields: tuple[str, ...], constraint: str, example: str, count: int = 1) -> None:
@@ -186,6 +188,11 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
     mbss = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else [
         b for b in divisors(per_dp) if b <= MAX_MBS]
     modes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_MODES)
+    partial = fixed.get("recompute_num_layers")
+    if partial is not None:
+        if modes != ["full"] and "recompute" in fixed:
+            raise ConfigError(f"--layout recompute_num_layers={partial} needs recompute=full (it is {modes[0]})")
+        modes = ["full"]
     inner = len(mbss) * len(modes)
     if s.is_moe:
         eps = [fixed["ep"]] if "ep" in fixed else [e for e in divisors(s.num_experts) if (tp * cp * dp) % e == 0]
@@ -222,6 +229,10 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
             if prune and not fixed and _static_bytes(w, probe) + overhead > capacity:
                 out.reject("memory", inner, f"weights+grads+optimizer alone exceed {w.gpu.memory_gib:.0f} GiB")
                 continue
+            if prune and not fixed and w.mode in RL_MODES and _generation_bytes(w, probe, overhead) > capacity:
+                out.reject("memory", inner, "the generation phase alone (weights, frozen models, KV cache, buffers) "
+                           f"exceeds {capacity / GIB:.0f} GiB")
+                continue
             for mbs in mbss:
                 if mbs < 1 or per_dp % mbs:
                     bad(("micro_batch_size", "tp", "cp", "pp"), "global batch % (dp*mbs)",
@@ -237,7 +248,7 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                         raise ConfigError(f"--layout recompute={mode}: use one of {', '.join(RECOMPUTE_MODES)}")
                     lay = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=mbs, recompute=mode,
                                  sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,
-                                 account_for_embedding=emb, account_for_loss=loss)
+                                 account_for_embedding=emb, account_for_loss=loss, recompute_num_layers=partial)
                     est = estimate(w, lay)
                     out.evaluated += 1
                     if est.fits:
@@ -247,9 +258,15 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                         if not keep_all:
                             break
                     else:
-                        out.reject("memory", 1, f"needs more than {w.gpu.memory_gib:.0f} GiB per GPU")
+                        out.reject("memory", 1, f"needs more than {est.usable / GIB:.1f} GiB per GPU (capacity "
+                                   f"{w.gpu.memory_gib:.1f} less the {100 * est.margin:.0f}% margin)")
                         if out.leanest is None or est.total < out.leanest.total:
                             out.leanest = est
+
+
+def _generation_bytes(w: Workload, layout: Layout, overhead: float) -> float:
+    """rl_step.generation_floor with the overhead it would get: a lower bound of any variant's total."""
+    return generation_floor(w, layout) * (1 + w.runtime.fragmentation) + overhead
 
 
 def _static_bytes(w: Workload, layout: Layout) -> float:
@@ -258,11 +275,13 @@ def _static_bytes(w: Workload, layout: Layout) -> float:
     groups = rank_groups(s.moe_layers, s.num_layers, layout.pp, layout.vpp, layout.first_stage_layers,
                          layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
     wb, gb, _ = w.weight_bytes_per_param(1)
+    opt = 12.0 if gb else 0.0  # eval holds no optimizer
     dist = w.runtime.distributed_optimizer
     shard = layout.dp * layout.cp
     edp = layout.tp * layout.cp * layout.dp // layout.ep
     worst = 0.0
     for gr in groups:
         ne, ex = stage_params(w, gr, layout)
-        worst = max(worst, (ne + ex) * (wb + gb) + ne * (12 / shard if dist else 12) + ex * (12 / edp if dist else 12))
+        optimizer = ne * (opt / shard if dist else opt) + ex * (opt / edp if dist else opt)
+        worst = max(worst, (ne + ex) * (wb + gb) + optimizer)
     return worst

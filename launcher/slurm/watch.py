@@ -19,81 +19,16 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from launcher.config.schema import ClusterConfig
+from launcher.runs.logs import LogTail
 from launcher.slurm import REQUEUE_EXIT_CODE
+from launcher.slurm.query import FINAL_STATES, JobState, run_tool, sacct_state, squeue_state
 from launcher.slurm.task import FAILURE_MARK, PLACEMENT_MARK
 
-FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-                          "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"})
 SQUEUE_FAILURE_LIMIT_S = 60.0
 SACCT_WAIT_S = 30.0
 # The first line of each run of the job in its batch log (see slurm/train.sbatch), and srun's report of a failed task.
 RUN_START = re.compile(r"megatron-rl \[job \d+, start \d+\]: \d+ task\(s\) on")
 SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? (\d+)[^:]*: (.*)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobState:
-    """One observation of the job."""
-
-    state: str
-    """Slurm state, e.g. PENDING, RUNNING, COMPLETED (first word: sacct writes `CANCELLED by 0`)."""
-    reason: str = ""
-    """squeue's reason (pending reason or end reason)."""
-    nodes: str = ""
-    """Node list."""
-    exit_code: str = ""
-    """sacct's ExitCode `code:signal` ("" when unknown)."""
-    elapsed: str = ""
-    """sacct's Elapsed of the latest run."""
-
-
-def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-
-
-def squeue_state(job_id: str) -> Optional[JobState]:
-    """The job as squeue sees it; None when squeue no longer knows it. Raises RuntimeError when squeue fails."""
-    result = _run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%r|%N"])
-    if result.returncode != 0:
-        if "Invalid job id" in result.stderr:
-            return None
-        raise RuntimeError(result.stderr.strip() or f"squeue exited {result.returncode}")
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    if not lines:
-        return None
-    state, reason, nodes = (lines[0].split("|") + ["", ""])[:3]
-    return JobState(state=state, reason=reason if reason != "None" else "", nodes=nodes)
-
-
-def sacct_state(job_id: str) -> Optional[JobState]:
-    """The latest run of the job as accounting recorded it; None before it is recorded."""
-    result = _run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,ExitCode,NodeList,Elapsed"])
-    rows = [line.split("|") for line in result.stdout.splitlines() if line.strip()]
-    if result.returncode != 0 or not rows:
-        return None
-    state, exit_code, nodes, elapsed = (rows[-1] + ["", "", ""])[:4]
-    return JobState(state=state.split()[0] if state else "", exit_code=exit_code, nodes=nodes, elapsed=elapsed)
-
-
-class LogTail:
-    """New complete lines of a file that may not exist yet."""
-
-    def __init__(self, path: Path, prefix: str = "") -> None:
-        self.path, self.prefix, self.offset, self.partial = path, prefix, 0, b""
-
-    def read_new(self) -> str:
-        try:
-            with self.path.open("rb") as handle:
-                handle.seek(self.offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return ""
-        self.offset += len(data)
-        data = self.partial + data
-        complete, _, self.partial = data.rpartition(b"\n")
-        if not complete:
-            return ""
-        return "".join(f"{self.prefix}{line}\n" for line in complete.decode(errors="replace").split("\n"))
 
 
 @dataclass(kw_only=True)
@@ -257,7 +192,7 @@ def failure_details(watch: Watch) -> str:
 
 def _down_nodes() -> str:
     try:
-        result = _run(["sinfo", "-h", "-R", "-o", "%N: %E"])
+        result = run_tool(["sinfo", "-h", "-R", "-o", "%N: %E"])
     except (OSError, subprocess.TimeoutExpired):
         return ""
     lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]

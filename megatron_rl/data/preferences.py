@@ -1,4 +1,4 @@
-"""Preference pairs for reward-model training: records of any data file (text or chat) or a seeded synthetic task,
+"""Preference pairs for reward-model and DPO training: records of any data file (text or chat) or a seeded synthetic task,
 tokenized and fitted.
 
 Records (``megatron_rl.data.records``: JSONL, JSON, Parquet, Arrow or a save_to_disk folder; a bad JSONL line
@@ -18,6 +18,12 @@ How a (prompt, response) becomes tokens (``SequenceEncoder``; the RM scorer uses
   template when it has one; otherwise ``role: content`` lines as plain text;
 - ``data.chat_template=true``: every pair, text ones too, as that conversation through the template (required),
   after ``data.system_prompt`` (``megatron_rl.data.chat.ChatFormat``).
+
+Response starts (``response_starts=True``, the DPO trainer, which scores the response tokens only): the index of
+each side's first response token is where its ids leave the prompt's ids encoded alone (text: the prompt's text;
+chat: the prompt conversation with the template's generation prompt, or ``assistant: `` without a template), so a
+token merged across the boundary counts as response. Whole conversations (no prompt) take their shared leading
+messages as the prompt.
 
 Pairs where a side is longer than ``max_length``: ``truncate`` keeps the BOS and the END of the sequence (the reward
 is read at the last token) by cutting the start of the prompt; ``drop`` removes the pair. Both are counted.
@@ -79,6 +85,11 @@ class PreferenceData:
     """Kept pairs with at least one side truncated."""
     num_dropped: int
     """Pairs removed by the drop policy."""
+    chosen_starts: list[int] = dataclasses.field(default_factory=list)
+    """Index in each chosen sequence of its first response token (``tokenize_pairs(response_starts=True)``;
+    empty otherwise)."""
+    rejected_starts: list[int] = dataclasses.field(default_factory=list)
+    """The same for the rejected sequences."""
 
     def __len__(self) -> int:
         return len(self.chosen)
@@ -104,6 +115,20 @@ class SequenceEncoder:
             return self.chat.ids(self.chat.render(messages, add_generation_prompt=False, where=where))
         return self._encode_text(plain_text(messages))
 
+    def response_start(self, prompt: Optional[Part], response: Part, ids: list[int], *,
+                       where: str = "preference pair") -> int:
+        """Index in ``ids`` (``encode(prompt, response)``) of the first response token: where ``ids`` leave the
+        prompt encoded alone (see the module docstring)."""
+        return common_prefix_length(self._prompt_ids(prompt, response, where=where), ids)
+
+    def _prompt_ids(self, prompt: Optional[Part], response: Part, *, where: str) -> list[int]:
+        if not self.chat.chat_template and (prompt is None or isinstance(prompt, str)) and isinstance(response, str):
+            return self._encode_text(prompt or "")
+        messages = self.chat.conversation(prompt)
+        if self.has_chat_template:
+            return self.chat.ids(self.chat.render(messages, add_generation_prompt=True, where=where)) if messages else []
+        return self._encode_text(plain_text(messages) + "assistant: ")
+
     def _encode_text(self, text: str) -> list[int]:
         if self.is_char:
             return self.tokenizer.encode(text, add_bos=True)
@@ -116,8 +141,40 @@ class SequenceEncoder:
         """``ids`` cut to max_length keeping a leading BOS and the end (the caller counts the cut)."""
         if len(ids) <= max_length:
             return ids
-        head = 1 if self.bos_id is not None and ids and ids[0] == self.bos_id and max_length > 1 else 0
+        head = self._kept_head(ids, max_length)
         return ids[:head] + ids[len(ids) - (max_length - head):]
+
+    def fit_with_start(self, ids: list[int], start: int, max_length: int) -> tuple[list[int], int]:
+        """``fit`` plus where the response now starts (after the kept BOS when its own start was cut)."""
+        kept = self.fit(ids, max_length)
+        cut = len(ids) - len(kept)
+        return kept, start if not cut else max(self._kept_head(ids, max_length), start - cut)
+
+    def _kept_head(self, ids: list[int], max_length: int) -> int:
+        return 1 if self.bos_id is not None and ids and ids[0] == self.bos_id and max_length > 1 else 0
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def split_shared_prompt(record: PreferenceRecord) -> PreferenceRecord:
+    """A whole-conversation pair (no prompt, both sides message lists) with its shared leading messages as the
+    prompt; any other record as it is."""
+    chosen, rejected = record.chosen, record.rejected
+    if record.prompt is not None or isinstance(chosen, str) or isinstance(rejected, str):
+        return record
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    if not shared:
+        return record
+    return dataclasses.replace(record, prompt=chosen[:shared], chosen=chosen[shared:], rejected=rejected[shared:])
 
 
 def parse_preference(data: RecordFile, obj: dict, where: str, *, prompt_key: str = "prompt",
@@ -179,12 +236,17 @@ def synthetic_preference_records(task: str, *, split: str, num_pairs: int, seed:
 
 
 def tokenize_pairs(records: list[PreferenceRecord], encoder: SequenceEncoder, *, max_length: int, truncation: str,
-                   vocab_size: int, name: str) -> PreferenceData:
-    """Tokenize, apply the length policy (truncate or drop, counted) and check ids against the model's vocab."""
+                   vocab_size: int, name: str, response_starts: bool = False) -> PreferenceData:
+    """Tokenize, apply the length policy (truncate or drop, counted) and check ids against the model's vocab;
+    with ``response_starts`` also record where each side's response begins."""
     data = PreferenceData(chosen=[], rejected=[], name=name, num_read=len(records), num_truncated=0, num_dropped=0)
     for record in records:
-        sides = [encoder.encode(record.prompt, record.chosen, where=record.source),
-                 encoder.encode(record.prompt, record.rejected, where=record.source)]
+        if response_starts:
+            record = split_shared_prompt(record)
+        responses = (record.chosen, record.rejected)
+        sides = [encoder.encode(record.prompt, response, where=record.source) for response in responses]
+        starts = [encoder.response_start(record.prompt, response, ids, where=record.source) if response_starts
+                  else 0 for response, ids in zip(responses, sides)]
         for ids in sides:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
@@ -195,19 +257,23 @@ def tokenize_pairs(records: list[PreferenceRecord], encoder: SequenceEncoder, *,
                 data.num_dropped += 1
                 continue
             data.num_truncated += 1
-            sides = [encoder.fit(ids, max_length) for ids in sides]
+            sides, starts = zip(*(encoder.fit_with_start(ids, start, max_length) for ids, start in zip(sides, starts)))
         data.chosen.append(sides[0])
         data.rejected.append(sides[1])
+        if response_starts:
+            data.chosen_starts.append(starts[0])
+            data.rejected_starts.append(starts[1])
     if not data.chosen:
         raise ConfigError(f"{name}: every pair is longer than data.max_length={max_length} and was dropped; "
                           "raise data.max_length or set data.truncation=truncate")
     return data
 
 
-def load_preference_splits(data_cfg, encoder: SequenceEncoder, *, max_length: int, vocab_size: int,
-                           seed: int) -> tuple[PreferenceData, Optional[PreferenceData]]:
+def load_preference_splits(data_cfg, encoder: SequenceEncoder, *, max_length: int, vocab_size: int, seed: int,
+                           response_starts: bool = False) -> tuple[PreferenceData, Optional[PreferenceData]]:
     """(train, eval or None) from ``data.train_path``/``eval_path`` or the synthetic ``data.task``."""
-    common = dict(max_length=max_length, truncation=data_cfg.truncation, vocab_size=vocab_size)
+    common = dict(max_length=max_length, truncation=data_cfg.truncation, vocab_size=vocab_size,
+                  response_starts=response_starts)
     if data_cfg.train_path is None:
         task = data_cfg.task
         if task not in PREFERENCE_TASKS:

@@ -5,8 +5,9 @@ Two costs of Megatron's static-cache decoding that do not exist in a training fo
 * ``sdpa_core_attention(chunks)``: the local spec's ``DotProductAttention`` materialises grouped keys and
   values per query head (``repeat_interleave`` of the whole cache at every step), runs ``baddbmm``/``bmm``
   around a masked softmax and forks the model-parallel RNG for dropout even in eval mode. While generating,
-  those modules call ``scaled_dot_product_attention(..., enable_gqa=True)`` instead: the same maths
-  (causal softmax(q k^T * scale) v) without the copies. Transformer Engine attention is left alone.
+  those modules call ``megatron_rl.models.sdpa_attention.sdpa_context`` instead (what the training layers of
+  ``runtime.attention=flash`` run): the same maths (causal softmax(q k^T * scale) v) without the copies.
+  Transformer Engine attention, and the layers already built with SDPA, are left alone.
 * ``RopeOnceDecode``: the cache holds keys before RoPE, so every decode step re-rotates the whole cache.
   Megatron's own answer is its flash-decode path (``config.flash_decode``: the cache holds rotated keys and
   a ``flash_decode`` method rotates only the new token, writes the cache and attends). After the prefill
@@ -34,6 +35,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.models.sdpa_attention import sdpa_context
+
 
 def _eligible(module) -> bool:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -56,27 +59,25 @@ def _sdpa_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
         return type(self).forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                                   packed_seq_params)
-    sq, batch = query.shape[0], query.shape[1]
-    if sq > 1 and sq != key.shape[0]:
-        raise RuntimeError(f"causal attention expects a full prefill (sq == sk), got sq={sq}, sk={key.shape[0]}")
-    context = F.scaled_dot_product_attention(
-        query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-        is_causal=sq > 1, scale=self.softmax_scale,
-        enable_gqa=query.shape[2] != key.shape[2])
-    return context.permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+    return sdpa_context(query, key, value, scale=self.softmax_scale)
 
 
 @contextlib.contextmanager
 def sdpa_core_attention(chunks: list) -> Iterator[int]:
-    """Swap eligible core-attention modules of ``chunks`` to SDPA for the duration; yields how many."""
-    swapped = []
+    """Swap eligible core-attention modules of ``chunks`` to SDPA for the duration; yields how many modules of
+    ``chunks`` attend by SDPA: those swapped and those built with it (runtime.attention=flash)."""
+    from megatron_rl.models.sdpa_attention import SDPADotProductAttention
+
+    swapped, built = [], 0
     try:
         for chunk in chunks:
             for module in chunk.modules():
-                if _eligible(module) and "forward" not in module.__dict__:
+                if isinstance(module, SDPADotProductAttention):
+                    built += 1
+                elif _eligible(module) and "forward" not in module.__dict__:
                     module.forward = types.MethodType(_sdpa_forward, module)
                     swapped.append(module)
-        yield len(swapped)
+        yield len(swapped) + built
     finally:
         for module in swapped:
             del module.forward

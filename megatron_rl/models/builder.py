@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from launcher.config.schema import attention_kernel
+from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
 from launcher.parallel import ParallelDims
 
@@ -41,6 +43,16 @@ def have_transformer_engine() -> bool:
     except Exception:
         return False
     return torch.cuda.is_available()
+
+
+def resolve_transformer_engine(setting) -> bool:
+    """runtime.transformer_engine for this process: auto is whether TE is usable (installed, with a GPU)."""
+    usable = have_transformer_engine()
+    if setting is True and not usable:
+        raise ConfigError("runtime.transformer_engine=true, but transformer_engine does not import here or no GPU "
+                          "is visible; install the project's te extra in the job's environment, or set "
+                          "runtime.transformer_engine=auto")
+    return usable if setting == "auto" else bool(setting)
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -73,6 +85,19 @@ class ModelOptions:
     """model.moe_expert_bias_update: update the router's expert bias (rate EXPERT_BIAS_UPDATE_RATE) or keep it."""
     router_replay: bool = False
     """algorithm.router_replay: routers that can record and replay their top-k (megatron_rl/models/router_replay.py)."""
+    transformer_engine: bool = field(default_factory=lambda: have_transformer_engine())
+    """Build Transformer Engine layers (runtime.transformer_engine resolved; default: whether TE is usable)."""
+    attention: str = "auto"
+    """runtime.attention: flash, unfused, or auto (flash); see ``core_attention``."""
+    recompute_num_layers: Optional[int] = None
+    """parallel.recompute_num_layers: with full recompute, only the first N layers of each stage (block method)."""
+    tp_comm_overlap: bool = False
+    """runtime.tp_comm_overlap: TE userbuffers overlap of the TP collectives (GPUs with TE only)."""
+
+    @property
+    def core_attention(self) -> str:
+        """flash or unfused, the kernel these layers run."""
+        return attention_kernel(self.attention)
 
 
 EXPERT_BIAS_UPDATE_RATE = 1e-3
@@ -113,7 +138,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_router_score_function=shape.moe_router_score_function,
             **moe_routing_options(shape, opts),
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-            moe_grouped_gemm=have_transformer_engine(),  # TE's grouped GEMM experts on GPUs
+            moe_grouped_gemm=opts.transformer_engine,  # TE's grouped GEMM experts on GPUs
             moe_aux_loss_coeff=aux_loss_coeff(opts),
             moe_router_load_balancing_type=opts.moe_load_balancing if opts.moe_aux_loss_coeff else "none",
             moe_enable_routing_replay=opts.router_replay,
@@ -121,11 +146,14 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
     recompute = {}
     if opts.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
+    elif opts.recompute == "full" and opts.recompute_num_layers is not None:
+        recompute = dict(recompute_granularity="full", recompute_method="block",
+                         recompute_num_layers=opts.recompute_num_layers)
     elif opts.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config_class, mla = TransformerConfig, {}
     if shape.is_mla:
-        config_class, mla = mla_options(shape, dims)
+        config_class, mla = mla_options(shape, dims, transformer_engine=opts.transformer_engine)
     return config_class(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
@@ -146,7 +174,18 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         pipeline_dtype=opts.dtype, use_cpu_initialization=not torch.cuda.is_available(),
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        init_method_std=0.02, calculate_per_token_loss=True, **moe, **recompute, **mla)
+        init_method_std=0.02, calculate_per_token_loss=True, attention_backend=attention_backend(opts),
+        tp_comm_overlap=opts.tp_comm_overlap, **moe, **recompute, **mla)
+
+
+def attention_backend(opts: ModelOptions):
+    """Megatron's ``attention_backend`` for TE layers (auto: flash or fused, TE's pick; unfused: TE's unfused
+    backend); ``local`` for the torch layers, whose kernel is the spec's core-attention module."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    if not opts.transformer_engine:
+        return AttnBackend.local
+    return AttnBackend.auto if opts.core_attention == "flash" else AttnBackend.unfused
 
 
 def moe_routing_options(shape: ModelShape, opts: ModelOptions) -> dict:
@@ -167,7 +206,7 @@ def moe_routing_options(shape: ModelShape, opts: ModelOptions) -> dict:
     return options
 
 
-def mla_options(shape: ModelShape, dims: ParallelDims):
+def mla_options(shape: ModelShape, dims: ParallelDims, *, transformer_engine: bool):
     """``MLATransformerConfig`` and its fields for a multi-latent-attention shape (DeepSeek-V2/V3).
 
     The local spec builds MLA's latent norms (q_layernorm, kv_layernorm) only with ``qk_layernorm``. Megatron's
@@ -175,7 +214,7 @@ def mla_options(shape: ModelShape, dims: ParallelDims):
     rank saw its own part of the sequence: so at TP > 1 the local spec needs sequence parallelism."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    local = not have_transformer_engine()
+    local = not transformer_engine
     if local:
         _mla_without_te()
     if local and dims.tp > 1 and not dims.sp:
@@ -238,36 +277,46 @@ def _mla_without_te() -> None:
     mla._megatron_rl_patched = True
 
 
-def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None):
-    """Decoder block spec: Transformer Engine on GPUs when installed, Megatron's local spec otherwise.
+def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None, transformer_engine: Optional[bool] = None,
+               attention: str = "unfused"):
+    """Decoder block spec: Transformer Engine layers when ``transformer_engine`` (default: when TE is usable),
+    Megatron's local spec otherwise.
 
     Under sequence parallelism the local spec's torch norms (which refuse it) become ``SequenceParallelTorchNorm``:
     the input, pre-MLP, QK and final norms, their weights tagged for the TP all-reduce of their grads. Under
     context parallelism the local core attention (which refuses it) becomes ``CPDotProductAttention``; with
-    Transformer Engine, TE's own CP attention runs.
+    Transformer Engine, TE's own CP attention runs. ``attention="flash"`` makes the local core attention torch's
+    scaled_dot_product_attention (``SDPADotProductAttention``, at cp > 1 ``SDPACPAttention``); TE layers take
+    the kernel from ``config.attention_backend``.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    use_te = have_transformer_engine()
+    use_te = have_transformer_engine() if transformer_engine is None else transformer_engine
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                       normalization=shape.normalization, vp_stage=vp_stage)
-    if config.sequence_parallel and not use_te:
+    if use_te:
+        return spec
+    if config.sequence_parallel:
         from megatron_rl.models.norms import sequence_parallel_spec
 
         spec = sequence_parallel_spec(spec)
-    if config.context_parallel_size > 1 and not use_te:
-        from megatron_rl.models.cp_attention import with_cp_core_attention
+    if config.multi_latent_attention:
+        return local_mla_spec(spec, flash=attention == "flash")
+    from megatron_rl.models.cp_attention import CPDotProductAttention, with_cp_core_attention
+    from megatron_rl.models.sdpa_attention import SDPACPAttention, SDPADotProductAttention
 
-        spec = with_cp_core_attention(spec)
-    if config.multi_latent_attention and not use_te:
-        spec = local_mla_spec(spec)
+    if config.context_parallel_size > 1:
+        return with_cp_core_attention(spec, SDPACPAttention if attention == "flash" else CPDotProductAttention)
+    if attention == "flash":
+        return with_cp_core_attention(spec, SDPADotProductAttention)
     return spec
 
 
-def local_mla_spec(spec):
+def local_mla_spec(spec, *, flash: bool = False):
     """A copy of a local-spec block spec whose MLA layers run without Transformer Engine.
 
-    * core attention: ``mla_core_attention()`` (the local kernel, accepting MLA's k/v widths);
+    * core attention: ``mla_core_attention(flash)`` (the local kernel, or SDPA with ``flash``, accepting MLA's
+      k/v widths);
     * the down projections (q_down, kv_down) are replicated over TP, as TE's spec makes them ("duplicated"),
       instead of column-parallel: in 0.16.1's column-parallel branch each TP rank drops the other ranks' heads'
       gradient of the shared rope key (split backward of ``gather_from_tensor_model_parallel_region``), so
@@ -281,7 +330,7 @@ def local_mla_spec(spec):
     from megatron_rl.models.norms import swap_norms
 
     _mla_without_te()
-    spec = swap_norms(copy.deepcopy(spec), DotProductAttention, mla_core_attention())
+    spec = swap_norms(copy.deepcopy(spec), DotProductAttention, mla_core_attention(flash))
     for layer in spec.layer_specs:
         attention = layer.submodules.self_attention.submodules
         if isinstance(attention, mla.MLASelfAttentionSubmodules):
@@ -290,13 +339,18 @@ def local_mla_spec(spec):
 
 
 @functools.lru_cache(maxsize=None)
-def mla_core_attention():
-    """Megatron's local ``DotProductAttention`` for MLA: MLA passes ``k_channels`` (nope + rope head dim) and
-    ``v_channels``, which only TE's attention accepts; the local kernel already takes the key width from the
-    tensors and the value width from ``kv_channels`` (= v_head_dim here), so the two are checked and dropped."""
+def mla_core_attention(flash: bool = False):
+    """Megatron's local ``DotProductAttention`` (with ``flash``: ``SDPADotProductAttention``) for MLA: MLA passes
+    ``k_channels`` (nope + rope head dim) and ``v_channels``, which only TE's attention accepts; the local kernel
+    already takes the key width from the tensors and the value width from ``kv_channels`` (= v_head_dim here),
+    so the two are checked and dropped."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    class MLADotProductAttention(DotProductAttention):
+    from megatron_rl.models.sdpa_attention import SDPADotProductAttention
+
+    base = SDPADotProductAttention if flash else DotProductAttention
+
+    class MLADotProductAttention(base):
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
             if v_channels is not None and v_channels != config.kv_channels:
@@ -396,7 +450,9 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
     rope_scaling = shape.rope_scaling or {}
     with layout_invariant_init(opts.init_seed):
         model = (model_class or GPTModel)(
-            config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage),
+            config=config, transformer_layer_spec=layer_spec(shape, config, vp_stage=vp_stage,
+                                                             transformer_engine=opts.transformer_engine,
+                                                             attention=opts.core_attention),
             vocab_size=padded_vocab_size(shape.vocab_size, opts.dims.tp),
             max_sequence_length=shape.max_position_embeddings,
             pre_process=pre_process, post_process=post_process,

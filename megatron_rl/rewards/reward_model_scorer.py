@@ -88,11 +88,14 @@ class RewardModelScorer:
     """A frozen reward model colocated with the policy; ``scorer(prompts, completions, answers) -> list[float]``."""
 
     def __init__(self, checkpoint: str, *, micro_batch_size: int = 8, tokenizer: Optional[str] = None,
-                 dtype: str = "auto", sequence_parallel: bool = False, max_length: Optional[int] = None) -> None:
+                 dtype: str = "auto", sequence_parallel: bool = False, max_length: Optional[int] = None,
+                 transformer_engine: Optional[bool] = None, attention: str = "auto") -> None:
         """``checkpoint``: an rm run's checkpoint folder (or a step folder). ``micro_batch_size``: sequences per
         forward. ``tokenizer``: override the stored tokenizer folder. ``dtype``: auto (bf16 on GPUs, fp32 on CPU),
         fp32, bf16 or fp16. ``sequence_parallel``: as the job's parallel.sequence_parallel (MoE with TP > 1).
-        ``max_length``: override the stored max length."""
+        ``max_length``: override the stored max length. ``transformer_engine`` (None: whether TE is usable) and
+        ``attention``: the job's runtime.* layers, which the policy's must match (TE's attention backend is one
+        per process)."""
         if micro_batch_size < 1:
             raise ConfigError(f"reward model scorer: micro_batch_size={micro_batch_size} must be >= 1")
         self.folder, meta = read_reward_model_metadata(checkpoint)
@@ -108,7 +111,9 @@ class RewardModelScorer:
         dims = dataclasses.replace(dims, sp=sequence_parallel and dims.tp > 1).with_split(self.shape.num_layers)
         dims.check_model(self.shape)
         pp = dims.pp
-        self.opts = ModelOptions(dims=dims, dtype=compute_dtype(dtype), seq_length=self.max_length)
+        self.opts = ModelOptions(dims=dims, dtype=compute_dtype(dtype), seq_length=self.max_length,
+                                 attention=attention,
+                                 **({} if transformer_engine is None else {"transformer_engine": transformer_engine}))
         self.multiple = dims.tp if dims.sp else 1
         self.fixed_length = padded_length(self.max_length, multiple=self.multiple) if pp > 1 else None
         with preserved_rng():

@@ -22,7 +22,8 @@ import torch
 from launcher.config.schema import JobConfig
 from launcher.model_shape import ModelShape
 from launcher.parallel import ParallelDims
-from megatron_rl.models.builder import ModelOptions, build_model_chunks, compute_dtype, padded_vocab_size
+from megatron_rl.models.builder import (ModelOptions, build_model_chunks, compute_dtype, padded_vocab_size,
+                                        resolve_transformer_engine)
 from megatron_rl.runtime.memory import peak_memory_of
 
 # loss_fn(model_output, batch) -> (loss_sum, denominator as an int tensor, {name: (sum, count)})
@@ -127,7 +128,10 @@ def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
         moe_load_balancing=cfg.model.moe_load_balancing, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
         moe_expert_bias_update=cfg.model.moe_expert_bias_update,
         router_replay=cfg.algorithm.name == "grpo" and cfg.algorithm.router_replay and shape.is_moe,
-        seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed)
+        seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed,
+        transformer_engine=resolve_transformer_engine(cfg.runtime.transformer_engine),
+        attention=cfg.runtime.attention, recompute_num_layers=cfg.parallel.recompute_num_layers,
+        tp_comm_overlap=cfg.runtime.tp_comm_overlap)
 
 
 @dataclass
@@ -297,6 +301,30 @@ def reduce_reports(reports: list[dict], names: tuple[str, ...]) -> dict[str, flo
     return {name: result[name] for name in names}
 
 
+def overlap_grad_reduce_in_schedule(wrapped: list) -> None:
+    """Hand Megatron's schedules the DDP hooks of an overlapped gradient reduce, as Megatron's training loop does:
+    ``no_sync`` around the micro-batches before the last (their grads only accumulate), and ``start_grad_sync``
+    of each chunk once its last backward pass is done (interleaved pipelines), so that bucket reduces run
+    during the backward pass; ``finalize_model_grads`` waits for them. Set on chunk 0's config, the one the
+    schedules read."""
+    config = wrapped[0].config
+    if len(wrapped) == 1:
+        config.no_sync_func, config.grad_sync_func = wrapped[0].no_sync, wrapped[0].start_grad_sync
+    else:
+        config.no_sync_func = [chunk.no_sync for chunk in wrapped]
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in wrapped]
+
+
+def initialize_tp_communicators(cfg: JobConfig, shape: ModelShape, opts: ModelOptions) -> None:
+    """TE's userbuffers for runtime.tp_comm_overlap, sized for one micro-batch's [tokens, hidden] on this TP
+    group (Megatron's ``_initialize_tp_communicators``). GPU path: unverified until a device runs it."""
+    from transformer_engine.pytorch import module as te_module
+
+    tokens = cfg.parallel.micro_batch_size * opts.seq_length // opts.dims.cp
+    te_module.base.initialize_ub(shape=[tokens, shape.hidden_size], tp_size=opts.dims.tp, use_fp8=False,
+                                 dtype=opts.dtype)
+
+
 def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int] = None,
                  lr: Optional[float] = None,
                  build_chunks: Callable[[ModelShape, ModelOptions], list] = build_model_chunks) -> Engine:
@@ -309,9 +337,11 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opts = model_options(cfg, shape)
+    if opts.tp_comm_overlap:
+        initialize_tp_communicators(cfg, shape, opts)
     chunks = build_chunks(shape, opts)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=cfg.runtime.grad_dtype == "fp32", overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.distributed_optimizer)
     wrapped = []
     for i, chunk in enumerate(chunks):
@@ -319,6 +349,8 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
         chunk.config.finalize_model_grads_func = finalize_model_grads
         wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
                                                disable_bucketing=i > 0))
+    if ddp_config.overlap_grad_reduce:
+        overlap_grad_reduce_in_schedule(wrapped)
     optim = cfg.optimizer
     peak_lr = optim.lr if lr is None else lr
     steps = total_steps or cfg.run.steps

@@ -321,12 +321,10 @@ def correct_answers(rollout: Rollout) -> torch.Tensor:
 def wants_recomputed_old_logprobs(cfg: JobConfig, shape: ModelShape, engine: Engine) -> bool:
     """algorithm.recompute_old_logprobs, with auto resolved: recompute whenever generation's kernels may differ
     from training's (bf16 or fp16 numerics, Transformer Engine layers, MoE routing)."""
-    from megatron_rl.models.builder import have_transformer_engine
-
     setting = cfg.algorithm.recompute_old_logprobs
     if setting != "auto":
         return bool(setting)
-    return engine.opts.dtype != torch.float32 or have_transformer_engine() or shape.is_moe
+    return engine.opts.dtype != torch.float32 or engine.opts.transformer_engine or shape.is_moe
 
 
 def _combine_minibatches(totals: dict[str, list[float]]) -> dict[str, float]:
@@ -387,11 +385,15 @@ def build_rewards(cfg: JobConfig, shape: ModelShape):
             if not cfg.algorithm.reward_model:
                 raise ConfigError("algorithm.rewards has `rm` but algorithm.reward_model is not set; give the RM "
                                   "checkpoint folder")
+            from megatron_rl.models.builder import resolve_transformer_engine
             from megatron_rl.rewards.reward_model_scorer import RewardModelScorer
 
             fns[name] = RewardModelScorer(cfg.algorithm.reward_model, dtype=cfg.model.dtype,
                                           micro_batch_size=cfg.parallel.micro_batch_size,
-                                          sequence_parallel=cfg.parallel.sequence_parallel)
+                                          sequence_parallel=cfg.parallel.sequence_parallel,
+                                          transformer_engine=resolve_transformer_engine(
+                                              cfg.runtime.transformer_engine),
+                                          attention=cfg.runtime.attention)
         else:
             fns[name] = build_reward_fn(name, cfg.algorithm.reward_options[name])
         weights[name] = float(weight)

@@ -4,9 +4,8 @@ Run the tiny CPU task (held-out accuracy from ~0.5 to >= 0.9):
     .venv/bin/python launch.py --config configs/rm_tiny.yaml
 Own data: ``algorithm.name=rm data.train_path=pairs.jsonl data.eval_path=held_out.jsonl model.init_from=CKPT``.
 
-Batch sizes count PAIRS: ``algorithm.global_batch_size`` pairs per optimizer step, ``parallel.micro_batch_size``
-pairs per micro-batch. A micro-batch holds 2 x micro_batch_size sequences, the chosen ones then the rejected
-ones, right-padded (to the longest, or to ``data.max_length`` when pipeline stages need fixed shapes).
+Batching (batch sizes count PAIRS; a micro-batch holds the chosen sequences then the rejected ones, right-padded),
+the loop and the held-out evaluation are shared with DPO (``megatron_rl.trainers.pairs``).
 
 Loss per pair: ``-log sigmoid(r_c - r_r - algorithm.rm_margin) + algorithm.rm_centering_coef * (r_c + r_r)^2``,
 averaged over the global batch. Metrics (train, and phase "eval" on the held-out split every
@@ -20,7 +19,6 @@ Test: `.venv/bin/python -m pytest tests/test_rm.py -q`
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Optional
 
@@ -30,9 +28,7 @@ import torch.nn.functional as F
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
-from megatron_rl.data.chat import ChatFormat
-from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits
-from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.data.preferences import PreferenceData
 from megatron_rl.models.reward_model import (
     build_reward_model_chunks,
     load_reward_model_weights,
@@ -40,8 +36,10 @@ from megatron_rl.models.reward_model import (
     reward_forward,
     right_padded_batch,
 )
-from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
+from megatron_rl.runtime.training import Engine, build_engine
+from megatron_rl.trainers import pairs
 from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.pairs import PairMicroBatcher, pair_order  # noqa: F401  (pair_order: rm's public name)
 
 REPORTS = ("loss", "bt_loss", "accuracy", "reward_margin", "reward_chosen", "reward_rejected")
 METADATA_VERSION = 1
@@ -76,56 +74,23 @@ def preference_loss(rewards: torch.Tensor, batch: dict, *, margin: float, center
     return loss_sum, count, reports
 
 
-def pair_order(num_pairs: int, *, step: int, global_batch_size: int, seed: int) -> list[int]:
-    """Indices of the pairs of 1-based ``step``: a seeded permutation per epoch, running on across epoch ends.
-
-    A function of (step, seed) only, so a resumed run sees exactly the pairs it would have seen.
-    """
-    out: list[int] = []
-    position = (step - 1) * global_batch_size
-    while len(out) < global_batch_size:
-        epoch, offset = divmod(position, num_pairs)
-        order = list(range(num_pairs))
-        random.Random(f"rm-order:{seed}:{epoch}").shuffle(order)
-        take = order[offset:offset + global_batch_size - len(out)]
-        out.extend(take)
-        position += len(take)
-    return out
-
-
 def collate_pairs(chosen: list[list[int]], rejected: list[list[int]], weights: list[float], *, pad_id: int,
-                  fixed_length: Optional[int], multiple: int) -> dict:
+                  fixed_length: Optional[int], multiple: int, longest: Optional[int] = None) -> dict:
     seqs = chosen + rejected
-    length = padded_length(max(len(s) for s in seqs), fixed=fixed_length, multiple=multiple)
+    length = padded_length(longest or max(len(s) for s in seqs), fixed=fixed_length, multiple=multiple)
     batch = right_padded_batch(seqs, pad_id=pad_id, length=length)
     weight = torch.tensor(weights, dtype=torch.float32)
     batch["pair_weight"] = weight.cuda() if torch.cuda.is_available() else weight
     return batch
 
 
-class PairBatcher:
-    """Cuts pair lists into this DP rank's micro-batches (filler pairs of weight 0 complete the last ones)."""
+class PairBatcher(PairMicroBatcher):
+    """Reward-model micro-batches: tokens, position_ids, last_index (the reward's position) and pair_weight."""
 
-    def __init__(self, cfg: JobConfig, *, pad_id: int, max_length: int) -> None:
-        par = cfg.parallel
-        self.micro_batch_size = par.micro_batch_size
-        self.pad_id = pad_id
-        self.multiple = par.tp if par.sequence_parallel else 1
-        self.fixed_length = padded_length(max_length, multiple=self.multiple) if par.pp > 1 else None
-
-    def micro_batches(self, data: PreferenceData, indices: list[int], *, pad_to: int) -> tuple[list[dict], int]:
-        """(micro-batches of this rank, padded sequence length for the schedule)."""
-        weights = [1.0] * len(indices)
-        while len(indices) % pad_to:
-            indices, weights = indices + [indices[0]], weights + [0.0]
-        items = list(zip(indices, weights))
-        batches = []
-        for micro in data_parallel_slice(items, micro_batch_size=self.micro_batch_size):
-            batches.append(collate_pairs([data.chosen[i] for i, _ in micro], [data.rejected[i] for i, _ in micro],
-                                         [w for _, w in micro], pad_id=self.pad_id, fixed_length=self.fixed_length,
-                                         multiple=self.multiple))
-        seq_length = max(b["tokens"].shape[1] for b in batches)
-        return batches, seq_length
+    def collate(self, data: PreferenceData, indices: list[int], weights: list[float], *, longest: int) -> dict:
+        return collate_pairs([data.chosen[i] for i in indices], [data.rejected[i] for i in indices], weights,
+                             pad_id=self.pad_id, fixed_length=self.fixed_length, multiple=self.multiple,
+                             longest=longest)
 
 
 def reward_model_metadata(cfg: JobConfig, shape: ModelShape, *, max_length: int) -> dict:
@@ -150,32 +115,15 @@ def resume_or_init(cfg: JobConfig, ctx: TrainerContext, engine: Engine) -> int:
 
 def evaluate(engine: Engine, batcher: PairBatcher, data: PreferenceData, cfg: JobConfig, loss_fn) -> dict[str, float]:
     """Metrics over every held-out pair (exactly: filler pairs carry weight 0)."""
-    from megatron.core import parallel_state
-
-    interleaved = cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1  # micro-batches run in groups of pp
-    pad_to = parallel_state.get_data_parallel_world_size() * cfg.parallel.micro_batch_size * interleaved
-    batches, seq_length = batcher.micro_batches(data, list(range(len(data))), pad_to=pad_to)
-    engine.train(False)
-    try:
-        return engine.forward_only(batches, loss_fn, seq_length=seq_length, report_names=REPORTS,
-                                   forward_fn=reward_forward)
-    finally:
-        engine.train(True)
+    return pairs.evaluate(engine, batcher, data, cfg, loss_fn, forward_fn=reward_forward, report_names=REPORTS)
 
 
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     if cfg.parallel.cp > 1:
         raise ConfigError(f"parallel.cp={cfg.parallel.cp}: the rm trainer does not support context parallelism yet; "
                           "set parallel.cp=1")
-    seq_length = cfg.model.seq_length or shape.seq_length
-    max_length = cfg.data.max_length or seq_length
-    if max_length > shape.max_position_embeddings:
-        raise ConfigError(f"data.max_length={max_length} exceeds {shape.name}'s max_position_embeddings "
-                          f"{shape.max_position_embeddings}")
-    tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
-    encoder = SequenceEncoder(tokenizer, ChatFormat.from_config(cfg.data, tokenizer))
-    train_data, eval_data = load_preference_splits(cfg.data, encoder, max_length=max_length,
-                                                   vocab_size=shape.vocab_size, seed=cfg.run.seed)
+    max_length = pairs.preference_max_length(cfg, shape)
+    encoder, train_data, eval_data = pairs.load_pairs(cfg, shape, max_length=max_length)
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
     engine.micro_batch_size = 2 * cfg.parallel.micro_batch_size  # sequences per micro-batch: chosen + rejected
     metadata = reward_model_metadata(cfg, shape, max_length=max_length)
@@ -186,31 +134,6 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     def loss_fn(rewards, batch):
         return preference_loss(rewards, batch, margin=algo.rm_margin, centering_coef=algo.rm_centering_coef)
 
-    interval = cfg.data.eval_interval
     start = resume_or_init(cfg, ctx, engine)
-    if start == 0:
-        ctx.logger.truncate_after(-1)  # a fresh start also rewrites the step-0 data/eval lines
-        counts = {"train_pairs": len(train_data), "train_truncated": train_data.num_truncated,
-                  "train_dropped": train_data.num_dropped}
-        if eval_data is not None:
-            counts.update(eval_pairs=len(eval_data), eval_truncated=eval_data.num_truncated,
-                          eval_dropped=eval_data.num_dropped)
-        ctx.logger.log(0, counts, phase="data")
-        ctx.say(f"preference data (max_length {max_length}, policy {cfg.data.truncation}): "
-                + "; ".join(f"{d.name}: {len(d)} pairs of {d.num_read} read, {d.num_truncated} truncated, "
-                            f"{d.num_dropped} dropped" for d in (train_data, eval_data) if d is not None))
-        if eval_data is not None and interval:
-            ctx.logger.log(0, evaluate(engine, batcher, eval_data, cfg, loss_fn), phase="eval")
-    for step in range(start + 1, cfg.run.steps + 1):
-        with ctx.timer() as timer:
-            indices = pair_order(len(train_data), step=step, global_batch_size=algo.global_batch_size,
-                                 seed=cfg.run.seed)
-            batches, padded = batcher.micro_batches(train_data, indices, pad_to=1)
-            metrics = engine.train_step(batches, loss_fn, seq_length=padded, report_names=REPORTS,
-                                        forward_fn=reward_forward)
-        metrics["step_time_s"] = timer.seconds
-        metrics["pairs_per_s"] = algo.global_batch_size / timer.seconds
-        if eval_data is not None and interval and (step % interval == 0 or step == cfg.run.steps):
-            ctx.logger.log(step, evaluate(engine, batcher, eval_data, cfg, loss_fn), phase="eval")
-        ctx.end_step(engine, step, metrics)
-    ctx.finish(engine)
+    pairs.train_on_pairs(ctx, engine, batcher, train_data, eval_data, loss_fn, start=start, max_length=max_length,
+                         forward_fn=reward_forward, report_names=REPORTS)

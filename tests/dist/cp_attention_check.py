@@ -94,7 +94,9 @@ def attention_case(name: str, *, groups: int, padded: bool, cp: int) -> dict:
     # at cp=1 the module is DotProductAttention: bit-identical output and grads
     same = CPDotProductAttention(config=attention_config(1, groups), **kwargs)
     one_out, one_dq, one_dk, one_dv = run_attention(same, q, k, v, dout, mask)
-    return {
+    sdpa = sdpa_results(q, k, v, dout, mask, local, local_mask, (ref_out, ref_dq, ref_dk, ref_dv), kwargs,
+                        groups=groups, cp=cp)
+    return {**sdpa,
         "case": name, "local_shape": list(out.shape), "mask_shape": None if mask is None else list(local_mask.shape),
         "out": max_diff(out, cp_slice_seq_first(ref_out)), "out_gathered": max_diff(gathered, ref_out),
         "dq": max_diff(dq, cp_slice_seq_first(ref_dq)), "dk": max_diff(dk, cp_slice_seq_first(ref_dk)),
@@ -103,6 +105,26 @@ def attention_case(name: str, *, groups: int, padded: bool, cp: int) -> dict:
         "cp1_bitwise": bool(torch.equal(one_out, ref_out) and torch.equal(one_dq, ref_dq)
                             and torch.equal(one_dk, ref_dk) and torch.equal(one_dv, ref_dv)),
     }
+
+
+def sdpa_results(q, k, v, dout, mask, local, local_mask, reference, kwargs, *, groups: int, cp: int) -> dict:
+    """runtime.attention=flash without TE: SDPADotProductAttention on the whole sequence and SDPACPAttention on
+    this rank's part, output and grads against DotProductAttention's (``reference``); sdpa_context for one
+    decode query and a 4-query chunk over all keys, against the reference's last rows (causal cases only)."""
+    from megatron_rl.models.sdpa_attention import SDPACPAttention, SDPADotProductAttention, sdpa_context
+
+    ref_out, ref_dq, ref_dk, ref_dv = reference
+    whole = run_attention(SDPADotProductAttention(config=attention_config(1, groups), **kwargs), q, k, v, dout, mask)
+    part = run_attention(SDPACPAttention(config=attention_config(cp, groups), **kwargs), *local[:3], local[3],
+                         local_mask)
+    out = {"sdpa_whole": max(max_diff(a, b) for a, b in zip(whole, reference)),
+           "sdpa_cp": max(max_diff(a, cp_slice_seq_first(b)) for a, b in zip(part, reference))}
+    if mask is None:
+        scale = 1.0 / math.sqrt(DIM)
+        with torch.no_grad():
+            out["sdpa_decode"] = max_diff(sdpa_context(q[-1:], k, v, scale=scale), ref_out[-1:])
+            out["sdpa_chunk"] = max_diff(sdpa_context(q[-4:], k, v, scale=scale), ref_out[-4:])
+    return out
 
 
 def tiny_gpt(shape, cp: int, *, swap: bool):

@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="override the tiny model's layer count")
     parser.add_argument("--model", default="tiny-cpu", help="model preset (tiny-cpu, tiny-cpu-moe)")
+    parser.add_argument("--attention", default="auto", help="runtime.attention of the trained layers")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -137,7 +138,8 @@ def main() -> None:
     cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}",
                                  f"parallel.vpp={args.vpp or 'null'}",
                                  "algorithm.name=pretrain", "parallel.micro_batch_size=1",
-                                 "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
+                                 "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01",
+                                 f"runtime.attention={args.attention}"])
     initialize(job_dims(tp=args.tp, pp=args.pp, vpp=args.vpp or 1), seed=cfg.run.seed)
     shape = load_model_shape(args.model)
     if args.layers:

@@ -1,0 +1,54 @@
+"""A job config's settings as the planner's inputs: the runtime (``runtime:`` section, parallel.distributed_optimizer)
+and the rollout sizing of the RL trainers. Used by ``launcher.job.plan_job``; reads the config, imports no torch.
+
+Check it: ``.venv/bin/python -m pytest tests/test_planner_memory_modes.py -q``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launcher.errors import ConfigError
+from launcher.planner.costs import GrpoSizing, Runtime
+
+RL_ALGORITHMS = ("grpo", "ppo")
+"""algorithm.name values that generate rollouts (plan with a GrpoSizing)."""
+
+
+def runtime_of(cfg: Any) -> Runtime:
+    """The Runtime a job runs with: Transformer Engine where the config says (auto: on GPU jobs, off on CPU ones),
+    its attention kernel (auto as RuntimeConfig.attention_kernel resolves it), TP overlap, DP overlap, gradient dtype
+    and the distributed optimizer."""
+    rt = cfg.runtime
+    te = rt.uses_transformer_engine(gpus=cfg.cluster.has_gpus)
+    attention = rt.attention_kernel
+    return Runtime(transformer_engine=te, flash_attention=attention == "flash", tp_comm_overlap=rt.tp_comm_overlap,
+                   overlap_grad_reduce=rt.overlap_grad_reduce, distributed_optimizer=cfg.parallel.distributed_optimizer,
+                   main_grad_bytes=2 if rt.grad_dtype == "bf16" else 4)
+
+
+def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:
+    """algorithm.recompute_old_logprobs with auto resolved as the GRPO trainer does (wants_recomputed_old_logprobs):
+    on for bf16/fp16 parameters (model.dtype auto is bf16 on GPUs), Transformer Engine or an MoE model."""
+    setting = cfg.algorithm.recompute_old_logprobs
+    if setting != "auto":
+        return bool(setting)
+    dtype = cfg.model.dtype
+    low_precision = dtype in ("bf16", "fp16") or (dtype == "auto" and cfg.cluster.gpus_per_node > 0)
+    return low_precision or runtime.transformer_engine or shape.is_moe
+
+
+def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_length: int | None = None) -> GrpoSizing:
+    """The GrpoSizing of an RL job: rollout size, response length (generation.max_new_tokens) and mean length,
+    group size, concurrency, reference model (kl_coef > 0), old log-prob recompute, epochs, colocated reward model,
+    KV cache released for training and optimizer offload (generation.offload_optimizer)."""
+    algo, gen = cfg.algorithm, cfg.generation
+    if mean_response_length is not None and not 1 <= mean_response_length <= gen.max_new_tokens:
+        raise ConfigError(f"--mean-response-len {mean_response_length}: give a length from 1 to the longest response "
+                          f"(generation.max_new_tokens={gen.max_new_tokens})")
+    return GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=gen.max_new_tokens,
+                      mean_response_length=mean_response_length, samples_per_prompt=algo.group_size,
+                      generation_concurrency=gen.max_concurrent, reference_model=algo.kl_coef > 0,
+                      recompute_old_logprobs=recomputes_old_logprobs(cfg, shape, runtime), epochs=algo.epochs,
+                      reward_model=bool(algo.reward_model), kv_cache_released_for_training=True,
+                      optimizer_offloaded_for_generation=gen.offload_optimizer)

@@ -1,0 +1,342 @@
+"""The step of the post-training modes: GRPO (and PPO, evaluation) as this project's trainers run it, and DPO.
+
+An RL step (megatron_rl/trainers/grpo.py) is, in order:
+
+* generation (megatron_rl/generation/decoding.py) on every data-parallel x context-parallel rank for its share of
+  the rollout, in waves of generation.max_concurrent rows: one prefill of each GRPO group's shared prompt
+  (compute-bound, at the training GEMM efficiency), then decode steps up to the longest row of the wave, each
+  bounded by max(HBM read of the weights and KV cache, the live rows' compute, a per-layer launch floor) plus two
+  latency-bound TP all-reduces per layer and an EP dispatch + combine per MoE layer. Finished rows leave the
+  batch (compaction), so the rows fed average COMPACTION_SLACK x mean / max of the wave. Under PP each forward
+  runs in pp parts through ``_StageChain``: a rank forwards part m's virtual stage v only after receiving it, so
+  parts overlap only in the last virtual stage's fill and drain: one step is
+  (M (vpp - 1) pp + M + pp - 1) virtual-stage forwards of one part (M = pp parts), each paying a send/recv hop;
+* the log-prob forward passes over the rollout's training tokens: the old policy when recomputed
+  (algorithm.recompute_old_logprobs), the reference when algorithm.kl_coef > 0, and the colocated reward model's
+  scoring forward;
+* epochs x rollout / global_batch_size optimizer steps, each exactly ``plan --mode pretrain``'s step at the
+  rollout's padded length (prompt + max response: the trainer pads every row to the longest);
+* the phase switches: the KV cache allocated per wave, and with generation.offload_optimizer the optimizer state
+  copied to host memory and back over the host link (grads are freed and come back as zeros, no copy). There is no
+  weight refit: generation runs on the training weights.
+
+PPO adds a critic of the policy's shape (its weights, grads and optimizer in memory; a value forward and its own
+optimizer steps in time). eval is generation alone (weights, KV cache and buffers). DPO trains the policy on
+chosen and rejected (2 sequences per pair); the reference log-probs are taken once, in a pass over the data before
+training, so no reference model is held and no reference pass is charged per step.
+
+Check it: ``.venv/bin/python -m pytest tests/test_planner_rl_step.py -q``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from launcher.planner.costs import (IB_LATENCY_S, NVLINK_LATENCY_S, GrpoSizing, Workload,
+                                    kv_cache_elements_per_token_per_layer)
+from launcher.planner.estimate import (Estimate, Layout, RankGroup, TimeTerms, rank_groups, stage_params,
+                                       training_estimate)
+
+RL_MODES = ("grpo", "ppo", "eval")
+"""Modes with a rollout (GrpoSizing)."""
+DECODE_LAYER_OVERHEAD_S = 100e-6
+"""Floor of one decoder layer's forward in a decode step: eager PyTorch (no CUDA graphs in decoding.py), about 15
+kernel launches of ~7 us each. An assumption, not fitted: no measured GPU decode of this engine exists yet."""
+COMPACTION_SLACK = 7 / 6
+"""Rows fed over rows alive: compaction runs once at most 3/4 of the fed rows live (worth_compacting), so between
+compactions the fed rows are 1 to 4/3 of the live ones, 7/6 on average."""
+SAMPLING_BYTES_PER_LOGIT = 10
+"""Per live row and vocabulary entry: bf16 gathered logits, fp32 probabilities and fp32 sampling scratch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """One RL step's rollout as the planner takes it."""
+
+    sequences: int
+    """Rollout sequences (prompts x samples per prompt)."""
+    prompt: int
+    """Prompt tokens (every prompt at GrpoSizing.max_prompt_length)."""
+    response: int
+    """Longest response (generation.max_new_tokens): decode steps per wave."""
+    mean_response: float
+    """Mean response tokens."""
+    group: int
+    """Completions sharing one prompt (prefilled once)."""
+    concurrency: int
+    """Rows decoded at once per generation rank; 0 = all of its share."""
+    train_seq: int
+    """Padded training length of the rollout: prompt + response, at most the model's sequence length."""
+    minibatches: int
+    """Optimizer mini-batches of global_batch_size sequences per rollout."""
+    steps: int
+    """Optimizer steps per RL step: epochs x minibatches (0 for eval)."""
+
+    @property
+    def trained_tokens(self) -> float:
+        """Real (unpadded) tokens of the rollout: NeMo RL's tokens/s/GPU numerator."""
+        return self.sequences * (self.prompt + self.mean_response)
+
+
+def rollout(w: Workload) -> Rollout:
+    """The rollout of an RL workload, with the defaults of GrpoSizing (made once per workload)."""
+    return w._cached(("rollout",), lambda: _rollout(w))
+
+
+def _rollout(w: Workload) -> Rollout:
+    g = w.grpo or GrpoSizing()
+    sequences, prompt, response, concurrency = w.grpo_sizes()
+    mean = g.mean_response_length if g.mean_response_length is not None else response / 2
+    minibatches = max(1, sequences // w.global_batch_size)
+    return Rollout(sequences=sequences, prompt=prompt, response=response, mean_response=float(mean),
+                   group=max(1, g.samples_per_prompt), concurrency=concurrency,
+                   train_seq=min(w.seq_length, prompt + response), minibatches=minibatches,
+                   steps=0 if w.mode == "eval" else g.epochs * minibatches)
+
+
+def training_workload(w: Workload) -> Workload:
+    """The workload of one optimizer step: pretraining at the rollout's padded length (RL modes), or on chosen and
+    rejected sequences, two per pair (dpo). Made once per workload."""
+    made = w._cost_cache.get("training workload")
+    if made is None:
+        made = w._cost_cache["training workload"] = (
+            replace(w, mode="pretrain", global_batch_size=2 * w.global_batch_size) if w.mode == "dpo" else
+            replace(w, mode="pretrain", seq_length=rollout(w).train_seq, grpo=None))
+    return made
+
+
+def mode_estimate(w: Workload, layout: Layout) -> Estimate:
+    """Estimate of a dpo, grpo, ppo or eval step."""
+    tw = training_workload(w)
+    if w.mode == "dpo":
+        return training_estimate(tw, layout)
+    r = rollout(w)
+    return training_estimate(tw, layout, memory=lambda gr, ne, ex, parts: _rl_memory(w, layout, r, gr, ne, ex, parts),
+                             finish=lambda optimizer, terms, flops: _rl_timing(w, layout, r, optimizer, terms, flops))
+
+
+def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, terms: TimeTerms,
+               batch_flops: float) -> dict:
+    """The RL step's time, MFUs and tokens/s from one optimizer step's terms (its model FLOPs ``batch_flops``)."""
+    g = w.grpo or GrpoSizing()
+    step = terms.training_step()
+    step_s = sum(step.values())
+    fwd_pass = _forward_pass_s(terms, step)
+    passes = int(g.recompute_old_logprobs and w.mode != "eval") + int(g.reference_model and w.mode != "eval")
+    key = ("generation", layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.dp, layout.first_stage_layers,
+           layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
+    made = w._cost_cache.get(key)
+    if made is None:
+        made = w._cost_cache[key] = generation_time(w, layout, r)
+    prefill, decode, kv_wave, waves = made
+    offload = 2 * optimizer_bytes / w.host_link if g.optimizer_offloaded_for_generation and w.mode != "eval" else 0.0
+    rl_parts = {"logprob_passes": passes * r.minibatches * fwd_pass, "generation_prefill": prefill,
+                "generation_decode": decode, "phase_switch": waves * kv_wave / w.hbm + offload,
+                "reward_model": r.minibatches * fwd_pass if g.reward_model else 0.0,
+                "critic": (r.minibatches * fwd_pass + r.steps * step_s) if w.mode == "ppo" else 0.0}
+    train_time = r.steps * step_s
+    total = train_time + sum(rl_parts.values())
+    train_flops = r.steps * batch_flops
+    other = (passes + int(g.reward_model)) * r.minibatches * batch_flops / 3
+    if w.mode == "ppo":
+        other += r.minibatches * batch_flops / 3 + train_flops
+    gen_flops = 2 * w.active_params * r.sequences * (r.prompt / r.group + r.mean_response)
+    peak = w.num_gpus * w.bf16_peak
+    tokens = r.sequences * r.mean_response if w.mode == "eval" else r.trained_tokens
+    return {"step_time_s": total, "time_terms": terms._replace(steps=r.steps, rl_parts=rl_parts),
+            "mfu": (train_flops + other + gen_flops) / (total * peak),
+            "training_mfu": train_flops / (train_time * peak) if train_time else 0.0,
+            "tokens_per_s_per_gpu": tokens / total / w.num_gpus}
+
+
+def _forward_pass_s(t: TimeTerms, step: dict[str, float]) -> float:
+    """One forward-only pass over a global batch at the training layout: the forward share of the pipeline."""
+    g = t.slowest
+    fwd = g.dense_layers * t.dense.fwd_s + g.moe_layers * t.moe.fwd_s
+    bwd = g.dense_layers * t.dense.bwd_s + g.moe_layers * t.moe.bwd_s
+    pipeline = sum(v for k, v in step.items() if k not in ("dp_comm", "optimizer"))
+    return fwd / max(fwd + bwd, 1e-30) * pipeline
+
+
+def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex: float, parts: dict) -> dict:
+    """One rank's memory in the RL modes: the larger of the generation phase (weights, frozen models, KV cache,
+    inference buffers, and grads + optimizer unless offloaded) and the training phase (no KV cache), or their sum
+    when the KV cache is not released for training."""
+    g = w.grpo or GrpoSizing()
+    key = ("generation memory", gr, L.tp, L.ep, L.dp * L.cp, L.pp > 1)
+    made = w._cost_cache.get(key)
+    if made is None:
+        rows = _rows_per_wave(w, L, r)
+        made = w._cost_cache[key] = (w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows),
+                                     _inference_buffers(w, L, r, gr, rows))
+    kv, buffers = made
+    out = dict(parts)
+    bf16 = (ne + ex) * 2.0
+    out["reference_model"] = bf16 if g.reference_model and w.mode != "eval" else 0.0
+    out["reward_model"] = bf16 if g.reward_model else 0.0
+    out["kv_cache_generating"] = kv
+    if w.mode == "eval":
+        out.update(gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=kv, inference_buffers=buffers)
+        return out
+    if w.mode == "ppo":
+        out["critic"] = parts["weights"] + parts["gradients"] + parts["optimizer"]
+    if not g.kv_cache_released_for_training:
+        out.update(kv_cache=kv, inference_buffers=buffers)
+        return out
+    training_only = parts["activations"] + (parts["gradients"] + parts["optimizer"]
+                                            if g.optimizer_offloaded_for_generation else 0.0)
+    kv_extra = max(0.0, kv - training_only)
+    out.update(kv_cache=kv_extra, inference_buffers=max(0.0, kv + buffers - training_only) - kv_extra)
+    return out
+
+
+def generation_floor(w: Workload, L: Layout) -> float:
+    """Bytes the fullest rank holds while generating, before overhead, whatever the micro-batch and recompute: weights,
+    frozen models, grads + optimizer unless offloaded, KV cache and inference buffers. A lower bound of the
+    estimate's total, so the search may skip a layout's variants when it alone overflows."""
+    g = w.grpo or GrpoSizing()
+    r = rollout(w)
+    groups = rank_groups(w.shape.moe_layers, w.shape.num_layers, L.pp, L.vpp, L.first_stage_layers,
+                         L.last_stage_layers, L.account_for_embedding, L.account_for_loss)
+    wb, gb, _ = w.weight_bytes_per_param(1)
+    rows = _rows_per_wave(w, L, r)
+    frozen = 2.0 * ((g.reference_model and w.mode != "eval") + g.reward_model)
+    worst = 0.0
+    for gr in groups:
+        ne, ex = stage_params(w, gr, L)
+        state = 0.0
+        if w.mode != "eval" and not g.optimizer_offloaded_for_generation:
+            shard, edp = L.dp * L.cp, L.tp * L.cp * L.dp // (L.ep * L.etp)
+            opt = (12.0 / shard, 12.0 / edp) if w.runtime.distributed_optimizer else (12.0, 12.0)
+            state = (ne + ex) * gb + ne * opt[0] + ex * opt[1]
+        kv = w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows)
+        worst = max(worst, (ne + ex) * (wb + frozen) + state + kv + _inference_buffers(w, L, r, gr, rows))
+    return worst
+
+
+def _rows_per_wave(w: Workload, L: Layout, r: Rollout) -> float:
+    """Rows one generation rank (a DP x CP rank) decodes at once."""
+    share = r.sequences / (L.dp * L.cp)
+    return min(share, r.concurrency) if r.concurrency else share
+
+
+def _inference_buffers(w: Workload, L: Layout, r: Rollout, gr: RankGroup, rows: float) -> float:
+    """Generation buffers: the last stage's gathered logits and sampling tensors for the live rows, and every
+    stage's prefill working set (one layer's activations for the wave's distinct prompts, no autograd; SP is off
+    while generating)."""
+    kind = "moe" if w.shape.is_moe else "dense"
+    per_token = w._cached(("prefill act", L.tp, L.ep),
+                          lambda: sum(training_workload(w)._act_terms(kind, L.tp, False, L.ep).values()))
+    prefill_tokens = max(1.0, rows / r.group) * r.prompt
+    logits = rows * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT if gr.last else 0.0
+    return logits + prefill_tokens * per_token
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What one pipeline rank group computes per forward in generation."""
+
+    layers: int
+    moe_layers: int
+    weight_bytes: float
+    dense_params: float
+    expert_params: float
+
+
+def _stages(w: Workload, L: Layout) -> list[_Stage]:
+    s = w.shape
+    groups = rank_groups(s.moe_layers, s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
+                         L.account_for_embedding, L.account_for_loss)
+    wb = w.weight_bytes_per_param(1)[0]
+    out = []
+    for gr in groups:
+        ne, ex = stage_params(w, gr, L)
+        out.append(_Stage(gr.dense_layers + gr.moe_layers, gr.moe_layers, (ne + ex) * wb, ne, ex))
+    return out
+
+
+def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float, float, int]:
+    """(prefill seconds, decode seconds, KV cache bytes of one wave per GPU, waves) of one rollout."""
+    share = r.sequences / (L.dp * L.cp)
+    waves = math.ceil(share / r.concurrency) if r.concurrency else 1
+    rows = share / waves
+    stages = _stages(w, L)
+    fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
+    context = r.prompt + min(r.response, 2 * r.mean_response / 3)
+    decode_step = _pipelined(w, L, stages, fed, lambda st, n: _decode_part(w, L, st, n, context))
+    decode_step += fed * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT / w.hbm + 2 * NVLINK_LATENCY_S
+    distinct = max(1.0, rows / r.group)
+    prefill = _pipelined(w, L, stages, distinct, lambda st, n: _prefill_part(w, L, st, n * r.prompt, r.prompt))
+    per_token_layer = kv_cache_elements_per_token_per_layer(w.shape, L.tp) * (w.grpo or GrpoSizing()).kv_cache_bytes
+    layers = max(st.layers for st in stages)
+    copy = 2 * rows * r.prompt * layers * per_token_layer / w.hbm  # shared prefill: cache rows copied to the group
+    kv_wave = rows * (r.prompt + r.response) * layers * per_token_layer
+    return waves * (prefill + copy), waves * r.response * decode_step, kv_wave, waves
+
+
+def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
+    """One forward of ``rows`` through ``_StageChain``: M = min(pp, rows) parts; each virtual stage forward of a
+    part takes the slowest rank's time over vpp, plus one send/recv hop under PP."""
+    if L.pp == 1:
+        return part_time(stages[0], rows)
+    parts = min(L.pp, max(1.0, rows))
+    per_part = rows / parts
+    chunk = max(part_time(st, per_part) for st in stages) / L.vpp
+    bw = w.ib if L.tp * L.cp * L.dp >= w.gpu.gpus_per_node else w.nvlink
+    hop = per_part * w.shape.hidden_size * 2 / bw + (IB_LATENCY_S if bw == w.ib else NVLINK_LATENCY_S)
+    forwards = parts * (L.vpp - 1) * L.pp + parts + L.pp - 1
+    return forwards * (chunk + hop)
+
+
+def _expert_share(w: Workload, L: Layout, rows: float) -> tuple[float, float]:
+    """(expert FLOPs per expert parameter held, fraction of the local experts' weights read) for ``rows`` tokens
+    fed per GPU: the EP group routes the rows of max(1, ep / tp) replicas, topk experts each."""
+    s = w.shape
+    if not s.is_moe:
+        return 0.0, 0.0
+    load = w.runtime.expert_load if L.ep > 1 else 1.0
+    flops_per_param = 2 * rows * s.moe_router_topk * load * L.ep / (L.tp * s.num_experts) if L.ep > 1 else \
+        2 * rows * s.moe_router_topk / s.num_experts
+    routed = rows * max(1.0, L.ep / L.tp) * s.moe_router_topk
+    return flops_per_param, 1.0 - math.exp(-routed / s.num_experts)
+
+
+def _collectives(w: Workload, L: Layout, st: _Stage, tokens: float) -> float:
+    """Two TP all-reduces per layer (no SP while generating) and an EP dispatch + combine per MoE layer."""
+    h = w.shape.hidden_size
+    t = 0.0
+    if L.tp > 1:
+        t += st.layers * 2 * (2 * NVLINK_LATENCY_S + tokens * h * 2 * 2 * (L.tp - 1) / L.tp / w.nvlink)
+    if L.ep > 1 and st.moe_layers:
+        inter = L.ep * L.etp > w.gpu.gpus_per_node
+        bw, lat = (w.ib, IB_LATENCY_S) if inter else (w.nvlink, NVLINK_LATENCY_S)
+        volume = tokens * w.shape.moe_router_topk * h * 2 * (L.ep - 1) / L.ep * w.runtime.expert_load
+        t += st.moe_layers * 2 * (lat + volume / bw)
+    return t
+
+
+def _decode_part(w: Workload, L: Layout, st: _Stage, rows: float, context: float) -> float:
+    """One decode forward of ``rows`` rows through one rank's layers."""
+    flops_per_expert_param, touched = _expert_share(w, L, rows)
+    wb = w.weight_bytes_per_param(1)[0]
+    weights = st.dense_params * wb + st.expert_params * wb * touched
+    g = w.grpo or GrpoSizing()
+    kv = rows * context * st.layers * kv_cache_elements_per_token_per_layer(w.shape, L.tp) * g.kv_cache_bytes
+    flops = 2 * rows * st.dense_params + flops_per_expert_param * st.expert_params
+    compute = flops / (w.gemm_peak * w.gemm_efficiency(w.shape.hidden_size / L.tp, rows))
+    floor = st.layers * DECODE_LAYER_OVERHEAD_S
+    return max((weights + kv) / w.hbm, compute, floor) + _collectives(w, L, st, rows)
+
+
+def _prefill_part(w: Workload, L: Layout, st: _Stage, tokens: float, prompt: int) -> float:
+    """One prefill forward of ``tokens`` prompt tokens through one rank's layers: GEMMs and causal attention at
+    the training efficiency, or the weights' read when that is longer."""
+    flops_per_expert_param, _ = _expert_share(w, L, tokens)
+    s = w.shape
+    heads = s.num_attention_heads / L.tp
+    attention = tokens * prompt * st.layers * heads * (w.dqk + w.dv)  # 2 FLOPs x 2 GEMMs x causal half
+    flops = 2 * tokens * st.dense_params + flops_per_expert_param * st.expert_params + attention
+    compute = flops / (w.gemm_peak * w.gemm_efficiency(s.hidden_size / L.tp, tokens))
+    return max(compute, st.weight_bytes / w.hbm) + _collectives(w, L, st, tokens)
+
