@@ -22,7 +22,8 @@ from launcher.limits import check_limits, trainer_limits
 from launcher.model_shape import ModelShape, load_model_shape
 from launcher.private import check_run_dir, make_private_dir, write_private_text
 
-PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain", "dpo": "dpo", "ppo": "ppo"}
+PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain", "dpo": "dpo", "ppo": "ppo",
+                 "eval": "eval"}
 
 
 @dataclass(frozen=True, kw_only=True)

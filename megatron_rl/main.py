@@ -20,6 +20,7 @@ TRAINERS = {
     "grpo": "megatron_rl.trainers.grpo",
     "rm": "megatron_rl.trainers.rm",
     "dpo": "megatron_rl.trainers.dpo",
+    "eval": "megatron_rl.trainers.evaluate",
 }
 
 

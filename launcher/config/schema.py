@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from launcher.errors import ConfigError
 
 EXECUTORS = ("auto", "local", "slurm")
-ALGORITHMS = ("grpo", "rm", "sft", "pretrain", "dpo")
+ALGORITHMS = ("grpo", "rm", "sft", "pretrain", "dpo", "eval")
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -156,6 +156,27 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """algorithm.name=eval (``launch.py eval --ckpt CKPT``): held-out generation, scored by algorithm.rewards."""
+
+    samples: int = 8
+    """Completions sampled per held-out prompt (n); pass@k is reported for k = samples, with pass@1."""
+    stage: Optional[str] = None
+    """This checkpoint's key in <run.dir>/eval.json (e.g. sft, grpo); None: run.name."""
+    max_prompts: Optional[int] = None
+    """Evaluate only the first N held-out prompts; None: all of them."""
+    min_pass_at_1: Optional[float] = None
+    """Gate: below this pass@1 the result is marked discarded and the job exits 3 (a pipeline stops there)."""
+
+    def __post_init__(self) -> None:
+        _positive("eval", samples=self.samples, max_prompts=self.max_prompts)
+        if self.min_pass_at_1 is not None and not 0.0 <= self.min_pass_at_1 <= 1.0:
+            raise ConfigError(f"eval.min_pass_at_1={self.min_pass_at_1} must be in [0, 1]; e.g. 0.5, or null")
+        if self.stage is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.stage):
+            raise ConfigError(f"eval.stage={self.stage!r}: use letters, digits, '_', '.' and '-' only")
 
 
 @dataclass(kw_only=True)
@@ -306,7 +327,7 @@ class OverlongConfig:
 class AlgorithmConfig:
     name: str = "grpo"
     """What the job trains: grpo, rm (reward model), sft, pretrain (next-token prediction) or dpo (direct
-    preference optimisation on preference pairs)."""
+    preference optimisation on preference pairs); or eval (no training: held-out pass@k of model.init_from)."""
     global_batch_size: int = 128
     """Sequences per optimizer step (GRPO: completions per optimizer step)."""
     group_size: int = 8
@@ -645,6 +666,7 @@ class JobConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

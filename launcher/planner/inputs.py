@@ -11,7 +11,7 @@ from typing import Any
 from launcher.errors import ConfigError
 from launcher.planner.costs import GrpoSizing, Runtime
 
-RL_ALGORITHMS = ("grpo", "ppo")
+RL_ALGORITHMS = ("grpo", "ppo", "eval")
 """algorithm.name values that generate rollouts (plan with a GrpoSizing)."""
 
 
@@ -43,6 +43,11 @@ def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_leng
     group size, concurrency, reference model (kl_coef > 0), old log-prob recompute, epochs, colocated reward model,
     KV cache released for training and optimizer offload (generation.offload_optimizer)."""
     algo, gen = cfg.algorithm, cfg.generation
+    if algo.name == "eval":  # held-out batches of prompts_per_step prompts x eval.samples, no reference or training
+        return GrpoSizing(rollout_batch_size=algo.prompts_per_step * cfg.eval.samples,
+                          max_response_length=gen.max_new_tokens, mean_response_length=mean_response_length,
+                          samples_per_prompt=cfg.eval.samples, generation_concurrency=gen.max_concurrent,
+                          reference_model=False, recompute_old_logprobs=False, epochs=1, reward_model=False)
     if mean_response_length is not None and not 1 <= mean_response_length <= gen.max_new_tokens:
         raise ConfigError(f"--mean-response-len {mean_response_length}: give a length from 1 to the longest response "
                           f"(generation.max_new_tokens={gen.max_new_tokens})")

@@ -19,10 +19,9 @@ MoE rollout carries the experts generation chose, and its training forwards use 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -32,18 +31,14 @@ from launcher.model_shape import ModelShape
 from megatron_rl.algorithms.advantages import group_advantages, groups_with_signal
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig
 from megatron_rl.data.chat import ChatFormat
-from megatron_rl.data.prompts import encode_prompt, load_eval_prompts
+from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
+from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.rewards import overlong_penalty
-from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
-from megatron_rl.runtime.training import (Engine, build_engine, data_parallel_share, data_parallel_slice,
-                                          gather_data_parallel, logits_forward)
+from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice, logits_forward
 from megatron_rl.trainers.common import WARMUP_DONE, TrainerContext
-
-RULE_VERIFIERS = ("exact", "math", "math_verify")
-
 
 # ----------------------------------------------------------------------------------------------- the loop
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
@@ -173,55 +168,27 @@ class GrpoRun:
         context-parallel rank) samples its share, then all see all. ``seed``: default the next draw of the run's
         generation RNG. ``record_routes`` (default algorithm.router_replay): keep the experts each token was
         routed to, for the training forwards to replay."""
-        from megatron_rl.generation import data_parallel_seed, generate
-
-        group = group or self.algo.group_size
-        texts = [p.prompt for p in prompts for _ in range(group)]
-        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts for _ in range(group)]
-        gen = self.cfg.generation
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
-        mine = data_parallel_share(prompt_ids, with_context_parallel=True)
-        with generation_phase(self.engine, offload_optimizer=gen.offload_optimizer):
-            out = generate(
-                [ckpt.unwrap(c) for c in self.engine.chunks], mine,
-                max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-                eos_id=self.tokenizer.eos_id, stop_sequences=[self.tokenizer.encode(s) for s in gen.stop],
-                vocab_size=min(self.tokenizer.vocab_size, self.shape.vocab_size), seed=data_parallel_seed(step_seed),
-                record_routes=self.algo.router_replay if record_routes is None else record_routes,
-                max_concurrent=gen.max_concurrent)
-        routes = out.routes or [None] * len(out.tokens)
-        sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length", route)
-                                        for tokens, lp, reason, route in zip(out.tokens, out.logprobs,
-                                                                             out.finish_reasons, routes)],
-                                       with_context_parallel=True)
-        responses = [tokens for tokens, _, _, _ in sampled]
-        completions = [self.tokenizer.decode(r) for r in responses]
-        return Rollout(prompt_ids=prompt_ids, response_ids=responses, logprobs=[lp for _, lp, _, _ in sampled],
-                       prompts=texts, completions=completions, answers=[p.answer for p in prompts for _ in range(group)],
-                       truncated=[cut for _, _, cut, _ in sampled], seq_multiple=self.engine.sequence_multiple,
-                       routes=[route for *_, route in sampled] if out.routes is not None else [])
+        with generation_phase(self.engine, offload_optimizer=self.cfg.generation.offload_optimizer):
+            return sample_rollout(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
+                                  tokenizer=self.tokenizer, group=group or self.algo.group_size, seed=step_seed,
+                                  record_routes=self.algo.router_replay if record_routes is None else record_routes,
+                                  seq_multiple=self.engine.sequence_multiple)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """pass@1 (one sample per held-out prompt, the generation settings) and mean reward, logged with phase
         "eval". Its seeds are its own, so evaluating leaves training's random stream, and metrics, unchanged."""
-        from megatron.core import parallel_state
-
-        prompts = list(self.eval_prompts)
-        workers = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        chunk = -(-self.algo.rollout_size // workers) * workers
-        parts = []
         with self.ctx.timer() as t_eval:
-            for start in range(0, len(prompts), chunk):
-                batch = prompts[start:start + chunk]
-                padded = [batch[i % len(batch)] for i in range(-(-len(batch) // workers) * workers)]
-                seed = random.Random(f"eval:{self.cfg.run.seed}:{step}:{start}").getrandbits(62)
-                parts.append(self.generate(padded, group=1, seed=seed, record_routes=False).select(list(range(len(batch)))))
-        rollout = Rollout.concat(parts)
+            rollout = held_out(lambda batch, group, seed: self.generate(batch, group=group, seed=seed,
+                                                                        record_routes=False),
+                               list(self.eval_prompts), samples=1, batch_prompts=self.algo.rollout_size,
+                               seed_of=lambda start: random.Random(f"eval:{self.cfg.run.seed}:{step}:{start}")
+                               .getrandbits(62))
         total, rollout.per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
         rollout.rewards = torch.tensor(total, dtype=torch.float32)
-        metrics = {"pass_at_1": float(correct_answers(rollout).float().mean()),
-                   "reward_mean": float(rollout.rewards.mean()), "prompts": float(len(prompts)),
-                   "time_eval_s": t_eval.seconds}
+        summary = summarize(rollout, samples=1)
+        metrics = {"pass_at_1": summary["pass@1"], "reward_mean": summary["mean_reward"],
+                   "prompts": float(summary["n_prompts"]), "time_eval_s": t_eval.seconds}
         self.ctx.logger.log(step, metrics, phase="eval")
         return metrics
 
@@ -312,12 +279,6 @@ class GrpoRun:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def correct_answers(rollout: Rollout) -> torch.Tensor:
-    """Per completion: a rule verifier's full score, or (without one) a positive reward."""
-    verifier = next((name for name in RULE_VERIFIERS if name in rollout.per_fn), None)
-    return torch.tensor(rollout.per_fn[verifier]) >= 1.0 if verifier else rollout.rewards > 0
-
-
 def wants_recomputed_old_logprobs(cfg: JobConfig, shape: ModelShape, engine: Engine) -> bool:
     """algorithm.recompute_old_logprobs, with auto resolved: recompute whenever generation's kernels may differ
     from training's (bf16 or fp16 numerics, Transformer Engine layers, MoE routing)."""

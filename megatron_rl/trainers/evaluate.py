@@ -1,0 +1,104 @@
+"""Held-out evaluation of a policy checkpoint with the colocated generator: ``algorithm.name=eval``.
+
+    .venv/bin/python launch.py eval --ckpt runs/default/checkpoints --config configs/grpo_tiny.yaml eval.stage=grpo
+
+No optimizer and no training: the model chunks at the job's layout (any layout the trainers run) load
+``model.init_from``, sample ``eval.samples`` completions of every held-out prompt (data.eval_path, or a
+synthetic task's test problems) with the generation settings, score them with ``algorithm.rewards`` (the GRPO
+reward functions) and report pass@1, pass@k (k = eval.samples, Chen et al. 2021's unbiased estimator), mean
+reward and mean response length (megatron_rl/rollout/sampling.py). Rank 0 prints a short table, logs the figures
+with phase "eval" in metrics.jsonl, and adds an entry keyed by ``eval.stage`` (default run.name) to
+``<run.dir>/eval.json``: {"pass@1", "pass@k", "k", "mean_reward", "mean_response_length", "n_prompts",
+"checkpoint", "kept"}. With ``eval.min_pass_at_1``, a result below it is marked ``kept: false`` and the job exits
+3, so that a pipeline stops before the stages after it.
+
+Test: ``.venv/bin/python -m pytest tests/test_evaluate.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from launcher.config.schema import JobConfig
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+from megatron_rl.rollout.sampling import held_out, sample_rollout, summarize
+from megatron_rl.trainers.common import TrainerContext
+
+EVAL_FILE = "eval.json"
+GATE_EXIT_CODE = 3
+
+
+class GateFailed(SystemExit):
+    """eval.min_pass_at_1 was not reached: the job ends with GATE_EXIT_CODE."""
+
+    def __init__(self) -> None:
+        super().__init__(GATE_EXIT_CODE)
+
+
+def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+    from megatron_rl.data.prompts import load_eval_prompts
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.models.builder import build_model_chunks
+    from megatron_rl.runtime import checkpoint as ckpt
+    from megatron_rl.runtime.training import model_options
+    from megatron_rl.trainers.grpo import build_rewards
+
+    if not cfg.model.init_from:
+        raise ConfigError("algorithm.name=eval needs the checkpoint to evaluate: model.init_from=CKPT (or "
+                          "launch.py eval --ckpt CKPT)")
+    tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    prompts = load_eval_prompts(cfg, tokenizer)
+    if prompts is None:
+        raise ConfigError("algorithm.name=eval needs held-out prompts: set data.eval_path, or a synthetic data.task")
+    prompts = list(prompts)[:cfg.eval.max_prompts]
+    opts = model_options(cfg, shape)
+    chunks = build_model_chunks(shape, opts)
+    ckpt.load_checkpoint(cfg.model.init_from, chunks=chunks, load_optimizer=False)
+    rewards = build_rewards(cfg, shape)
+    with ctx.timer() as t_eval:
+        rollout = held_out(
+            lambda batch, group, seed: sample_rollout(chunks, batch, cfg=cfg, shape=shape, tokenizer=tokenizer,
+                                                      group=group, seed=seed, record_routes=False,
+                                                      seq_multiple=opts.dims.sequence_multiple),
+            prompts, samples=cfg.eval.samples, batch_prompts=cfg.algorithm.prompts_per_step,
+            seed_of=lambda start: random.Random(f"eval:{cfg.run.seed}:{start}").getrandbits(62))
+    total, rollout.per_fn = rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+    rollout.rewards = torch.tensor(total, dtype=torch.float32)
+    summary = summarize(rollout, samples=cfg.eval.samples)
+    gate = cfg.eval.min_pass_at_1
+    kept = gate is None or summary["pass@1"] >= gate
+    stage = cfg.eval.stage or cfg.run.name
+    entry = {**summary, "checkpoint": str(cfg.model.init_from), "kept": kept}
+    if ctx.rank == 0:
+        record(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
+        ctx.logger.log(0, {"pass_at_1": summary["pass@1"], "pass_at_k": summary["pass@k"], "k": float(summary["k"]),
+                           "reward_mean": summary["mean_reward"], "response_length": summary["mean_response_length"],
+                           "prompts": float(summary["n_prompts"]), "time_eval_s": t_eval.seconds}, phase="eval")
+    ctx.logger.close()
+    ctx.say(table(stage, entry))
+    if not kept:
+        ctx.say(f"eval gate: pass@1 {summary['pass@1']:.3f} < eval.min_pass_at_1={gate}: {stage} is discarded")
+        raise GateFailed()
+
+
+def record(path: Path, stage: str, entry: dict) -> None:
+    """Add (or replace) ``stage``'s entry in the eval.json at ``path``, privately."""
+    from launcher.private import write_private_text
+
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    entries[stage] = entry
+    write_private_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+
+
+def table(stage: str, entry: dict) -> str:
+    """The short table the job prints."""
+    k = entry["k"]
+    head = f"{'stage':<12} {'pass@1':>7} {f'pass@{k}':>7} {'reward':>7} {'length':>7} {'prompts':>7}  kept"
+    row = (f"{stage:<12} {entry['pass@1']:>7.3f} {entry['pass@k']:>7.3f} {entry['mean_reward']:>7.3f} "
+           f"{entry['mean_response_length']:>7.1f} {entry['n_prompts']:>7d}  {'yes' if entry['kept'] else 'no'}")
+    return f"{head}\n{row}"
