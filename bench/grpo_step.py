@@ -186,7 +186,7 @@ def ours_worker(conn, settings: BenchSettings) -> None:
         nonlocal step
         step += 1
         t0 = time.perf_counter()
-        sampled = run.sample()  # the trainer's own step: generate and score, then train, metrics, log
+        sampled = run.sample(step)  # the trainer's own step: generate and score, then train, metrics, log
         t2 = time.perf_counter()
         train_metrics = run.train_on(sampled.kept)
         t3 = time.perf_counter()

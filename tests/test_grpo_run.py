@@ -64,23 +64,31 @@ def test_tp2_matches_tp1(launch, tmp_path):
 
 def test_preempted_grpo_resumes_exactly(launch, tmp_path):
     """Save-and-exit inside the SFT warm-up (after its step 3 of 5), resume, save-and-exit after GRPO step 2,
-    resume: every metric, warm-up lines included and each logged once, equals an uninterrupted run's.
+    resume, a stop between the generation waves of step 4 (generation.max_concurrent=4: 2 waves per worker; the
+    step is abandoned and step 3 saved), resume: every metric, warm-up lines included and each logged once,
+    equals an uninterrupted run's.
 
     The uninterrupted run also parks optimizer state and grads in host memory while it generates
     (generation.offload_optimizer, as the 70B config does), so this also shows that the offload is exact."""
+    waves = "generation.max_concurrent=4"
     whole = _grpo(launch, tmp_path / "whole", "algorithm.kl_coef=0.05", "generation.offload_optimizer=true",
-                  "data.eval_interval=2")
+                  "data.eval_interval=2", waves)
     evals = [m for m in read_metrics(tmp_path / "whole") if m.get("phase") == "eval"]
     assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["pass_at_1"] <= 1 for m in evals)
     assert evals[0]["prompts"] > 0  # the synthetic task's held-out problems
     run_dir = tmp_path / "split"
-    first = launch(*SHORT, f"run.dir={run_dir}", "algorithm.kl_coef=0.05",
+    first = launch(*SHORT, f"run.dir={run_dir}", "algorithm.kl_coef=0.05", waves,
                    env={"MEGATRON_RL_STOP_AFTER_STEP": "sft:3"})
     assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
     assert "preemption requested: saved SFT warm-up step 3 of 5" in first.stdout
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
-    _grpo(launch, run_dir, "algorithm.kl_coef=0.05", env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
-    resumed = _grpo(launch, run_dir, "algorithm.kl_coef=0.05")
+    _grpo(launch, run_dir, "algorithm.kl_coef=0.05", waves, env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
+    stopped = launch(*SHORT, f"run.dir={run_dir}", "algorithm.kl_coef=0.05", waves,
+                     env={"MEGATRON_RL_STOP_AFTER_STEP": "generate:4"})
+    assert stopped.returncode == 3, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "preemption requested during step 4: stopped its generation, saved step 3" in stopped.stdout
+    assert [m["step"] for m in read_metrics(run_dir) if m.get("phase") is None] == [1, 2, 3]
+    resumed = _grpo(launch, run_dir, "algorithm.kl_coef=0.05", waves)
     assert _stable(resumed) == _stable(whole)  # the evaluations of `whole` changed none of its training steps
     not_eval = lambda run: [m for m in read_metrics(run) if m.get("phase") != "eval"]  # noqa: E731
     assert _stable(not_eval(run_dir)) == _stable(not_eval(tmp_path / "whole"))  # warm-up lines too

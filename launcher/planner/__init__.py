@@ -25,6 +25,7 @@ from launcher.planner.costs import GrpoSizing, Runtime, Workload
 from launcher.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
+from launcher.planner.moe_comm import check_runtime
 from launcher.planner.rl_step import RL_MODES, rollout
 from launcher.planner.search import SearchOutcome, search
 
@@ -317,6 +318,7 @@ def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | N
     constraints = dict(fixed or {})
     check_limits(constraints, limits)
     limits_held = _held_limits(limits)
+    check_runtime(runtime)
     w = _workload(shape, num_gpus=num_gpus, gpu_type=gpu_type, seq_length=seq_length,
                   global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime)
     start = time.perf_counter()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from launcher.model_shape import ModelShape
 from launcher.planner.gpus import GIB, GpuSpec
+from launcher.planner.moe_comm import IB_LATENCY_S, NVLINK_LATENCY_S, deepep_inter_share, ep_time_s
 
 # ---- calibration constants (calibration.md says where each comes from) ----
 GEMM_HALF_WIDTH = 300.0
@@ -21,8 +22,11 @@ GEMM_HALF_WIDTH = 300.0
 GEMM_TOKEN_WEIGHT = 8.0
 """GEMM row count (tokens) counts 1/8 as much as the shard width in the efficiency curve."""
 ATTN_CORE_EFFICIENCY = 0.75
-"""Attention core (flash or batched GEMMs) runs at this fraction of the GEMM efficiency."""
-FP8_GEMM_RELATIVE = 0.75
+"""Unfused attention core (batched GEMMs) runs at this fraction of the GEMM efficiency."""
+FLASH_ATTN_EFFICIENCY = 0.50
+"""Flash attention (fused kernel, causal blocks skipped) runs at this fraction of the GEMM efficiency (fitted on
+NeMo's long-sequence Llama2-7B CP4 row, calibration.md)."""
+FP8_GEMM_RELATIVE = 0.92
 """fp8 GEMMs reach this fraction of the bf16 efficiency, measured against the fp8 peak (casts, amax)."""
 LINK_EFFICIENCY = 0.8
 """Achieved collective bus bandwidth over nominal link bandwidth (NVLink and InfiniBand)."""
@@ -33,8 +37,6 @@ TP_OVERLAP_EXPOSED = 0.25
 OVERLAP_CONTENTION = 0.2
 """Communication hidden behind compute still slows it: NCCL kernels take SMs and HBM bandwidth. Each second
 of overlapped communication costs this many seconds of compute."""
-NVLINK_LATENCY_S = 8e-6
-IB_LATENCY_S = 15e-6
 DP_BUCKET_BYTES = 160e6
 """Gradient bucket size in bytes (Megatron: 40M fp32 elements)."""
 GRAD_ACCUM_BYTES = 4
@@ -77,7 +79,11 @@ class Runtime:
     selective_modules: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj")
     """--recompute-modules for recompute=selective (moe_act / mla_up_proj only where the model has them)."""
     moe_a2a_overlap: bool = False
-    """Expert all-to-all hidden behind compute (Megatron --overlap-moe-expert-parallel-comm / DualPipe)."""
+    """--overlap-moe-expert-parallel-comm: the expert all-to-all of one micro-batch hidden behind the compute of
+    another (moe_comm.ep_time_s). Off: no trainer here sets it."""
+    moe_deepep: bool = False
+    """DeepEP (node-deduplicated expert dispatch). Not run by the trainers here: off, and a plan refuses it
+    (moe_comm.check_runtime)."""
     moe_capacity_factor: float | None = None
     """MoE expert capacity factor (tokens an expert takes, over the even share); None = dropless routing, where the
     busiest expert-parallel rank gets moe_dropless_imbalance times the even share."""
@@ -303,8 +309,8 @@ class Workload:
             t_gemm += expert_time
             gemm += experts
         core_model = tokens * self.core_flops / tp
-        core_eff = self.gpu.gemm_efficiency * ATTN_CORE_EFFICIENCY
         flash = self.runtime.flash_attention
+        core_eff = self.gpu.gemm_efficiency * (FLASH_ATTN_EFFICIENCY if flash else ATTN_CORE_EFFICIENCY)
         core_hw_fwd = core_model * (0.5 if flash else 1.0)
         t_core_fwd = core_hw_fwd / (self.bf16_peak * core_eff)
         t_core_bwd = t_core_fwd * (2.5 if flash else 2.0)
@@ -340,17 +346,14 @@ class Workload:
             comm_fwd = (cp - 1) * (chunk / bw + (NVLINK_LATENCY_S if bw == self.nvlink else IB_LATENCY_S))
             t_cp_fwd = max(0.0, comm_fwd - t_core_fwd) + OVERLAP_CONTENTION * min(comm_fwd, t_core_fwd)
             t_cp_bwd = max(0.0, 2 * comm_fwd - t_core_bwd) + OVERLAP_CONTENTION * min(2 * comm_fwd, t_core_bwd)
-        # EP all-to-all: dispatch + combine per direction
+        # EP all-to-all: dispatch + combine per direction, by topology (moe_comm.py)
         t_ep = 0.0
         if kind == "moe" and ep > 1:
-            per_gpu = tokens / rep * s.moe_router_topk * h * 2 * (ep - 1) / ep * self.runtime.expert_load
-            gpn = self.gpu.gpus_per_node
-            inter = 0.0 if ep <= gpn else 1.0 - gpn / ep
-            t_ep = 2 * max(per_gpu * (1 - inter) / self.nvlink, per_gpu * inter / self.ib if inter else 0.0)
-            t_ep += 2 * (IB_LATENCY_S if inter else NVLINK_LATENCY_S)
-            if self.runtime.moe_a2a_overlap:
-                hidden = min(t_ep, 0.5 * expert_time)
-                t_ep = t_ep - hidden + OVERLAP_CONTENTION * hidden
+            routed = tokens / rep * s.moe_router_topk * h * 2 * self.runtime.expert_load
+            t_ep = ep_time_s(routed_bytes=routed, ep=ep, gpus_per_node=self.gpu.gpus_per_node,
+                             nvlink_bytes_s=self.nvlink, nic_bytes_s=self.gpu.internode_gb_s * 1e9,
+                             overlap=self.runtime.moe_a2a_overlap, hideable_s=t_gemm + t_core_fwd,
+                             inter_share=self._deepep_share(ep))
         fwd = t_gemm + t_core_fwd + t_mem_fwd + t_softmax_fwd + t_tp_fwd + t_cp_fwd + t_ep
         bwd_once = 2 * t_gemm + t_core_bwd + t_mem_bwd + t_softmax_bwd + t_tp_bwd + t_cp_bwd + t_ep
         bwd = bwd_once
@@ -375,6 +378,14 @@ class Workload:
         stored, working = self._stored_per_token(kind, tp, sp, recompute, ep)
         return LayerCost(fwd_s=fwd, bwd_s=bwd, stored_bytes=stored * tokens, working_bytes=working * tokens,
                          hw_flops=hw, parts_s=parts)
+
+    def _deepep_share(self, ep: int) -> float | None:
+        """Inter-node share of routed copies with DeepEP (Runtime.moe_deepep); None = Megatron's all-to-all."""
+        if not self.runtime.moe_deepep:
+            return None
+        s = self.shape
+        return deepep_inter_share(ep=ep, gpus_per_node=self.gpu.gpus_per_node, topk=s.moe_router_topk,
+                                  group_topk=getattr(s, "moe_router_group_topk", 0) or 0)
 
     # ---------- embedding / output on the end stages ----------
     def output_cost(self, tp: int, cp: int, sp: bool, mbs: int) -> tuple[dict[str, float], float]:

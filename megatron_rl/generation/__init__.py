@@ -7,8 +7,8 @@ training-forward log-probs that generation's are checked against in ``megatron_r
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``; benchmark: ``.venv/bin/python bench/generation.py``.
 """
 
-from megatron_rl.generation.decoding import GenerationOutput, data_parallel_seed, generate
+from megatron_rl.generation.decoding import GenerationOutput, GenerationStopped, data_parallel_seed, generate
 from megatron_rl.generation.sampling import SamplingParams, choose_tokens, sampling_logits
 
-__all__ = ["GenerationOutput", "SamplingParams", "choose_tokens", "data_parallel_seed", "generate",
+__all__ = ["GenerationOutput", "GenerationStopped", "SamplingParams", "choose_tokens", "data_parallel_seed", "generate",
            "sampling_logits"]

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -323,6 +323,10 @@ def copy_cache_rows(context, expand: torch.Tensor, *, positions: int) -> None:
             tensor[:positions, :batch] = tensor[:positions].index_select(1, expand)
 
 
+class GenerationStopped(Exception):
+    """``generate``'s ``stop_requested`` said yes between two waves: the rollout is abandoned."""
+
+
 def _joined(waves: list[GenerationOutput]) -> GenerationOutput:
     """One output of consecutive waves of prompts, in prompt order."""
     rows = lambda name: [row for wave in waves for row in getattr(wave, name)]  # noqa: E731
@@ -389,7 +393,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
              pad_id: int = 0, fast_attention: bool = True, fast_decode: bool = True,
              record_routes: bool = False, share_prefill: bool = True, compact: bool = True,
-             max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None) -> GenerationOutput:
+             max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None,
+             stop_requested: Optional[Callable[[], bool]] = None) -> GenerationOutput:
     """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
@@ -405,7 +410,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     prefills every row. ``compact``: drop finished rows from the decode batch (``worth_compacting``); False
     feeds every row until the last one finishes. ``max_concurrent`` (generation.max_concurrent): decode at most
     this many prompts at once, in consecutive waves, so the KV cache holds that many rows (the planner counts
-    the same cap). ``pipeline_microbatches`` (default ``default_pipeline_microbatches``): parts of the rows each
+    the same cap); ``stop_requested`` is asked before every wave after the first (every rank asks at the same
+    points, so it may be a collective) and a yes raises ``GenerationStopped``. ``pipeline_microbatches`` (default ``default_pipeline_microbatches``): parts of the rows each
     pipelined forward is split into, so the stages overlap; 1 runs the stages one after another. Returns on every
     rank of the model-parallel group.
     """
@@ -434,13 +440,17 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     if max_concurrent is not None and len(prompts) > max_concurrent:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        return _joined([generate(models, prompts[i:i + max_concurrent], vocab_size=vocab_size,
-                                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 eos_id=eos_id, stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
-                                 generator=generator, pad_id=pad_id, fast_attention=fast_attention,
-                                 fast_decode=fast_decode, record_routes=record_routes, share_prefill=share_prefill,
-                                 compact=compact, pipeline_microbatches=pipeline_microbatches)
-                        for i in range(0, len(prompts), max_concurrent)])
+        waves = []
+        for i in range(0, len(prompts), max_concurrent):
+            if waves and stop_requested is not None and stop_requested():
+                raise GenerationStopped(f"stopped after {len(waves)} of {-(-len(prompts) // max_concurrent)} waves")
+            waves.append(generate(models, prompts[i:i + max_concurrent], vocab_size=vocab_size,
+                                  max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  eos_id=eos_id, stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
+                                  generator=generator, pad_id=pad_id, fast_attention=fast_attention,
+                                  fast_decode=fast_decode, record_routes=record_routes, share_prefill=share_prefill,
+                                  compact=compact, pipeline_microbatches=pipeline_microbatches))
+        return _joined(waves)
 
     tokens = torch.full((batch, total), pad_id, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):

@@ -99,6 +99,7 @@ class TrainerContext:
         self._save_s = 0.0
         self._warned_window = False
         self.last_step = 0  # the last step the loop finished (or resumed at)
+        self.last_saved_step: Optional[int] = None  # the newest checkpoint this process saved or resumed from
 
     @property
     def ckpt_dir(self) -> Path:
@@ -129,7 +130,7 @@ class TrainerContext:
             self.resumed_extra = state["extra"]
             ckpt.set_run_id(state["extra"].get("run_id"))  # None for checkpoints of older versions
             self.logger.truncate_after(engine.step, warmup_kept=state["extra"].get(WARMUP_DONE))
-            self.last_step = engine.step
+            self.last_step = self.last_saved_step = engine.step
             self.say(f"resumed from {found} (step {engine.step}"
                      f"{', new layout: RNG reseeded' if state['layout_changed'] else ''})")
             return engine.step
@@ -176,6 +177,16 @@ class TrainerContext:
         self.logger.close()
         raise Preempted()
 
+    def preempt_before(self, engine, step: int, *, what: str) -> None:
+        """Step ``step`` was abandoned (``what`` was stopped) with the state as it was after step - 1: save that
+        state as checkpoint step - 1 (unless it is the newest saved already) and exit for requeue."""
+        if self.last_saved_step != step - 1:
+            self.save(engine, step - 1)
+        self.say(f"preemption requested during step {step}: stopped {what}, saved step {step - 1}, exiting with "
+                 f"code {REQUEUE_EXIT_CODE} for requeue")
+        self.logger.close()
+        raise Preempted()
+
     def _stop_requested(self, phase: Optional[str], step: int) -> bool:
         """This rank's view: a stop signal arrived, or MEGATRON_RL_STOP_AFTER_STEP names this phase and step."""
         return _stop_signal["received"] or (self._stop_after is not None and self._stop_after[0] == phase
@@ -218,6 +229,7 @@ class TrainerContext:
         folder = ckpt.save_checkpoint(self.ckpt_dir, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
                                       scheduler=engine.scheduler, extra=extra,
                                       keep_last=self.cfg.checkpoint.keep_last)
+        self.last_saved_step = step
         self._last_save_end = time.monotonic()
         self._save_s = self._last_save_end - start
         self._saves = getattr(self, "_saves", 0) + 1

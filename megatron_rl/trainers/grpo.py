@@ -32,6 +32,7 @@ from megatron_rl.algorithms.advantages import group_advantages, groups_with_sign
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.prompts import load_eval_prompts
+from megatron_rl.generation import GenerationStopped
 from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.rewards import overlong_penalty
@@ -45,7 +46,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     run = GrpoRun(cfg, shape, ctx)
     start = run.resume_or_warm_up()
     for step in range(start + 1, cfg.run.steps + 1):
-        batch = run.sample()  # generate and score; DAPO dynamic sampling draws until the batch has signal
+        batch = run.sample(step)  # generate and score; DAPO dynamic sampling draws until the batch has signal
         with ctx.timer() as t_train:
             train_metrics = run.train_on(batch.kept)
         if run.eval_prompts is not None and step % cfg.data.eval_interval == 0:
@@ -137,15 +138,25 @@ class GrpoRun:
         self.ctx.say(f"SFT warm-up: {self.algo.sft_warmup_steps} steps, final loss {metrics['loss']:.4f}")
 
     # ------------------------------------------------------------------ sample
-    def sample(self) -> SampledBatch:
+    def sample(self, step: int) -> SampledBatch:
         """prompts_per_step prompts x group_size completions, generated and scored. With drop_zero_signal_groups
         (DAPO dynamic sampling) groups whose rewards are all equal are dropped and more prompts are drawn until
-        prompts_per_step groups have signal, at most max_sampling_draws rounds."""
+        prompts_per_step groups have signal, at most max_sampling_draws rounds. A stop request that arrives while
+        step ``step`` generates is taken between generation.max_concurrent waves: the step is abandoned, the
+        prompt sampler and the generation RNG go back to where the step began, and the run saves the state
+        before it (step - 1) and exits for requeue, so a long rollout does not outlast Slurm's warning window."""
         group, wanted = self.algo.group_size, self.algo.prompts_per_step
         drawn, kept, generate_s, score_s = [], [], 0.0, 0.0
+        at_start = self.extra_state()
         while True:
             with self.ctx.timer() as t_generate:
-                rollout = self.generate(self.sampler.next_batch())
+                try:
+                    rollout = self.generate(self.sampler.next_batch(),
+                                            stop_requested=lambda: self.ctx.stop_in_phase("generate", step))
+                except GenerationStopped:
+                    self.sampler.load_state_dict(at_start["sampler"])
+                    self.generator.set_state(at_start["generator"])
+                    self.ctx.preempt_before(self.engine, step, what="its generation")
             with self.ctx.timer() as t_score:
                 self.score(rollout)
             generate_s, score_s = generate_s + t_generate.seconds, score_s + t_score.seconds
@@ -163,17 +174,17 @@ class GrpoRun:
                             draws=len(drawn), generate_s=generate_s, score_s=score_s)
 
     def generate(self, prompts: list, *, group: Optional[int] = None, seed: Optional[int] = None,
-                 record_routes: Optional[bool] = None) -> Rollout:
+                 record_routes: Optional[bool] = None, stop_requested=None) -> Rollout:
         """``group`` (default group_size) completions per prompt; each rollout worker (data-parallel x
         context-parallel rank) samples its share, then all see all. ``seed``: default the next draw of the run's
         generation RNG. ``record_routes`` (default algorithm.router_replay): keep the experts each token was
-        routed to, for the training forwards to replay."""
+        routed to, for the training forwards to replay. ``stop_requested``: see ``sample_rollout``."""
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
         with generation_phase(self.engine, offload_optimizer=self.cfg.generation.offload_optimizer):
             return sample_rollout(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                   tokenizer=self.tokenizer, group=group or self.algo.group_size, seed=step_seed,
                                   record_routes=self.algo.router_replay if record_routes is None else record_routes,
-                                  seq_multiple=self.engine.sequence_multiple)
+                                  seq_multiple=self.engine.sequence_multiple, stop_requested=stop_requested)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """pass@1 (one sample per held-out prompt, the generation settings) and mean reward, logged with phase
