@@ -97,3 +97,19 @@ def test_a_missed_gate_marks_the_stage_discarded_and_exits_3(tmp_path, checkpoin
 def test_bad_eval_input_is_one_line_and_exit_2(args, message):
     proc = run_launch(*args, "--dry-run")
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_reward_model_checkpoint_is_scored_by_held_out_pair_accuracy(tmp_path):
+    """An rm run's checkpoint: eval reports the rm trainer's own held-out accuracy for the same weights."""
+    train = tmp_path / "rm"
+    proc = run_launch("--config", "rm_tiny", f"run.dir={train}", "run.steps=10", "data.eval_interval=10",
+                      "logging.console=quiet", "logging.tensorboard=false")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = _eval(tmp_path / "eval", train / "checkpoints", "--config", "rm_tiny", "eval.stage=rm")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    entry = json.loads((tmp_path / "eval" / "eval.json").read_text())["rm"]
+    last_eval = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()
+                 if '"phase": "eval"' in line][-1]
+    assert last_eval["step"] == 10
+    assert entry["accuracy"] == pytest.approx(last_eval["accuracy"], abs=1e-6) and entry["n_pairs"] > 0
+    assert "pass@1" not in entry and "accuracy" in proc.stdout

@@ -18,15 +18,15 @@ examples:
   python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb
   python launch.py plan --config configs/grpo_llama70b.yaml parallel.tp=4   # the layout that job would get
 
-Overrides are section.key=value for the sections model, parallel, cluster, algorithm, generation,
-optimizer, data, checkpoint, logging and run (see configs/ and launcher/config/schema.py).
+Overrides are section.key=value for the sections model, parallel, cluster, algorithm, generation, runtime,
+eval, optimizer, data, checkpoint, logging and run (see configs/ and launcher/config/schema.py).
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     subcommands = "\n".join(f"  {name:<9} {summary}" for name, summary in SUBCOMMANDS.items())
-    parser = CliParser(prog="launch.py", description="Launch Megatron-Core RL post-training (GRPO, reward models) "
-                       "on local processes or a Slurm cluster.", epilog=EPILOG.format(subcommands=subcommands),
+    parser = CliParser(prog="launch.py", description="Launch Megatron-Core RL post-training (GRPO, DPO, reward "
+                       "models, SFT, evaluation) on local processes or a Slurm cluster.", epilog=EPILOG.format(subcommands=subcommands),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="YAML config file, or the name of a shipped config such as "
                         "grpo_tiny (default: the built-in tiny CPU job)")

@@ -10,7 +10,8 @@ reward and mean response length (megatron_rl/rollout/sampling.py). Rank 0 prints
 with phase "eval" in metrics.jsonl, and adds an entry keyed by ``eval.stage`` (default run.name) to
 ``<run.dir>/eval.json``: {"pass@1", "pass@k", "k", "mean_reward", "mean_response_length", "n_prompts",
 "checkpoint", "kept"}. With ``eval.min_pass_at_1``, a result below it is marked ``kept: false`` and the job exits
-3, so that a pipeline stops before the stages after it.
+3, so that a pipeline stops before the stages after it. A reward-model checkpoint (saved by the rm trainer) is
+scored instead on the held-out preference pairs: its entry holds the pair accuracy and reward margin.
 
 Test: ``.venv/bin/python -m pytest tests/test_evaluate.py -q``
 """
@@ -51,6 +52,8 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     if not cfg.model.init_from:
         raise ConfigError("algorithm.name=eval needs the checkpoint to evaluate: model.init_from=CKPT (or "
                           "launch.py eval --ckpt CKPT)")
+    if is_reward_model(cfg.model.init_from):
+        return evaluate_reward_model(cfg, shape, ctx)
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     prompts = load_eval_prompts(cfg, tokenizer)
     if prompts is None:
@@ -84,6 +87,47 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     if not kept:
         ctx.say(f"eval gate: pass@1 {summary['pass@1']:.3f} < eval.min_pass_at_1={gate}: {stage} is discarded")
         raise GateFailed()
+
+
+def is_reward_model(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` was saved by the rm trainer (its common state carries the reward-model metadata)."""
+    from megatron_rl.rewards.reward_model_scorer import read_reward_model_metadata
+
+    try:
+        read_reward_model_metadata(checkpoint)
+    except ConfigError:
+        return False
+    return True
+
+
+def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+    """A reward-model checkpoint: held-out pair accuracy (the rm trainer's own evaluation, phase "eval") as its
+    eval.json entry: {"accuracy", "reward_margin", "n_pairs", "checkpoint", "kept"}."""
+    from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights
+    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers import pairs, rm
+
+    max_length = pairs.preference_max_length(cfg, shape)
+    encoder, _, held_out_pairs = pairs.load_pairs(cfg, shape, max_length=max_length)
+    if held_out_pairs is None:
+        raise ConfigError("evaluating a reward model needs held-out preference pairs: set data.eval_path, or a "
+                          "synthetic prefer_* data.task")
+    engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
+    engine.micro_batch_size = 2 * cfg.parallel.micro_batch_size
+    load_reward_model_weights(cfg.model.init_from, engine.chunks)
+    batcher = rm.PairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)
+    algo = cfg.algorithm
+    metrics = rm.evaluate(engine, batcher, held_out_pairs, cfg, lambda rewards, batch: rm.preference_loss(
+        rewards, batch, margin=algo.rm_margin, centering_coef=algo.rm_centering_coef))
+    stage = cfg.eval.stage or cfg.run.name
+    entry = {"accuracy": metrics["accuracy"], "reward_margin": metrics["reward_margin"],
+             "n_pairs": len(held_out_pairs), "checkpoint": str(cfg.model.init_from), "kept": True}
+    if ctx.rank == 0:
+        record(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
+        ctx.logger.log(0, metrics, phase="eval")
+    ctx.logger.close()
+    ctx.say(f"{'stage':<12} {'accuracy':>8} {'margin':>8} {'pairs':>7}\n"
+            f"{stage:<12} {entry['accuracy']:>8.3f} {entry['reward_margin']:>8.3f} {entry['n_pairs']:>7d}")
 
 
 def record(path: Path, stage: str, entry: dict) -> None:
