@@ -5,6 +5,7 @@ checkpoint, and follow runs.
     python launch.py plan --model MODEL --gpus N --gpu-type TYPE [...]        size a layout, run nothing (cli/plan.py)
     python launch.py convert hf-to-megatron|megatron-to-hf ... [--slurm]    convert checkpoints (cli/convert.py)
     python launch.py eval --ckpt CKPT [--config FILE] [key=value ...]  held-out pass@k of a checkpoint (cli/eval.py)
+    python launch.py pipeline [--config FILE] [--dry-run] [--wait] [key=value ...]  chained stages (cli/pipeline.py)
     python launch.py status RUN_DIR [--json]                 state, progress, metrics of a run (cli/status.py)
     python launch.py logs RUN_DIR [--follow] [--rank N]      print or follow a rank's log (cli/logs.py)
     python launch.py cancel RUN_DIR                          cancel a run or a pipeline's stages (cli/cancel.py)
@@ -26,6 +27,7 @@ SUBCOMMANDS = {
     "plan": "size the parallel layout for a model and GPU count (no job is started)",
     "convert": "convert checkpoints between Megatron and Hugging Face formats (here or as a Slurm job)",
     "eval": "held-out pass@1, pass@k, mean reward and length of a policy checkpoint (a job, like a run)",
+    "pipeline": "run a pipeline file's stages (SFT -> RM -> GRPO -> eval) in order, or chained with afterok on Slurm",
     "status": "state, step/steps, last metrics, ETA and log paths of a run or a pipeline folder",
     "logs": "print a run's rank log (and Slurm batch log); --follow streams it until the run ends",
     "cancel": "cancel a run's Slurm jobs (every stage of a pipeline) or stop a local run",

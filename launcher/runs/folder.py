@@ -25,6 +25,8 @@ from launcher.lock import LOCK_NAME, pid_alive, read_holder
 from launcher.slurm.query import FINAL_STATES, live_state
 
 CONFIG_NAME = "config.yaml"
+STAGE_ORDER_FILE = "stages.txt"
+"""A pipeline folder's stage order, one stage name a line (``launcher.pipeline``)."""
 METRICS_NAME = "metrics.jsonl"
 METRICS_TAIL_BYTES = 1 << 20
 """Only the end of metrics.jsonl is read: enough lines for the last step and the recent step times."""
@@ -147,10 +149,22 @@ def is_run_folder(path: Path) -> bool:
 
 
 def stage_folders(path: Path) -> list[Path]:
-    """The direct subfolders of ``path`` that are run folders, in the order their stages started (config.yaml's
-    write time; the stage name breaks ties)."""
+    """The direct subfolders of ``path`` that are run folders: first those ``stages.txt`` lists (written by
+    ``launch.py pipeline``: one stage name a line), in its order, then the others in the order their stages
+    started (config.yaml's write time; the stage name breaks ties)."""
     stages = [path / name for name in _names(path) if (path / name).is_dir() and is_run_folder(path / name)]
-    return sorted(stages, key=lambda stage: ((stage / CONFIG_NAME).stat().st_mtime, stage.name))
+    listed = {name: index for index, name in enumerate(stage_order(path))}
+    return sorted(stages, key=lambda stage: (listed.get(stage.name, len(listed)),
+                                             (stage / CONFIG_NAME).stat().st_mtime, stage.name))
+
+
+def stage_order(path: Path) -> list[str]:
+    """The stage names of ``path/stages.txt`` in order ([] without one)."""
+    try:
+        text = (path / STAGE_ORDER_FILE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def read_run(path: Path) -> RunFolder:

@@ -123,11 +123,28 @@ def local_state(run: RunFolder, step: Optional[int], phase: str) -> tuple[str, s
         return "RUNNING", f"the launcher (pid {pid}) named in .lock is alive"
     if holder and not holder.get("slurm_job_id") and holder.get("host") != socket.gethostname():
         return "UNKNOWN", f".lock names pid {holder.get('pid')} on {holder.get('host')}: run status there"
+    if run.section("algorithm").get("name") == "eval":
+        return eval_state(run)
     if step is None:
         return "NOT_STARTED", "no launcher alive and no step in metrics.jsonl"
     if phase == "train" and run.steps is not None and step >= run.steps:
         return "COMPLETED", f"no launcher alive; metrics.jsonl reached step {step} of run.steps={run.steps}"
     return "FAILED", f"no launcher alive; metrics.jsonl stopped at {phase} step {step} (the rank logs say why)"
+
+
+def eval_state(run: RunFolder) -> tuple[str, str]:
+    """An eval run's end state, from its entry in <run>/eval.json (its eval.stage, or run.name)."""
+    stage = run.section("eval").get("stage") or run.section("run").get("name")
+    path = run.path / "eval.json"
+    try:
+        entry = json.loads(path.read_text()).get(stage) if path.is_file() else None
+    except (OSError, ValueError):
+        entry = None
+    if entry is None:
+        return "FAILED", f"no launcher alive and no {stage!r} entry in {path}"
+    if not entry.get("kept", True):
+        return "FAILED", f"eval.json's {stage!r} entry missed the eval.min_pass_at_1 gate (kept: false)"
+    return "COMPLETED", f"no launcher alive; eval.json holds the {stage!r} entry"
 
 
 def log_paths(run: RunFolder) -> dict[str, str]:

@@ -7,8 +7,10 @@
 
 submitit pickles a ``launcher.slurm.task.TrainTask`` and submits the sbatch script; the script is our template
 (``launcher.slurm.script``) rather than submitit's own, so ``--dry-run``, ``sbatch slurm/train.sbatch`` and this
-executor share one srun line, one signal setup and one requeue rule. Files go to run.dir/slurm: submitit's
-pickles and results, ``<jobid>_batch.log`` (the batch script) and ``<jobid>_<rank>_log.out/.err`` (each task).
+executor share one srun line, one signal setup and one requeue rule. ``launch.py pipeline`` submits its
+stages through ``submit_run(job, after=[previous job id])`` (``--dependency=afterok:ID --kill-on-invalid-dep=yes``).
+Files go to run.dir/slurm: submitit's pickles and results, ``<jobid>_batch.log`` (the batch script) and
+``<jobid>_<rank>_log.out/.err`` (each task).
 """
 
 from __future__ import annotations
@@ -92,8 +94,17 @@ def sbatch_error(stderr: str, cluster: ClusterConfig) -> ConfigError:
     return ConfigError(f"sbatch rejected the job: {text} (check the cluster.* settings)")
 
 
-def submit(job: PreparedJob, script: str) -> str:
-    """Submit ``script`` through submitit with a TrainTask; return the job id."""
+def dependency_args(after: Sequence[str]) -> list[str]:
+    """sbatch options that hold a job until every job in ``after`` COMPLETED (``afterok``) and make Slurm cancel it
+    when one of them fails, times out or is cancelled (``--kill-on-invalid-dep=yes``): a pipeline's chain."""
+    if not after:
+        return []
+    return [f"--dependency=afterok:{':'.join(after)}", "--kill-on-invalid-dep=yes"]
+
+
+def submit(job: PreparedJob, script: str, *, after: Sequence[str] = ()) -> str:
+    """Submit ``script`` through submitit with a TrainTask, held until the jobs ``after`` completed
+    (``dependency_args``); return the job id."""
     import submitit
     from submitit.core.utils import FailedJobError
 
@@ -104,6 +115,9 @@ def submit(job: PreparedJob, script: str) -> str:
             if f"TASK=({shlex.join(shlex.split(command))})" not in script:
                 raise RuntimeError(f"the rendered script does not run submitit's command {command!r}")
             return script
+
+        def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+            return ["sbatch", *dependency_args(after), str(submission_file_path)]
 
     cluster = job.cfg.cluster
     python = task_python(cluster)
@@ -122,22 +136,37 @@ def submit(job: PreparedJob, script: str) -> str:
 def run(job: PreparedJob, *, wait: bool = False) -> int:
     """Submit the job; with ``wait``, follow it to the end and return its status (0 when it completed)."""
     require_tools(SUBMIT_TOOLS + (WAIT_TOOLS if wait else ()))
+    job_id = submit_run(job)
+    if not wait:
+        return 0
+    return follow_run(job, job_id)
+
+
+def submit_run(job: PreparedJob, *, after: Sequence[str] = ()) -> str:
+    """Take the run folder, write its config and submit the job (held until the jobs ``after`` completed);
+    return the job id. ``run`` and ``launch.py pipeline`` submit through it."""
     script = script_for(job)  # checks the cluster values before anything is written
     check_env(job.cfg)
     lock = acquire(job.run_dir)  # before anything is written: a second launch into the folder stops here
     try:
         job.write_config()
-        folder = make_private_dir(log_dir(job.run_dir))
-        job_id = submit(job, script)
+        make_private_dir(log_dir(job.run_dir))
+        job_id = submit(job, script, after=after)
     except BaseException:
         lock.release()
         raise
     lock.hand_to_job(job_id)  # the folder is the job's (and its requeued runs') while squeue lists it
     cluster = job.cfg.cluster
-    _announce(job_id, job.run_dir, f"({cluster.nodes} node(s) x {cluster.tasks_per_node} task(s)) through submitit")
-    if not wait:
-        return 0
-    return _follow(Watch(job_id=job_id, log_dir=folder, num_tasks=cluster.world_size, cluster=cluster))
+    _announce(job_id, job.run_dir, f"({cluster.nodes} node(s) x {cluster.tasks_per_node} task(s)) through submitit"
+              + (f", after job(s) {', '.join(after)} (afterok)" if after else ""))
+    return job_id
+
+
+def follow_run(job: PreparedJob, job_id: str) -> int:
+    """Follow a submitted job to its end (``--wait``); its status, 0 when it completed."""
+    cluster = job.cfg.cluster
+    return _follow(Watch(job_id=job_id, log_dir=log_dir(job.run_dir), num_tasks=cluster.world_size,
+                         cluster=cluster))
 
 
 # ---------------- checkpoint conversion as a one-task job ----------------
