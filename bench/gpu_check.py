@@ -205,16 +205,10 @@ def padded_sequences(prompts: list[list[int]], responses: list[list[int]], devic
 
 def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     """Rows decoded identically, and the mean number of leading tokens that agree."""
-    def prefix(a, b):
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n
+    from megatron_rl.data.preferences import common_prefix_length
 
     return {"rows_equal_fraction": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
-            "mean_agreeing_prefix": statistics.fmean(prefix(a, b) for a, b in zip(ours, theirs))}
+            "mean_agreeing_prefix": statistics.fmean(common_prefix_length(a, b) for a, b in zip(ours, theirs))}
 
 
 # ------------------------------------------------------------------------------------------ the parts

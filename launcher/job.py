@@ -132,11 +132,11 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     algo, par = cfg.algorithm, cfg.parallel
     limits = trainer_limits(shape, algo.name)
     given_parallel = {key.removeprefix("parallel.") for key in given if key.startswith("parallel.")}
-    check_limits({key: getattr(par, key) for key in given_parallel if hasattr(par, key)}, limits)
+    check_limits({key: getattr(par, key) for key in given_parallel}, limits)
     if shape.is_moe and "etp" in given_parallel:
         raise ConfigError(f"parallel.etp={par.etp}: the planner models experts at etp=1 under ep > 1 and etp=tp "
                           "otherwise; leave parallel.etp unset, or give the whole layout with parallel.auto=false")
-    fixed = {key: getattr(par, key) for key in PLANNED_KEYS if key in given_parallel and hasattr(par, key)}
+    fixed = {key: getattr(par, key) for key in PLANNED_KEYS if key in given_parallel}
     if "vpp" in fixed:
         fixed["vpp"] = fixed["vpp"] or 1  # null: plain 1F1B
     if fixed.get("recompute_num_layers", 0) is None:
@@ -163,7 +163,7 @@ def evaluate_layout(cfg: JobConfig, shape: ModelShape):
     from launcher.planner import PLANNED_KEYS, NoFeasibleLayout
 
     try:
-        held = {f"parallel.{key}" for key in PLANNED_KEYS if key != "etp" and hasattr(cfg.parallel, key)}
+        held = {f"parallel.{key}" for key in PLANNED_KEYS if key != "etp"}
         return plan_job(cfg, shape, given=held, top_k=0)
     except (ConfigError, NoFeasibleLayout):
         return None

@@ -155,6 +155,7 @@ class SequenceEncoder:
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading entries ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
