@@ -141,7 +141,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
         fixed["vpp"] = fixed["vpp"] or 1  # null: plain 1F1B
     if fixed.get("recompute_num_layers", 0) is None:
         del fixed["recompute_num_layers"]  # null: every layer, the Layout default
-    runtime = runtime_of(cfg)
+    runtime = runtime_of(cfg, shape)
     if mean_response_length is not None and algo.name not in RL_ALGORITHMS:
         raise ConfigError(f"--mean-response-len sizes a rollout; algorithm.name={algo.name} generates none")
     grpo = (rollout_sizing(cfg, shape, runtime, mean_response_length=mean_response_length)

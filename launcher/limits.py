@@ -41,6 +41,25 @@ TRAINER_LIMITS: tuple[TrainerLimit, ...] = (
 )
 
 
+JOB_LIMITS: dict[str, tuple[Any, str]] = {
+    "cluster.rollout_tasks": (0, "separate rollout processes (split placement, asynchronous GRPO) are not "
+                                 "supported by the GRPO trainer yet"),
+    "algorithm.off_policy_correction": ("none", "the GRPO trainer does not apply off-policy corrections yet"),
+}
+"""Other config keys (``section.key``) the trainers run at one value only, so far: ``check_job_limits`` refuses
+any other value. Delete an entry when a trainer supports the key."""
+
+
+def check_job_limits(cfg: Any) -> None:
+    """Raise ConfigError (one line: the key, the reason, the fix) for the first JOB_LIMITS key of the job config
+    ``cfg`` set to another value."""
+    for dotted, (only, reason) in JOB_LIMITS.items():
+        section, key = dotted.split(".")
+        given = getattr(getattr(cfg, section), key)
+        if given != only:
+            raise ConfigError(f"{dotted}={as_yaml(given)}: {reason}; set {dotted}={as_yaml(only)}")
+
+
 def trainer_limits(shape: ModelShape, algorithm: str) -> dict[str, tuple[Any, str]]:
     """``{parallel key: (the only value the trainers run, why)}`` for this model and algorithm.name."""
     return {limit.key: (limit.value, limit.reason) for limit in TRAINER_LIMITS

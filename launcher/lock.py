@@ -9,6 +9,9 @@ running, or requeued: every start of the job carries the same SLURM_JOB_ID, so i
 A second launch while the holder lives is refused with a one-line ConfigError; a lock whose holder is gone (the
 pid is dead on this host, or Slurm no longer lists the job) is taken over. The check-and-take is done under a
 ``flock`` of the lock file, so two launches racing for a stale lock cannot both win.
+
+``launch.py cancel`` of a local run leaves ``run.dir/.cancelled`` (who cancelled and when) beside the lock, so
+``status`` can tell a cancelled run from a failed one; the next launch into the folder removes it.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.errors import ConfigError
-from launcher.private import make_private_dir, open_private
+from launcher.private import make_private_dir, open_private, write_private_text
 
 LOCK_NAME = ".lock"
+CANCELLED_NAME = ".cancelled"
 ENDED_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                           "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"})
 """squeue states of a job that has ended (squeue keeps listing one for MinJobAge seconds)."""
@@ -99,8 +103,14 @@ def acquire(run_dir: Path, *, job_id: Optional[str] = None) -> RunLock:
             raise ConfigError(_busy(run_dir, holder))
         lock = RunLock(path, fd)
         lock._write(_me())
+        Path(run_dir, CANCELLED_NAME).unlink(missing_ok=True)  # a cancel of an earlier attempt
         return lock
     raise ConfigError(f"run.dir={run_dir}: could not take {path} (it keeps changing); try again")
+
+
+def mark_cancelled(run_dir: Path, pid: int) -> None:
+    """Record that ``launch.py cancel`` stopped the local launcher ``pid`` of ``run_dir``."""
+    write_private_text(Path(run_dir) / CANCELLED_NAME, json.dumps({**_me(), "launcher_pid": pid}) + "\n")
 
 
 def read_holder(path: Path) -> dict:

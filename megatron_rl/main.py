@@ -18,6 +18,7 @@ TRAINERS = {
     "pretrain": "megatron_rl.trainers.pretrain",
     "sft": "megatron_rl.trainers.sft",
     "grpo": "megatron_rl.trainers.grpo",
+    "ppo": "megatron_rl.trainers.ppo",
     "rm": "megatron_rl.trainers.rm",
     "dpo": "megatron_rl.trainers.dpo",
     "eval": "megatron_rl.trainers.evaluate",
@@ -45,9 +46,16 @@ def run(config_path: str) -> int:
     dims = ParallelDims.from_config(cfg.parallel, world_size=read_dist_env().world_size)
     initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
     trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
+    ctx, error = None, None
     try:
-        trainer.train(cfg, shape, TrainerContext(cfg, shape=shape))
+        ctx = TrainerContext(cfg, shape=shape, config_path=config_path)
+        trainer.train(cfg, shape, ctx)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
+        if ctx is not None:
+            ctx.close(error)  # the manifest's end time and status, after its pending checkpoint hashes
         _write_cpu_redirects(cfg.run.dir)
         shutdown()
     return 0

@@ -42,3 +42,43 @@ def torchrun_check(script: str, out: Path, *args: str, nproc: int = 2) -> list[d
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def read_manifest(run_dir: Path) -> dict:
+    """run.dir/manifest.json (megatron_rl/runtime/manifest.py), after checking that it is private (0600)."""
+    path = Path(run_dir) / "manifest.json"
+    assert path.stat().st_mode & 0o777 == 0o600, oct(path.stat().st_mode)
+    return json.loads(path.read_text())
+
+
+def folder_sha256(folder: Path) -> str:
+    """The manifest's folder hash, computed here independently: sha256 of the `sha256sum` lines of the folder's
+    files sorted by relative path."""
+    import hashlib
+
+    files = sorted((p for p in Path(folder).rglob("*") if p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
+    lines = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(folder).as_posix()}\n"
+                    for p in files)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def check_run_manifest(run_dir: Path, *, statuses: list[str]) -> dict:
+    """The manifest of a finished local run: one attempt per start with these statuses, this checkout's commit and
+    the installed versions, and every checkpoint folder that is still on disk listed with its hash."""
+    from importlib import metadata
+
+    manifest = read_manifest(run_dir)
+    assert [a["status"] for a in manifest["attempts"]] == statuses
+    assert all(a["started_at"] <= a["ended_at"] for a in manifest["attempts"] if not a["status"].startswith("lost"))
+    head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert manifest["source"]["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    for name in ("torch", "megatron-core", "transformers", "omegaconf"):
+        assert manifest["packages"][name] == metadata.version(name), name
+    on_disk = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir())
+    listed = {}
+    for entry in manifest["checkpoints"]:  # the newest entry of a folder saved twice
+        listed[str(Path(entry["path"]).resolve())] = entry
+    assert on_disk and {str(p.resolve()) for p in on_disk} <= set(listed)
+    for folder in on_disk:
+        assert listed[str(folder.resolve())]["sha256"] == folder_sha256(folder), folder
+    return manifest

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, folder_sha256, read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,12 @@ def test_tp2_grpo_checkpoint_exports_and_generates_the_same_greedy_tokens(launch
                     "checkpoint.export_hf=true", "logging.tensorboard=false")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     hf_dir = run_dir / "hf" / "final"
+    again = launch("convert", "megatron-to-hf", "--ckpt", str(run_dir / "checkpoints"), "--out", str(tmp_path / "hf2"))
+    assert again.returncode == 0 and f"recorded the export in {run_dir / 'manifest.json'}" in again.stdout, again.stderr
+    final = str((run_dir / "checkpoints" / "step_00000003").resolve())
+    assert [(e["path"], e["checkpoint"], e["sha256"]) for e in read_manifest(run_dir)["exports"]] == [
+        (str(hf_dir.resolve()), final, folder_sha256(hf_dir)),
+        (str((tmp_path / "hf2").resolve()), final, folder_sha256(tmp_path / "hf2"))]  # the run's and convert's
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     assert model.config.vocab_size == 128 and not model.config.tie_word_embeddings
 

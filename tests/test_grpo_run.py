@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
-from helpers import read_metrics, without_measurements
+from helpers import check_run_manifest, read_metrics, without_measurements
 
 SHORT = ["cluster.executor=local", "logging.tensorboard=false", "algorithm.sft_warmup_steps=5",
          "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=8",
@@ -93,6 +95,11 @@ def test_preempted_grpo_resumes_exactly(launch, tmp_path):
     not_eval = lambda run: [m for m in read_metrics(run) if m.get("phase") != "eval"]  # noqa: E731
     assert _stable(not_eval(run_dir)) == _stable(not_eval(tmp_path / "whole"))  # warm-up lines too
     assert all(m["kl"] >= 0 for m in whole)  # k3 is non-negative; the reference model is in play
+    audit = check_run_manifest(run_dir, statuses=["preempted"] * 3 + ["completed"])  # 3 stops, one record
+    synthetic = {Path(e["path"]).name: e for e in audit["inputs"] if e["key"] == "data.synthetic"}
+    assert sorted(synthetic) == ["sft.jsonl", "test.jsonl", "train.jsonl"], "rewritten identically: listed once"
+    for name, entry in synthetic.items():
+        assert entry["sha256"] == hashlib.sha256((run_dir / "data" / name).read_bytes()).hexdigest(), name
 
 
 def test_dapo_parts_epochs_and_recomputed_old_logprobs_run(launch, tmp_path):

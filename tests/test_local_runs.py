@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import read_metrics, without_measurements
+from helpers import check_run_manifest, read_metrics, without_measurements
 
 from megatron_rl.runtime.cpu_compat import KNOWN_SITES
 
@@ -62,15 +62,42 @@ def test_overlapped_grad_reduce_equals_the_reduce_after_backward(launch, tmp_pat
     assert without_measurements(metrics) == without_measurements(reference)
 
 
-def test_bf16_gradients_reach_the_optimizer(launch, tmp_path):
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory):
+    """Two bf16-parameter runs (DP=2), with fp32 and with bf16 main grads; each saves its last step."""
+    from helpers import run_launch
+    root = tmp_path_factory.mktemp("bf16")
+    return {dtype: (_run(run_launch, root / dtype, "model.dtype=bf16", f"runtime.grad_dtype={dtype}",
+                         "checkpoint.save_at_end=true"), root / dtype) for dtype in ("fp32", "bf16")}
+
+
+def test_bf16_gradients_reach_the_optimizer(bf16_runs):
     """runtime.grad_dtype=bf16 (bf16 parameters, DP=2): main grads and their reduce in bf16 train like fp32 grads,
     to bf16 precision, and not identically (the setting reaches Megatron's DDP)."""
-    runs = {dtype: _run(launch, tmp_path / dtype, "model.dtype=bf16", f"runtime.grad_dtype={dtype}")
-            for dtype in ("fp32", "bf16")}
-    for ref, got in zip(runs["fp32"], runs["bf16"], strict=True):
+    (fp32, _), (bf16, _) = bf16_runs["fp32"], bf16_runs["bf16"]
+    for ref, got in zip(fp32, bf16, strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=2e-2)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-2)
-    assert [m["grad_norm"] for m in runs["bf16"]] != [m["grad_norm"] for m in runs["fp32"]]
+    assert [m["grad_norm"] for m in bf16] != [m["grad_norm"] for m in fp32]
+
+
+def test_bf16_run_from_init_from_steps_from_the_loaded_weights(launch, tmp_path, bf16_runs):
+    """model.init_from is loaded after the optimizer is built; with bf16 parameters the optimizer's fp32 main
+    copies must be refreshed from the loaded weights (Megatron's reload_model_params), or the first step writes
+    the fresh random init (here seed 7, not the checkpoint's) back into the model."""
+    import torch
+
+    from megatron_rl.conversion.dist_reader import CheckpointReader
+
+    start = bf16_runs["fp32"][1] / "checkpoints"
+    _run(launch, tmp_path / "next", "model.dtype=bf16", "run.steps=1", "run.seed=7", "checkpoint.save_at_end=true",
+         f"model.init_from={start}")
+    before, after = CheckpointReader(start), CheckpointReader(tmp_path / "next" / "checkpoints")
+    refs = [ref for ref in before.index if ref in after.index]
+    assert len(refs) >= 4
+    moved = max(float((a - b).abs().max()) for a, b in zip(before.read(refs, dtype=torch.float32).values(),
+                                                             after.read(refs, dtype=torch.float32).values()))
+    assert 0 < moved < 3 * 2e-3  # one Adam step of at most ~lr (optimizer.lr) per weight, plus bf16 rounding
 
 
 def test_cpu_redirections_are_all_reviewed(baseline):
@@ -99,6 +126,12 @@ def test_preempted_run_resumes_with_identical_metrics(launch, tmp_path):
     resumed = _run(launch, run_dir, "run.steps=5")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
     assert without_measurements(whole) == without_measurements(resumed)
+    audit = check_run_manifest(whole_dir, statuses=["completed"])  # every save listed: keep_last=10 kept them all
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (whole_dir / "checkpoints").glob("step_*"))
+    assert sorted(c["step"] for c in audit["checkpoints"]) == saved and len(saved) >= 2
+    audit = check_run_manifest(run_dir, statuses=["preempted", "completed"])  # the rerun added an attempt
+    assert [a["resumed_from_step"] for a in audit["attempts"]] == [None, 2]
+    assert [(c["step"], c["attempt"]) for c in audit["checkpoints"]][:1] == [(2, 1)]
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(launch, tmp_path):
@@ -117,6 +150,8 @@ def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(lau
     assert "resumed from" in resumed.stdout and "step_00000002 (step 2" in resumed.stdout
     assert not (ckpts / ".tmp-step_00000004").exists()
     assert without_measurements(read_metrics(run_dir)) == without_measurements(whole)
+    audit = check_run_manifest(run_dir, statuses=["lost: ended without recording its end", "completed"])
+    assert [(c["step"], c["attempt"]) for c in audit["checkpoints"]] == [(2, 1), (4, 2)]  # no half-written 4
 
 
 def test_tp2_pp2_checkpoint_resumes_at_tp1_with_the_same_loss(launch, tmp_path):

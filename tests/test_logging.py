@@ -49,6 +49,16 @@ def _scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
     return [(event.step, event.value) for event in events.Scalars(tag)]
 
 
+def test_progress_lines_show_the_step_only_for_training_records(tmp_path):
+    logger = _logger(tmp_path)
+    logger.log(3, {"loss": 0.5})
+    logger.log(1, {"loss": 0.25}, phase="sft", total=2)
+    logger.log(0, {"pass_at_1": 0.75}, phase="eval", total=0)  # an eval run has no training step
+    logger.close()
+    assert logger.stream.getvalue().splitlines() == ["step    3/5  loss 0.5000", "sft step    1/2  loss 0.2500",
+                                                     "eval pass_at_1 0.7500"]
+
+
 def test_tensorboard_resume_purges_redone_steps(tmp_path):
     _attempts(tmp_path, tensorboard=True)
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path) if "phase" not in r] == \

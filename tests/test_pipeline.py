@@ -204,6 +204,12 @@ def test_bad_pipeline_files_are_one_line_errors(tmp_path: Path, case: str) -> No
     assert_one_line_error(run_launch("pipeline", "--config", str(path), "--dry-run"), words)
 
 
+def test_a_pipeline_file_given_to_run_or_plan_is_a_one_line_error() -> None:
+    for command in (("plan",), ("--dry-run",)):
+        assert_one_line_error(run_launch(*command, "--config", "configs/pipeline_tiny.yaml"), "is a pipeline",
+                              "launch.py pipeline --config configs/pipeline_tiny.yaml")
+
+
 def test_bad_command_line_keys_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(pipeline("stages.grop.run.steps=3", "--dry-run"), "no stage 'grop'", "did you mean 'grpo'")
     assert_one_line_error(pipeline("pipeline.dri=x", "--dry-run"), "did you mean 'pipeline.dir'")

@@ -142,6 +142,9 @@ def test_umask_022_still_yields_private_run_folders_and_no_secret_on_disk(tmp_pa
     assert secret not in result.stdout + result.stderr
     config = (run_dir / "config.yaml").read_text()
     assert "name: ${oc.env:SECRET_X}" in config and "steps: ${oc.env:SECRET_STEPS}" in config
+    audit = json.loads((run_dir / "manifest.json").read_text())  # the audit record keeps them unresolved too
+    assert audit["config"]["run"]["name"] == "${oc.env:SECRET_X}" and audit["config"]["run"]["steps"] == \
+        "${oc.env:SECRET_STEPS}"
 
 
 def test_dry_run_never_prints_an_oc_env_value(launch):

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT, run_launch
+from launcher.lock import CANCELLED_NAME, acquire, mark_cancelled
 
 _spec = importlib.util.spec_from_file_location("slurm_fixtures", REPO_ROOT / "tests" / "slurm" / "conftest.py")
 slurm_fixtures = sys.modules.setdefault("slurm_fixtures", importlib.util.module_from_spec(_spec))
@@ -68,6 +70,7 @@ def test_status_of_a_finished_local_run(local_run: Path) -> None:
     assert "  step     5/5\n" in out
     assert "reward_mean " in out and "loss " in out and "kl " in out
     assert f"rank0     {local_run / 'logs' / 'rank0.log'}" in out and "rank1 " in out
+    assert f"  manifest {local_run / 'manifest.json'}  (attempts 1, checkpoints " in out
     assert not (Path(REPO_ROOT) / "dir1").exists()
 
 
@@ -82,6 +85,7 @@ def test_status_json_has_the_same_fields(local_run: Path) -> None:
     assert status["logs"] == {"rank0": str(local_run / "logs" / "rank0.log"),
                               "rank1": str(local_run / "logs" / "rank1.log")}
     assert status["jobs"] == [] and status["eta_s"] is None and status["executor"] == "local"
+    assert status["manifest"] == str(local_run / "manifest.json") and status["manifest_summary"]["attempts"] == 1
 
 
 def test_logs_prints_rank_0_and_rank_1(local_run: Path) -> None:
@@ -158,7 +162,8 @@ def test_cancel_a_running_local_run_and_follow_its_log(tmp_path: Path) -> None:
         followed, _ = follow.communicate(timeout=30)  # --follow ends by itself when the run does
         assert follow.returncode == 0 and "step " in followed
         after = json.loads(cli("status", str(run_dir), "--json").stdout)
-        assert after["state"] == "FAILED" and "stopped at" in after["state_from"]
+        assert after["state"] == "CANCELLED" and "launch.py cancel" in after["state_from"], after
+        assert stat.S_IMODE((run_dir / CANCELLED_NAME).stat().st_mode) == 0o600
     finally:
         for proc in (launch, follow):
             if proc is not None and proc.poll() is None:
@@ -168,6 +173,13 @@ def test_cancel_a_running_local_run_and_follow_its_log(tmp_path: Path) -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def test_the_next_launch_clears_a_cancel(tmp_path: Path) -> None:
+    mark_cancelled(tmp_path, 4242)
+    assert json.loads((tmp_path / CANCELLED_NAME).read_text())["launcher_pid"] == 4242
+    with acquire(tmp_path):
+        assert not (tmp_path / CANCELLED_NAME).exists()
 
 
 def _grpo_started(run_dir: Path) -> dict | None:

@@ -2,6 +2,7 @@
 
     python launch.py convert hf-to-megatron --hf HF_DIR --out CKPT_DIR [--tp 2 --pp 2 --ep 1] [--dtype bf16]
     python launch.py convert megatron-to-hf --ckpt CKPT_DIR --out HF_DIR [--shard-size 2GB] [--verify]
+    python launch.py convert megatron-to-hf --ckpt LORA_CKPT --out ADAPTER_DIR --lora-adapter --base-hf HF_DIR
     python launch.py convert ... --slurm [--dry-run] [--wait] [cluster.key=value ...] [run.dir=DIR]
 
 Bad input (not a checkpoint, unsupported architecture, missing or truncated shard, mismatched shapes, existing
@@ -75,6 +76,11 @@ def _export_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         p.add_argument("--verify", action="store_true", help="run both models on the same tokens, print one JSON "
                        "line and publish only if logits agree within --tolerance"),
         p.add_argument("--tolerance", type=float, default=1e-3, help="largest allowed |logit difference| (fp32)"),
+        p.add_argument("--lora-adapter", action="store_true", help="a LoRA checkpoint's adapters alone, as a PEFT "
+                       "folder (adapter_config.json, adapter_model.safetensors) for --base-hf; default: the merged "
+                       "model"),
+        p.add_argument("--base-hf", metavar="DIR", help="with --lora-adapter: the HF folder of the base model the "
+                       "run started from (recorded as base_model_name_or_path)"),
         *_layout_options(p, "layout of the Megatron side of --verify (default: the layout that saved it)"),
     ]
 
@@ -116,7 +122,17 @@ def check_inputs(args: argparse.Namespace) -> None:
     """Refuse a missing input folder before torch is imported (a one-line ConfigError naming the flag)."""
     flags = {"hf-to-megatron": (("--hf", "hf", "an HF model folder"),),
              "megatron-to-hf": (("--ckpt", "ckpt", "a checkpoint root or a step_* folder"),
-                                ("--hf-source", "hf_source", "a folder with tokenizer files"))}[args.direction]
+                                ("--hf-source", "hf_source", "a folder with tokenizer files"),
+                                ("--base-hf", "base_hf", "the base model's HF folder"))}[args.direction]
+    if args.direction == "megatron-to-hf":
+        if args.lora_adapter and not args.base_hf:
+            raise ConfigError("convert megatron-to-hf --lora-adapter needs --base-hf DIR, the HF folder of the base "
+                              "model the adapters apply to")
+        if args.base_hf and not args.lora_adapter:
+            raise ConfigError("convert megatron-to-hf: --base-hf applies to --lora-adapter exports; add "
+                              "--lora-adapter, or drop --base-hf for the merged model")
+        if args.lora_adapter and args.verify:
+            raise ConfigError("convert megatron-to-hf: --verify checks merged exports; drop it with --lora-adapter")
     for flag, dest, what in flags:
         value = getattr(args, dest)
         if value is None:
@@ -164,8 +180,20 @@ class VerificationFailed(Exception):
     """--verify found the two models disagreeing."""
 
 
+def _lora_adapter(args) -> int:
+    from megatron_rl.conversion.lora_export import export_peft_adapter
+
+    result = export_peft_adapter(args.ckpt, args.out, base_hf=args.base_hf, overwrite=args.overwrite)
+    print(f"wrote {result['out_dir']}: PEFT LoRA adapter (r={result['r']}, {result['tensors']} tensors, "
+          f"target_modules {', '.join(result['target_modules'])}) for {args.base_hf}")
+    return 0
+
+
 def _megatron_to_hf(args) -> int:
     from megatron_rl.conversion.export import export_checkpoint_to_hf
+
+    if args.lora_adapter:
+        return _lora_adapter(args)
 
     report: dict = {}
 
@@ -193,11 +221,16 @@ def _megatron_to_hf(args) -> int:
         print(f"error: verification failed ({report['detail']['tensors']}; tolerance {args.tolerance}); "
               f"{args.out} was not written", file=sys.stderr)
         return 1
+    from megatron_rl.runtime.manifest import record_export
+
+    manifest = record_export(args.ckpt, summary.out_dir)  # the audit record of the run the checkpoint came from
     for note in summary.notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {summary.out_dir}: {summary.architecture}, {summary.num_tensors} tensors in {summary.num_shards} "
           f"shard(s), {summary.bytes_written / 1e9:.3f} GB in {summary.seconds:.1f} s "
           f"({summary.bytes_copied_in_kernel / max(summary.bytes_written, 1):.0%} copied file to file)")
+    if manifest is not None:
+        print(f"recorded the export in {manifest}")
     if args.verify:
         print(json.dumps({k: report[k] for k in ("max_abs_logit_diff", "argmax_agreement", "tensors_equal")}))
     return 0

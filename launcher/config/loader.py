@@ -8,6 +8,7 @@ Every OmegaConf or YAML failure is turned into a one-line ``ConfigError`` that n
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -100,8 +101,19 @@ def to_yaml(config: JobConfig, unresolved: Optional[dict[str, Any]] = None) -> s
     ``${oc.env:...}`` text; loading it back with ``load_config`` gives an equal JobConfig."""
     conf = OmegaConf.structured(config)
     for key, raw in (unresolved or {}).items():
-        OmegaConf.update(conf, key, raw, merge=False)
+        for leaf, value in _leaves(key, raw):  # a nested section (logging.wandb) takes its keys one by one
+            if ENV_RESOLVER in str(value):
+                OmegaConf.update(conf, leaf, value, merge=False)
     return OmegaConf.to_yaml(conf)
+
+
+def _leaves(key: str, raw: Any):
+    """(dotted key, value) of every non-mapping value under ``raw``, ``raw`` itself when it is no mapping."""
+    if isinstance(raw, dict):
+        for name, value in raw.items():
+            yield from _leaves(f"{key}.{name}", value)
+    else:
+        yield key, raw
 
 
 def shipped_configs() -> list[str]:
@@ -148,6 +160,9 @@ def _read_yaml(path: Path) -> DictConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections (model:, parallel:, ...)")
+    if isinstance(data.get("stages"), dict):
+        raise ConfigError(f"config file {path} is a pipeline (it has stages:); run it with `python launch.py "
+                          f"pipeline --config {shlex.quote(str(path))}` (--dry-run shows each stage's plan)")
     return OmegaConf.create(data)
 
 

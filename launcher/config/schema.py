@@ -16,7 +16,8 @@ from typing import Any, Optional, Union
 from launcher.errors import ConfigError
 
 EXECUTORS = ("auto", "local", "slurm")
-ALGORITHMS = ("grpo", "rm", "sft", "pretrain", "dpo", "eval")
+ALGORITHMS = ("grpo", "ppo", "rm", "sft", "pretrain", "dpo", "eval")
+CRITIC_INITS = ("policy", "rm")
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -30,6 +31,8 @@ MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss")
 DPO_LOSSES = ("sigmoid", "ipo")
 ATTENTION_KERNELS = ("auto", "flash", "unfused")
 GRAD_DTYPES = ("fp32", "bf16")
+WEIGHT_SYNCS = ("gloo", "nccl", "files")
+OFF_POLICY_CORRECTIONS = ("none", "truncated_is", "decoupled")
 
 
 def _one_of(section: str, key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -62,6 +65,32 @@ def _non_negative(section: str, **values: Optional[float]) -> None:
             raise ConfigError(f"{section}.{key}={value} must be >= 0")
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the decoder's linear layers (megatron_rl/models/lora.py); the base stays frozen."""
+
+    rank: int = 8
+    """Rank r of each adapter: A is [r, in], B is [out, r]."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter adds (x A^T B^T) * alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Megatron module names to adapt, a subset of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+
+    def __post_init__(self) -> None:
+        _positive("model.lora", rank=self.rank, alpha=self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout={self.dropout} must be in [0, 1); e.g. 0.05")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ConfigError(f"model.lora.targets={list(self.targets)}: {', '.join(map(repr, unknown)) or 'empty'}"
+                              f" is not valid; use names from: {', '.join(LORA_TARGETS)}")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = "tiny-cpu"
@@ -86,6 +115,9 @@ class ModelConfig:
     """Aux-loss-free balancing (DeepSeek-V3 e_score_correction_bias, Megatron router.expert_bias): false (default)
     keeps the imported per-expert routing bias frozen during RL; true updates it after every step by
     +-1e-3 toward balanced expert loads, as in DeepSeek-V3 pre-training. Models without the bias ignore it."""
+    lora: Optional[LoraConfig] = None
+    """Train low-rank adapters {rank, alpha, dropout, targets} on a frozen base instead of every weight; null:
+    full training."""
 
     def __post_init__(self) -> None:
         _one_of("model", "dtype", self.dtype, DTYPES)
@@ -233,6 +265,9 @@ class ClusterConfig:
     """Number of nodes (local runs use 1)."""
     tasks_per_node: int = 2
     """Processes per node; on GPU nodes, one per GPU."""
+    rollout_tasks: int = 0
+    """Processes (of nodes x tasks_per_node, the last ones) that only generate GRPO rollouts with a copy of the
+    policy, while the others train; 0 (default): generation is colocated in the training processes."""
     gpus_per_node: int = 0
     """GPUs per node to request (0 on CPU-only nodes)."""
     gpu_type: str = "h100-80gb"
@@ -280,6 +315,11 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _one_of("cluster", "executor", self.executor, EXECUTORS)
+        _non_negative("cluster", rollout_tasks=self.rollout_tasks)
+        if self.rollout_tasks and self.rollout_tasks >= self.nodes * self.tasks_per_node:
+            raise ConfigError(f"cluster.rollout_tasks={self.rollout_tasks} leaves no training process of the "
+                              f"{self.nodes * self.tasks_per_node} (cluster.nodes x cluster.tasks_per_node); give at "
+                              f"most {self.nodes * self.tasks_per_node - 1}, or 0 to generate in the training processes")
         _positive("cluster", nodes=self.nodes, tasks_per_node=self.tasks_per_node, cpus_per_task=self.cpus_per_task)
         _at_most("cluster", MAX_WORLD_SIZE, nodes=self.nodes, tasks_per_node=self.tasks_per_node)
         if self.world_size > MAX_WORLD_SIZE:
@@ -326,8 +366,9 @@ class OverlongConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
-    """What the job trains: grpo, rm (reward model), sft, pretrain (next-token prediction) or dpo (direct
-    preference optimisation on preference pairs); or eval (no training: held-out pass@k of model.init_from)."""
+    """What the job trains: grpo, ppo (with a critic), rm (reward model), sft, pretrain (next-token prediction) or
+    dpo (direct preference optimisation on preference pairs); or eval (no training: held-out pass@k of
+    model.init_from)."""
     global_batch_size: int = 128
     """Sequences per optimizer step (GRPO: completions per optimizer step)."""
     group_size: int = 8
@@ -358,6 +399,21 @@ class AlgorithmConfig:
     router_replay: bool = False
     """MoE models: record the experts generation routed each token to and route the rollout's training forwards
     (old log-probs, reference, updates) the same way, so routing flips do not show up as policy ratios (R3)."""
+    max_staleness: int = 0
+    """With cluster.rollout_tasks > 0: the trainer takes only samples generated at most this many policy
+    versions (optimizer steps) ago, dropping older ones (megatron_rl/rollout/buffer.py); 0: only samples of the
+    current weights (synchronous). Must be 0 without rollout tasks (colocated generation is synchronous)."""
+    weight_sync: str = "gloo"
+    """How new weights reach the rollout tasks after each step: gloo (torch.distributed broadcast over TCP, CPU
+    staging), nccl (GPUs only) or files (versioned safetensors in a shared folder, for ranks that cannot reach
+    each other; the samples come back through the same folder). Unused without rollout tasks."""
+    off_policy_correction: str = "none"
+    """Correction for samples of an older (behaviour) policy (megatron_rl/algorithms/off_policy.py): none,
+    truncated_is (the surrogate times min(pi_old / pi_behav, is_cap), Yao et al. 2025) or decoupled (AReaL's
+    decoupled PPO: the ratio against the proximal policy, the weights before the step, times pi_prox /
+    pi_behav; tokens whose weight exceeds is_cap are left out)."""
+    is_cap: float = 2.0
+    """The cap C (>= 1) of the behaviour importance weight of off_policy_correction."""
     clip_eps_low: float = 0.2
     """Lower clip of the policy ratio: 1 - clip_eps_low."""
     clip_eps_high: float = 0.2
@@ -393,6 +449,33 @@ class AlgorithmConfig:
     """DPO: weight of an NLL term on the chosen responses (mean per chosen token over the batch); 0 = off."""
     sft_warmup_steps: int = 30
     """Supervised steps run before GRPO (0 = none); the data is set by data.warmup_task."""
+    gamma: float = 1.0
+    """PPO: discount of GAE over response tokens, in [0, 1]."""
+    gae_lambda: float = 0.95
+    """PPO: GAE's lambda, in [0, 1] (1 = Monte-Carlo returns minus the value, 0 = one-step TD)."""
+    value_clip: Optional[float] = 0.2
+    """PPO: the critic's values are clipped to old_value +- value_clip in the value loss (> 0); null = off."""
+    value_coef: float = 1.0
+    """PPO: factor on the critic's value loss (> 0). The critic has its own optimizer and LR, so it does not weigh
+    the value loss against the policy loss; it scales the critic's gradients (seen through Adam's eps and
+    optimizer.clip_grad only). Kept for recipes that quote it; critic_lr is the knob that matters."""
+    kl_in_reward: bool = False
+    """PPO: subtract kl_coef * KL(old policy || reference) (estimator kl_estimator) from every response token's
+    reward, as InstructGPT does, instead of adding the KL to the policy loss."""
+    whiten_advantages: bool = True
+    """PPO: whiten the GAE advantages over every response token of the rollout (mean 0, std 1)."""
+    whiten_shift_mean: bool = True
+    """PPO, with whiten_advantages: subtract the mean (TRL, verl); false only rescales by the std (OpenRLHF)."""
+    critic_init: str = "policy"
+    """PPO: where the critic's trunk starts: policy (the policy's weights after the SFT warm-up, a fresh value
+    head) or rm (a reward-model checkpoint, critic_init_from, head included)."""
+    critic_init_from: Optional[str] = None
+    """PPO with critic_init=rm: the reward-model checkpoint folder (default algorithm.reward_model)."""
+    critic_lr: Optional[float] = None
+    """PPO: the critic's peak learning rate (its own Adam, schedule as optimizer.*); null = optimizer.lr."""
+    critic_warmup_steps: int = 0
+    """PPO: rollouts at the start on which only the critic trains (the policy waits), so the advantages of the
+    first policy updates come from a fitted critic; 0 = none."""
 
     def __post_init__(self) -> None:
         _one_of("algorithm", "name", self.name, ALGORITHMS)
@@ -401,6 +484,7 @@ class AlgorithmConfig:
         _one_of("algorithm", "loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("algorithm", "importance_ratio", self.importance_ratio, IMPORTANCE_RATIOS)
         self._check_dpo()
+        self._check_off_policy()
         if isinstance(self.recompute_old_logprobs, str) and self.recompute_old_logprobs != "auto":
             raise ConfigError(f"algorithm.recompute_old_logprobs={self.recompute_old_logprobs!r} is not valid; use "
                               "true, false or auto")
@@ -419,13 +503,37 @@ class AlgorithmConfig:
         if self.clip_eps_low >= 1:
             raise ConfigError(f"algorithm.clip_eps_low={self.clip_eps_low} must be below 1 (the ratio is clipped "
                               "at 1 - clip_eps_low)")
-        if self.name == "grpo":
+        self._check_ppo()
+        if self.name in ("grpo", "ppo"):
             completions = self.prompts_per_step * self.group_size
             if completions % self.global_batch_size:
                 raise ConfigError(
                     f"algorithm.global_batch_size={self.global_batch_size} must divide the rollout batch "
                     f"prompts_per_step*group_size={completions}")
         self._check_rewards()
+
+    def _check_ppo(self) -> None:
+        _one_of("algorithm", "critic_init", self.critic_init, CRITIC_INITS)
+        for key in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"algorithm.{key}={getattr(self, key)} must be in [0, 1]; e.g. "
+                                  f"{'1.0' if key == 'gamma' else '0.95'}")
+        _positive("algorithm", value_clip=self.value_clip, value_coef=self.value_coef, critic_lr=self.critic_lr)
+        _non_negative("algorithm", critic_warmup_steps=self.critic_warmup_steps)
+        if self.critic_init_from and self.critic_init != "rm":
+            raise ConfigError(f"algorithm.critic_init_from={self.critic_init_from!r} is read only with "
+                              "algorithm.critic_init=rm; set that, or critic_init_from=null")
+        if self.critic_init == "rm" and self.name == "ppo" and not (self.critic_init_from or self.reward_model):
+            raise ConfigError("algorithm.critic_init=rm needs algorithm.critic_init_from (or algorithm.reward_model): "
+                              "a reward-model checkpoint folder; or set algorithm.critic_init=policy")
+
+    def _check_off_policy(self) -> None:
+        _non_negative("algorithm", max_staleness=self.max_staleness)
+        _one_of("algorithm", "weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _one_of("algorithm", "off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        if self.is_cap < 1:
+            raise ConfigError(f"algorithm.is_cap={self.is_cap} must be >= 1 (an on-policy token has weight 1); "
+                              "e.g. 2.0")
 
     def _check_dpo(self) -> None:
         _one_of("algorithm", "dpo_loss", self.dpo_loss, DPO_LOSSES)
@@ -688,10 +796,24 @@ class JobConfig:
                 f"parallel.micro_batch_size={self.parallel.micro_batch_size} does not divide "
                 f"algorithm.global_batch_size={self.algorithm.global_batch_size}")
         self._check_runtime()
+        self._check_rollout_placement()
         overlong = self.algorithm.overlong
         if overlong is not None and overlong.buffer > self.generation.max_new_tokens:
             raise ConfigError(f"algorithm.overlong.buffer={overlong.buffer} exceeds generation.max_new_tokens="
                               f"{self.generation.max_new_tokens}; the penalty window must lie inside the limit")
+
+    def _check_rollout_placement(self) -> None:
+        algo, rollout_tasks = self.algorithm, self.cluster.rollout_tasks
+        if not rollout_tasks and algo.max_staleness:
+            raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} needs cluster.rollout_tasks > 0 "
+                              "(colocated generation is synchronous); set algorithm.max_staleness=0 or give rollout "
+                              "tasks")
+        if rollout_tasks and algo.name != "grpo":
+            raise ConfigError(f"cluster.rollout_tasks={rollout_tasks}: separate rollout processes run "
+                              f"algorithm.name=grpo only, not {algo.name}; set cluster.rollout_tasks=0")
+        if algo.weight_sync == "nccl" and (not self.cluster.has_gpus or self.parallel.backend == "gloo"):
+            raise ConfigError("algorithm.weight_sync=nccl needs GPUs and the nccl backend (cluster.gpus_per_node > 0, "
+                              "parallel.backend auto or nccl); set algorithm.weight_sync=gloo or files")
 
     def _check_runtime(self) -> None:
         rt, gpus = self.runtime, self.cluster.has_gpus

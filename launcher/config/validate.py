@@ -6,7 +6,7 @@ import dataclasses
 
 from launcher.config.schema import JobConfig
 from launcher.errors import ConfigError
-from launcher.limits import check_limits, trainer_limits
+from launcher.limits import check_job_limits, check_limits, trainer_limits
 from launcher.model_shape import ModelShape
 from launcher.parallel import ParallelDims
 
@@ -24,6 +24,7 @@ def with_pipeline_split(cfg: JobConfig, shape: ModelShape) -> JobConfig:
 
 def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     """Raise ConfigError naming the key and the fix when the layout cannot run; return the data-parallel size."""
+    check_job_limits(cfg)
     par = cfg.parallel
     dims = ParallelDims.from_config(par, world_size=cfg.cluster.world_size)
     dims.check_model(shape)

@@ -76,6 +76,10 @@ class Runtime:
     (bf16 main grads, runtime.grad_dtype=bf16)."""
     grad_reduce_bytes: int | None = None
     """Bytes per gradient element on the DP wire; None = main_grad_bytes (Megatron reduces the main grads)."""
+    fp8_param_gather: bool = False
+    """--fp8-param-gather (precision fp8): the model's weights are held in fp8 only (1 B, plus its 1 B transpose
+    that Hopper's fp8 GEMMs need for the backward), the fp32 master in the optimizer; False keeps bf16 weights
+    and an fp8 copy (3 B). Megatron-Bridge's fp8 recipes set it; no trainer here runs fp8."""
     selective_modules: tuple[str, ...] = ("core_attn", "layernorm", "moe_act", "mla_up_proj")
     """--recompute-modules for recompute=selective (moe_act / mla_up_proj only where the model has them)."""
     moe_a2a_overlap: bool = False
@@ -96,6 +100,9 @@ class Runtime:
     memory_margin: float = MEMORY_MARGIN
     """Safety margin: the fraction of device memory a layout must leave free beyond everything counted (overhead
     and fragmentation included); the plan prints it. 0 = fill to capacity."""
+    trainable_fraction: float = 1.0
+    """Share of the parameters that train (model.lora: the adapters', ``inputs.lora_trainable_fraction``): main
+    gradients and optimizer state are counted for that share only; the frozen rest costs its weights."""
 
     @property
     def wire_grad_bytes(self) -> int:
@@ -209,6 +216,9 @@ class Workload:
     # ---------- FLOPs ----------
     def model_flops_per_token(self) -> float:
         """Model FLOPs (fwd+bwd, no recompute) per trained token, GQA/SwiGLU/MoE/MLA aware, causal unhalved."""
+        return self._cached(("model flops per token",), self._model_flops_per_token)
+
+    def _model_flops_per_token(self) -> float:
         s = self.shape
         dense = self.attn_proj_flops + self.core_flops + self.dense_mlp_flops
         moe = self.attn_proj_flops + self.core_flops + self.moe_other_flops + self.expert_flops
@@ -427,7 +437,7 @@ class Workload:
     def weight_bytes_per_param(self, shard: int) -> tuple[float, float, float]:
         """(weights, grads, optimizer) bytes per parameter held by a GPU, optimizer sharded `shard` ways; eval
         (generation only) holds bf16 weights alone."""
-        weights = 2.0 + (1.0 if self.precision == "fp8" else 0.0)
+        weights = 2.0 + (1.0 if self.precision == "fp8" and not self.runtime.fp8_param_gather else 0.0)
         if self.mode == "eval":
             return weights, 0.0, 0.0
         opt = 12.0 / shard if self.runtime.distributed_optimizer else 12.0

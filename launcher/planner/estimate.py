@@ -349,14 +349,34 @@ def _recomputed_fraction(layout: Layout, stage_layers: tuple[int, ...], rank: in
 
 
 def _layer_costs(w: Workload, L: Layout) -> tuple[LayerCost, LayerCost, LayerCost, LayerCost]:
-    """(dense, moe) layer costs at the layout's recompute, then the same without recompute (partial recompute)."""
+    """(dense, moe) layer costs at the layout's recompute, then the same without recompute (partial recompute; the
+    first pair again without it)."""
     costs = []
-    for recompute in (L.recompute, "none"):
+    for recompute in (L.recompute, "none") if L.recompute_num_layers is not None else (L.recompute,):
         dense = w.layer_cost("dense", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, recompute, L.ep)
         moe = (w.layer_cost("moe", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, recompute, L.ep)
                if w.shape.is_moe else dense)
         costs += [dense, moe]
+    if len(costs) == 2:
+        costs += costs
     return costs[0], costs[1], costs[2], costs[3]
+
+
+def _pipeline_ranks(w: Workload, L: Layout) -> tuple[tuple[RankGroup, ...], tuple[int, ...], tuple]:
+    """(rank groups, decoder layers per virtual stage, each group's (non-expert, expert) parameters per GPU) of the
+    layout's parallel sizes and split, made once per workload: every micro-batch size and recompute mode shares
+    them."""
+    key = ("pipeline ranks", L.tp, L.pp, L.vpp, L.ep, L.first_stage_layers, L.last_stage_layers,
+           L.account_for_embedding, L.account_for_loss)
+    made = w._cost_cache.get(key)
+    if made is None:
+        s = w.shape
+        groups = rank_groups(s.moe_layers, s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
+                             L.account_for_embedding, L.account_for_loss)
+        stage_layers = virtual_stage_layers(s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
+                                            L.account_for_embedding, L.account_for_loss)
+        made = w._cost_cache[key] = (groups, stage_layers, tuple(stage_params(w, gr, L) for gr in groups))
+    return made
 
 
 Finish = Callable[[float, "TimeTerms", float], dict]
@@ -368,15 +388,14 @@ bytes of the mode (RL: KV cache, buffers, frozen models); the worst rank is chos
 
 
 def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = None,
-                      finish: Finish | None = None) -> Estimate:
+                      finish: Finish | None = None, *, only_if_fits: bool = False) -> Estimate | float:
     """Memory and time of one optimizer step of ``w`` on a legal layout (legality is checked by the search);
-    ``memory`` lets a mode (rl_step) restate each rank's memory, ``finish`` its time."""
+    ``memory`` lets a mode (rl_step) restate each rank's memory, ``finish`` its time. With ``only_if_fits`` a
+    layout over the usable memory returns its total bytes (Estimate.total) and skips the rest of the time model
+    (the search's shortcut: most candidates do not fit)."""
     s, L = w.shape, layout
     m = w.global_batch_size // (L.dp * L.micro_batch_size)
-    groups = rank_groups(s.moe_layers, s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
-                         L.account_for_embedding, L.account_for_loss)
-    stage_layers = virtual_stage_layers(s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
-                                        L.account_for_embedding, L.account_for_loss)
+    groups, stage_layers, group_params = _pipeline_ranks(w, L)
     dense_r, moe_r, dense_n, moe_n = _layer_costs(w, L)
     out_parts, logits_b = w.output_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size)
     mtp_parts, mtp_b = w.mtp_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
@@ -397,9 +416,12 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
     worst_bwd = worst_fwd = 0.0
     slowest = (groups[0], dense_r, moe_r)
     max_params = (0.0, 0.0)
-    for gr in groups:
-        f = _recomputed_fraction(L, stage_layers, gr.rank)
-        dense_c, moe_c = _mixed(dense_r, dense_n, f), _mixed(moe_r, moe_n, f)
+    for gr, (ne, ex) in zip(groups, group_params):
+        if L.recompute_num_layers is None:
+            dense_c, moe_c = dense_r, moe_r
+        else:
+            f = _recomputed_fraction(L, stage_layers, gr.rank)
+            dense_c, moe_c = _mixed(dense_r, dense_n, f), _mixed(moe_r, moe_n, f)
         t_fwd = gr.dense_layers * dense_c.fwd_s + gr.moe_layers * moe_c.fwd_s
         t_bwd = gr.dense_layers * dense_c.bwd_s + gr.moe_layers * moe_c.bwd_s
         t = t_fwd + t_bwd + 2 * L.vpp * p2p
@@ -408,7 +430,6 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
         t_sum += t * gr.count
         if t > t_max:
             t_max, worst_fwd, worst_bwd, slowest = t, t_fwd, t_bwd, (gr, dense_c, moe_c)
-        ne, ex = stage_params(w, gr, L)
         if ne + ex > sum(max_params):
             max_params = (ne, ex)
         stored = gr.dense_layers * dense_c.stored_bytes + gr.moe_layers * moe_c.stored_bytes
@@ -417,18 +438,22 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
         else:
             inflight = min(L.pp - gr.rank, m)
         act = stored * inflight + max(dense_c.working_bytes, moe_c.working_bytes)
-        if gr.first:
-            act += tokens * s.hidden_size * 2 / rep * inflight
+        if gr.first and s.hidden_dropout > 0:
+            # the embedding's dropout mask; its output is the first layer's input, stored (or checkpointed) there
+            act += tokens * s.hidden_size / rep * inflight
         if gr.last:
             act += logits_b + mtp_b
-        parts = {"weights": (ne + ex) * wb, "gradients": (ne + ex) * gb,
-                 "optimizer": (ne * opt_ne + ex * opt_ex) if gb else 0.0, "activations": act}
+        trained = w.runtime.trainable_fraction  # LoRA: grads and Adam state of the adapters only
+        parts = {"weights": (ne + ex) * wb, "gradients": (ne + ex) * gb * trained,
+                 "optimizer": (ne * opt_ne + ex * opt_ex) * trained if gb else 0.0, "activations": act}
         if memory is not None:
             parts = memory(gr, ne, ex, parts)
         base = sum(map(parts.get, MEMORY_KEYS, _ZEROS))
         overhead = w.runtime.overhead_gib * GIB + w.runtime.fragmentation * base
         if worst is None or base + overhead > worst[0]:
             worst = (base + overhead, gr.rank, parts, overhead)
+    if only_if_fits and worst[0] > w.gpu.memory_gib * GIB * (1.0 - w.runtime.memory_margin):
+        return worst[0]
 
     bubble_s = (t_sum - t_max) / L.vpp
     step_pp = m * t_max + bubble_s
@@ -460,11 +485,26 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
 
 def _dp_time(w: Workload, L: Layout, max_params: tuple[float, float], fwd: float, bwd: float) -> float:
     """Exposed data-parallel gradient reduce (and distributed-optimizer parameter all-gather) seconds."""
+    t_dp = 0.0
+    for t_red, t_ag in _dp_collectives(w, L, max_params):
+        t_dp += _overlapped(t_red, bwd) if w.runtime.overlap_grad_reduce else t_red
+        if t_ag is not None:
+            t_dp += _overlapped(t_ag, fwd) if w.runtime.overlap_param_gather else t_ag
+    return t_dp
+
+
+def _dp_collectives(w: Workload, L: Layout, max_params: tuple[float, float]) -> tuple:
+    """(gradient reduce seconds, parameter all-gather seconds or None) of the non-expert and the expert
+    data-parallel groups that have any, before overlap; made once per parallel sizes and parameters."""
+    key = ("dp collectives", L.tp, L.cp, L.dp, L.ep, max_params)
+    made = w._cost_cache.get(key)
+    if made is not None:
+        return made
     ne, ex = max_params
     gpn = w.gpu.gpus_per_node
-    t_dp = 0.0
     rs_frac = 1.0 if w.runtime.distributed_optimizer else 2.0
     edp = L.tp * L.cp * L.dp // (L.ep * L.etp)
+    out = []
     for params, group, stride in ((ne, L.dp * L.cp, L.tp), (ex, edp, L.ep)):
         if group <= 1 or params <= 0:
             continue
@@ -472,18 +512,18 @@ def _dp_time(w: Workload, L: Layout, max_params: tuple[float, float], fwd: float
         lat = (NVLINK_LATENCY_S if bw == w.nvlink else IB_LATENCY_S) * 2 * int(group).bit_length()
         grad_bytes = params * w.runtime.wire_grad_bytes
         t_red = rs_frac * grad_bytes * (group - 1) / group / bw + lat * (grad_bytes / DP_BUCKET_BYTES + 1)
-        t_dp += _overlapped(t_red, bwd) if w.runtime.overlap_grad_reduce else t_red
-        if w.runtime.distributed_optimizer:
-            t_ag = params * 2 * (group - 1) / group / bw
-            t_dp += _overlapped(t_ag, fwd) if w.runtime.overlap_param_gather else t_ag
-    return t_dp
+        t_ag = params * 2 * (group - 1) / group / bw if w.runtime.distributed_optimizer else None
+        out.append((t_red, t_ag))
+    made = w._cost_cache[key] = tuple(out)
+    return made
 
 
-def estimate(w: Workload, layout: Layout) -> Estimate:
+def estimate(w: Workload, layout: Layout, *, only_if_fits: bool = False) -> Estimate | float:
     """Memory and time of a legal layout for w's mode: the RL modes (grpo, ppo, eval) and dpo go through
-    rl_step.py, the others are one optimizer step."""
+    rl_step.py, the others are one optimizer step. ``only_if_fits``: a layout that does not fit gives its total
+    bytes alone (training_estimate)."""
     if w.mode in ("grpo", "ppo", "eval", "dpo"):
         from launcher.planner.rl_step import mode_estimate
 
-        return mode_estimate(w, layout)
-    return training_estimate(w, layout)
+        return mode_estimate(w, layout, only_if_fits=only_if_fits)
+    return training_estimate(w, layout, only_if_fits=only_if_fits)

@@ -15,16 +15,32 @@ RL_ALGORITHMS = ("grpo", "ppo", "eval")
 """algorithm.name values that generate rollouts (plan with a GrpoSizing)."""
 
 
-def runtime_of(cfg: Any) -> Runtime:
+def runtime_of(cfg: Any, shape: Any = None) -> Runtime:
     """The Runtime a job runs with: Transformer Engine where the config says (auto: on GPU jobs, off on CPU ones),
-    its attention kernel (auto as RuntimeConfig.attention_kernel resolves it), TP overlap, DP overlap, gradient dtype
-    and the distributed optimizer."""
+    its attention kernel (auto as RuntimeConfig.attention_kernel resolves it), TP overlap, DP overlap, gradient dtype,
+    the distributed optimizer, and with model.lora (given the ``shape``) the adapters' share of the parameters."""
     rt = cfg.runtime
     te = rt.uses_transformer_engine(gpus=cfg.cluster.has_gpus)
     attention = rt.attention_kernel
+    lora = getattr(cfg.model, "lora", None)
     return Runtime(transformer_engine=te, flash_attention=attention == "flash", tp_comm_overlap=rt.tp_comm_overlap,
                    overlap_grad_reduce=rt.overlap_grad_reduce, distributed_optimizer=cfg.parallel.distributed_optimizer,
-                   main_grad_bytes=2 if rt.grad_dtype == "bf16" else 4)
+                   main_grad_bytes=2 if rt.grad_dtype == "bf16" else 4,
+                   trainable_fraction=lora_trainable_fraction(shape, lora) if lora and shape is not None else 1.0)
+
+
+def lora_trainable_fraction(shape: Any, lora: Any) -> float:
+    """Adapter parameters over all parameters (frozen base plus adapters) for model.lora on ``shape``: rank x
+    (in + out) per adapted linear, as megatron_rl/models/lora.py builds them (MoE experts and MLA projections get
+    none; linear_proj does)."""
+    h, d, r = shape.hidden_size, shape.kv_channels, lora.rank
+    n, g, f = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
+    attention = {"linear_qkv": 0 if shape.is_mla else h + (n + 2 * g) * d, "linear_proj": n * d + h}
+    mlp = {"linear_fc1": h + f * (2 if shape.gated_linear_unit else 1), "linear_fc2": f + h}
+    per_dense = sum(v for k, v in {**attention, **mlp}.items() if k in lora.targets)
+    per_moe = sum(v for k, v in attention.items() if k in lora.targets)
+    adapters = r * (shape.num_dense_layers * per_dense + shape.num_moe_layers * per_moe)
+    return adapters / (shape.num_params() + adapters)
 
 
 def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:
@@ -53,7 +69,8 @@ def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_leng
                           f"(generation.max_new_tokens={gen.max_new_tokens})")
     return GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=gen.max_new_tokens,
                       mean_response_length=mean_response_length, samples_per_prompt=algo.group_size,
-                      generation_concurrency=gen.max_concurrent, reference_model=algo.kl_coef > 0,
+                      generation_concurrency=gen.max_concurrent,
+                      reference_model=algo.kl_coef > 0 and getattr(cfg.model, "lora", None) is None,  # LoRA: the base
                       recompute_old_logprobs=recomputes_old_logprobs(cfg, shape, runtime), epochs=algo.epochs,
                       reward_model=bool(algo.reward_model), kv_cache_released_for_training=True,
                       optimizer_offloaded_for_generation=gen.offload_optimizer)

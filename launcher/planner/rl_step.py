@@ -106,14 +106,15 @@ def training_workload(w: Workload) -> Workload:
     return made
 
 
-def mode_estimate(w: Workload, layout: Layout) -> Estimate:
-    """Estimate of a dpo, grpo, ppo or eval step."""
+def mode_estimate(w: Workload, layout: Layout, *, only_if_fits: bool = False) -> Estimate | float:
+    """Estimate of a dpo, grpo, ppo or eval step (``only_if_fits``: training_estimate's)."""
     tw = training_workload(w)
     if w.mode == "dpo":
-        return training_estimate(tw, layout)
+        return training_estimate(tw, layout, only_if_fits=only_if_fits)
     r = rollout(w)
     return training_estimate(tw, layout, memory=lambda gr, ne, ex, parts: _rl_memory(w, layout, r, gr, ne, ex, parts),
-                             finish=lambda optimizer, terms, flops: _rl_timing(w, layout, r, optimizer, terms, flops))
+                             finish=lambda optimizer, terms, flops: _rl_timing(w, layout, r, optimizer, terms, flops),
+                             only_if_fits=only_if_fits)
 
 
 def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, terms: TimeTerms,

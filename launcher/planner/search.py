@@ -10,7 +10,10 @@ accepts, or none at a fixed pp, is a ConfigError.
 
 Pruning that does not change the answer: a layout whose weights and optimizer alone overflow skips its
 micro-batch and recompute variants; for one parallel layout and micro-batch size, the first recompute mode
-that fits (none < selective < full in time) dominates the slower ones.
+that fits (none < selective < full in time) dominates the slower ones; a recompute mode that overflowed at a
+smaller micro-batch is not estimated at larger ones (memory never falls with the micro-batch: activations grow
+with it, the micro-batches in flight times its size never shrink); the time model runs only for layouts that fit
+(estimate(only_if_fits=True)), and the leanest misfit is estimated in full once, at the end.
 
 Time it: ``.venv/bin/python bench/plan_speed.py``.
 """
@@ -106,10 +109,13 @@ def search(w: Workload, fixed: dict | None = None, *, keep_all: bool = True, fir
     reference that bench/plan_speed.py times)."""
     fixed = dict(fixed or {})
     out = SearchOutcome()
+    leanest: list = []  # [total bytes, layout] of the leanest layout that does not fit
     try:
-        _search(w, fixed, out, keep_all and not first_fit, first_fit, prune)
+        _search(w, fixed, out, keep_all and not first_fit, first_fit, prune, leanest)
     except _FirstFit:
         pass
+    if leanest:
+        out.leanest = estimate(w, leanest[1])
     if not out.legal_splits and out.split_errors and any(k in fixed for k in SPLIT_KEYS):
         pp = max(out.split_errors)
         raise ConfigError(f"--layout {_given(fixed, SPLIT_KEYS)}: no pp gives a legal pipeline split of "
@@ -122,7 +128,8 @@ def _given(fixed: dict, keys: tuple[str, ...]) -> str:
     return ",".join(f"{k}={as_yaml(fixed[k])}" for k in keys if k in fixed)
 
 
-def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_fit: bool, prune: bool) -> None:
+def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_fit: bool, prune: bool,
+            leanest: list) -> None:
     s, world, gpn = w.shape, w.num_gpus, w.gpu.gpus_per_node
     capacity = w.gpu.memory_gib * GIB * (1.0 - w.runtime.memory_margin)
     overhead = w.runtime.overhead_gib * GIB
@@ -156,6 +163,10 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
                 bad(("tp", "sequence_parallel"), "MoE needs SP with TP", "MoE with tp > 1 needs sequence_parallel=true")
                 continue
             for cp in cps:
+                if cp > 1 and w.mode in ("ppo", "rm"):  # their scalar head (megatron_rl.models.reward_model)
+                    bad(("cp",), "no CP with a value/reward head",
+                        f"cp={cp}: the {w.mode} trainer does not support context parallelism yet")
+                    continue
                 if cp < 1 or w.seq_length % (2 * cp if cp > 1 else 1):
                     bad(("cp",), "seq % (2*cp)", f"seq_length {w.seq_length} not divisible by 2*cp={2 * cp}")
                     continue
@@ -172,10 +183,10 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
                         bad(("tp", "cp", "pp"), "world % (tp*cp*pp)", f"{world} GPUs not divisible by tp*cp*pp={tp * cp * pp}")
                         continue
                     _search_pp(w, fixed, out, tp, sp, cp, pp, world // (tp * cp * pp), capacity, overhead, bad,
-                               keep_all, first_fit, prune)
+                               keep_all, first_fit, prune, leanest)
 
 
-def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_all, first_fit, prune):
+def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_all, first_fit, prune, leanest):
     s = w.shape
     if "dp" in fixed and fixed["dp"] != dp:
         bad(("dp", "tp", "cp", "pp"), "dp = gpus/(tp*cp*pp)", f"{w.num_gpus} GPUs give dp = {w.num_gpus}/(tp*cp*pp) "
@@ -194,6 +205,8 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
             raise ConfigError(f"--layout recompute_num_layers={partial} needs recompute=full (it is {modes[0]})")
         modes = ["full"]
     inner = len(mbss) * len(modes)
+    overflow = (f"needs more than {capacity / GIB:.1f} GiB per GPU (capacity {w.gpu.memory_gib:.1f} less the "
+                f"{100 * w.runtime.memory_margin:.0f}% margin)")
     if s.is_moe:
         eps = [fixed["ep"]] if "ep" in fixed else [e for e in divisors(s.num_experts) if (tp * cp * dp) % e == 0]
     else:
@@ -233,6 +246,7 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                 out.reject("memory", inner, "the generation phase alone (weights, frozen models, KV cache, buffers) "
                            f"exceeds {capacity / GIB:.0f} GiB")
                 continue
+            overflowed = set()  # recompute modes that overflowed at a smaller micro-batch: they do at larger ones
             for mbs in mbss:
                 if mbs < 1 or per_dp % mbs:
                     bad(("micro_batch_size", "tp", "cp", "pp"), "global batch % (dp*mbs)",
@@ -246,22 +260,26 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                 for mode in modes:
                     if mode not in RECOMPUTE_MODES:
                         raise ConfigError(f"--layout recompute={mode}: use one of {', '.join(RECOMPUTE_MODES)}")
+                    if prune and mode in overflowed:
+                        out.reject("memory", 1, overflow)
+                        continue
                     lay = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=mbs, recompute=mode,
                                  sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,
                                  account_for_embedding=emb, account_for_loss=loss, recompute_num_layers=partial)
-                    est = estimate(w, lay)
+                    est = estimate(w, lay, only_if_fits=prune)
                     out.evaluated += 1
-                    if est.fits:
+                    if isinstance(est, float) or not est.fits:
+                        total = est if isinstance(est, float) else est.total
+                        out.reject("memory", 1, overflow)
+                        overflowed.add(mode)
+                        if not leanest or total < leanest[0]:
+                            leanest[:] = (total, lay)
+                    else:
                         out.fitting.append(est)
                         if first_fit:
                             raise _FirstFit
                         if not keep_all:
                             break
-                    else:
-                        out.reject("memory", 1, f"needs more than {est.usable / GIB:.1f} GiB per GPU (capacity "
-                                   f"{w.gpu.memory_gib:.1f} less the {100 * est.margin:.0f}% margin)")
-                        if out.leanest is None or est.total < out.leanest.total:
-                            out.leanest = est
 
 
 def _generation_bytes(w: Workload, layout: Layout, overhead: float) -> float:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from launcher.errors import ConfigError
+from launcher.lock import mark_cancelled
 from launcher.runs.folder import RunFolder, open_folder
 from launcher.runs.status import slurm_jobs
 from launcher.slurm.query import FINAL_STATES, have_tool, scancel
@@ -56,6 +57,7 @@ def cancel_local(run: RunFolder) -> str:
     pid = run.local_launcher()
     if pid is None:
         return f"nothing to cancel in {run.path} (no live launcher in its .lock)"
+    mark_cancelled(run.path, pid)
     if _ignores_sigint(pid):
         for rank in _children(pid):
             _stop_rank(rank)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import yaml
 
 from launcher.errors import ConfigError
-from launcher.lock import LOCK_NAME, pid_alive, read_holder
+from launcher.lock import CANCELLED_NAME, LOCK_NAME, pid_alive, read_holder
 from launcher.slurm.query import FINAL_STATES, live_state
 
 CONFIG_NAME = "config.yaml"
@@ -66,6 +66,10 @@ class RunFolder:
     def lock_holder(self) -> dict[str, Any]:
         """What ``.lock`` says ({} when there is none): pid, host, and slurm_job_id for a Slurm run."""
         return read_holder(self.path / LOCK_NAME)
+
+    def cancelled(self) -> dict[str, Any]:
+        """What ``.cancelled`` says ({} when the run was not cancelled): who cancelled it and when."""
+        return read_holder(self.path / CANCELLED_NAME)
 
     def job_ids(self) -> list[str]:
         """Slurm job ids that wrote into the folder, oldest first."""

@@ -1,4 +1,5 @@
-"""A run's (or a pipeline's) state, progress, last metrics, ETA and log paths, as text or one JSON object.
+"""A run's (or a pipeline's) state, progress, last metrics, ETA, log paths and audit record (manifest.json),
+as text or one JSON object.
 
     python launch.py status RUN_DIR [--json]
 
@@ -6,7 +7,8 @@ Slurm runs: each job that wrote into the folder, with its state from ``sacct`` (
 know it yet), its exit code and how often it started (a requeued job starts again under the same id); the run's
 state is its latest job's. Local runs have no scheduler, so the state is read from the folder: RUNNING while the
 launcher named in ``.lock`` lives on this host, else COMPLETED when metrics.jsonl reached run.steps, FAILED when
-it stopped short (an error, or Ctrl-C: the rank logs say which), NOT_STARTED when no step was logged.
+it stopped short (an error, or Ctrl-C: the rank logs say which), CANCELLED when ``launch.py cancel`` stopped it, and
+NOT_STARTED when no step was logged.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Optional
 
 from launcher.runs.folder import MAIN_PHASES, RunFolder, open_folder
 from launcher.slurm.query import JobState, live_state, sacct_states
+from megatron_rl.runtime.manifest import MANIFEST_FILE
 
 KEY_METRICS = ("reward_mean", "loss", "accuracy", "pass@1", "kl", "response_length", "reward_margin")
 """The metrics status shows, those the trainer logs (GRPO: reward, KL; RM/DPO: loss, accuracy; pretrain: loss)."""
@@ -77,6 +80,10 @@ class RunStatus:
     """Slurm jobs, oldest first (empty for local runs)."""
     logs: dict[str, str] = field(default_factory=dict)
     """Log name (rank0, rank1, batch, rank0.err, ...) -> path, of the latest job."""
+    manifest: Optional[str] = None
+    """The run's audit record (megatron_rl/runtime/manifest.py), once the job has written it."""
+    manifest_summary: dict[str, int] = field(default_factory=dict)
+    """Its attempts, requeues, checkpoints and exports, counted."""
 
 
 def key_metrics(row: dict[str, Any]) -> dict[str, float]:
@@ -129,6 +136,9 @@ def local_state(run: RunFolder, step: Optional[int], phase: str) -> tuple[str, s
         return "NOT_STARTED", "no launcher alive and no step in metrics.jsonl"
     if phase == "train" and run.steps is not None and step >= run.steps:
         return "COMPLETED", f"no launcher alive; metrics.jsonl reached step {step} of run.steps={run.steps}"
+    if cancelled := run.cancelled():
+        return "CANCELLED", (f"`launch.py cancel` stopped it at {phase} step {step} (at {cancelled.get('since', '?')}); "
+                             "launch it again with the same run.dir to resume")
     return "FAILED", f"no launcher alive; metrics.jsonl stopped at {phase} step {step} (the rank logs say why)"
 
 
@@ -156,6 +166,17 @@ def log_paths(run: RunFolder) -> dict[str, str]:
     return dict(sorted(paths.items(), key=lambda item: (item[0] != "batch", len(item[0]), item[0])))
 
 
+def manifest_summary(run: RunFolder) -> tuple[Optional[str], dict[str, int]]:
+    """(the manifest's path or None, the number of its attempts, requeues, checkpoints and exports)."""
+    path = run.path / MANIFEST_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return (str(path) if path.is_file() else None), {}
+    counts = {key: len(data.get(key) or []) for key in ("attempts", "checkpoints", "exports")}
+    return str(path), {**counts, "requeues": int(data.get("requeues") or 0)}
+
+
 def run_status(run: RunFolder) -> RunStatus:
     rows = run.recent_metrics()
     step, steps, phase = progress(run, rows)
@@ -170,11 +191,13 @@ def run_status(run: RunFolder) -> RunStatus:
     evals = [row for row in rows if row.get("phase") == "eval"]
     eval_metrics = {**key_metrics(evals[-1]), "step": evals[-1].get("step")} if evals else {}
     eta = eta_seconds(rows, step, steps) if state == "RUNNING" and phase == "train" else None
+    manifest, summary = manifest_summary(run)
     return RunStatus(run_dir=str(run.path), name=str(run.section("run").get("name", "")),
                      algorithm=str(run.section("algorithm").get("name", "")), executor=run.executor, state=state,
                      state_from=state_from, step=step, steps=steps, phase=phase,
                      metrics=key_metrics(main[-1] if main else (rows[-1] if rows else {})),
-                     eval_metrics=eval_metrics, eta_s=eta, jobs=jobs, logs=log_paths(run))
+                     eval_metrics=eval_metrics, eta_s=eta, jobs=jobs, logs=log_paths(run),
+                     manifest=manifest, manifest_summary=summary)
 
 
 def overall_state(states: list[str]) -> str:
@@ -224,6 +247,9 @@ def format_run(status: dict[str, Any], indent: str = "") -> str:
         lines.append(f"  log      {name:<9} {path}")
     if not status["logs"]:
         lines.append("  log      none yet")
+    if status.get("manifest"):
+        counts = ", ".join(f"{key} {n}" for key, n in status["manifest_summary"].items())
+        lines.append(f"  manifest {status['manifest']}" + (f"  ({counts})" if counts else ""))
     return "\n".join(indent + line for line in lines)
 
 

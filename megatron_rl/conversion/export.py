@@ -176,11 +176,14 @@ def check_stored_tensors(reader, maps: list, shape: ModelShape, origin: str, rew
         if not ok or (tm.kind == "vocab" and stored[0] < tm.hf_shapes[0][0]):
             raise ConfigError(f"mismatched shapes: checkpoint tensor {tm.ref} is {list(stored)} but {origin} "
                               f"implies {list(expected)}; is --model the right model for this checkpoint?")
+    from megatron_rl.conversion.names import is_adapter_ref
+
     ignorable = {OUTPUT} if shape.tie_embeddings or reward else set()
     if reward:
         ignorable.add(REWARD_HEAD_BIAS)  # no place for it in HF's score layer; recorded in config.json
     mapped = {tm.ref for tm in maps}
-    extra = sorted(str(r) for r in reader.index if r not in mapped and r.name not in ignorable)
+    extra = sorted(str(r) for r in reader.index if r not in mapped and r.name not in ignorable
+                   and not is_adapter_ref(r))  # LoRA adapters: merged into their base weights
     if extra:
         raise ConfigError(f"--ckpt {reader.folder}: holds {len(extra)} tensor(s) that {origin} does not "
                           f"describe (first: {extra[0]}); is --model the right model for this checkpoint?")
@@ -243,14 +246,20 @@ def kernel_copy_plan(tm, shape: ModelShape, reader) -> Optional[dict[str, list[t
     return plan
 
 
-def hf_tensor_bytes(tm, shape: ModelShape, reader, out_dtype: Optional[str]) -> dict[str, np.ndarray]:
+def hf_tensor_bytes(tm, shape: ModelShape, reader, out_dtype: Optional[str],
+                    lora_scale: Optional[float] = None) -> dict[str, np.ndarray]:
     """The bytes of each HF tensor of ``tm``: its global Megatron tensor reassembled in memory, then the HF
     tensors' rows taken from it (padding rows cut, QKV split per query group, [gate; up] split), cast to
-    ``out_dtype`` if given."""
+    ``out_dtype`` if given. ``lora_scale``: the tensor has a LoRA adapter, merged in first (W + B A scale)."""
     from megatron_rl.conversion.names import hf_row_sources
 
     stored = reader.index[tm.ref]
-    rows = reader.read_bytes(tm.ref).reshape(stored.shape[0] if stored.shape else 1, -1)
+    if lora_scale is not None:
+        from megatron_rl.conversion.lora_export import merged_weight_bytes
+
+        rows = merged_weight_bytes(reader, tm.ref, lora_scale).reshape(stored.shape[0], -1)
+    else:
+        rows = reader.read_bytes(tm.ref).reshape(stored.shape[0] if stored.shape else 1, -1)
     out = {}
     for name, blocks in hf_row_sources(tm, shape, rows.shape[0]).items():
         data = rows[blocks[0][0]:sum(blocks[0])] if len(blocks) == 1 else \
@@ -345,6 +354,9 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
     maps = tensor_maps(shape, reward_head=reward)
 
     check_stored_tensors(reader, maps, shape, source.origin, reward)
+    from megatron_rl.conversion.lora_export import adapted_weights
+
+    merged = adapted_weights(reader)  # LoRA: base weight ref -> scale; these go through memory, merged
 
     out_dtype = DTYPES[dtype] if dtype else None
     groups = []
@@ -364,11 +376,12 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
         if source.tokenizer_dir is not None:
             copy_tokenizer_files(Path(source.tokenizer_dir), tmp)
         plans = {tm.ref: kernel_copy_plan(tm, shape, reader) for tm in maps
-                 if kernel_copy and out_dtype in (None, reader.index[tm.ref].dtype)}
+                 if kernel_copy and out_dtype in (None, reader.index[tm.ref].dtype) and tm.ref not in merged}
         in_memory = [tm for tm in maps if plans.get(tm.ref) is None]
         kernel_bytes = 0
         with ThreadPoolExecutor(max_workers=1) as pool:
-            ahead = ReadAhead(pool, in_memory, lambda tm: hf_tensor_bytes(tm, shape, reader, out_dtype),
+            ahead = ReadAhead(pool, in_memory, lambda tm: hf_tensor_bytes(tm, shape, reader, out_dtype,
+                                                                          merged.get(tm.ref)),
                               lambda tm: reader.index[tm.ref].nbytes, read_budget)
             try:
                 for i, tm in enumerate(maps):

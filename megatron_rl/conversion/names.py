@@ -119,6 +119,21 @@ EXPERT_FC2 = "mlp.experts.experts.linear_fc2.weight"
 REWARD_HEAD_WEIGHT = "rm_head.weight"
 REWARD_HEAD_BIAS = "rm_head.bias"
 
+# LoRA adapters (megatron_rl/models/lora.py) of the dense decoder linears: <linear>.lora.A [r, in], .lora.B [out, r]
+LORA_TARGET_WEIGHTS = {"linear_qkv": QKV, "linear_proj": PROJ, "linear_fc1": FC1, "linear_fc2": FC2}
+LORA_SUFFIXES = (".lora.A", ".lora.B")
+
+
+def is_adapter_ref(ref: "MegatronRef") -> bool:
+    return ref.name.endswith(LORA_SUFFIXES)
+
+
+def adapter_refs(ref: "MegatronRef") -> tuple["MegatronRef", "MegatronRef"]:
+    """(A, B) refs of the adapter of base weight ``ref`` (``....linear_qkv.weight``)."""
+    stem = ref.name.removesuffix(".weight")
+    return tuple(MegatronRef(stem + suffix, ref.layer, ref.expert) for suffix in LORA_SUFFIXES)
+
+
 # Local-spec (pure torch) names and other spellings of the same tensor.
 LAYER_ALIASES = {
     "input_layernorm.weight": INPUT_NORM,

@@ -133,6 +133,8 @@ def lean_decode_unsupported(chunks: list) -> Optional[str]:
         for module, kind in kinds:
             if type(module) is not kind:
                 return f"module {type(module).__name__} (expected {kind.__name__}, local spec)"
+            if hasattr(module, "lora"):  # model.lora: the adapters run in forward hooks of the module path
+                return "LoRA adapters"
         for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
             if type(norm) not in _NORMS:
                 return f"norm {type(norm).__name__} (only torch RMSNorm / LayerNorm)"

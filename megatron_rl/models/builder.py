@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from launcher.config.schema import attention_kernel
+from launcher.config.schema import LoraConfig, attention_kernel
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
 from launcher.parallel import ParallelDims
@@ -93,6 +93,8 @@ class ModelOptions:
     """parallel.recompute_num_layers: with full recompute, only the first N layers of each stage (block method)."""
     tp_comm_overlap: bool = False
     """runtime.tp_comm_overlap: TE userbuffers overlap of the TP collectives (GPUs with TE only)."""
+    lora: Optional[LoraConfig] = None
+    """model.lora: low-rank adapters on a frozen base (megatron_rl/models/lora.py); None trains every weight."""
 
     @property
     def core_attention(self) -> str:
@@ -461,6 +463,10 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
             rope_scaling=rope_scaling.get("rope_type") == "llama3",
             rope_scaling_factor=float(rope_scaling.get("factor", 8.0)),
             vp_stage=vp_stage)
+    if opts.lora is not None:
+        from megatron_rl.models.lora import add_adapters
+
+        add_adapters(model, opts.lora, seed=opts.init_seed)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -11,6 +11,9 @@ Checkpoint keys (our ``torch_dist`` format, global shapes): every trunk key of t
 under TP) and ``rm_head.bias`` [1] (replicated). There is no ``output_layer.weight``. Loading a policy or
 HF-imported checkpoint fills the trunk and leaves the head freshly initialised (``load_reward_model_weights``).
 
+``last_index=None`` reads the head at every position instead: values [batch, seq], the per-token mode that PPO's
+critic uses (``value_forward``).
+
 Batches are right-padded (real tokens first): the causal mask then keeps padding out of every real token's
 view on every attention backend, and no attention mask is needed. Left padding works with the local (CPU)
 spec when an explicit causal-and-padding mask is passed; ``last_token_index`` handles either.
@@ -111,9 +114,10 @@ def _gpt_model_class():
                                                      ensure_metadata_has_dp_cp_group(metadata))
 
         def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                    attention_mask: Optional[torch.Tensor] = None, *, last_index: torch.Tensor,
+                    attention_mask: Optional[torch.Tensor] = None, *, last_index: Optional[torch.Tensor],
                     decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
-            """Rewards [batch] on the last pipeline stage, hidden states [seq, batch, hidden] elsewhere."""
+            """Rewards [batch] on the last pipeline stage, hidden states [seq, batch, hidden] elsewhere.
+            ``last_index=None``: the head at every position, values [batch, seq] (PPO's critic)."""
             pre = self._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input)
             hidden = self.decoder(hidden_states=pre[0], attention_mask=attention_mask, rotary_pos_emb=pre[1],
                                   rotary_pos_cos=pre[2], rotary_pos_sin=pre[3], sequence_len_offset=pre[4])
@@ -125,6 +129,9 @@ def _gpt_model_class():
                 # Every TP rank then picks the same rows; the backward only splits the grad (no reduction).
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(
                     hidden, tensor_parallel_output_grad=False)
+            if last_index is None:
+                values, _ = getattr(self, HEAD_NAME)(hidden)  # [seq, batch, 1]
+                return values.squeeze(-1).transpose(0, 1).float()
             picked = pick_last_tokens(hidden, last_index).unsqueeze(0)  # [1, batch, hidden]: Megatron's 3-D layout
             reward, _ = getattr(self, HEAD_NAME)(picked)
             return reward.reshape(-1).float()
@@ -166,6 +173,11 @@ def reward_forward(model, batch: dict) -> torch.Tensor:
     return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), last_index=batch["last_index"])
 
 
+def value_forward(model, batch: dict) -> torch.Tensor:
+    """``forward_fn`` of a critic: the head at every position, values [batch, seq] (or hidden states mid-pipeline)."""
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), last_index=None)
+
+
 def checkpoint_tensor_keys(folder: str | Path) -> set[str]:
     """Global tensor and object keys stored in one of our checkpoints (step folder or root with ``latest``)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -185,6 +197,7 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     """
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.models.lora import is_adapter_key
     from megatron_rl.runtime.checkpoint import resolve_checkpoint, unwrap
 
     try:
@@ -198,7 +211,7 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
         for name, item in list(sharded.items()):
             key = getattr(item, "key", None)
             if key is not None and key not in stored:
-                if key not in HEAD_KEYS:
+                if key not in HEAD_KEYS and not is_adapter_key(key):
                     raise ConfigError(f"checkpoint {folder} has no tensor {key!r}: it was saved from a different "
                                       "model shape; check model.name against the checkpoint")
                 skipped.add(key)
@@ -207,7 +220,8 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     loaded = dist_checkpointing.load(request, str(folder))
     for i, chunk in enumerate(chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
-        bad = [k for k in missing if not k.startswith(HEAD_NAME + ".") and not k.endswith("_extra_state")]
+        bad = [k for k in missing if not k.startswith(HEAD_NAME + ".") and not k.endswith("_extra_state")
+               and not is_adapter_key(k)]
         if bad or unexpected:
             raise RuntimeError(f"loading {folder}: missing {bad}, unexpected {unexpected}")
     return not skipped

@@ -19,7 +19,9 @@ run into an old folder saves low steps after high ones), never the target of ``l
 renamed to ``.del-`` and deleted by a background thread of rank 0 after the publishing barrier, so no rank
 waits on the deletes inside a collective. Model and optimizer tensors are stored by their global
 (layout-free) keys, so a checkpoint loads at any TP/PP/DP. RNG states are per rank and are restored only
-when the layout is unchanged.
+when the layout is unchanged. Every published step folder is listed, with its content hash, in the run's
+``manifest.json`` (``megatron_rl/runtime/manifest.py`` defines the hash: SHA-256 of the ``sha256sum`` lines of
+the folder's files, sorted by relative path).
 """
 
 from __future__ import annotations
@@ -307,6 +309,18 @@ def _model_sharded_state_dict(chunks: list) -> dict:
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
+def _adapters_not_stored(folder: Path, model_sd: dict) -> set[str]:
+    """State-dict names of the LoRA adapter matrices in ``model_sd`` that ``folder`` does not store."""
+    names = {name: item.key for sd in model_sd.values() for name, item in sd.items() if ".lora." in name}
+    if not names:
+        return set()
+    from megatron_rl.models.lora import is_adapter_key
+    from megatron_rl.models.reward_model import checkpoint_tensor_keys
+
+    stored = checkpoint_tensor_keys(folder)
+    return {name for name, key in names.items() if is_adapter_key(name) and key not in stored}
+
+
 def _rng_sharded_object(state: Any):
     import torch
 
@@ -334,9 +348,14 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
     _barrier()
     model_sd = _model_sharded_state_dict(chunks)
     extra = {"run_id": run_id(), **(extra or {})} if run_id() is not None else (extra or {})
+    from megatron_rl.models.lora import adapter_settings
+
+    if adapter_settings(chunks) is not None:  # the exports need alpha (and the PEFT config the rest)
+        extra = {**extra, "lora": adapter_settings(chunks)}
     state: dict[str, Any] = {**model_sd, "step": step, "layout": layout_signature(), "extra": extra,
                              "rng_state": _rng_sharded_object(_rng_state())}
     if optimizer is not None and save_optimizer:
+        _allocate_optimizer_state(optimizer)  # a never-stepped one (PPO's policy while the critic warms up)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -363,7 +382,16 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
     common = dist_checkpointing.load_common_state_dict(str(folder))
     same_layout = common.get("layout") == layout_signature()
     model_sd = _model_sharded_state_dict(chunks)
+    stored_lora = (common.get("extra") or {}).get("lora")
+    if stored_lora and not any(".lora." in name for sd in model_sd.values() for name in sd):
+        from launcher.errors import ConfigError
+
+        raise ConfigError(f"checkpoint {folder} holds LoRA adapters (model.lora={stored_lora}); set the same "
+                          "model.lora to load it, or export it merged (launch.py convert megatron-to-hf)")
     request: dict[str, Any] = dict(model_sd)
+    new_adapters = _adapters_not_stored(folder, model_sd)
+    if new_adapters:  # LoRA started from a base checkpoint: the adapters keep their initialisation
+        request.update({part: {k: v for k, v in sd.items() if k not in new_adapters} for part, sd in model_sd.items()})
     if optimizer is not None and load_optimizer and "optimizer" in common:
         _allocate_optimizer_state(optimizer)
         _skip_step_in_reshardable_load()
@@ -372,7 +400,10 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
         request["rng_state"] = _rng_sharded_object(None)
     loaded = dist_checkpointing.load(request, str(folder))
     for i, chunk in enumerate(chunks):
-        unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=not new_adapters)
+        if set(missing) - new_adapters or unexpected:
+            raise RuntimeError(f"loading {folder}: missing {sorted(set(missing) - new_adapters)}, "
+                               f"unexpected {unexpected}")
     if "optimizer" in request:
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
@@ -386,7 +417,7 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
 
 
 def _allocate_optimizer_state(optimizer) -> None:
-    """Give a fresh torch Adam its (zero) state, as a first step would.
+    """Give a fresh torch Adam its (zero) state, as a first step would (a no-op once it has stepped).
 
     Without Apex/TE, Megatron's distributed optimizer reads the step count from the torch optimizer's
     per-parameter state when building the loading state dict, and a never-stepped optimizer has none.

@@ -29,7 +29,8 @@ import yaml
 from launcher.errors import ConfigError
 from launcher.private import write_private_text
 
-CONSOLE_KEYS = ("loss", "reward_mean", "accuracy", "kl", "response_length", "grad_norm", "lr", "step_time_s")
+CONSOLE_KEYS = ("loss", "reward_mean", "accuracy", "pass_at_1", "kl", "response_length", "grad_norm", "lr",
+                "step_time_s")
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
@@ -112,8 +113,9 @@ class MetricsLogger:
             print(json.dumps(record), file=self.stream, flush=True)
         elif self.console == "progress":
             shown = "  ".join(f"{k} {_fmt(metrics[k])}" for k in CONSOLE_KEYS if k in metrics)
-            label = f"{phase} " if phase else ""
-            print(f"{label}step {step:>4}/{total or self.total_steps}  {shown}", file=self.stream, flush=True)
+            total = self.total_steps if total is None else total
+            where = f"step {step:>4}/{total}  " if total else ""  # total=0: a record of no training step (eval runs)
+            print(f"{phase + ' ' if phase else ''}{where}{shown}", file=self.stream, flush=True)
 
     def _writer(self, phase: str):
         if phase not in self._writers:

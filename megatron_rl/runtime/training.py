@@ -131,7 +131,7 @@ def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
         seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed,
         transformer_engine=resolve_transformer_engine(cfg.runtime.transformer_engine),
         attention=cfg.runtime.attention, recompute_num_layers=cfg.parallel.recompute_num_layers,
-        tp_comm_overlap=cfg.runtime.tp_comm_overlap)
+        tp_comm_overlap=cfg.runtime.tp_comm_overlap, lora=cfg.model.lora)
 
 
 @dataclass
@@ -148,6 +148,8 @@ class Engine:
     step: int = 0
     peak_memory: dict[str, int] = field(default_factory=dict)
     """Peak bytes per phase since the trainer last logged them (``megatron_rl.runtime.memory``)."""
+    trainable_fraction: Optional[float] = None
+    """With LoRA: the trainable (adapter and head) share of the model's parameters, logged every step."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -197,10 +199,18 @@ class Engine:
                 micro_batch_size=self.micro_batch_size, forward_only=True)
         return reduce_reports(reports, report_names)
 
+    def reference_model(self, folder: Path) -> list:
+        """The KL reference: with LoRA (``model.lora``) this engine's own chunks, which ``reference_logprobs``
+        runs with their adapters disabled (the frozen base: no second copy in memory); else ``frozen_copy``."""
+        return self.chunks if self.opts.lora is not None else self.frozen_copy(folder)
+
     def reference_logprobs(self, reference: list, microbatches: list[dict], *, seq_length: int) -> None:
         """Store the frozen ``reference`` chunks' log-probs of each micro-batch's labels as ``ref_logp``
-        (on the last pipeline stage, the only one that computes the loss)."""
-        self._store_logprobs(reference, microbatches, "ref_logp", seq_length=seq_length)
+        (on the last pipeline stage, the only one that computes the loss); LoRA adapters are off meanwhile."""
+        from megatron_rl.models.lora import adapters_disabled
+
+        with adapters_disabled(reference):
+            self._store_logprobs(reference, microbatches, "ref_logp", seq_length=seq_length)
 
     def recompute_old_logprobs(self, microbatches: list[dict], *, seq_length: int) -> None:
         """Replace each micro-batch's ``old_logp`` (the sampler's) with this engine's own training-forward
@@ -372,8 +382,13 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
         return optimizer, scheduler
 
     optimizer, scheduler = make_optimizer(wrapped)
+    if opts.lora is not None:
+        from megatron_rl.models.lora import trainable_fraction
+
+        fraction = trainable_fraction(wrapped)
     return Engine(shape=shape, opts=opts, chunks=wrapped, optimizer=optimizer, scheduler=scheduler,
-                  micro_batch_size=cfg.parallel.micro_batch_size, make_optimizer=make_optimizer)
+                  micro_batch_size=cfg.parallel.micro_batch_size, make_optimizer=make_optimizer,
+                  trainable_fraction=fraction if opts.lora is not None else None)
 
 
 def data_parallel_share(items: list, *, with_context_parallel: bool = False) -> list:

@@ -23,6 +23,7 @@ from launcher.config.schema import JobConfig
 from launcher.slurm import REQUEUE_EXIT_CODE
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.distributed import global_rank, on_rank_zero
+from megatron_rl.runtime.manifest import RunManifest
 from megatron_rl.runtime.memory import GIB, PHASES
 from megatron_rl.runtime.metrics import MetricsLogger
 
@@ -37,6 +38,18 @@ def install_stop_handlers() -> None:
 
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, request_stop)
+
+
+def _rank_hosts() -> list[str]:
+    """Every rank's hostname, indexed by rank (one all-gather; this host alone without a process group)."""
+    import socket
+
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if not torch.distributed.is_initialized():
+        return [host]
+    hosts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(hosts, host)
+    return hosts
 
 
 def _new_run_id() -> str:
@@ -81,9 +94,15 @@ class TrainerContext:
     cfg: JobConfig
     shape: Optional[Any] = None
     """The model's ModelShape, stored in every checkpoint so it exports to Hugging Face without extra input."""
+    config_path: Optional[str] = None
+    """The config.yaml this process loaded: its ``${oc.env:...}`` keys stay unresolved in the run's manifest."""
     logger: MetricsLogger = field(init=False)
     extra_state: Callable[[], dict] = field(default=lambda: {})
     resumed_extra: dict = field(default_factory=dict, init=False)
+    companions: dict[str, Any] = field(default_factory=dict)
+    """Further engines saved and resumed with the trainer's (PPO's critic): name -> Engine, each a checkpoint of
+    its own (weights, optimizer, schedule) in ``<checkpoint dir>/<name>/`` at the same step, saved first, so
+    that the main checkpoint of a step (the commit point) never exists without theirs."""
 
     def __post_init__(self) -> None:
         self.rank = global_rank()
@@ -91,6 +110,8 @@ class TrainerContext:
                                     console=self.cfg.logging.console, tensorboard=self.cfg.logging.tensorboard,
                                     wandb=self.cfg.logging.wandb, enabled=self.rank == 0)
         install_stop_handlers()
+        self.manifest = RunManifest(self.cfg, enabled=self.rank == 0, config_path=self.config_path)
+        self.manifest.start(rank_hosts=_rank_hosts())  # a collective: every rank makes its context once
         # Deterministic preemption for tests: "N" stops after training step N, "sft:N" after warm-up step N.
         phase, _, at = os.environ.get("MEGATRON_RL_STOP_AFTER_STEP", "").rpartition(":")
         self._stop_after = (phase or None, int(at)) if at else None
@@ -122,15 +143,22 @@ class TrainerContext:
         the checkpoint's (a reward model started from a policy); default: a plain model-only load.
         """
         ckpt.remove_partial_saves(self.ckpt_dir)
+        if getattr(engine, "trainable_fraction", None) is not None:
+            self.say(f"LoRA: {engine.trainable_fraction:.4%} of the parameters are trainable")
         found = ckpt.latest_checkpoint(self.ckpt_dir) if self.cfg.checkpoint.resume else None
         if found is not None:
             state = ckpt.load_checkpoint(found, chunks=engine.chunks, optimizer=engine.optimizer,
                                          scheduler=engine.scheduler)
             engine.step = state["step"]
+            for name, companion in self.companions.items():
+                ckpt.load_checkpoint(self.ckpt_dir / name / ckpt.step_dir_name(engine.step), chunks=companion.chunks,
+                                     optimizer=companion.optimizer, scheduler=companion.scheduler)
+                companion.step = engine.step
             self.resumed_extra = state["extra"]
             ckpt.set_run_id(state["extra"].get("run_id"))  # None for checkpoints of older versions
             self.logger.truncate_after(engine.step, warmup_kept=state["extra"].get(WARMUP_DONE))
             self.last_step = self.last_saved_step = engine.step
+            self.manifest.resumed(engine.step)
             self.say(f"resumed from {found} (step {engine.step}"
                      f"{', new layout: RNG reseeded' if state['layout_changed'] else ''})")
             return engine.step
@@ -142,6 +170,9 @@ class TrainerContext:
                 self.say(f"initialised weights from {source}")
             else:
                 self.say(f"initialised weights from {source} ({load_init(source, engine.chunks)})")
+            # The optimizer was built before the load: with bf16/fp16 parameters its fp32 main copies still hold
+            # the random init, and its first step would write that back into the model.
+            engine.optimizer.reload_model_params()
         self.logger.truncate_after(0, warmup_kept=0)
         return 0
 
@@ -154,6 +185,8 @@ class TrainerContext:
         peaks = [float(engine.peak_memory.get(phase, 0)) for phase in PHASES]
         stop, save_due, *peaks = self._agree(self._stop_requested(None, step), self._save_due(step, now), *peaks)
         engine.peak_memory.clear()
+        if getattr(engine, "trainable_fraction", None) is not None:  # LoRA
+            metrics = {**metrics, "trainable_fraction": engine.trainable_fraction}
         self.logger.log(step, {**metrics, **{f"peak_memory_{phase}_gib": round(peak / GIB, 4)
                                              for phase, peak in zip(PHASES, peaks) if peak}})
         self.last_step = step
@@ -225,13 +258,21 @@ class TrainerContext:
             from megatron_rl.conversion.export import model_metadata
 
             extra["model"] = model_metadata(self.shape, tokenizer_dir=self.cfg.model.tokenizer)
+        self.manifest.wait()  # the previous save's hash is done before this save's retention deletes anything
         start = time.monotonic()
+        for name, companion in self.companions.items():  # one more kept: a crash before the main save leaves step-1
+            ckpt.save_checkpoint(self.ckpt_dir / name, step=step, chunks=companion.chunks, optimizer=companion.optimizer,
+                                 scheduler=companion.scheduler, extra=extra, keep_last=self.cfg.checkpoint.keep_last + 1)
         folder = ckpt.save_checkpoint(self.ckpt_dir, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
                                       scheduler=engine.scheduler, extra=extra,
                                       keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step = step
         self._last_save_end = time.monotonic()
         self._save_s = self._last_save_end - start
+        for name in self.companions:
+            self.manifest.checkpoint_saved(self.ckpt_dir / name / ckpt.step_dir_name(step), step,
+                                           save_s=self._save_s, kind=name)
+        self.manifest.checkpoint_saved(folder, step, save_s=self._save_s)
         self._saves = getattr(self, "_saves", 0) + 1
         every = self.cfg.checkpoint.export_hf_every
         if self.cfg.checkpoint.export_hf and (final or (every and self._saves % every == 0)):
@@ -247,6 +288,7 @@ class TrainerContext:
                                                                overwrite=True))
         if summary is not None:
             self.say(f"exported {folder.name} to Hugging Face format: {out} ({summary.num_shards} shard(s))")
+            self.manifest.export_written(folder, out)
 
     def finish(self, engine) -> None:
         """Save the last step (the loop's step: a GRPO step takes several optimizer steps) and close the log."""
@@ -256,6 +298,19 @@ class TrainerContext:
         self.logger.close()
         if self.rank == 0:
             self.say_prediction_beside_measurement()
+
+    def close(self, error: Optional[BaseException]) -> None:
+        """The end of this process (``error``: what ended the trainer, None when it returned): the manifest
+        records the attempt's end and status once every pending hash is written."""
+        if error is None:
+            status = "completed"
+        elif isinstance(error, Preempted):
+            status = "preempted"
+        elif isinstance(error, SystemExit):
+            status = f"exited {error.code}"
+        else:
+            status = f"failed: {type(error).__name__}"
+        self.manifest.finished(status)
 
     def say_prediction_beside_measurement(self) -> None:
         """The planner's step time and memory for this job (prediction.json, written at launch) beside what the

@@ -81,7 +81,8 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
         record(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
         ctx.logger.log(0, {"pass_at_1": summary["pass@1"], "pass_at_k": summary["pass@k"], "k": float(summary["k"]),
                            "reward_mean": summary["mean_reward"], "response_length": summary["mean_response_length"],
-                           "prompts": float(summary["n_prompts"]), "time_eval_s": t_eval.seconds}, phase="eval")
+                           "prompts": float(summary["n_prompts"]), "time_eval_s": t_eval.seconds},
+                       phase="eval", total=0)
     ctx.logger.close()
     ctx.say(table(stage, entry))
     if not kept:
@@ -124,7 +125,7 @@ def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext
              "n_pairs": len(held_out_pairs), "checkpoint": str(cfg.model.init_from), "kept": True}
     if ctx.rank == 0:
         record(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
-        ctx.logger.log(0, metrics, phase="eval")
+        ctx.logger.log(0, metrics, phase="eval", total=0)
     ctx.logger.close()
     ctx.say(f"{'stage':<12} {'accuracy':>8} {'margin':>8} {'pairs':>7}\n"
             f"{stage:<12} {entry['accuracy']:>8.3f} {entry['reward_margin']:>8.3f} {entry['n_pairs']:>7d}")

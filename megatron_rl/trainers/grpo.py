@@ -110,8 +110,8 @@ class GrpoRun:
             self.warmup_done = extra.get(WARMUP_DONE, self.algo.sft_warmup_steps)
         if self.warmup_done < self.algo.sft_warmup_steps:
             self.warm_up()
-        if self.algo.kl_coef > 0:  # the weights GRPO started from, kept with the run's checkpoints
-            self.reference = self.engine.frozen_copy(self.ctx.ckpt_dir / "reference")
+        if self.algo.kl_coef > 0:  # the weights GRPO started from (with LoRA: the base), kept with the checkpoints
+            self.reference = self.engine.reference_model(self.ctx.ckpt_dir / "reference")
         return start
 
     def warm_up(self) -> None:
@@ -223,36 +223,50 @@ class GrpoRun:
         """algorithm.epochs passes over the rollout, one optimizer step per mini-batch of global_batch_size
         completions. The old policy's log-probs (when recomputed) and the reference's are taken first, from the
         weights that sampled the rollout."""
+        minibatches = self.minibatches(rollout)
+        if not minibatches:
+            return {"skipped_minibatches": 1.0}
+        seq_length = rollout.seq_length
+        totals: dict[str, list[float]] = {}
+        with training_phase(self.engine):
+            self.old_and_reference_logprobs(minibatches, seq_length=seq_length)
+            for epoch in range(1, self.algo.epochs + 1):
+                for batches in minibatches:
+                    self.record_policy_step(totals, epoch, self.engine.train_step(
+                        batches, self.loss_fn, seq_length=seq_length, report_names=REPORTS, forward_fn=logits_forward))
+        return _combine_minibatches(totals)
+
+    def minibatches(self, rollout: Rollout) -> list[list[dict]]:
+        """This DP rank's micro-batches of each mini-batch of global_batch_size completions (a rollout's remainder
+        short of a whole mini-batch is left out)."""
         rows = rollout_rows(rollout, mask_truncated=self.algo.mask_truncated)
         gbs = self.algo.global_batch_size
         usable = len(rows) - len(rows) % gbs
-        if usable == 0:
-            return {"skipped_minibatches": 1.0}
-        seq_length = rollout.seq_length
-        minibatches = [[collate_rollout(mb, seq_length=seq_length, pad_id=self.tokenizer.pad_id)
-                        for mb in data_parallel_slice(rows[start:start + gbs],
-                                                      micro_batch_size=self.cfg.parallel.micro_batch_size)]
-                       for start in range(0, usable, gbs)]
-        totals: dict[str, list[float]] = {}
-        with training_phase(self.engine):
-            for batches in minibatches:
-                if self.recompute_old_logprobs:
-                    self.engine.recompute_old_logprobs(batches, seq_length=seq_length)
-                if self.reference is not None:
-                    self.engine.reference_logprobs(self.reference, batches, seq_length=seq_length)
-            for epoch in range(1, self.algo.epochs + 1):
-                for batches in minibatches:
-                    metrics = self.engine.train_step(batches, self.loss_fn, seq_length=seq_length,
-                                                     report_names=REPORTS, forward_fn=logits_forward)
-                    if not totals:
-                        totals["first_ratio_min"] = [metrics["ratio_min"]]
-                        totals["first_ratio_max"] = [metrics["ratio_max"]]
-                    for key, value in metrics.items():
-                        totals.setdefault(key, []).append(value)
-                    if self.algo.epochs > 1:
-                        for key in ("clip_fraction", "kl"):
-                            totals.setdefault(f"{key}_epoch{epoch}", []).append(metrics[key])
-        return _combine_minibatches(totals)
+        return [[collate_rollout(mb, seq_length=rollout.seq_length, pad_id=self.tokenizer.pad_id)
+                 for mb in data_parallel_slice(rows[start:start + gbs],
+                                               micro_batch_size=self.cfg.parallel.micro_batch_size)]
+                for start in range(0, usable, gbs)]
+
+    def old_and_reference_logprobs(self, minibatches: list[list[dict]], *, seq_length: int) -> None:
+        """The old policy's log-probs (when recomputed) and the reference's, from the weights that sampled the
+        rollout: call before its first optimizer step."""
+        for batches in minibatches:
+            if self.recompute_old_logprobs:
+                self.engine.recompute_old_logprobs(batches, seq_length=seq_length)
+            if self.reference is not None:
+                self.engine.reference_logprobs(self.reference, batches, seq_length=seq_length)
+
+    def record_policy_step(self, totals: dict[str, list[float]], epoch: int, metrics: dict[str, float]) -> None:
+        """Add one policy optimizer step's metrics to ``totals``: the first step's ratio range, and per-epoch
+        clip fraction and KL when there are several epochs."""
+        if "first_ratio_min" not in totals:
+            totals["first_ratio_min"] = [metrics["ratio_min"]]
+            totals["first_ratio_max"] = [metrics["ratio_max"]]
+        for key, value in metrics.items():
+            totals.setdefault(key, []).append(value)
+        if self.algo.epochs > 1:
+            for key in ("clip_fraction", "kl"):
+                totals.setdefault(f"{key}_epoch{epoch}", []).append(metrics[key])
 
     # ------------------------------------------------------------------ metrics and end
     def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:

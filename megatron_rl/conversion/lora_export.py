@@ -1,0 +1,127 @@
+"""LoRA checkpoints to Hugging Face: merged weights, or a PEFT adapter folder for the HF base model.
+
+    python launch.py convert megatron-to-hf --ckpt runs/grpo_lora_tiny/checkpoints --out hf_merged
+    python launch.py convert megatron-to-hf --ckpt CKPT --out adapter_dir --lora-adapter --base-hf HF_BASE
+    .venv/bin/python -m pytest tests/test_lora.py -q
+
+A LoRA run's checkpoints hold each adapted linear's ``<linear>.lora.A`` [r, in] and ``.lora.B`` [out, r] under
+global (layout-free) keys, next to the frozen base weight, and its settings under ``extra["lora"]``. The merged
+export writes W + B A * alpha / r (computed in fp32 from the global tensors, so every TP layout merges alike)
+through the usual name map. The adapter export keeps A and B apart with PEFT's names: the fused QKV's A is
+shared by q_proj, k_proj and v_proj and its B is split into their rows, and a gated fc1's A is shared by
+gate_proj and up_proj with B split, by the same row split (``names.hf_row_sources``) the base weights use.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from launcher.errors import ConfigError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def lora_settings(reader) -> Optional[dict[str, Any]]:
+    """The run's ``model.lora`` settings recorded in the checkpoint (None: not a LoRA checkpoint)."""
+    extra = reader.common_state().get("extra")
+    return extra.get("lora") if isinstance(extra, dict) else None
+
+
+def adapted_weights(reader) -> dict:
+    """Base weight ref -> the LoRA scale alpha / r of its adapter, for every adapter the checkpoint stores."""
+    from megatron_rl.conversion.names import LORA_SUFFIXES, MegatronRef
+
+    refs = [ref for ref in reader.index if ref.name.endswith(LORA_SUFFIXES[0])]
+    if not refs:
+        return {}
+    settings = lora_settings(reader)
+    if settings is None:
+        raise ConfigError(f"--ckpt {reader.folder}: holds LoRA adapters but no extra['lora'] settings (alpha); "
+                          "it was not saved by a megatron_rl LoRA run")
+    out = {}
+    for a_ref in refs:
+        rank = reader.index[a_ref].shape[0]
+        out[MegatronRef(a_ref.name.removesuffix(LORA_SUFFIXES[0]) + ".weight", a_ref.layer, a_ref.expert)] = \
+            float(settings["alpha"]) / rank
+    return out
+
+
+def merged_weight_bytes(reader, ref, scale: float) -> np.ndarray:
+    """The global base weight of ``ref`` with its adapter merged (W + B A scale), in the stored dtype, as
+    ``read_bytes`` gives it: uint8 of shape (*shape, itemsize)."""
+    import torch
+
+    from megatron_rl.conversion.names import adapter_refs
+
+    a_ref, b_ref = adapter_refs(ref)
+    tensors = reader.read([ref, a_ref, b_ref])
+    base = tensors[ref]
+    merged = (base.float() + (tensors[b_ref].float() @ tensors[a_ref].float()) * scale).to(base.dtype)
+    return merged.contiguous().view(torch.uint8).numpy().reshape(*base.shape, base.element_size())
+
+
+def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, base_hf: Union[str, Path],
+                        overwrite: bool = False) -> dict[str, Any]:
+    """Write the checkpoint's adapters as a PEFT LoRA folder (``adapter_config.json``,
+    ``adapter_model.safetensors``) for the HF model in ``base_hf``; returns a summary."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_rl.conversion.dist_reader import CheckpointReader
+    from megatron_rl.conversion.export import check_stored_tensors, prepare_output, publish, resolve_model_source
+    from megatron_rl.conversion.names import REWARD_HEAD_WEIGHT, adapter_refs, check_convertible, hf_row_sources, tensor_maps
+
+    out = Path(out_dir).resolve()
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it")
+    base = Path(base_hf).expanduser().resolve()
+    if not (base / "config.json").is_file():
+        raise ConfigError(f"--base-hf {base_hf}: no config.json there; give the Hugging Face folder of the base model")
+    reader = CheckpointReader(ckpt)
+    settings = lora_settings(reader)
+    adapted = adapted_weights(reader)
+    if settings is None or not adapted:
+        raise ConfigError(f"--lora-adapter: --ckpt {reader.folder} holds no LoRA adapters (its run had no "
+                          "model.lora); export it without --lora-adapter")
+    if any(ref.name == REWARD_HEAD_WEIGHT for ref in reader.index):
+        raise ConfigError("--lora-adapter writes causal-LM adapters; this is a reward-model checkpoint: export "
+                          "it merged (without --lora-adapter)")
+    source = resolve_model_source(reader.folder, base, reader.common_state())
+    check_convertible(source.shape, source.origin)
+    maps = tensor_maps(source.shape)
+    check_stored_tensors(reader, maps, source.shape, f"--base-hf {base}", False)
+    tensors: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    for tm in maps:
+        if tm.ref not in adapted:
+            continue
+        a_ref, b_ref = adapter_refs(tm.ref)
+        read = reader.read([a_ref, b_ref])
+        lora_a, lora_b = read[a_ref], read[b_ref]
+        for name, blocks in hf_row_sources(tm, source.shape, lora_b.shape[0]).items():
+            module = name.removesuffix(".weight")
+            targets.add(module.rsplit(".", 1)[-1])
+            tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = lora_a.clone()  # safetensors stores no shared memory
+            tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = torch.cat([lora_b[first:first + rows]
+                                                                         for first, rows in blocks]).contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+              "r": int(next(iter(tensors.values())).shape[0]), "lora_alpha": settings["alpha"],
+              "lora_dropout": settings.get("dropout", 0.0), "target_modules": sorted(targets), "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
+              "modules_to_save": None}
+    tmp = prepare_output(out, overwrite)
+    try:
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out_dir": out, "tensors": len(tensors), "target_modules": sorted(targets), "r": config["r"]}

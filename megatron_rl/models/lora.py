@@ -1,0 +1,244 @@
+"""LoRA on Megatron Core: low-rank adapters on the decoder's parallel linears, TP-sharded like their base.
+
+    .venv/bin/python -m pytest tests/test_lora.py -q          # layer numerics, TP1 vs TP2, optimizer state, export
+
+``add_adapters(model, lora, ...)`` runs after the model is built (``build_gpt_model``): every decoder linear whose
+name is in ``model.lora.targets`` (linear_qkv, linear_proj, linear_fc1, linear_fc2) gets a child ``lora``
+(``LoraAdapter``) and a forward hook that adds ``dropout(x) A^T B^T * alpha / rank`` to the base's output, keeping
+Megatron's ``(output, bias)`` contract; every other weight is frozen (``requires_grad=False``) before DDP and the
+optimizer exist, so Megatron's DDP gives gradient buffers, and the (distributed) optimizer state, to the
+adapters only. Sharding follows the base:
+
+* column-parallel (qkv, fc1): A [r, in] replicated, B [out/tp, r] sharded on dim 0. The low-rank activation
+  enters the TP region like the base's input: ``copy_to_tensor_model_parallel_region`` (backward all-reduce),
+  or under sequence parallelism ``gather_from_sequence_parallel_region`` of A's sequence-local product (A's
+  grad then covers the rank's tokens only: it is tagged ``sequence_parallel``, so Megatron's
+  ``finalize_model_grads`` sums it over TP, as it does the norms');
+* row-parallel (proj, fc2): A [r, in/tp] sharded on dim 1, B [out, r] replicated; A's partial product is
+  all-reduced (under SP reduce-scattered over the sequence, B tagged ``sequence_parallel``).
+
+A is drawn as PEFT does (kaiming-uniform, a=sqrt(5)) on the whole [r, in] matrix from a seed of its global layer
+and target, then sliced, so the initial adapters do not depend on the layout; B starts at zero, so step 0 is the
+base. Checkpoints store ``<linear>.lora.A`` / ``.lora.B`` under global keys next to the base weights (the fc1 B
+of a gated MLP through Megatron's swiglu factory, as fc1's weight), so they reshard and resume like any weight.
+
+``adapters_disabled(chunks)`` runs the base alone: the KL reference of a LoRA run, without a second model copy.
+Transformer Engine's linears take the same hook (their forward also returns ``(out, bias)``); for TE's
+LayerNorm-fused column linears the hook applies the fused norm to the adapter's input itself. The TE path is
+unverified on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import types
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from launcher.config.schema import LoraConfig
+
+ADAPTER = "lora"
+"""Name of the adapter child of each adapted linear (checkpoint keys ``<linear>.lora.A`` / ``.lora.B``)."""
+TRAINABLE_HEADS = ("rm_head.",)
+"""Top-level modules that stay trainable beside the adapters (a reward model's or critic's new head)."""
+_TARGET = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)$")
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a (checkpoint or state-dict) key is a LoRA adapter matrix."""
+    return f".{ADAPTER}.A" in key or f".{ADAPTER}.B" in key
+
+
+class LoraAdapter(torch.nn.Module):
+    """A [r, in_local] and B [out_local, r] of one linear; ``forward(x)`` is the adapter's share of its output."""
+
+    def __init__(self, *, settings: dict, parallel: str, in_local: int, out_local: int, rank: int, alpha: float, dropout: float,
+                 sequence_parallel: bool, tp_group=None, gated: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.settings = settings  # model.lora, recorded in checkpoints (extra["lora"]) for the exports
+        self.parallel, self.rank, self.scale = parallel, rank, alpha / rank
+        self.sequence_parallel, self.tp_group, self.gated = sequence_parallel, tp_group, gated
+        self.enabled = True
+        self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        self.A = torch.nn.Parameter(torch.empty(rank, in_local, dtype=dtype, device=device))
+        self.B = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
+        self.norm = None  # set for TE's LayerNorm-fused linears: the base normalises its own input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        h = F.linear(self.dropout(x), self.A)
+        if self.parallel == "column":
+            h = (mappings.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
+                 if self.sequence_parallel else mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group))
+        else:
+            h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+                 if self.sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
+        return F.linear(h, self.B) * self.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's shard of B A * alpha / r, shaped like the base weight's shard."""
+        return (self.B @ self.A) * self.scale
+
+
+def _parallel_mode(module) -> Optional[str]:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(module, ColumnParallelLinear):
+        return "column"
+    if isinstance(module, RowParallelLinear):
+        return "row"
+    mode = getattr(module, "parallel_mode", None)  # Transformer Engine linears
+    return mode if mode in ("column", "row") else None
+
+
+def _te_norm(module):
+    """The input norm a TE LayerNorm-fused linear applies before its GEMM, as a function (GPU path, unverified)."""
+    if not hasattr(module, "layer_norm_weight"):
+        return None
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        weight = module.layer_norm_weight
+        if getattr(module, "zero_centered_gamma", False):
+            weight = weight + 1
+        if getattr(module, "normalization", "LayerNorm") == "RMSNorm":
+            return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype) * weight
+        return F.layer_norm(x, x.shape[-1:], weight, getattr(module, "layer_norm_bias", None), module.eps)
+
+    return norm
+
+
+def _add_adapter_output(module, args, kwargs, output):
+    adapter = module.lora
+    if not adapter.enabled:
+        return output
+    x = args[0] if args else kwargs["input_"]
+    if adapter.norm is not None:
+        x = adapter.norm(x)
+    out, bias = output
+    return out + adapter(x).to(out.dtype), bias
+
+
+def _sharded_state_dict(module, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    """The base linear's sharded state dict plus its adapter's, each adapter matrix sharded on the TP axis it
+    has (column: B on dim 0; row: A on dim 1); a gated fc1's B split into its gate and up halves as fc1's
+    weight is, so the stored B is [B_gate; B_up] whatever the TP size."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    adapter_prefix = f"{prefix}{ADAPTER}."
+    state = {k: v for k, v in type(module).sharded_state_dict(module, prefix, sharded_offsets, metadata).items()
+             if not k.startswith(adapter_prefix)}
+    adapter = module.lora
+    axes = {"B": 0} if adapter.parallel == "column" else {"A": 1}
+    tensors = {"A": adapter.A, "B": adapter.B}
+    sharded = make_sharded_tensors_for_checkpoint(tensors, adapter_prefix, axes, sharded_offsets)
+    if adapter.gated:
+        key = f"{adapter_prefix}B"
+        sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
+                                                    (metadata or {}).get("singleton_local_shards", False))
+    state.update(sharded)
+    return state
+
+
+def adapter_seed(seed: int, layer: int, target: str) -> int:
+    """Seed of A's initial draw for global decoder layer ``layer`` (1-based) and ``target``."""
+    return (seed * 1000 + layer) * 10 + 7_000_003 + ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2").index(target)
+
+
+def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
+    """Give ``model``'s target linears adapters and freeze everything else but ``TRAINABLE_HEADS``; returns how
+    many linears were adapted. Multi-latent attention and MoE layers keep their linears unadapted when their
+    names do not match (MoE experts and MLA's projections are not targets)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    config = model.config
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    adapted = 0
+    settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets)}
+    for name, module in list(model.named_modules()):
+        match = _TARGET.match(name)
+        if match is None or match.group(3) not in lora.targets:
+            continue
+        parallel = _parallel_mode(module)
+        if parallel is None:
+            raise NotImplementedError(f"LoRA: {name} is a {type(module).__name__}, not a parallel linear")
+        out_local, in_local = module.weight.shape
+        layer_number = model.decoder.layers[int(match.group(1))].layer_number
+        adapter = LoraAdapter(settings=settings, parallel=parallel, in_local=in_local, out_local=out_local, rank=lora.rank,
+                              alpha=lora.alpha, dropout=lora.dropout, sequence_parallel=config.sequence_parallel,
+                              tp_group=getattr(module, "tp_group", None),
+                              gated=match.group(3) == "linear_fc1" and config.gated_linear_unit,
+                              dtype=module.weight.dtype, device=module.weight.device)
+        in_full = in_local * (tp if parallel == "row" else 1)
+        generator = torch.Generator().manual_seed(adapter_seed(seed, layer_number, match.group(3)))
+        full_a = torch.empty(lora.rank, in_full)
+        torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
+        with torch.no_grad():
+            adapter.A.copy_(full_a[:, tp_rank * in_local:(tp_rank + 1) * in_local] if parallel == "row" else full_a)
+        if parallel == "column":
+            set_tensor_model_parallel_attributes(adapter.B, True, 0, 1)
+        else:
+            set_tensor_model_parallel_attributes(adapter.A, True, 1, 1)
+        if config.sequence_parallel:  # grads cover this rank's tokens only: summed over TP by finalize_model_grads
+            (adapter.A if parallel == "column" else adapter.B).sequence_parallel = True
+        if parallel == "column":
+            adapter.norm = _te_norm(module)
+        module.add_module(ADAPTER, adapter)
+        module.register_forward_hook(_add_adapter_output, with_kwargs=True)
+        module.sharded_state_dict = types.MethodType(_sharded_state_dict, module)
+        adapted += 1
+    if not adapted:
+        raise NotImplementedError(f"LoRA: no layer of this model chunk matches model.lora.targets={lora.targets}")
+    for name, param in model.named_parameters():
+        param.requires_grad_(f".{ADAPTER}." in name or name.startswith(TRAINABLE_HEADS))
+    return adapted
+
+
+def adapters(chunks) -> Iterator[LoraAdapter]:
+    for chunk in chunks if isinstance(chunks, (list, tuple)) else [chunks]:
+        for module in chunk.modules():
+            if isinstance(module, LoraAdapter):
+                yield module
+
+
+def adapter_settings(chunks) -> Optional[dict]:
+    """The model.lora settings of ``chunks``' adapters (None: no adapters)."""
+    first = next(adapters(chunks), None)
+    return None if first is None else dict(first.settings)
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks):
+    """Run ``chunks`` as their frozen base (the KL reference of a LoRA run): no second copy of the model."""
+    found = list(adapters(chunks))
+    states = [a.enabled for a in found]
+    for adapter in found:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter, state in zip(found, states):
+            adapter.enabled = state
+
+
+def trainable_fraction(chunks) -> float:
+    """Trainable share of the model's parameters, over the whole model (every TP/PP rank's own parameters,
+    TP-replicated ones once)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+    counts = torch.zeros(2, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param_is_not_tensor_parallel_duplicate(param):
+                counts[0] += param.numel() if param.requires_grad else 0
+                counts[1] += param.numel()
+    torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
+    return float(counts[0] / counts[1])

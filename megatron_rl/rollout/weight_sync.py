@@ -1,0 +1,328 @@
+"""Weight sync for split-placement GRPO (``algorithm.weight_sync``): the trainer publishes each new policy
+version, the rollout workers pick up the newest, and (over files) their samples come back the same way.
+
+``WeightPublisher.publish(version, state_dict)`` (trainer side) and ``WeightSubscriber.poll()`` (rollout side)
+are the interface; each returns the bytes and seconds of the sync (``weight_sync_bytes``, ``weight_sync_s``),
+the metrics the trainer logs per step.
+
+files (``FileWeightPublisher`` / ``FileWeightSubscriber``), for ranks that share only a folder::
+
+    <folder>/weights/v00000007/rank00000.safetensors   one file per trainer rank that holds weights
+    <folder>/weights/v00000007/COMPLETE                json: version, shard files, bytes; written before the rename
+    <folder>/weights/latest                            names the newest version folder, rewritten after it
+    <folder>/weights/.tmp-v00000008/                   a version being written (or left by a killed writer)
+    <folder>/samples/<time_ns>-<worker>.pt             one batch of samples from a rollout worker
+    <folder>/samples/.<name>.tmp                       a batch being written
+
+A version is written into ``.tmp-v<version>/`` (each shard to a temporary name, fsync, rename), then rank 0
+writes ``COMPLETE``, fsyncs the folder and renames it to ``v<version>`` (fsync of the parent): a ``v`` folder
+is complete whenever it is visible, so a reader never sees a partial version. The next publish removes
+``.tmp-`` folders that a killed writer left; the newest ``keep_last`` versions are kept, and versions newer than
+the one published (left by a trainer that has resumed from an older checkpoint) are removed. A subscriber loads
+the newest version whenever it is not the copy it loaded last (the id in ``COMPLETE``), so it follows such a
+rollback too. Samples are written the same way (temporary dot-name, fsync, rename) and deleted by the trainer
+once read; they are loaded with ``torch.load(weights_only=True)``, so a sample file can hold tensors, lists,
+dicts, strings and numbers (``rollout_rows``) but no code. Folders are 0700 and files 0600 (``launcher.private``).
+
+gloo (``GlooWeightPublisher`` / ``GlooWeightSubscriber``): one ``torch.distributed`` broadcast over a gloo group
+of the trainer's source rank and the rollout ranks, the tensors staged on the CPU as one byte buffer. Both
+sides call in step (``poll`` blocks until the next ``publish``).
+
+Trainer integration (next step): the trainer process group is all ranks but the last
+``cluster.rollout_tasks``; rollout workers generate with weights version v and ``publish_samples``; the
+trainer ``take_samples`` into its ``RolloutBuffer`` (``megatron_rl.rollout.buffer``), takes those at most
+``algorithm.max_staleness`` versions old, steps, and publishes weights v + 1.
+
+Test: ``.venv/bin/python -m pytest tests/test_weight_sync.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from launcher.private import DIR_MODE, FILE_MODE, make_private_dir, write_private_text
+from megatron_rl.rollout.buffer import Sample
+from megatron_rl.runtime.checkpoint import _fault, fsync_path
+
+VERSION_DIR = re.compile(r"^v(\d{8})$")
+TMP_PREFIX = ".tmp-"
+DELETE_PREFIX = ".del-"
+COMPLETE = "COMPLETE"
+
+
+def version_dir_name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+@dataclass
+class Received:
+    """A policy version a subscriber loaded: its tensors and the sync's metrics."""
+
+    version: int
+    state_dict: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+
+
+class WeightPublisher(ABC):
+    """Trainer side of a weight sync."""
+
+    @abstractmethod
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Send ``state_dict`` as policy ``version``; returns {weight_sync_bytes, weight_sync_s}."""
+
+
+class WeightSubscriber(ABC):
+    """Rollout side of a weight sync."""
+
+    @abstractmethod
+    def poll(self) -> Optional[Received]:
+        """The newest version not loaded yet, or None when there is none."""
+
+
+def _sync_metrics(nbytes: int, start: float) -> dict[str, float]:
+    return {"weight_sync_bytes": nbytes, "weight_sync_s": time.perf_counter() - start}
+
+
+def _cpu_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The CPU staging copy (no copy for tensors on the CPU already)."""
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in state_dict.items()}
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> int:
+    """``write(tmp)`` a file beside ``path``, make it 0600, fsync it and rename it to ``path``; returns its size."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.chmod(tmp, FILE_MODE)
+        fsync_path(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _remove(folder: Path) -> None:
+    """Rename ``folder`` to a ``.del-`` name (so it never looks like a version), then delete it."""
+    doomed = folder.with_name(f"{DELETE_PREFIX}{folder.name.lstrip('.')}-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.replace(folder, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+class FileWeightPublisher(WeightPublisher):
+    """Writes versions to ``<folder>/weights`` and reads the rollout workers' samples from ``<folder>/samples``.
+
+    Sharded: every trainer rank that holds weights calls ``write_shard(version, its tensors)``, and rank 0 then
+    ``commit(version)``, which waits for all ``num_shards`` shards; ``publish`` does both for one shard."""
+
+    def __init__(self, folder: str | Path, *, keep_last: int = 2, rank: int = 0, num_shards: int = 1) -> None:
+        if keep_last < 1 or not 0 <= rank < num_shards:
+            raise ValueError(f"keep_last={keep_last} must be >= 1 and rank={rank} in [0, num_shards={num_shards})")
+        self.folder = Path(folder)
+        self.weights = make_private_dir(self.folder / "weights")
+        self.samples = make_private_dir(self.folder / "samples")
+        self.keep_last, self.rank, self.num_shards = keep_last, rank, num_shards
+
+    def _tmp_dir(self, version: int) -> Path:
+        return self.weights / f"{TMP_PREFIX}{version_dir_name(version)}"
+
+    def write_shard(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+        """Write this rank's tensors of ``version``; returns the bytes written."""
+        from safetensors.torch import save_file
+
+        if self.rank == 0:
+            self._remove_partial(keep=version if self.num_shards > 1 else None)
+        tmp = self._tmp_dir(version)
+        try:
+            os.mkdir(tmp, DIR_MODE)
+        except FileExistsError:
+            pass
+        tensors = _cpu_tensors(state_dict)
+        return _write_atomically(tmp / shard_file_name(self.rank),
+                                 lambda path: save_file(tensors, str(path), metadata={"version": str(version)}))
+
+    def commit(self, version: int, *, timeout_s: float = 600.0) -> None:
+        """Rank 0: once every shard of ``version`` is written, mark it COMPLETE and publish it under its name."""
+        if self.rank != 0:
+            raise ValueError("commit is rank 0's (the other ranks only write_shard)")
+        tmp = self._tmp_dir(version)
+        shards = [shard_file_name(r) for r in range(self.num_shards)]
+        deadline = time.monotonic() + timeout_s
+        while not all((tmp / name).exists() for name in shards):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tmp}: not every one of the {self.num_shards} shards came in {timeout_s} s")
+            time.sleep(0.01)
+        _fault("kill-during-weight-publish", version)
+        nbytes = sum((tmp / name).stat().st_size for name in shards)
+        write_private_text(tmp / COMPLETE, json.dumps({"version": version, "shards": shards, "bytes": nbytes,
+                                                       "id": f"{time.time_ns()}-{os.getpid()}"}) + "\n")
+        fsync_path(tmp)
+        final = self.weights / version_dir_name(version)
+        if final.exists():  # published again (a resumed trainer): the old copy goes first
+            _remove(final)
+        os.replace(tmp, final)
+        fsync_path(self.weights)
+        write_private_text(self.weights / "latest", final.name + "\n")
+        versions = complete_versions(self.weights)
+        rolled_back = [v for v in versions if v > version]  # published before the trainer resumed from older
+        for old in [*rolled_back, *[v for v in versions if v <= version][:-self.keep_last]]:
+            _remove(self.weights / version_dir_name(old))
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+        if self.num_shards != 1:
+            raise ValueError(f"publish writes one shard; with num_shards={self.num_shards} every rank calls "
+                             "write_shard and rank 0 commit")
+        start = time.perf_counter()
+        nbytes = self.write_shard(version, state_dict)
+        self.commit(version)
+        return _sync_metrics(nbytes, start)
+
+    def _remove_partial(self, *, keep: Optional[int]) -> None:
+        """Remove ``.tmp-`` versions a killed writer left (all but ``keep``, which other ranks may be writing)."""
+        kept = None if keep is None else self._tmp_dir(keep).name
+        for entry in self.weights.iterdir():
+            if entry.name.startswith(DELETE_PREFIX):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.startswith(TMP_PREFIX) and entry.name != kept:
+                _remove(entry)
+
+    def take_samples(self) -> tuple[list[Sample], dict[str, float]]:
+        """Every sample batch the rollout workers published (oldest first), deleted once read; with
+        {sample_sync_bytes, sample_sync_s}."""
+        start, nbytes, samples = time.perf_counter(), 0, []
+        for path in sorted(p for p in self.samples.iterdir() if not p.name.startswith(".")):
+            nbytes += path.stat().st_size
+            samples += [Sample(**row) for row in torch.load(path, weights_only=True)]
+            path.unlink()
+        return samples, {"sample_sync_bytes": nbytes, "sample_sync_s": time.perf_counter() - start}
+
+
+def complete_versions(weights: Path) -> list[int]:
+    """The versions in ``weights`` (a ``<folder>/weights``) marked COMPLETE, oldest first."""
+    found = []
+    for entry in weights.iterdir() if weights.is_dir() else ():
+        match = VERSION_DIR.match(entry.name)
+        if match and (entry / COMPLETE).is_file():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+class FileWeightSubscriber(WeightSubscriber):
+    """Loads the newest complete version from ``<folder>/weights`` and publishes samples to
+    ``<folder>/samples`` under the name ``worker``."""
+
+    def __init__(self, folder: str | Path, *, worker: str = "rollout0") -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_]+", worker):
+            raise ValueError(f"worker={worker!r}: use letters, digits and _ only")
+        self.folder, self.worker = Path(folder), worker
+        self.weights, self.samples = self.folder / "weights", self.folder / "samples"
+        self.version: Optional[int] = None
+        """The version loaded last."""
+        self._loaded_id: Optional[str] = None
+
+    def poll(self) -> Optional[Received]:
+        from safetensors.torch import load
+
+        start = time.perf_counter()
+        for _ in range(3):  # the publisher's retention may remove a version while it is read
+            versions = complete_versions(self.weights)
+            if not versions:
+                return None
+            folder = self.weights / version_dir_name(versions[-1])
+            try:
+                complete = json.loads((folder / COMPLETE).read_text())
+                if complete["id"] == self._loaded_id:
+                    return None
+                shards = complete["shards"]
+                state_dict, nbytes = {}, 0
+                for name in shards:
+                    with open(folder / name, "rb") as handle:  # once open, a retention delete cannot cut it
+                        data = handle.read()
+                    nbytes += len(data)
+                    state_dict.update(load(data))
+            except FileNotFoundError:
+                continue
+            self.version, self._loaded_id = versions[-1], complete["id"]
+            return Received(version=self.version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start))
+        return None
+
+    def publish_samples(self, samples: list[Sample]) -> dict[str, float]:
+        """Write ``samples`` as one batch file for the trainer; returns {sample_sync_bytes, sample_sync_s}."""
+        start = time.perf_counter()
+        make_private_dir(self.samples)
+        rows = [{"prompt_id": s.prompt_id, "version": s.version, "payload": s.payload} for s in samples]
+        path = self.samples / f"{time.time_ns():020d}-{self.worker}.pt"
+        nbytes = _write_atomically(path, lambda tmp: torch.save(rows, tmp))
+        return {"sample_sync_bytes": nbytes, "sample_sync_s": time.perf_counter() - start}
+
+
+# ------------------------------------------------------------------------------------------------------ gloo
+def _broadcast_state(state_dict: Optional[dict[str, torch.Tensor]], version: Optional[int], *, src: int,
+                     group: Any) -> tuple[int, dict[str, torch.Tensor], int]:
+    """Broadcast (version, tensors) from global rank ``src`` over ``group``: the names, dtypes and shapes as an
+    object, the bytes as one uint8 buffer. Returns (version, tensors, bytes) on every rank."""
+    import torch.distributed as dist
+
+    header: list[Any] = [None]
+    if state_dict is not None:
+        tensors = _cpu_tensors(state_dict)
+        header = [(version, [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                             for name, t in tensors.items()])]
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]) if tensors \
+            else torch.empty(0, dtype=torch.uint8)
+    dist.broadcast_object_list(header, src=src, group=group)
+    version, layout = header[0]
+    sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in layout]
+    if state_dict is None:
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.broadcast(flat, src=src, group=group)
+    if state_dict is not None:
+        return version, tensors, flat.numel()
+    out = {name: part.clone().view(getattr(torch, dtype)).reshape(shape)  # clone: each its own aligned storage
+           for (name, dtype, shape), part in zip(layout, torch.split(flat, sizes))}
+    return version, out, flat.numel()
+
+
+class GlooWeightPublisher(WeightPublisher):
+    """Broadcasts each version from this rank (global rank ``src``) over the gloo ``group``."""
+
+    def __init__(self, group: Any, *, src: int) -> None:
+        self.group, self.src = group, src
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+        start = time.perf_counter()
+        _, _, nbytes = _broadcast_state(state_dict, version, src=self.src, group=self.group)
+        return _sync_metrics(nbytes, start)
+
+
+class GlooWeightSubscriber(WeightSubscriber):
+    """Receives each version broadcast from global rank ``src`` over the gloo ``group``; ``poll`` blocks until
+    the publisher's next ``publish``."""
+
+    def __init__(self, group: Any, *, src: int) -> None:
+        self.group, self.src = group, src
+        self.version: Optional[int] = None
+
+    def poll(self) -> Optional[Received]:
+        start = time.perf_counter()
+        version, state_dict, nbytes = _broadcast_state(None, None, src=self.src, group=self.group)
+        self.version = version
+        return Received(version=version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start))

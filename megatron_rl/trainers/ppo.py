@@ -1,0 +1,265 @@
+"""PPO with a critic on Megatron Core, colocated: GRPO's generate -> score loop with a learned value baseline.
+
+    python launch.py --config configs/ppo_tiny.yaml                 # tiny model, synthetic task, 2 CPU processes
+    python launch.py --config configs/ppo_tiny.yaml parallel.tp=2
+
+Each step: generate and score (GrpoRun's: sequence rewards), then the critic's values and the old policy's and
+reference's log-probs of every response token, GAE over the response tokens (rewards at the last token, minus a
+per-token KL penalty with ``algorithm.kl_in_reward``), advantages whitened over the rollout, then
+``algorithm.epochs`` passes of mini-batches that each take one optimizer step of the policy (GRPO's clipped loss,
+``make_grpo_loss``, with per-token advantages) and one of the critic (the clipped value loss), then save.
+
+The critic is a ``GPTRewardModel`` (the policy's trunk, a scalar head read at every position: ``value_forward``)
+at the policy's layout in the same processes, with its own Adam (``algorithm.critic_lr``). It starts from the
+policy after the SFT warm-up (fresh head) or from a reward-model checkpoint (``algorithm.critic_init``). Its
+optimizer state and grads are offloaded during generation with the policy's (``generation.offload_optimizer``).
+Checkpoints: the critic is a second sharded checkpoint, ``<checkpoint dir>/critic/step_N`` beside the policy's
+``step_N`` (``TrainerContext.companions``). It is in our reward-model format, so
+``launch.py convert megatron-to-hf --ckpt <checkpoint dir>/critic`` exports it as HF ``*ForSequenceClassification``
+(num_labels=1; the same ``score`` weight a ``*ForTokenClassification`` value head holds, read at every token).
+
+Values sit at the policy's label positions: the value of position t is V(state before response token t+1), the
+position whose logits give that token's log-prob. The value loss is a token mean over the global mini-batch.
+
+Test: ``.venv/bin/python -m pytest tests/test_ppo.py -q``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from launcher.config.schema import JobConfig
+from launcher.errors import ConfigError
+from launcher.model_shape import ModelShape
+from megatron_rl.algorithms.gae import clipped_value_loss, explained_variance, gae, token_rewards, whiten
+from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
+from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
+from megatron_rl.rollout.batch import REPORTS, make_grpo_loss
+from megatron_rl.runtime.checkpoint import unwrap
+from megatron_rl.runtime.phases import generation_phase, training_phase
+from megatron_rl.runtime.training import build_engine, data_parallel_share, logits_forward
+from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, _combine_minibatches
+
+VALUE_REPORTS = ("value_loss", "value_clip_fraction", "value_pred_mean")
+CRITIC_READY = "critic_initialised"
+"""Extra-state key: whether the critic has had its starting weights (a checkpoint inside the warm-up has not)."""
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+    run = PpoRun(cfg, shape, ctx)
+    start = run.resume_or_warm_up()
+    for step in range(start + 1, cfg.run.steps + 1):
+        batch = run.sample(step)  # generate and score: one reward per completion
+        with ctx.timer() as t_train:
+            minibatches = run.minibatches(batch.kept)
+            seq_length = batch.kept.seq_length
+            with training_phase(run.engine), training_phase(run.critic):
+                run.old_and_reference_logprobs(minibatches, seq_length=seq_length)
+                rollout_metrics = run.advantages(minibatches, seq_length=seq_length)  # values, GAE, whitening
+                train_metrics = run.update(minibatches, seq_length=seq_length,
+                                           train_policy=step > run.algo.critic_warmup_steps)
+        if run.eval_prompts is not None and step % cfg.data.eval_interval == 0:
+            run.evaluate(step)
+        ctx.end_step(run.engine, step, run.step_metrics(batch, {**rollout_metrics, **train_metrics}, t_train.seconds))
+    run.finish()
+
+
+class PpoRun(GrpoRun):
+    """GrpoRun's generation, scoring, data, reference model and checkpoints, plus the critic and GAE."""
+
+    def __init__(self, cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+        if cfg.parallel.cp > 1:
+            raise ConfigError(f"parallel.cp={cfg.parallel.cp}: PPO's critic does not support context parallelism "
+                              "yet; set parallel.cp=1")
+        super().__init__(cfg, shape, ctx)
+        loss_config = GRPOLossConfig.from_algorithm(self.algo, max_response_len=cfg.generation.max_new_tokens)
+        self.kl_clamps = {"clamp": loss_config.kl_clamp, "log_ratio_clamp": loss_config.kl_log_ratio_clamp}
+        if self.algo.kl_in_reward:  # the KL is a reward term then, not a loss term (it is still reported)
+            loss_config = dataclasses.replace(loss_config, kl_coef=0.0)
+        self.loss_fn = make_grpo_loss(loss_config)
+        self.value_loss_fn = make_value_loss(clip=self.algo.value_clip, coef=self.algo.value_coef)
+        self.critic = build_engine(cfg, shape, build_chunks=build_reward_model_chunks, lr=self.algo.critic_lr)
+        self.critic_ready = False
+        ctx.companions["critic"] = self.critic
+
+    # ------------------------------------------------------------------ state
+    def extra_state(self) -> dict:
+        return {**super().extra_state(), CRITIC_READY: self.critic_ready}
+
+    def resume_or_warm_up(self) -> int:
+        """GrpoRun's (the critic resumes with the policy), then the critic's starting weights on a fresh run."""
+        start = super().resume_or_warm_up()
+        if not self.ctx.resumed_extra.get(CRITIC_READY):
+            self.init_critic()
+        return start
+
+    def init_critic(self) -> None:
+        """algorithm.critic_init: policy (the trunk of the policy as it is now, after the warm-up; a fresh head) or
+        rm (a reward-model checkpoint, head included). A fresh optimizer then starts from these weights."""
+        if self.algo.critic_init == "rm":
+            source = self.algo.critic_init_from or self.algo.reward_model
+            head = load_reward_model_weights(source, self.critic.chunks)
+            what = f"reward model {source}" + ("" if head else " (trunk only; head fresh)")
+        else:
+            for critic, policy in zip(self.critic.chunks, self.engine.chunks):
+                weights = {k: v for k, v in unwrap(policy).state_dict().items() if not k.startswith("output_layer.")}
+                missing, unexpected = unwrap(critic).load_state_dict(weights, strict=False)
+                bad = [k for k in missing if not k.startswith("rm_head.")] + list(unexpected)
+                if bad:
+                    raise RuntimeError(f"the critic's trunk does not match the policy's: {bad[:3]}")
+            what = "the policy's trunk, fresh value head"
+        self.critic.reset_optimizer_schedule()
+        self.critic_ready = True
+        self.ctx.say(f"critic initialised from {what}")
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: list, **kwargs):
+        """GrpoRun's, with the critic's optimizer state and grads offloaded too when the policy's are."""
+        with generation_phase(self.critic, offload_optimizer=self.cfg.generation.offload_optimizer):
+            return super().generate(prompts, **kwargs)
+
+    # ------------------------------------------------------------------ advantages
+    def advantages(self, minibatches: list[list[dict]], *, seq_length: int) -> dict[str, float]:
+        """The critic's values of every micro-batch, then token rewards, GAE and whitening over the whole rollout
+        (gathered over the data-parallel ranks, so the whitening is global); each micro-batch gets
+        ``advantages`` [mbs, seq], ``returns`` and ``old_values``. Runs where the losses are computed (the last
+        pipeline stage); the metrics are shared along the pipeline."""
+        from megatron.core import parallel_state as ps
+
+        for batches in minibatches:
+            sink: list[torch.Tensor] = []
+            self.critic.train(False)
+            self.critic.forward_only(batches, value_collector(sink), seq_length=seq_length, report_names=(),
+                                     forward_fn=value_forward)
+            self.critic.train(True)
+            for batch, values in zip(batches, sink):
+                batch["old_values"] = values
+        metrics = torch.zeros(len(ROLLOUT_METRICS), dtype=torch.float64)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            metrics = self._gae_over_rollout(minibatches)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            metrics = metrics.to(minibatches[0][0]["tokens"].device)
+            torch.distributed.broadcast(metrics, src=ps.get_pipeline_model_parallel_last_rank(),
+                                        group=ps.get_pipeline_model_parallel_group())
+        return dict(zip(ROLLOUT_METRICS, metrics.tolist()))
+
+    def _gae_over_rollout(self, minibatches: list[list[dict]]) -> torch.Tensor:
+        algo = self.algo
+        keys = ["loss_mask", "old_values", "old_logp"] + (["ref_logp"] if algo.kl_in_reward and algo.kl_coef else [])
+        whole = {key: torch.cat([_gather_rows(torch.cat([b[key] for b in batches])) for batches in minibatches])
+                 for key in keys}
+        rows = torch.cat([_gather_rows(torch.cat([b["sequence_reward"] for b in batches])) for batches in minibatches])
+        mask, values = whole["loss_mask"], whole["old_values"]
+        kl = None
+        if "ref_logp" in whole:
+            kl = kl_penalty(whole["old_logp"], whole["ref_logp"], algo.kl_estimator, self.kl_clamps["clamp"],
+                            log_ratio_clamp=self.kl_clamps["log_ratio_clamp"]) * mask
+        rewards = token_rewards(rows, mask, kl=kl, kl_coef=algo.kl_coef if kl is not None else 0.0)
+        advantages, returns = gae(rewards, values, mask, gamma=algo.gamma, lam=algo.gae_lambda)
+        raw_mean = float((advantages * mask).sum() / mask.sum().clamp(min=1))
+        if algo.whiten_advantages:
+            advantages = whiten(advantages, mask, shift_mean=algo.whiten_shift_mean)
+        # back to this rank's micro-batches: the same order the gather made
+        from megatron.core import parallel_state as ps
+
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        start = 0
+        for batches in minibatches:
+            per_rank = sum(b["loss_mask"].shape[0] for b in batches)
+            offset = start + rank * per_rank
+            for batch in batches:
+                size = batch["loss_mask"].shape[0]
+                batch["advantages"] = advantages[offset:offset + size].to(batch["loss_mask"].device)
+                batch["returns"] = returns[offset:offset + size].to(batch["loss_mask"].device)
+                offset += size
+            start += dp * per_rank
+        tokens = mask.sum().clamp(min=1)
+        return torch.tensor([explained_variance(values, returns, mask), float((values * mask).sum() / tokens),
+                             float((returns * mask).sum() / tokens), raw_mean,
+                             float((kl * mask).sum() / tokens) if kl is not None else 0.0], dtype=torch.float64)
+
+    # ------------------------------------------------------------------ train
+    def minibatches(self, rollout) -> list[list[dict]]:
+        """GrpoRun's micro-batches, each also carrying its completions' sequence rewards."""
+        minibatches = super().minibatches(rollout)
+        row = 0
+        for batches in minibatches:
+            mine = data_parallel_share(list(range(row, row + self.algo.global_batch_size)))
+            at = 0
+            for batch in batches:
+                size = batch["tokens"].shape[0]
+                batch["sequence_reward"] = rollout.rewards[mine[at:at + size]].to(batch["tokens"].device)
+                at += size
+            row += self.algo.global_batch_size
+        return minibatches
+
+    def update(self, minibatches: list[list[dict]], *, seq_length: int, train_policy: bool) -> dict[str, float]:
+        """algorithm.epochs passes over the mini-batches: one policy step (unless the critic is warming up) and
+        one critic step on each."""
+        totals: dict[str, list[float]] = {}
+        for epoch in range(1, self.algo.epochs + 1):
+            for batches in minibatches:
+                if train_policy:
+                    self.record_policy_step(totals, epoch, self.engine.train_step(
+                        batches, self.loss_fn, seq_length=seq_length, report_names=REPORTS,
+                        forward_fn=logits_forward))
+                critic = self.critic.train_step(batches, self.value_loss_fn, seq_length=seq_length,
+                                                report_names=VALUE_REPORTS, forward_fn=value_forward)
+                for key, value in critic.items():
+                    totals.setdefault(key if key in VALUE_REPORTS else f"critic_{key}", []).append(value)
+                if self.algo.epochs > 1:
+                    totals.setdefault(f"value_clip_fraction_epoch{epoch}", []).append(critic["value_clip_fraction"])
+        return _combine_minibatches(totals)
+
+    def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
+        return {**super().step_metrics(batch, train, t_train), "critic_warmup": float(not train.get("minibatches"))}
+
+
+ROLLOUT_METRICS = ("explained_variance", "value_mean", "returns_mean", "advantage_mean", "kl_reward")
+"""Per rollout, before any update: explained variance of the returns by the critic's values, mean value and
+return per response token, the mean GAE advantage before whitening, and the mean per-token KL penalised in the
+reward (0 without kl_in_reward)."""
+
+
+def _gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[n, ...] rows of every data-parallel rank, in rank order (every rank has the same n)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    world = torch.distributed.get_world_size(group)
+    if world == 1:
+        return rows
+    parts = [torch.empty_like(rows) for _ in range(world)]
+    torch.distributed.all_gather(parts, rows.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def value_collector(sink: list):
+    """A forward-only 'loss' that appends each micro-batch's values [mbs, seq] to ``sink`` (last stage only)."""
+
+    def loss_fn(values: torch.Tensor, batch: dict):
+        sink.append(values.detach().float())
+        zero = torch.zeros((), dtype=torch.float32, device=values.device)
+        return zero, torch.ones((), dtype=torch.int, device=values.device), {}
+
+    return loss_fn
+
+
+def make_value_loss(*, clip: float | None, coef: float):
+    """The critic's loss for ``Engine.train_step``: ``coef`` x the clipped value loss summed over the response
+    tokens, with the token count as denominator (a token mean over the global mini-batch)."""
+
+    def loss_fn(values: torch.Tensor, batch: dict):
+        mask = batch["loss_mask"]
+        per_token, clipped = clipped_value_loss(values, batch["old_values"], batch["returns"], mask, clip=clip)
+        tokens = mask.sum().to(torch.int)
+        total = per_token.sum()
+        reports = {"value_loss": (total.detach(), tokens), "value_clip_fraction": (clipped.sum(), tokens),
+                   "value_pred_mean": ((values.detach() * mask).sum(), tokens)}
+        return coef * total, tokens, reports
+
+    return loss_fn

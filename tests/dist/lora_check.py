@@ -1,0 +1,145 @@
+"""LoRA engines at several layouts, in ONE torchrun job of 2 processes (Megatron's state is per process).
+
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/lora_check.py --out OUT_DIR
+
+At TP1 x DP2, TP2 and TP2 with sequence parallelism (tiny-cpu, rank-4 adapters on every target): the log-probs
+of fixed tokens with the adapters on and off before training (B = 0: equal), three optimizer steps of the
+pretrain loss, the log-probs after training (on, off, and with every adapter merged into its base weight
+shard, after a fourth step), the optimizer's state size against the adapters' parameter count, and a checkpoint (saved after the
+three steps) that a fresh engine resumes from for a fourth step equal to the original engine's; and at TP1
+the adapters' gradients against the chain rule through the merged weight. Every rank
+writes OUT/rank{R}.json; tests/test_lora.py compares the layouts and exports the checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sequence_parallel": True}}
+OVERRIDES = ["algorithm.name=pretrain", "model.lora={rank: 4, alpha: 8}", "optimizer.lr=2e-2",
+             "optimizer.lr_warmup_steps=0", "optimizer.clip_grad=1.0", "run.steps=4"]
+
+
+def optimizer_state_numel(optimizer) -> int:
+    """Elements of Adam's exp_avg and exp_avg_sq this rank holds (the chained optimizers of MoE runs included)."""
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            total += sum(v.numel() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq"))
+    return total
+
+
+def run_layout(name: str, sizes: dict, out: Path) -> dict:
+    import torch
+    from megatron.core import parallel_state
+
+    from dist_common import progression_trainer
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.models.lora import adapters, adapters_disabled
+    from megatron_rl.runtime import checkpoint as ckpt
+    from megatron_rl.runtime.distributed import initialize, job_dims
+    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize(job_dims(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}), seed=1234)
+    cfg = load_config(None, [*OVERRIDES, *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
+    shape = load_model_shape("tiny-cpu")
+    engine = build_engine(cfg, shape)
+    tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+
+    def logprobs() -> list:
+        return sequence_logprobs(engine.chunks, tokens).tolist()
+
+    result = {"trainable_fraction": engine.trainable_fraction}
+    with adapters_disabled(engine.chunks):
+        result["init_off"] = logprobs()
+    result["init_on"] = logprobs()
+    train_step = progression_trainer(engine, micro_batch_size=2)
+    result["steps"] = [train_step(step) for step in (1, 2, 3)]
+    result["on"] = logprobs()
+    with adapters_disabled(engine.chunks):
+        result["off"] = logprobs()
+    chunk = engine.chunks[0]
+    result["trainable_numel"] = sum(p.numel() for p in chunk.parameters() if p.requires_grad)
+    result["adapter_numel"] = sum(p.numel() for a in adapters(engine.chunks) for p in a.parameters())
+    result["total_numel"] = sum(p.numel() for p in chunk.parameters())
+    result["optimizer_state_numel"] = optimizer_state_numel(engine.optimizer)
+    result["dp"] = parallel_state.get_data_parallel_world_size()
+    folder = out / f"ckpt_{name}"
+    ckpt.save_checkpoint(folder, step=3, chunks=engine.chunks, optimizer=engine.optimizer, scheduler=engine.scheduler)
+    result["step4"] = train_step(4)
+    fresh = build_engine(cfg, shape)
+    ckpt.load_checkpoint(folder, chunks=fresh.chunks, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
+    result["resumed_step4"] = progression_trainer(fresh, micro_batch_size=2)(4)
+    result["on4"] = logprobs()
+    # the adapters merged into each base shard (W + B A alpha / r), run without them
+    with torch.no_grad():
+        for module in chunk.modules():
+            if hasattr(module, "lora") and hasattr(module, "weight"):
+                module.weight += module.lora.delta_weight()
+    with adapters_disabled(engine.chunks):
+        result["merged"] = logprobs()
+    return result
+
+
+def gradient_check() -> dict:
+    """At TP1: the adapters' autograd gradients against the chain rule through the merged weight W' = W + s B A
+    (dL/dB = s dL/dW' A^T, dL/dA = s B^T dL/dW'), on a model with random B (largest differences and sizes)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from launcher.config.schema import LoraConfig
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.models.builder import ModelOptions, build_gpt_model
+    from megatron_rl.models.lora import adapters, adapters_disabled
+    from megatron_rl.runtime.distributed import initialize, job_dims
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize(job_dims(), seed=1234)
+    model = build_gpt_model(load_model_shape("tiny-cpu"), ModelOptions(lora=LoraConfig(rank=4, alpha=8))).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for adapter in adapters([model]):
+            adapter.B.copy_(torch.randn(adapter.B.shape, generator=generator) * 0.1)
+    tokens, labels = (torch.randint(1, 128, (2, 16), generator=generator) for _ in range(2))
+    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    model(tokens, positions, None, labels=labels).sum().backward()
+    linears = [m for m in model.modules() if hasattr(m, "lora") and hasattr(m, "weight")]
+    autograd = [(m.lora.A.grad.clone(), m.lora.B.grad.clone()) for m in linears]
+    with torch.no_grad():
+        for m in linears:
+            m.weight += m.lora.delta_weight()
+            m.weight.requires_grad_(True)
+    with adapters_disabled([model]):
+        model(tokens, positions, None, labels=labels).sum().backward()
+    diff = size = 0.0
+    for m, (grad_a, grad_b) in zip(linears, autograd):
+        expect_b = m.lora.scale * m.weight.grad @ m.lora.A.T
+        expect_a = m.lora.scale * m.lora.B.T @ m.weight.grad
+        diff = max(diff, float((grad_b - expect_b).abs().max()), float((grad_a - expect_a).abs().max()))
+        size = max(size, float(expect_b.abs().max()), float(expect_a.abs().max()))
+    return {"max_diff": diff, "max_grad": size, "linears": len(linears)}
+
+
+def main() -> None:
+    import torch
+
+    from dist_common import write_rank_result
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = Path(parser.parse_args().out)
+    results = {name: run_layout(name, sizes, out) for name, sizes in LAYOUTS.items()}
+    write_rank_result(out, {**results, "gradient_check": gradient_check()})
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

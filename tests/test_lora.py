@@ -1,0 +1,263 @@
+"""LoRA on Megatron Core (megatron_rl/models/lora.py): adapter numerics at TP1/TP2/SP, frozen base, resume, the
+merged and PEFT exports, and GRPO learning the tiny task with adapters only.
+
+    .venv/bin/python -m pytest tests/test_lora.py -q
+
+One 2-process torchrun job (tests/dist/lora_check.py) gives every layout's numbers; the PEFT round trip imports a
+tiny random HF Llama, trains 3 LoRA SFT steps from it at TP2 with sequence parallelism, exports it merged and as
+a PEFT adapter, and compares ``peft.PeftModel.from_pretrained`` on the HF base with the merged model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from helpers import REPO_ROOT, read_metrics, torchrun_check
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "dist"))
+
+
+
+def _layouts(rank: dict) -> dict:
+    return {name: result for name, result in rank.items() if name != "gradient_check"}
+
+
+def _max_diff(a, b) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
+
+
+slow = pytest.mark.slow
+
+
+# ------------------------------------------------------------------ config and planner (no torch)
+@pytest.mark.parametrize("override, message", [
+    ("model.lora={targets: [q_proj]}", "model.lora.targets=['q_proj']: 'q_proj' is not valid; use names from: "
+                                       "linear_qkv, linear_proj, linear_fc1, linear_fc2"),
+    ("model.lora={rank: 0}", "model.lora.rank=0 must be positive"),
+    ("model.lora={alpha: -1}", "model.lora.alpha=-1.0 must be positive"),
+    ("model.lora={dropout: 1.0}", "model.lora.dropout=1.0 must be in [0, 1)"),
+    ("model.lora={targets: []}", "model.lora.targets=[]: empty is not valid"),
+])
+def test_bad_lora_settings_are_refused(override, message):
+    from launcher.config.loader import load_config
+    from launcher.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_bad_lora_target_exits_2_with_one_line(launch):
+    result = launch("--dry-run", "model.lora={rank: 4, targets: [linear_qkv, o_proj]}")
+    assert result.returncode == 2 and "model.lora.targets" in result.stderr and "linear_fc2" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_planner_counts_adapter_gradients_and_state_only():
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from launcher.planner.costs import Workload
+    from launcher.planner.estimate import Layout, training_estimate
+    from launcher.planner.gpus import get_gpu
+    from launcher.planner.inputs import lora_trainable_fraction, rollout_sizing, runtime_of
+
+    shape = load_model_shape("llama-3.3-70b")
+    cfg = load_config(None, ["model.name=llama-3.3-70b", "algorithm.kl_coef=0.05", "model.lora={rank: 16}"])
+    full = load_config(None, ["model.name=llama-3.3-70b", "algorithm.kl_coef=0.05"])
+    # 80 layers x rank 16 x (qkv 8192 + 80 x 128, proj 8192 + 8192, fc1 8192 + 2 x 28672, fc2 28672 + 8192)
+    adapters = 80 * 16 * (8192 + 10240 + 8192 + 8192 + 8192 + 57344 + 28672 + 8192)
+    assert adapters == 175_636_480
+    assert lora_trainable_fraction(shape, cfg.model.lora) == pytest.approx(adapters / (shape.num_params() + adapters))
+    assert runtime_of(cfg, shape).trainable_fraction == lora_trainable_fraction(shape, cfg.model.lora)
+    assert runtime_of(full, shape).trainable_fraction == 1.0
+    assert not rollout_sizing(cfg, shape, runtime_of(cfg, shape)).reference_model  # the base, not a copy
+    w = dict(shape=shape, gpu=get_gpu("h100-80gb"), num_gpus=8, seq_length=4096, global_batch_size=64)
+    layout = Layout(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="full", sequence_parallel=True)
+    lora_est = training_estimate(Workload(**w, runtime=runtime_of(cfg, shape)), layout)
+    full_est = training_estimate(Workload(**w, runtime=runtime_of(full, shape)), layout)
+    fraction = runtime_of(cfg, shape).trainable_fraction
+    assert lora_est.weights == full_est.weights  # the frozen base still costs its weights
+    assert lora_est.gradients == pytest.approx(full_est.gradients * fraction)
+    assert lora_est.optimizer == pytest.approx(full_est.optimizer * fraction) and 0 < fraction < 0.01
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_check")
+    ranks = torchrun_check("lora_check.py", out)
+    return out, ranks
+
+
+@slow
+def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weight(layouts):
+    _, ranks = layouts
+    check = ranks[0]["gradient_check"]
+    assert check["linears"] == 8 and check["max_grad"] > 0.1 and check["max_diff"] < 1e-5
+
+
+@slow
+def test_zero_initialised_adapters_leave_the_base_unchanged(layouts):
+    _, ranks = layouts
+    for name, result in _layouts(ranks[0]).items():
+        assert _max_diff(result["init_on"], result["init_off"]) == 0.0, name
+        assert _max_diff(result["on"], result["off"]) > 1e-2, name  # trained: the adapters matter
+
+
+@slow
+def test_merged_weights_equal_the_adapter_forward(layouts):
+    _, ranks = layouts
+    for name, result in _layouts(ranks[0]).items():  # per TP shard: W + B A alpha / r, at TP1, TP2 and TP2 + SP
+        assert _max_diff(result["merged"], result["on4"]) < 1e-5, name
+
+
+@slow
+def test_tp2_and_sequence_parallel_train_like_tp1(layouts):
+    _, ranks = layouts
+    tp1 = ranks[0]["dp2"]
+    for name in ("tp2", "tp2sp"):
+        result = ranks[0][name]
+        for ours, ref in zip(result["steps"], tp1["steps"], strict=True):
+            assert abs(ours["loss"] - ref["loss"]) < 1e-5 and abs(ours["grad_norm"] - ref["grad_norm"]) < 1e-5, name
+        assert _max_diff(result["on"], tp1["on"]) < 1e-5, name
+        assert abs(result["trainable_fraction"] - tp1["trainable_fraction"]) < 1e-12
+
+
+@slow
+def test_optimizer_state_is_the_adapters_only(layouts):
+    _, ranks = layouts
+    for name, result in _layouts(ranks[0]).items():
+        assert result["trainable_numel"] == result["adapter_numel"], name  # base frozen
+        # Adam's two moments of the adapters and nothing else; the distributed optimizer splits them over DP
+        held = sum(rank[name]["optimizer_state_numel"] for rank in ranks)
+        assert held == 2 * sum(rank[name]["adapter_numel"] for rank in ranks) // result["dp"], name
+        assert result["adapter_numel"] < 0.1 * result["total_numel"]
+    # tiny-cpu: 2 layers x rank 4 x (qkv 64+128, proj 64+64, fc1 64+256, fc2 128+64) = 6656 of 97088 parameters
+    assert ranks[0]["dp2"]["adapter_numel"] == 6656 and ranks[0]["dp2"]["total_numel"] == 97088
+    assert abs(ranks[0]["dp2"]["trainable_fraction"] - 6656 / 97088) < 1e-9
+
+
+@slow
+def test_resume_from_a_lora_checkpoint_is_exact(layouts):
+    _, ranks = layouts
+    for name, result in _layouts(ranks[0]).items():
+        assert result["resumed_step4"] == result["step4"], name
+
+
+@slow
+def test_merged_export_matches_our_engine_at_every_layout(layouts, tmp_path, launch):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    out, ranks = layouts
+    tokens = torch.randint(1, 128, (4, 17), generator=torch.Generator().manual_seed(3))  # lora_check's tokens
+    for name in ("dp2", "tp2sp"):
+        hf_dir = tmp_path / f"hf_{name}"
+        result = launch("convert", "megatron-to-hf", "--ckpt", str(out / f"ckpt_{name}"), "--out", str(hf_dir),
+                        "--model", "tiny-cpu")
+        assert result.returncode == 0, result.stderr[-3000:]
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens[:, :-1]).logits.float(), -1)
+        hf = logp.gather(-1, tokens[:, 1:, None])[..., 0].tolist()
+        assert _max_diff(hf, ranks[0][name]["on"]) < 1e-4, name
+
+
+# ------------------------------------------------------------------ PEFT round trip from an HF-imported model
+@pytest.fixture(scope="module")
+def peft_round_trip(tmp_path_factory):
+    import torch
+    import transformers
+
+    from convert_fixtures import COMMON, TOKENIZER_FILES, randomize_weights
+    from helpers import run_launch
+
+    root = tmp_path_factory.mktemp("lora_peft")
+    base = root / "hf_base"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**dict(COMMON, vocab_size=128, tie_word_embeddings=False, rope_theta=10000.0))
+    model = transformers.LlamaForCausalLM(config).eval()
+    randomize_weights(model)
+    model.save_pretrained(str(base))
+    for name, text in TOKENIZER_FILES.items():
+        (base / name).write_text(text)
+    steps = [
+        ("convert", "hf-to-megatron", "--hf", str(base), "--out", str(root / "imported")),
+        ("--config", "sft_tiny", f"model.name={base}", f"model.init_from={root / 'imported'}",
+         "model.lora={rank: 4, alpha: 8, targets: [linear_qkv, linear_proj, linear_fc1, linear_fc2]}",
+         "parallel.tp=2", "parallel.sequence_parallel=true", "run.steps=3", "optimizer.lr=2e-2",
+         "optimizer.lr_warmup_steps=0", "algorithm.global_batch_size=8", "parallel.micro_batch_size=4",
+         f"run.dir={root / 'sft'}"),
+        ("convert", "megatron-to-hf", "--ckpt", str(root / "sft" / "checkpoints"), "--out", str(root / "merged"),
+         "--model", str(base)),
+        ("convert", "megatron-to-hf", "--ckpt", str(root / "sft" / "checkpoints"), "--out", str(root / "adapter"),
+         "--lora-adapter", "--base-hf", str(base)),
+    ]
+    for args in steps:
+        result = run_launch(*args)
+        assert result.returncode == 0, (args, result.stdout[-3000:] + result.stderr[-3000:])
+    return root
+
+
+@slow
+def test_peft_adapter_on_the_hf_base_equals_the_merged_export(peft_round_trip):
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    root = peft_round_trip
+    config = json.loads((root / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"])
+    weights = load_file(str(root / "adapter" / "adapter_model.safetensors"))
+    attn = "base_model.model.model.layers.1.self_attn."
+    assert torch.equal(weights[attn + "q_proj.lora_A.weight"], weights[attn + "k_proj.lora_A.weight"])  # shared A
+    assert weights[attn + "q_proj.lora_B.weight"].shape == (64, 4)  # 4 heads x 16
+    assert weights[attn + "k_proj.lora_B.weight"].shape == (32, 4)  # GQA: 2 groups x 16
+
+    tokens = torch.randint(1, 128, (3, 20), generator=torch.Generator().manual_seed(0))
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "hf_base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+    adapted = peft.PeftModel.from_pretrained(base, str(root / "adapter")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        peft_logits, merged_logits = adapted(tokens).logits, merged(tokens).logits
+    assert float((peft_logits - base_logits).abs().max()) > 1e-3  # the adapters were trained
+    assert float((peft_logits - merged_logits).abs().max()) < 1e-4
+
+
+@slow
+def test_lora_adapter_export_refuses_bad_input(peft_round_trip, launch, tmp_path):
+    root = peft_round_trip
+    no_base = launch("convert", "megatron-to-hf", "--ckpt", str(root / "sft" / "checkpoints"), "--out",
+                     str(tmp_path / "a"), "--lora-adapter")
+    assert no_base.returncode == 2 and "--base-hf" in no_base.stderr and len(no_base.stderr.strip().splitlines()) == 1
+    not_lora = launch("convert", "megatron-to-hf", "--ckpt", str(root / "imported"), "--out", str(tmp_path / "b"),
+                      "--lora-adapter", "--base-hf", str(root / "hf_base"))
+    assert not_lora.returncode == 2 and "no LoRA adapters" in not_lora.stderr, not_lora.stderr[-2000:]
+    assert len(not_lora.stderr.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------ GRPO with LoRA learns the tiny task
+@slow
+@pytest.mark.xfail(run=False, reason="not met yet: on tiny-cpu, LoRA with the embeddings, output layer and norms frozen "
+                   "stays near its base's reward (mean over the last 10%: 0.17 from the first_digit SFT base, 0.60 "
+                   "from a 50-step last_digit SFT base that starts at 0.52); see configs/grpo_lora_tiny.yaml")
+def test_grpo_lora_tiny_learns_with_adapters_only(launch, tmp_path):
+    sft = launch("--config", "sft_tiny", "data.task=first_digit", "run.steps=30", "algorithm.global_batch_size=128",
+                 "optimizer.lr=2e-3", f"run.dir={tmp_path / 'sft'}", timeout=600)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    run = launch("--config", "grpo_lora_tiny", f"model.init_from={tmp_path / 'sft' / 'checkpoints'}",
+                 f"run.dir={tmp_path / 'grpo'}", timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "LoRA:" in run.stdout and "of the parameters are trainable" in run.stdout
+    steps = [m for m in read_metrics(tmp_path / "grpo") if m.get("phase", "train") == "train" and "reward_mean" in m]
+    assert all(m["trainable_fraction"] == steps[0]["trainable_fraction"] for m in steps)
+    assert 0.05 < steps[0]["trainable_fraction"] < 0.2
+    last = steps[-max(1, len(steps) // 10):]
+    assert sum(m["reward_mean"] for m in last) / len(last) >= 0.8
