@@ -66,7 +66,8 @@ def test_unknown_cluster_key_lists_the_valid_ones(tmp_path: Path) -> None:
     assert result.stderr.count("\n") == 1
     assert "unknown config key 'cluster.partitoin'" in result.stderr
     assert "did you mean 'cluster.partition'?" in result.stderr
-    assert ("valid keys here: executor, nodes, tasks_per_node, gpus_per_node, gpu_type, cpus_per_task, mem, time, "
+    assert ("valid keys here: executor, nodes, tasks_per_node, rollout_tasks, gpus_per_node, gpu_type, cpus_per_task, "
+            "mem, time, "
             "partition, account, qos, reservation, constraint, exclude, job_name, sbatch_extra, setup, "
             "container_image, container_mounts, signal_delay_s, max_requeues") in result.stderr
 
