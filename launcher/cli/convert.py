@@ -185,7 +185,9 @@ def _lora_adapter(args) -> int:
 
     result = export_peft_adapter(args.ckpt, args.out, base_hf=args.base_hf, overwrite=args.overwrite)
     print(f"wrote {result['out_dir']}: PEFT LoRA adapter (r={result['r']}, {result['tensors']} tensors, "
-          f"target_modules {', '.join(result['target_modules'])}) for {args.base_hf}")
+          f"target_modules {', '.join(result['target_modules'])}"
+          + (f", modules_to_save {', '.join(result['modules_to_save'])}" if result["modules_to_save"] else "")
+          + f") for {args.base_hf}")
     return 0
 
 

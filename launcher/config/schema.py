@@ -66,6 +66,7 @@ def _non_negative(section: str, **values: Optional[float]) -> None:
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_MODULES_TO_SAVE = ("embedding", "output_layer", "final_layernorm")
 
 
 @dataclass(kw_only=True)
@@ -80,6 +81,10 @@ class LoraConfig:
     """Dropout on the adapter's input, in [0, 1)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Megatron module names to adapt, a subset of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Base modules trained in full beside the adapters (PEFT's modules_to_save), a subset of embedding (word
+    embeddings), output_layer, final_layernorm; with tied embeddings either trains the shared weight. The KL
+    reference keeps their original weights. []: the base stays frozen."""
 
     def __post_init__(self) -> None:
         _positive("model.lora", rank=self.rank, alpha=self.alpha)
@@ -89,6 +94,11 @@ class LoraConfig:
         if unknown or not self.targets:
             raise ConfigError(f"model.lora.targets={list(self.targets)}: {', '.join(map(repr, unknown)) or 'empty'}"
                               f" is not valid; use names from: {', '.join(LORA_TARGETS)}")
+        unknown = [m for m in self.modules_to_save if m not in LORA_MODULES_TO_SAVE]
+        if unknown:
+            raise ConfigError(f"model.lora.modules_to_save={list(self.modules_to_save)}: "
+                              f"{', '.join(map(repr, unknown))} is not valid; use names from: "
+                              f"{', '.join(LORA_MODULES_TO_SAVE)}")
 
 
 @dataclass(kw_only=True)

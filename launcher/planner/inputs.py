@@ -30,9 +30,10 @@ def runtime_of(cfg: Any, shape: Any = None) -> Runtime:
 
 
 def lora_trainable_fraction(shape: Any, lora: Any) -> float:
-    """Adapter parameters over all parameters (frozen base plus adapters) for model.lora on ``shape``: rank x
+    """Trainable parameters over all parameters (frozen base plus adapters) for model.lora on ``shape``: rank x
     (in + out) per adapted linear, as megatron_rl/models/lora.py builds them (MoE experts and MLA projections get
-    none; linear_proj does)."""
+    none; linear_proj does), plus the modules_to_save (vocab x hidden per untied embedding or output layer, once
+    when tied; hidden for the final norm)."""
     h, d, r = shape.hidden_size, shape.kv_channels, lora.rank
     n, g, f = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
     attention = {"linear_qkv": 0 if shape.is_mla else h + (n + 2 * g) * d, "linear_proj": n * d + h}
@@ -40,7 +41,12 @@ def lora_trainable_fraction(shape: Any, lora: Any) -> float:
     per_dense = sum(v for k, v in {**attention, **mlp}.items() if k in lora.targets)
     per_moe = sum(v for k, v in attention.items() if k in lora.targets)
     adapters = r * (shape.num_dense_layers * per_dense + shape.num_moe_layers * per_moe)
-    return adapters / (shape.num_params() + adapters)
+    saved = set(getattr(lora, "modules_to_save", None) or ())  # trained in full beside the adapters
+    vocab = shape.vocab_size * h
+    full = (vocab if saved & {"embedding", "output_layer"} else 0) if shape.tie_embeddings else \
+        vocab * len(saved & {"embedding", "output_layer"})
+    full += h if "final_layernorm" in saved else 0
+    return (adapters + full) / (shape.num_params() + adapters)
 
 
 def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:

@@ -10,6 +10,9 @@ export writes W + B A * alpha / r (computed in fp32 from the global tensors, so 
 through the usual name map. The adapter export keeps A and B apart with PEFT's names: the fused QKV's A is
 shared by q_proj, k_proj and v_proj and its B is split into their rows, and a gated fc1's A is shared by
 gate_proj and up_proj with B split, by the same row split (``names.hf_row_sources``) the base weights use.
+``model.lora.modules_to_save`` (trained in full) are in both: the merged export writes the checkpoint's weights,
+and the adapter folder lists them in ``modules_to_save`` (``embed_tokens``, ``lm_head``, ``model.norm``) with their
+tensors under PEFT's keys (``base_model.model.lm_head.weight``, as PEFT 0.21's ``save_pretrained`` writes them).
 """
 
 from __future__ import annotations
@@ -111,11 +114,13 @@ def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, ba
             tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = lora_a.clone()  # safetensors stores no shared memory
             tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = torch.cat([lora_b[first:first + rows]
                                                                          for first, rows in blocks]).contiguous()
+    saved = saved_module_tensors(reader, maps, source.shape, settings.get("modules_to_save") or [])
+    tensors.update({PEFT_PREFIX + name: value for name, value in saved.items()})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
               "r": int(next(iter(tensors.values())).shape[0]), "lora_alpha": settings["alpha"],
               "lora_dropout": settings.get("dropout", 0.0), "target_modules": sorted(targets), "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
-              "modules_to_save": None}
+              "modules_to_save": sorted({HF_SAVED_MODULES[n] for n in saved}) or None}
     tmp = prepare_output(out, overwrite)
     try:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -124,4 +129,35 @@ def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, ba
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"out_dir": out, "tensors": len(tensors), "target_modules": sorted(targets), "r": config["r"]}
+    return {"out_dir": out, "tensors": len(tensors), "target_modules": sorted(targets), "r": config["r"],
+            "modules_to_save": config["modules_to_save"]}
+
+
+HF_SAVED_MODULES = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head",
+                    "model.norm.weight": "model.norm"}
+"""HF tensor of a modules_to_save -> its PEFT modules_to_save name. PEFT matches these names as suffixes of module
+paths, so the final norm is ``model.norm``: a bare ``norm`` would also take every layer's norms."""
+
+
+def saved_module_tensors(reader, maps, shape, modules_to_save) -> dict:
+    """HF name -> global tensor of each trained base module (model.lora.modules_to_save) the checkpoint stores;
+    with tied embeddings the shared weight is both embed_tokens and lm_head (PEFT keeps a copy for each)."""
+    import torch
+
+    from megatron_rl.conversion.export import hf_tensor_bytes
+    from megatron_rl.conversion.names import EMBEDDING, FINAL_NORM, OUTPUT
+
+    wanted = {{"embedding": EMBEDDING, "output_layer": OUTPUT, "final_layernorm": FINAL_NORM}[m]
+              for m in modules_to_save}
+    if shape.tie_embeddings and wanted & {EMBEDDING, OUTPUT}:
+        wanted |= {EMBEDDING, OUTPUT}
+    out = {}
+    for tm in maps:
+        if tm.ref.name not in wanted or tm.ref.layer is not None:
+            continue
+        dtype = getattr(torch, reader.index[tm.ref].dtype)
+        for (name, data), hf_shape in zip(hf_tensor_bytes(tm, shape, reader, None).items(), tm.hf_shapes):
+            out[name] = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).copy()).view(dtype).reshape(hf_shape)
+    if shape.tie_embeddings and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+    return out

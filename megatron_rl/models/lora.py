@@ -22,7 +22,13 @@ and target, then sliced, so the initial adapters do not depend on the layout; B 
 base. Checkpoints store ``<linear>.lora.A`` / ``.lora.B`` under global keys next to the base weights (the fc1 B
 of a gated MLP through Megatron's swiglu factory, as fc1's weight), so they reshard and resume like any weight.
 
-``adapters_disabled(chunks)`` runs the base alone: the KL reference of a LoRA run, without a second model copy.
+``model.lora.modules_to_save`` (PEFT's): the word embeddings, output layer and/or final norm train in full beside
+the adapters (``requires_grad`` set here too, so DDP and the optimizer hold their state; with tied embeddings either
+name trains the one shared weight, and its last-stage copy under pipelining).
+
+``adapters_disabled(chunks)`` runs the base alone: the KL reference of a LoRA run, without a second model copy;
+the modules_to_save get their original weights swapped in meanwhile, from a copy of just those weights
+(``BaseModules``, which ``Engine.reference_model`` keeps and checkpoints in the run's reference folder).
 Transformer Engine's linears take the same hook (their forward also returns ``(out, bias)``); for TE's
 LayerNorm-fused column linears the hook applies the fused norm to the adapter's input itself. The TE path is
 unverified on the CPU.
@@ -45,6 +51,9 @@ ADAPTER = "lora"
 """Name of the adapter child of each adapted linear (checkpoint keys ``<linear>.lora.A`` / ``.lora.B``)."""
 TRAINABLE_HEADS = ("rm_head.",)
 """Top-level modules that stay trainable beside the adapters (a reward model's or critic's new head)."""
+SAVED_MODULES = {"embedding": "embedding.word_embeddings.", "output_layer": "output_layer.",
+                 "final_layernorm": "decoder.final_layernorm."}
+"""model.lora.modules_to_save name -> parameter-name prefix of the base module trained in full."""
 _TARGET = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)$")
 
 
@@ -151,7 +160,8 @@ def adapter_seed(seed: int, layer: int, target: str) -> int:
 
 
 def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
-    """Give ``model``'s target linears adapters and freeze everything else but ``TRAINABLE_HEADS``; returns how
+    """Give ``model``'s target linears adapters and freeze everything else but ``TRAINABLE_HEADS`` and the
+    modules_to_save (their parameters tagged ``lora_saved``); returns how
     many linears were adapted. Multi-latent attention and MoE layers keep their linears unadapted when their
     names do not match (MoE experts and MLA's projections are not targets)."""
     from megatron.core import parallel_state
@@ -161,7 +171,8 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     adapted = 0
-    settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets)}
+    settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets),
+                "modules_to_save": list(lora.modules_to_save)}
     for name, module in list(model.named_modules()):
         match = _TARGET.match(name)
         if match is None or match.group(3) not in lora.targets:
@@ -196,8 +207,13 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
         adapted += 1
     if not adapted:
         raise NotImplementedError(f"LoRA: no layer of this model chunk matches model.lora.targets={lora.targets}")
+    saved = set(lora.modules_to_save)
+    if model.share_embeddings_and_output_weights and saved & {"embedding", "output_layer"}:
+        saved |= {"embedding", "output_layer"}  # one shared weight (a copy on the last stage, grads all-reduced)
+    prefixes = tuple(SAVED_MODULES[m] for m in saved)
     for name, param in model.named_parameters():
-        param.requires_grad_(f".{ADAPTER}." in name or name.startswith(TRAINABLE_HEADS))
+        param.lora_saved = bool(prefixes) and name.startswith(prefixes)
+        param.requires_grad_(f".{ADAPTER}." in name or name.startswith(TRAINABLE_HEADS) or param.lora_saved)
     return adapted
 
 
@@ -214,11 +230,52 @@ def adapter_settings(chunks) -> Optional[dict]:
     return None if first is None else dict(first.settings)
 
 
+def saved_parameters(chunks) -> dict[int, torch.nn.Parameter]:
+    """The parameters of ``chunks``' modules_to_save (once each: a tied embedding is one weight)."""
+    return {id(p): p for chunk in (chunks if isinstance(chunks, (list, tuple)) else [chunks])
+            for p in chunk.parameters() if getattr(p, "lora_saved", False)}
+
+
+class BaseModules(torch.nn.Module):
+    """A frozen copy of one model chunk's modules_to_save weights as they are now (each parameter's
+    ``lora_base``), checkpointed like a model chunk (``runtime.checkpoint``) under the model's own keys, so it
+    reshards; ``adapters_disabled`` swaps it in. Holds only those modules' weights."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._model = [model]  # not a submodule
+        self.saved = {name: p for name, p in model.named_parameters() if getattr(p, "lora_saved", False)}
+        for param in self.saved.values():
+            param.lora_base = param.detach().clone()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        import dataclasses
+
+        full = self._model[0].sharded_state_dict(prefix, sharded_offsets, metadata)
+        return {name: dataclasses.replace(full[prefix + name], data=param.lora_base)
+                for name, param in self.saved.items() if prefix + name in full}
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                self.saved[name].lora_base.copy_(value)
+        missing = [name for name in self.saved if name not in state_dict]
+        return missing, [name for name in state_dict if name not in self.saved]
+
+
 @contextlib.contextmanager
 def adapters_disabled(chunks):
-    """Run ``chunks`` as their frozen base (the KL reference of a LoRA run): no second copy of the model."""
+    """Run ``chunks`` as their frozen base (the KL reference of a LoRA run): no second copy of the model. The
+    modules_to_save get their original weights back meanwhile (``BaseModules``; an error if none were kept)."""
     found = list(adapters(chunks))
     states = [a.enabled for a in found]
+    saved = list(saved_parameters(chunks).values())
+    if any(not hasattr(p, "lora_base") for p in saved):
+        raise RuntimeError("LoRA modules_to_save: their base weights were not kept (BaseModules)")
+    live = [p.detach().clone() for p in saved]
+    with torch.no_grad():
+        for param in saved:
+            param.copy_(param.lora_base)
     for adapter in found:
         adapter.enabled = False
     try:
@@ -226,6 +283,9 @@ def adapters_disabled(chunks):
     finally:
         for adapter, state in zip(found, states):
             adapter.enabled = state
+        with torch.no_grad():
+            for param, value in zip(saved, live):
+                param.copy_(value)
 
 
 def trainable_fraction(chunks) -> float:

@@ -201,8 +201,25 @@ class Engine:
 
     def reference_model(self, folder: Path) -> list:
         """The KL reference: with LoRA (``model.lora``) this engine's own chunks, which ``reference_logprobs``
-        runs with their adapters disabled (the frozen base: no second copy in memory); else ``frozen_copy``."""
-        return self.chunks if self.opts.lora is not None else self.frozen_copy(folder)
+        runs with their adapters disabled (the frozen base: no second copy in memory; the modules_to_save's
+        current weights kept and saved in ``folder``, or loaded from there on a resume); else ``frozen_copy``."""
+        if self.opts.lora is None:
+            return self.frozen_copy(folder)
+        if self.opts.lora.modules_to_save:
+            self._keep_base_modules(folder)
+        return self.chunks
+
+    def _keep_base_modules(self, folder: Path) -> None:
+        from megatron_rl.models.lora import BaseModules
+        from megatron_rl.runtime import checkpoint as ckpt
+
+        copies = [BaseModules(ckpt.unwrap(chunk)) for chunk in self.chunks]
+        ckpt.remove_partial_saves(folder)
+        found = ckpt.latest_checkpoint(folder)
+        if found is None or (ckpt.run_id() is not None and ckpt.checkpoint_owner(found) != ckpt.run_id()):
+            ckpt.save_checkpoint(folder, step=0, chunks=copies, keep_last=1)
+        else:
+            ckpt.load_checkpoint(found, chunks=copies, load_optimizer=False)
 
     def reference_logprobs(self, reference: list, microbatches: list[dict], *, seq_length: int) -> None:
         """Store the frozen ``reference`` chunks' log-probs of each micro-batch's labels as ``ref_logp``

@@ -108,9 +108,12 @@ class GrpoRun:
             self.sampler.load_state_dict(extra["sampler"])
             self.generator.set_state(extra["generator"])
             self.warmup_done = extra.get(WARMUP_DONE, self.algo.sft_warmup_steps)
+        lora = self.engine.opts.lora is not None  # the reference is the base: taken before the warm-up trains
+        if self.algo.kl_coef > 0 and lora:
+            self.reference = self.engine.reference_model(self.ctx.ckpt_dir / "reference")
         if self.warmup_done < self.algo.sft_warmup_steps:
             self.warm_up()
-        if self.algo.kl_coef > 0:  # the weights GRPO started from (with LoRA: the base), kept with the checkpoints
+        if self.algo.kl_coef > 0 and not lora:  # the weights GRPO started from, kept with the checkpoints
             self.reference = self.engine.reference_model(self.ctx.ckpt_dir / "reference")
         return start
 

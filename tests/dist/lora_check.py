@@ -7,7 +7,8 @@ of fixed tokens with the adapters on and off before training (B = 0: equal), thr
 pretrain loss, the log-probs after training (on, off, and with every adapter merged into its base weight
 shard, after a fourth step), the optimizer's state size against the adapters' parameter count, and a checkpoint (saved after the
 three steps) that a fresh engine resumes from for a fourth step equal to the original engine's; and at TP1
-the adapters' gradients against the chain rule through the merged weight. Every rank
+the adapters' gradients against the chain rule through the merged weight; and with modules_to_save (untied at TP2,
+tied at TP1 x DP2) what trains and the KL reference (``modules_to_save_check``). Every rank
 writes OUT/rank{R}.json; tests/test_lora.py compares the layouts and exports the checkpoints.
 """
 
@@ -128,6 +129,76 @@ def gradient_check() -> dict:
     return {"max_diff": diff, "max_grad": size, "linears": len(linears)}
 
 
+SAVED = {"tp2": ({"tp": 2}, False), "tied": ({}, True)}
+
+
+def modules_to_save_check(name: str, sizes: dict, tied: bool, out: Path) -> dict:
+    """model.lora.modules_to_save = all three (untied at TP2: the vocab-sharded embedding and output layer; tied
+    at TP1 x DP2: one shared weight): what trains, the optimizer state, and the KL reference (adapters off, the
+    modules' kept weights swapped in) against the untrained base, before and after three steps and after a
+    resume from the checkpoint and the reference folder."""
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state
+
+    from dist_common import progression_trainer
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.models.lora import adapters, adapters_disabled, saved_parameters
+    from megatron_rl.runtime import checkpoint as ckpt
+    from megatron_rl.runtime.distributed import initialize, job_dims
+    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize(job_dims(**sizes), seed=1234)
+    cfg = load_config(None, [*(o for o in OVERRIDES if not o.startswith("model.lora")),
+                             "model.lora={rank: 4, alpha: 8, modules_to_save: [embedding, output_layer, final_layernorm]}",
+                             *(f"parallel.{k}={v}" for k, v in sizes.items())])
+    shape = dataclasses.replace(load_model_shape("tiny-cpu"), tie_embeddings=tied)
+    engine = build_engine(cfg, shape)
+    tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+
+    def logprobs(chunks) -> list:
+        return sequence_logprobs(chunks, tokens).tolist()
+
+    chunk = ckpt.unwrap(engine.chunks[0])
+    saved = saved_parameters(engine.chunks)
+    result = {"trainable_fraction": engine.trainable_fraction, "base": logprobs(engine.chunks),
+              "saved_names": sorted(n for n, p in chunk.named_parameters() if id(p) in saved),
+              "trainable_numel": sum(p.numel() for p in chunk.parameters() if p.requires_grad),
+              "adapter_numel": sum(p.numel() for a in adapters(engine.chunks) for p in a.parameters()),
+              "saved_numel": sum(p.numel() for p in saved.values()),
+              "total_numel": sum(p.numel() for p in chunk.parameters()), "dp": parallel_state.get_data_parallel_world_size()}
+    before = [p.detach().clone() for p in saved.values()]
+    reference = engine.reference_model(out / f"reference_{name}")
+    with adapters_disabled(reference):
+        result["ref_step0"] = logprobs(reference)
+    train_step = progression_trainer(engine, micro_batch_size=2)
+    result["steps"] = [train_step(step) for step in (1, 2, 3)]
+    result["saved_change"] = max(float((p.detach() - b).abs().max()) for p, b in zip(saved.values(), before))
+    result["policy"] = logprobs(engine.chunks)
+    with adapters_disabled(reference):
+        result["ref_trained"] = logprobs(reference)
+    for adapter in adapters(engine.chunks):  # adapters off, the trained modules kept: not the base
+        adapter.enabled = False
+    result["trained_modules_only"] = logprobs(engine.chunks)
+    for adapter in adapters(engine.chunks):
+        adapter.enabled = True
+    result["policy_after_reference"] = logprobs(engine.chunks)
+    result["optimizer_state_numel"] = optimizer_state_numel(engine.optimizer)
+    folder = out / f"ckpt_saved_{name}"
+    ckpt.save_checkpoint(folder, step=3, chunks=engine.chunks, optimizer=engine.optimizer, scheduler=engine.scheduler)
+    fresh = build_engine(cfg, shape)
+    ckpt.load_checkpoint(folder, chunks=fresh.chunks, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
+    resumed_reference = fresh.reference_model(out / f"reference_{name}")
+    result["resumed_policy"] = logprobs(fresh.chunks)
+    with adapters_disabled(resumed_reference):
+        result["resumed_ref"] = logprobs(resumed_reference)
+    return result
+
+
 def main() -> None:
     import torch
 
@@ -137,7 +208,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     out = Path(parser.parse_args().out)
     results = {name: run_layout(name, sizes, out) for name, sizes in LAYOUTS.items()}
-    write_rank_result(out, {**results, "gradient_check": gradient_check()})
+    saved = {name: modules_to_save_check(name, sizes, tied, out) for name, (sizes, tied) in SAVED.items()}
+    write_rank_result(out, {**results, "gradient_check": gradient_check(), "modules_to_save": saved})
     torch.distributed.destroy_process_group()
 
 
