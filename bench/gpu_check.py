@@ -18,7 +18,9 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
 4. router replay (bench/router_replay.py): a 32-expert top-4 MoE rollout in the main dtype, generation log-probs
    against the training forward with free routing and with the recorded routes replayed; replay must not widen
    the log-ratio spread.
-5. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
+5. LoRA: adapters on this device's linears (TE's on a GPU with TE): zero-init equals the base, and the
+   adapters' forward equals their merged weights.
+6. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
    rollout's KV-cache log-probs are checked against the training forward. bf16 tolerance: max |diff| <= 0.25
    nats and mean |diff| <= 0.02 nats (bf16 keeps 8 mantissa bits; decode and full-sequence GEMMs round
    differently).
@@ -291,6 +293,48 @@ def attention_kernels_check(exact_yaml: str, device: torch.device) -> dict:
     diff = (logprobs["flash"] - logprobs["unfused"]).abs()
     return {"model": f"{shape.name}, fp32", "core_attention": modules, "max_abs_diff": float(diff.max()),
             "passed": bool(diff.max() < 1e-4)}
+
+
+def lora_check(exact_yaml: str, device: torch.device) -> dict:
+    """model.lora on this device's layers (Transformer Engine's linears, LayerNorm-fused ones included, on a GPU
+    with TE), fp32: zero-initialised adapters leave the base's log-probs unchanged, and with random B the
+    adapters' forward equals the base with B A alpha / r merged into each weight."""
+    from launcher.config.schema import LoraConfig
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.models.builder import ModelOptions, build_gpt_model
+    from megatron_rl.models.lora import adapters, adapters_disabled
+    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.runtime.training import sequence_logprobs
+
+    shape = load_model_shape(str(REPO_ROOT / exact_yaml))
+    tokens = torch.randint(3, shape.vocab_size, (4, 32), generator=torch.Generator().manual_seed(6)).to(device)
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7, lora=LoraConfig(rank=4)))
+        chunks = [model]
+        with torch.no_grad():
+            at_init = sequence_logprobs(model, tokens)
+            with adapters_disabled(chunks):
+                base = sequence_logprobs(model, tokens)
+            generator = torch.Generator().manual_seed(8)
+            for adapter in adapters(chunks):
+                adapter.B.copy_(torch.randn(adapter.B.shape, generator=generator).to(adapter.B) * 0.05)
+            with_adapters = sequence_logprobs(model, tokens)
+            for module in unwrap(model).modules():
+                if hasattr(module, "lora") and hasattr(module, "weight"):
+                    module.weight += module.lora.delta_weight()
+            with adapters_disabled(chunks):
+                merged = sequence_logprobs(model, tokens)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+    linear = type(unwrap(model).decoder.layers[0].self_attention.linear_qkv).__name__
+    init_diff = float((at_init - base).abs().max())
+    merged_diff = float((with_adapters - merged).abs().max())
+    moved = float((with_adapters - base).abs().max())
+    return {"model": f"{shape.name}, fp32, rank 4", "linear_qkv": linear, "init_vs_base_max_abs_diff": init_diff,
+            "adapters_vs_merged_max_abs_diff": merged_diff, "adapters_moved_logprobs": moved,
+            "passed": bool(init_diff == 0.0 and merged_diff < 1e-4 < moved)}
 
 
 def moe_check(run_dir: str, device: torch.device) -> dict:
@@ -609,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             attempt("exactness_fp32", lambda: exactness_check(sizes.exact_model, device))
             attempt("moe", lambda: moe_check(run_dir, device))
             attempt("attention_kernels", lambda: attention_kernels_check(sizes.exact_model, device))
+            attempt("lora", lambda: lora_check(sizes.exact_model, device))
             attempt("router_replay", lambda: router_replay_check(run_dir, sizes.dtype))
             shape = load_model_shape(str(REPO_ROOT / sizes.model))
             holder: dict[str, Any] = {}
@@ -676,6 +721,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "grpo_kv_cache_logprobs": flag("grpo", "kv_cache_vs_training_forward", "passed"),
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
         "attention_kernels_agree": flag("attention_kernels", "passed"),
+        "lora_adapters_equal_merged_weights": flag("lora", "passed"),
         "router_replay_narrows_ratio": flag("router_replay", "router_replay")
         and result["router_replay"]["router_replay"]["log_ratio_max_abs"]
         <= result["router_replay"]["free_routing"]["log_ratio_max_abs"] + 1e-6,
