@@ -148,7 +148,10 @@ def test_cancel_a_running_local_run_and_follow_its_log(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = subprocess.Popen([sys.executable, "launch.py", "run.steps=100000", "algorithm.sft_warmup_steps=2",
                                "logging.tensorboard=false", f"run.dir={run_dir}"], cwd=REPO_ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              # a suite started in the background (`cmd &`) inherits SIGINT ignored; a user's
+                              # launcher in a terminal takes Ctrl-C, and that is the path tested here
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     follow = None
     try:
         status = slurm_fixtures.wait_for(lambda: _grpo_started(run_dir), timeout=120, what="a GRPO step")
