@@ -113,3 +113,22 @@ def test_a_reward_model_checkpoint_is_scored_by_held_out_pair_accuracy(tmp_path)
     assert last_eval["step"] == 10
     assert entry["accuracy"] == pytest.approx(last_eval["accuracy"], abs=1e-6) and entry["n_pairs"] > 0
     assert "pass@1" not in entry and "accuracy" in proc.stdout
+
+
+def test_a_lora_reward_model_is_scored_with_its_adapters_or_refused_without_them(tmp_path):
+    """A reward model trained with model.lora: loaded without adapters it would silently score with the bare base,
+    so that is a one-line error; with the same model.lora, eval gives the trainer's own held-out accuracy."""
+    train, lora = tmp_path / "rm", "model.lora={rank: 4}"
+    proc = run_launch("--config", "rm_tiny", lora, f"run.dir={train}", "run.steps=4", "data.eval_interval=4",
+                      "logging.console=quiet", "logging.tensorboard=false")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    bare = _eval(tmp_path / "bare", train / "checkpoints", "--config", "rm_tiny", "eval.stage=rm")
+    assert bare.returncode == 2 and "holds LoRA adapters" in bare.stderr, bare.stderr[-3000:]
+    assert "Traceback" not in bare.stderr and not (tmp_path / "bare" / "eval.json").exists()
+    proc = _eval(tmp_path / "eval", train / "checkpoints", "--config", "rm_tiny", lora, "eval.stage=rm")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last_eval = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()
+                 if '"phase": "eval"' in line][-1]
+    entry = json.loads((tmp_path / "eval" / "eval.json").read_text())["rm"]
+    assert entry["accuracy"] == pytest.approx(last_eval["accuracy"], abs=1e-6)
+    assert entry["reward_margin"] == pytest.approx(last_eval["reward_margin"], abs=1e-5)

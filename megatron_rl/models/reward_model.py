@@ -197,7 +197,7 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.models.lora import is_adapter_key
+    from megatron_rl.models.lora import adapters, is_adapter_key
     from megatron_rl.runtime.checkpoint import resolve_checkpoint, unwrap
 
     try:
@@ -205,6 +205,10 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     except FileNotFoundError as err:
         raise ConfigError(f"{err}; point model.init_from / algorithm.reward_model at a checkpoint folder") from None
     stored = checkpoint_tensor_keys(folder)
+    if any(is_adapter_key(key) for key in stored) and next(adapters(chunks), None) is None:
+        raise ConfigError(f"checkpoint {folder} holds LoRA adapters and this model has none, so they would be "
+                          "dropped; set the model.lora it was trained with (eval, a PPO critic), or train the reward "
+                          "model without model.lora (the GRPO `rm` reward does not load adapters yet)")
     request, skipped = {}, set()
     for i, chunk in enumerate(chunks):
         sharded = unwrap(chunk).sharded_state_dict()
