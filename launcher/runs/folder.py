@@ -28,6 +28,8 @@ CONFIG_NAME = "config.yaml"
 STAGE_ORDER_FILE = "stages.txt"
 """A pipeline folder's stage order, one stage name a line (``launcher.pipeline``)."""
 METRICS_NAME = "metrics.jsonl"
+MANIFEST_FILE = "manifest.json"
+"""The run's audit record, written by the job (megatron_rl/runtime/manifest.py)."""
 METRICS_TAIL_BYTES = 1 << 20
 """Only the end of metrics.jsonl is read: enough lines for the last step and the recent step times."""
 JOB_FILE = re.compile(r"^(\d+)_")

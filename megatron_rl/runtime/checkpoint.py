@@ -311,14 +311,14 @@ def _model_sharded_state_dict(chunks: list) -> dict:
 
 def _adapters_not_stored(folder: Path, model_sd: dict) -> set[str]:
     """State-dict names of the LoRA adapter matrices in ``model_sd`` that ``folder`` does not store."""
-    names = {name: item.key for sd in model_sd.values() for name, item in sd.items() if ".lora." in name}
-    if not names:
-        return set()
     from megatron_rl.models.lora import is_adapter_key
     from megatron_rl.models.reward_model import checkpoint_tensor_keys
 
+    names = {name: item.key for sd in model_sd.values() for name, item in sd.items() if is_adapter_key(name)}
+    if not names:
+        return set()
     stored = checkpoint_tensor_keys(folder)
-    return {name for name, key in names.items() if is_adapter_key(name) and key not in stored}
+    return {name for name, key in names.items() if key not in stored}
 
 
 def _rng_sharded_object(state: Any):
@@ -350,8 +350,9 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
     extra = {"run_id": run_id(), **(extra or {})} if run_id() is not None else (extra or {})
     from megatron_rl.models.lora import adapter_settings
 
-    if adapter_settings(chunks) is not None:  # the exports need alpha (and the PEFT config the rest)
-        extra = {**extra, "lora": adapter_settings(chunks)}
+    lora = adapter_settings(chunks)
+    if lora is not None:  # the exports need alpha (and the PEFT config the rest)
+        extra = {**extra, "lora": lora}
     state: dict[str, Any] = {**model_sd, "step": step, "layout": layout_signature(), "extra": extra,
                              "rng_state": _rng_sharded_object(_rng_state())}
     if optimizer is not None and save_optimizer:
@@ -383,7 +384,9 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
     same_layout = common.get("layout") == layout_signature()
     model_sd = _model_sharded_state_dict(chunks)
     stored_lora = (common.get("extra") or {}).get("lora")
-    if stored_lora and not any(".lora." in name for sd in model_sd.values() for name in sd):
+    from megatron_rl.models.lora import is_adapter_key
+
+    if stored_lora and not any(is_adapter_key(name) for sd in model_sd.values() for name in sd):
         from launcher.errors import ConfigError
 
         raise ConfigError(f"checkpoint {folder} holds LoRA adapters (model.lora={stored_lora}); set the same "

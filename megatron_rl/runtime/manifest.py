@@ -56,7 +56,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-MANIFEST_FILE = "manifest.json"
+from launcher.runs.folder import MANIFEST_FILE
+
 LOCK_FILE = ".manifest.lock"
 CHUNK = 1 << 20
 """Bytes read per hash update."""

@@ -143,7 +143,7 @@ class TrainerContext:
         the checkpoint's (a reward model started from a policy); default: a plain model-only load.
         """
         ckpt.remove_partial_saves(self.ckpt_dir)
-        if getattr(engine, "trainable_fraction", None) is not None:
+        if engine.trainable_fraction is not None:  # LoRA
             self.say(f"LoRA: {engine.trainable_fraction:.4%} of the parameters are trainable")
         found = ckpt.latest_checkpoint(self.ckpt_dir) if self.cfg.checkpoint.resume else None
         if found is not None:
@@ -185,7 +185,7 @@ class TrainerContext:
         peaks = [float(engine.peak_memory.get(phase, 0)) for phase in PHASES]
         stop, save_due, *peaks = self._agree(self._stop_requested(None, step), self._save_due(step, now), *peaks)
         engine.peak_memory.clear()
-        if getattr(engine, "trainable_fraction", None) is not None:  # LoRA
+        if engine.trainable_fraction is not None:  # LoRA
             metrics = {**metrics, "trainable_fraction": engine.trainable_fraction}
         self.logger.log(step, {**metrics, **{f"peak_memory_{phase}_gib": round(peak / GIB, 4)
                                              for phase, peak in zip(PHASES, peaks) if peak}})

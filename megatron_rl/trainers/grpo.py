@@ -237,7 +237,7 @@ class GrpoRun:
                 for batches in minibatches:
                     self.record_policy_step(totals, epoch, self.engine.train_step(
                         batches, self.loss_fn, seq_length=seq_length, report_names=REPORTS, forward_fn=logits_forward))
-        return _combine_minibatches(totals)
+        return combine_minibatches(totals)
 
     def minibatches(self, rollout: Rollout) -> list[list[dict]]:
         """This DP rank's micro-batches of each mini-batch of global_batch_size completions (a rollout's remainder
@@ -316,7 +316,9 @@ def wants_recomputed_old_logprobs(cfg: JobConfig, shape: ModelShape, engine: Eng
     return engine.opts.dtype != torch.float32 or engine.opts.transformer_engine or shape.is_moe
 
 
-def _combine_minibatches(totals: dict[str, list[float]]) -> dict[str, float]:
+def combine_minibatches(totals: dict[str, list[float]]) -> dict[str, float]:
+    """One figure per metric over a step's mini-batches: the mean, or the min/max of *_min/*_max keys; plus the
+    number of optimizer steps taken (``minibatches``)."""
     combined = {}
     for key, values in totals.items():
         if key.endswith("_min"):

@@ -41,7 +41,7 @@ from megatron_rl.runtime.checkpoint import unwrap
 from megatron_rl.runtime.phases import generation_phase, training_phase
 from megatron_rl.runtime.training import build_engine, data_parallel_share, logits_forward
 from megatron_rl.trainers.common import TrainerContext
-from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, _combine_minibatches
+from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, combine_minibatches
 
 VALUE_REPORTS = ("value_loss", "value_clip_fraction", "value_pred_mean")
 CRITIC_READY = "critic_initialised"
@@ -213,7 +213,7 @@ class PpoRun(GrpoRun):
                     totals.setdefault(key if key in VALUE_REPORTS else f"critic_{key}", []).append(value)
                 if self.algo.epochs > 1:
                     totals.setdefault(f"value_clip_fraction_epoch{epoch}", []).append(critic["value_clip_fraction"])
-        return _combine_minibatches(totals)
+        return combine_minibatches(totals)
 
     def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
         return {**super().step_metrics(batch, train, t_train), "critic_warmup": float(not train.get("minibatches"))}
