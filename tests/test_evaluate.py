@@ -108,27 +108,59 @@ def test_a_reward_model_checkpoint_is_scored_by_held_out_pair_accuracy(tmp_path)
     proc = _eval(tmp_path / "eval", train / "checkpoints", "--config", "rm_tiny", "eval.stage=rm")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     entry = json.loads((tmp_path / "eval" / "eval.json").read_text())["rm"]
-    last_eval = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()
-                 if '"phase": "eval"' in line][-1]
+    last_eval = _last_eval(train)
     assert last_eval["step"] == 10
     assert entry["accuracy"] == pytest.approx(last_eval["accuracy"], abs=1e-6) and entry["n_pairs"] > 0
     assert "pass@1" not in entry and "accuracy" in proc.stdout
 
 
-def test_a_lora_reward_model_is_scored_with_its_adapters_or_refused_without_them(tmp_path):
-    """A reward model trained with model.lora: loaded without adapters it would silently score with the bare base,
-    so that is a one-line error; with the same model.lora, eval gives the trainer's own held-out accuracy."""
-    train, lora = tmp_path / "rm", "model.lora={rank: 4}"
-    proc = run_launch("--config", "rm_tiny", lora, f"run.dir={train}", "run.steps=4", "data.eval_interval=4",
+LORA_RM = "model.lora={rank: 4}"
+
+
+@pytest.fixture(scope="module")
+def lora_reward_model(tmp_path_factory):
+    """An rm run (4 steps) with model.lora: its run folder, whose metrics hold the trainer's eval at step 4."""
+    train = tmp_path_factory.mktemp("lora_rm")
+    proc = run_launch("--config", "rm_tiny", LORA_RM, f"run.dir={train}", "run.steps=4", "data.eval_interval=4",
                       "logging.console=quiet", "logging.tensorboard=false")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return train
+
+
+def _last_eval(run_dir) -> dict:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"phase": "eval"' in line][-1]
+
+
+def test_a_lora_reward_model_is_scored_with_its_adapters_or_refused_without_them(tmp_path, lora_reward_model):
+    """A reward model trained with model.lora: loaded without adapters it would silently score with the bare base,
+    so that is a one-line error; with the same model.lora, eval gives the trainer's own held-out accuracy."""
+    train, lora = lora_reward_model, LORA_RM
     bare = _eval(tmp_path / "bare", train / "checkpoints", "--config", "rm_tiny", "eval.stage=rm")
     assert bare.returncode == 2 and "holds LoRA adapters" in bare.stderr, bare.stderr[-3000:]
     assert "Traceback" not in bare.stderr and not (tmp_path / "bare" / "eval.json").exists()
     proc = _eval(tmp_path / "eval", train / "checkpoints", "--config", "rm_tiny", lora, "eval.stage=rm")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    last_eval = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()
-                 if '"phase": "eval"' in line][-1]
+    last_eval = _last_eval(train)
     entry = json.loads((tmp_path / "eval" / "eval.json").read_text())["rm"]
     assert entry["accuracy"] == pytest.approx(last_eval["accuracy"], abs=1e-6)
     assert entry["reward_margin"] == pytest.approx(last_eval["reward_margin"], abs=1e-5)
+
+
+def test_the_grpo_rm_reward_scores_a_lora_reward_model_with_its_adapters(tmp_path, lora_reward_model):
+    """RewardModelScorer (the GRPO `rm` reward) rebuilds the RM with the adapters its checkpoint records and scores
+    the held-out pairs as the rm trainer's own eval of the same checkpoint did, at TP1 x DP2 and TP2."""
+    from helpers import torchrun_check
+
+    ranks = torchrun_check("lora_rm_scorer.py", tmp_path, "--rm-dir", str(lora_reward_model))
+    last_eval = _last_eval(lora_reward_model)
+    assert last_eval["step"] == 4
+    for name in ("dp2", "tp2"):
+        scored = ranks[0][name]
+        assert scored["adapters"] == 8 and scored["pairs"] > 0, name  # tiny-cpu: 2 layers x 4 linears
+        assert scored["accuracy"] == pytest.approx(last_eval["accuracy"], abs=1e-6), name
+        for key in ("reward_margin", "reward_chosen", "reward_rejected"):
+            assert scored[key] == pytest.approx(last_eval[key], abs=1e-5), (name, key)
+    # the adapters change the scores: the bare base would not match the trainer
+    off = ranks[0]["adapters_off"]
+    assert min(abs(off[key] - last_eval[key]) for key in ("reward_margin", "reward_chosen")) > 1e-3

@@ -3,10 +3,11 @@ merged and PEFT exports, and GRPO learning the tiny task with adapters only.
 
     .venv/bin/python -m pytest tests/test_lora.py -q
 
-One 2-process torchrun job (tests/dist/lora_check.py) gives every layout's numbers; the PEFT round trip imports a
-tiny random HF Llama, trains 3 LoRA SFT steps from it at TP2 with sequence parallelism (modules_to_save: all three),
-exports it merged and as a PEFT adapter, and compares ``peft.PeftModel.from_pretrained`` on the HF base with the
-merged model.
+One 2-process torchrun job (tests/dist/lora_check.py) gives every layout's numbers, a second
+(tests/dist/lora_dropout_and_tied_check.py) adapter dropout at TP1/TP2 and tied embeddings at PP2 vs PP1 with their
+exports; the PEFT round trip imports a tiny random HF Llama, trains 3 LoRA SFT steps from it at TP2 with sequence
+parallelism (dropout 0.1, modules_to_save: all three), exports it merged and as a PEFT adapter, and compares
+``peft.PeftModel.from_pretrained`` on the HF base with the merged model.
 """
 
 from __future__ import annotations
@@ -191,6 +192,104 @@ def test_the_kl_reference_keeps_the_base_weights_of_modules_to_save(layouts):
         assert _max_diff(result["resumed_ref"], result["base"]) == 0.0, name
 
 
+@pytest.fixture(scope="module")
+def dropout_and_tied(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_dropout_and_tied")
+    return out, torchrun_check("lora_dropout_and_tied_check.py", out)
+
+
+@slow
+def test_dropout_applies_to_the_adapter_input_only(dropout_and_tied):
+    _, ranks = dropout_and_tied
+    for name, result in ranks[0]["dropout"].items():  # TP1 x DP2 and TP2, model.lora.dropout=0.25
+        assert result["zero_b_train"] == result["base_train"], name  # B = 0: the base exactly, dropout or not
+        assert result["eval1"] == result["eval2"], name  # eval: deterministic
+        assert _max_diff(result["merged_eval"], result["eval1"]) < 1e-5, name  # and the merged weights
+        assert _max_diff(result["eval1"], result["base_train"]) > 1e-2, name  # the random B matters
+        assert _max_diff(result["train1"], result["eval1"]) > 1e-3, name  # training: masks applied,
+        assert _max_diff(result["train1"], result["train2"]) > 1e-3, name  # fresh each forward
+        for kind, draws in result["linear_draws"].items():  # one linear: the mean of 400 draws -> eval's output
+            assert draws["single"] > 0.02 * draws["scale"], (name, kind)
+            assert draws["mean"] < 0.15 * draws["single"], (name, kind, draws)
+
+
+@slow
+def test_dropout_masks_agree_over_tp_and_full_recompute_replays_them_and_trains_the_adapters(dropout_and_tied):
+    _, ranks = dropout_and_tied
+    # a column linear's A (and a row linear's B) is replicated over TP: with different masks per rank the copies
+    # would get different gradients; after three steps with dropout they are still bit-identical
+    tp2 = [rank["dropout"]["tp2"]["replicated_digests"] for rank in ranks]
+    assert len(tp2[0]) == 8 and tp2[0] == tp2[1]
+    # parallel.recompute=full: each layer re-runs in backward, from a frozen embedding's output (which then has to
+    # require grad, or the adapters get none: grad_norm 0) and with the first pass's masks
+    dp2 = ranks[0]["dropout"]["dp2"]
+    first, recomputed = dp2["steps"][0], dp2["recompute_step"]
+    assert first["grad_norm"] > 0.1
+    assert abs(first["loss"] - recomputed["loss"]) < 1e-6 and abs(first["grad_norm"] - recomputed["grad_norm"]) < 1e-6
+
+
+@slow
+def test_tied_embeddings_with_modules_to_save_train_alike_at_pp2_and_pp1(dropout_and_tied):
+    _, ranks = dropout_and_tied
+    pp1, pp2 = ranks[0]["tied_pipeline"]["pp1"], ranks[0]["tied_pipeline"]["pp2"]
+    for ours, ref in zip(pp2["steps"], pp1["steps"], strict=True):
+        assert abs(ours["loss"] - ref["loss"]) < 1e-5 and abs(ours["grad_norm"] - ref["grad_norm"]) < 1e-5
+    assert _max_diff(pp2["policy"], pp1["policy"]) < 1e-5 and _max_diff(pp2["policy"], pp2["base"]) > 1e-2
+    # PP2: the first stage's embedding and the last stage's copy trained in step, and like PP1's one weight
+    stages = [rank["tied_pipeline"]["pp2"] for rank in ranks]
+    assert stages[0]["shared_digest"] == stages[1]["shared_digest"]
+    assert all(stage["shared_diff_to_pp1"] < 1e-5 and stage["shared_change"] > 1e-3 for stage in stages)
+    import dataclasses
+
+    from launcher.config.schema import LoraConfig
+    from launcher.model_shape import load_model_shape
+    from launcher.planner.inputs import lora_trainable_fraction
+
+    tied = dataclasses.replace(load_model_shape("tiny-cpu"), tie_embeddings=True)
+    planned = lora_trainable_fraction(tied, LoraConfig(rank=4, alpha=8, modules_to_save=["output_layer"]))
+    assert planned == pytest.approx((6656 + 8192) / (97088 - 8192), abs=1e-12)
+    for result in (pp1, pp2):  # the last stage's copy is not counted twice
+        assert result["trainable_fraction"] == pytest.approx(planned, abs=1e-12)
+        assert _max_diff(result["ref_trained"], result["base"]) == 0.0  # the KL reference: the untrained base
+
+
+@slow
+def test_tied_pp2_exports_stay_tied(dropout_and_tied, tmp_path, launch):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    import torch
+    from safetensors.torch import load_file
+
+    out, ranks = dropout_and_tied
+    model = tmp_path / "tiny-cpu-tied.yaml"
+    model.write_text((REPO_ROOT / "configs" / "models" / "tiny-cpu.yaml").read_text()
+                     .replace("tie_embeddings: false", "tie_embeddings: true"))
+    exports = {"merged": ("--ckpt", str(out / "ckpt_tied_pp2"), "--model", str(model)),
+               "base": ("--ckpt", str(out / "ckpt_tied_pp2_base"), "--model", str(model)),
+               "adapter": ("--ckpt", str(out / "ckpt_tied_pp2"), "--lora-adapter", "--base-hf", str(tmp_path / "base"))}
+    for name, args in exports.items():
+        result = launch("convert", "megatron-to-hf", *args, "--out", str(tmp_path / name))
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert merged.config.tie_word_embeddings
+    assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
+    tokens = torch.randint(1, 128, (4, 17), generator=torch.Generator().manual_seed(3))  # lora_check's tokens
+    with torch.no_grad():
+        logp = torch.log_softmax(merged(tokens[:, :-1]).logits.float(), -1)
+    hf = logp.gather(-1, tokens[:, 1:, None])[..., 0].tolist()
+    assert _max_diff(hf, ranks[0]["tied_pipeline"]["pp2"]["policy"]) < 1e-4
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["embed_tokens", "lm_head"] and config["ensure_weight_tying"] is True
+    weights = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert torch.equal(weights["base_model.model.lm_head.weight"], weights["base_model.model.model.embed_tokens.weight"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    inner = adapted.base_model.model
+    assert inner.lm_head.modules_to_save["default"].weight is inner.model.embed_tokens.modules_to_save["default"].weight
+    with torch.no_grad():
+        assert float((adapted(tokens).logits - merged(tokens).logits).abs().max()) < 1e-4
+
+
 @slow
 def test_merged_export_matches_our_engine_at_every_layout(layouts, tmp_path, launch):
     transformers = pytest.importorskip("transformers")
@@ -231,7 +330,7 @@ def peft_round_trip(tmp_path_factory):
     steps = [
         ("convert", "hf-to-megatron", "--hf", str(base), "--out", str(root / "imported")),
         ("--config", "sft_tiny", f"model.name={base}", f"model.init_from={root / 'imported'}",
-         "model.lora={rank: 4, alpha: 8, targets: [linear_qkv, linear_proj, linear_fc1, linear_fc2], "
+         "model.lora={rank: 4, alpha: 8, dropout: 0.1, targets: [linear_qkv, linear_proj, linear_fc1, linear_fc2], "
          "modules_to_save: [embedding, output_layer, final_layernorm]}",
          "parallel.tp=2", "parallel.sequence_parallel=true", "run.steps=3", "optimizer.lr=2e-2",
          "optimizer.lr_warmup_steps=0", "algorithm.global_batch_size=8", "parallel.micro_batch_size=4",
@@ -257,6 +356,7 @@ def test_peft_adapter_on_the_hf_base_equals_the_merged_export(peft_round_trip):
     root = peft_round_trip
     config = json.loads((root / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["lora_dropout"] == 0.1
     assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"])
     weights = load_file(str(root / "adapter" / "adapter_model.safetensors"))

@@ -13,6 +13,8 @@ gate_proj and up_proj with B split, by the same row split (``names.hf_row_source
 ``model.lora.modules_to_save`` (trained in full) are in both: the merged export writes the checkpoint's weights,
 and the adapter folder lists them in ``modules_to_save`` (``embed_tokens``, ``lm_head``, ``model.norm``) with their
 tensors under PEFT's keys (``base_model.model.lm_head.weight``, as PEFT 0.21's ``save_pretrained`` writes them).
+With tied embeddings the one trained weight is written as both, and ``ensure_weight_tying`` keeps PEFT's copies
+tied. ``lora_dropout`` is the run's ``model.lora.dropout`` (PEFT applies it in training mode only).
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, ba
               "lora_dropout": settings.get("dropout", 0.0), "target_modules": sorted(targets), "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True,
               "modules_to_save": sorted({HF_SAVED_MODULES[n] for n in saved}) or None}
+    if source.shape.tie_embeddings and "lm_head.weight" in saved:  # PEFT then keeps its two copies one parameter
+        config["ensure_weight_tying"] = True
     tmp = prepare_output(out, overwrite)
     try:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

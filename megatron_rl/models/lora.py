@@ -1,6 +1,6 @@
 """LoRA on Megatron Core: low-rank adapters on the decoder's parallel linears, TP-sharded like their base.
 
-    .venv/bin/python -m pytest tests/test_lora.py -q          # layer numerics, TP1 vs TP2, optimizer state, export
+    .venv/bin/python -m pytest tests/test_lora.py -q          # layer numerics, TP1 vs TP2, PP, dropout, export
 
 ``add_adapters(model, lora, ...)`` runs after the model is built (``build_gpt_model``): every decoder linear whose
 name is in ``model.lora.targets`` (linear_qkv, linear_proj, linear_fc1, linear_fc2) gets a child ``lora``
@@ -22,9 +22,15 @@ and target, then sliced, so the initial adapters do not depend on the layout; B 
 base. Checkpoints store ``<linear>.lora.A`` / ``.lora.B`` under global keys next to the base weights (the fc1 B
 of a gated MLP through Megatron's swiglu factory, as fc1's weight), so they reshard and resume like any weight.
 
+``model.lora.dropout`` drops the adapter's input only, in training mode (eval and the merged weights agree), from
+Megatron's tracked RNG states (``LoraAdapter.dropped``: equal masks over TP where the input is replicated), which
+its activation recompute replays. Under full recompute the frozen embedding's output is made to require grad, or
+the recomputed layers would give the adapters no gradient.
+
 ``model.lora.modules_to_save`` (PEFT's): the word embeddings, output layer and/or final norm train in full beside
 the adapters (``requires_grad`` set here too, so DDP and the optimizer hold their state; with tied embeddings either
-name trains the one shared weight, and its last-stage copy under pipelining).
+name trains the one shared weight, and its last-stage copy under pipelining, whose grads Megatron all-reduces with
+the first stage's: PP2 trains as PP1, tests/test_lora.py).
 
 ``adapters_disabled(chunks)`` runs the base alone: the KL reference of a LoRA run, without a second model copy;
 the modules_to_save get their original weights swapped in meanwhile, from a copy of just those weights
@@ -37,6 +43,7 @@ unverified on the CPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 import types
@@ -80,7 +87,7 @@ class LoraAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
-        h = F.linear(self.dropout(x), self.A)
+        h = F.linear(self.dropped(x), self.A)
         if self.parallel == "column":
             h = (mappings.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
                  if self.sequence_parallel else mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group))
@@ -88,6 +95,21 @@ class LoraAdapter(torch.nn.Module):
             h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
                  if self.sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
         return F.linear(h, self.B) * self.scale
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout of the adapter's input in training mode, from one of Megatron's tracked (checkpointed, recompute-
+        replayed) RNG states. A column linear's input (without sequence parallelism) is the same on every TP rank,
+        and so must its mask be, or the copies of A would get different gradients and drift apart: the
+        data-parallel state, equal over TP and drawn from by nothing else that varies by rank. A TP-sharded input
+        (a row linear's, or a sequence chunk) draws from the model-parallel state, different per TP rank."""
+        if not (self.training and isinstance(self.dropout, torch.nn.Dropout)):
+            return x
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker, get_data_parallel_rng_tracker_name
+
+        tracker = get_cuda_rng_tracker()
+        replicated = self.parallel == "column" and not self.sequence_parallel
+        with tracker.fork(get_data_parallel_rng_tracker_name()) if replicated else tracker.fork():
+            return self.dropout(x)
 
     def delta_weight(self) -> torch.Tensor:
         """This rank's shard of B A * alpha / r, shaped like the base weight's shard."""
@@ -154,6 +176,20 @@ def _sharded_state_dict(module, prefix: str = "", sharded_offsets: tuple = (), m
     return state
 
 
+def _embedding_output_requires_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
+
+class _CpuForkNotice(logging.Filter):
+    """On the CPU Megatron's tracked "CUDA" RNG states are the CPU generator's (``runtime.cpu_compat``), so the
+    tracker's check that a fork left the CPU generator alone fires on every adapter dropout: expected there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def adapter_seed(seed: int, layer: int, target: str) -> int:
     """Seed of A's initial draw for global decoder layer ``layer`` (1-based) and ``target``."""
     return (seed * 1000 + layer) * 10 + 7_000_003 + ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2").index(target)
@@ -207,6 +243,14 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
         adapted += 1
     if not adapted:
         raise NotImplementedError(f"LoRA: no layer of this model chunk matches model.lora.targets={lora.targets}")
+    if config.recompute_granularity == "full" and model.pre_process:
+        # Full recompute runs each layer in Megatron's CheckpointFunction, whose output needs grad only if its input
+        # does: from the frozen embedding it would not, and the adapters inside would silently get no gradient.
+        model.embedding.register_forward_hook(_embedding_output_requires_grad)
+    if lora.dropout and not torch.cuda.is_available():
+        random_logger = logging.getLogger("megatron.core.tensor_parallel.random")
+        if not any(isinstance(f, _CpuForkNotice) for f in random_logger.filters):
+            random_logger.addFilter(_CpuForkNotice())
     saved = set(lora.modules_to_save)
     if model.share_embeddings_and_output_weights and saved & {"embedding", "output_layer"}:
         saved |= {"embedding", "output_layer"}  # one shared weight (a copy on the last stage, grads all-reduced)
@@ -222,6 +266,18 @@ def adapters(chunks) -> Iterator[LoraAdapter]:
         for module in chunk.modules():
             if isinstance(module, LoraAdapter):
                 yield module
+
+
+def stored_lora_config(extra: Optional[dict]) -> Optional[LoraConfig]:
+    """The model.lora a checkpoint's adapters were trained with, from its common state's ``extra`` (where
+    ``save_checkpoint`` records ``adapter_settings``); None: no adapters."""
+    import dataclasses
+
+    settings = (extra or {}).get("lora")
+    if not settings:
+        return None
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    return LoraConfig(**{key: value for key, value in settings.items() if key in known})
 
 
 def adapter_settings(chunks) -> Optional[dict]:
@@ -290,14 +346,15 @@ def adapters_disabled(chunks):
 
 def trainable_fraction(chunks) -> float:
     """Trainable share of the model's parameters, over the whole model (every TP/PP rank's own parameters,
-    TP-replicated ones once)."""
+    TP-replicated ones and a tied embedding once), so it is the same at every layout."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
 
     counts = torch.zeros(2, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     for chunk in chunks:
-        for param in chunk.parameters():
-            if param_is_not_tensor_parallel_duplicate(param):
+        for param in chunk.parameters():  # a tied output layer's copy on the last pipeline stage is Megatron's `shared`
+            if param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
                 counts[0] += param.numel() if param.requires_grad else 0
                 counts[1] += param.numel()
     torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())

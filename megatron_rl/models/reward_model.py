@@ -208,7 +208,7 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     if any(is_adapter_key(key) for key in stored) and next(adapters(chunks), None) is None:
         raise ConfigError(f"checkpoint {folder} holds LoRA adapters and this model has none, so they would be "
                           "dropped; set the model.lora it was trained with (eval, a PPO critic), or train the reward "
-                          "model without model.lora (the GRPO `rm` reward does not load adapters yet)")
+                          "model without model.lora")
     request, skipped = {}, set()
     for i, chunk in enumerate(chunks):
         sharded = unwrap(chunk).sharded_state_dict()

@@ -3,6 +3,8 @@
 ``RewardModelScorer(checkpoint)`` reads the model shape, tokenizer and max length that the rm trainer stored in
 the checkpoint (``extra["reward_model"]``), builds the reward model at the running job's layout (its TP, PP and
 VPP from Megatron's parallel state; the checkpoint reshards on load), loads the weights and keeps them frozen.
+A reward model trained with ``model.lora`` is rebuilt with the same adapters (the settings the checkpoint records
+in ``extra["lora"]``) and scores with them, in eval mode (no adapter dropout).
 Calling it is the batched reward-fn signature of ``megatron_rl.rewards``:
 
     scorer = RewardModelScorer("runs/rm_tiny/checkpoints")
@@ -26,6 +28,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from launcher.config.schema import LoraConfig
 from launcher.errors import ConfigError
 from launcher.model_shape import ModelShape
 from megatron_rl.data.chat import ChatFormat
@@ -43,10 +46,12 @@ from megatron_rl.rewards.registry import register_reward, registered_rewards
 from megatron_rl.runtime.distributed import current_dims
 
 
-def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict]:
-    """(step folder, the ``reward_model`` metadata the rm trainer stored); ConfigError when it is not an RM."""
+def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict, Optional[LoraConfig]]:
+    """(step folder, the ``reward_model`` metadata the rm trainer stored, the model.lora its adapters were trained
+    with or None); ConfigError when it is not an RM."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.models.lora import stored_lora_config
     from megatron_rl.runtime.checkpoint import resolve_checkpoint
 
     try:
@@ -58,7 +63,7 @@ def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict]:
     if meta is None:
         raise ConfigError(f"algorithm.reward_model={checkpoint}: {folder} is not a reward-model checkpoint "
                           "(train one with algorithm.name=rm)")
-    return folder, meta
+    return folder, meta, stored_lora_config(common.get("extra"))
 
 
 def shape_from_metadata(meta: dict) -> ModelShape:
@@ -98,7 +103,7 @@ class RewardModelScorer:
         per process)."""
         if micro_batch_size < 1:
             raise ConfigError(f"reward model scorer: micro_batch_size={micro_batch_size} must be >= 1")
-        self.folder, meta = read_reward_model_metadata(checkpoint)
+        self.folder, meta, lora = read_reward_model_metadata(checkpoint)
         self.shape = shape_from_metadata(meta)
         self.max_length = int(max_length or meta["max_length"])
         loaded = load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer"),
@@ -112,7 +117,7 @@ class RewardModelScorer:
         dims.check_model(self.shape)
         pp = dims.pp
         self.opts = ModelOptions(dims=dims, dtype=compute_dtype(dtype), seq_length=self.max_length,
-                                 attention=attention,
+                                 attention=attention, lora=lora,
                                  **({} if transformer_engine is None else {"transformer_engine": transformer_engine}))
         self.multiple = dims.tp if dims.sp else 1
         self.fixed_length = padded_length(self.max_length, multiple=self.multiple) if pp > 1 else None
