@@ -119,7 +119,8 @@ def resolve_executor(name: str) -> str:
 def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = frozenset(), precision: str = "bf16",
              top_k: int = 5, mean_response_length: int | None = None):
     """The one sizing call for a job, made by ``prepare`` (parallel.auto=true) and by ``launch.py plan``: the
-    planner's search for cfg's world size, GPU type, sequence length, global batch and trainer, with the job's
+    planner's search for cfg's training processes (the world size less cluster.rollout_tasks, which generate on
+    their own GPUs: ``inputs.split_placement``), GPU type, sequence length, global batch and trainer, with the job's
     runtime (``runtime:`` section: TE, attention kernel, TP/DP overlap, gradient dtype;
     ``launcher.planner.inputs.runtime_of``), and for GRPO/PPO its rollout (``inputs.rollout_sizing``: size, group,
     response length and ``mean_response_length`` (None: half the max), reference model, old log-prob recompute,
@@ -127,7 +128,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     ``given`` (``launcher.config.loader.given_keys``) and the trainer limits (``launcher.limits``).
     Returns the PlanResult; NoFeasibleLayout when nothing fits, ConfigError when a given key cannot be kept."""
     from launcher.planner import PLANNED_KEYS, NoFeasibleLayout, plan
-    from launcher.planner.inputs import RL_ALGORITHMS, rollout_sizing, runtime_of
+    from launcher.planner.inputs import RL_ALGORITHMS, rollout_sizing, runtime_of, split_placement
 
     algo, par = cfg.algorithm, cfg.parallel
     limits = trainer_limits(shape, algo.name)
@@ -147,10 +148,10 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     grpo = (rollout_sizing(cfg, shape, runtime, mean_response_length=mean_response_length)
             if algo.name in RL_ALGORITHMS else None)
     try:
-        return plan(shape, num_gpus=cfg.cluster.world_size, gpu_type=cfg.cluster.gpu_type,
+        return plan(shape, num_gpus=cfg.cluster.training_tasks, gpu_type=cfg.cluster.gpu_type,
                     seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
                     mode=PLANNER_MODES[algo.name], precision=precision, grpo=grpo, top_k=top_k,
-                    runtime=runtime, fixed=fixed, limits=limits)
+                    runtime=runtime, fixed=fixed, limits=limits, split=split_placement(cfg))
     except NoFeasibleLayout:
         raise
     except ConfigError as exc:  # the search names held keys as --layout ones; here they are parallel.* keys
@@ -177,7 +178,8 @@ def apply_plan(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = fr
     try:
         result = plan_job(cfg, shape, given=given)
     except NoFeasibleLayout as exc:
-        nodes = -(-exc.smallest_gpus // cfg.cluster.tasks_per_node) if exc.smallest_gpus else None
+        processes = exc.smallest_gpus + cfg.cluster.rollout_tasks if exc.smallest_gpus else None  # training + rollout
+        nodes = -(-processes // cfg.cluster.tasks_per_node) if processes else None
         raise ConfigError(f"parallel.auto: {exc}" + (f"; set cluster.nodes={nodes}" if nodes else "")) from None
     layout = result.layout
     parallel = dataclasses.replace(

@@ -41,11 +41,7 @@ TRAINER_LIMITS: tuple[TrainerLimit, ...] = (
 )
 
 
-JOB_LIMITS: dict[str, tuple[Any, str]] = {
-    "cluster.rollout_tasks": (0, "separate rollout processes (split placement, asynchronous GRPO) are not "
-                                 "supported by the GRPO trainer yet"),
-    "algorithm.off_policy_correction": ("none", "the GRPO trainer does not apply off-policy corrections yet"),
-}
+JOB_LIMITS: dict[str, tuple[Any, str]] = {}
 """Other config keys (``section.key``) the trainers run at one value only, so far: ``check_job_limits`` refuses
 any other value. Delete an entry when a trainer supports the key."""
 

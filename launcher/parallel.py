@@ -2,7 +2,8 @@
 
 Pure Python (no torch), so the config checks, the planner and the job all read the same object:
 
-    dims = ParallelDims.from_config(cfg.parallel, world_size=cfg.cluster.world_size)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=cfg.cluster.training_tasks,
+                                    rollout_tasks=cfg.cluster.rollout_tasks)
     dims.check_model(shape)         # heads, query groups, experts and the pipeline split
     dims.dp, dims.edp               # data-parallel sizes of the dense and the expert layers
 
@@ -14,6 +15,10 @@ Megatron's rules (``parallel_state.initialize_model_parallel`` and ``Transformer
   uneven (``first_stage_layers`` / ``last_stage_layers``, the middle stages sharing the rest evenly); every
   stage's layers divide by vpp. When the layers do not divide evenly and no split is given, ``with_split``
   picks one (5 layers on pp=2 -> 3+2; 126 on pp=16 -> 7 + 14x8 + 7).
+
+This job's rule for split placement (``cluster.rollout_tasks`` = R > 0): the world above is the training processes
+(world size - R), and the R rollout processes form R / (tp·pp) replicas at the training tp x pp (cp=1, ep=1), so R
+is a multiple of tp·pp and ep = 1 (``rollout_replica_error``).
 
 Test: ``.venv/bin/python -m pytest tests/test_parallel_dims.py tests/test_planner_megatron_rules.py -q``
 """
@@ -59,6 +64,10 @@ class ParallelDims:
     """Count the embedding as one layer in an even split (Megatron's account_for_embedding_in_pipeline_split)."""
     account_for_loss: bool = False
     """Count the output layer and loss as one layer in an even split."""
+    rollout_tasks: int = 0
+    """Processes beyond world_size that only generate (cluster.rollout_tasks, split placement): world_size is then
+    the training processes alone, and the rollout tasks must split into replicas of tp x pp at ep=1
+    (``rollout_replica_error``)."""
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -71,7 +80,12 @@ class ParallelDims:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
-        where = f"the world size {self.world_size} (cluster.nodes*cluster.tasks_per_node)"
+        why = rollout_replica_error(self.rollout_tasks, self.tp, self.pp, self.ep)
+        if why is not None:
+            raise ConfigError(why)
+        where = (f"the {self.world_size} training processes (cluster.nodes*cluster.tasks_per_node - "
+                 f"cluster.rollout_tasks)" if self.rollout_tasks else
+                 f"the world size {self.world_size} (cluster.nodes*cluster.tasks_per_node)")
         dense = self.pp * self.tp * self.cp
         if self.world_size % dense:
             raise ConfigError(f"parallel.tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {dense} does not divide {where}; "
@@ -82,10 +96,11 @@ class ParallelDims:
                               f"{where}; change the sizes or the number of processes")
 
     @classmethod
-    def from_config(cls, parallel: Any, *, world_size: int) -> "ParallelDims":
-        """From a ``ParallelConfig`` (the schema's ``parallel:`` section)."""
+    def from_config(cls, parallel: Any, *, world_size: int, rollout_tasks: int = 0) -> "ParallelDims":
+        """From a ``ParallelConfig`` (the schema's ``parallel:`` section); ``world_size`` counts the training
+        processes, ``rollout_tasks`` the generating ones beyond them."""
         return cls(world_size=world_size, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp,
-                   ep=parallel.ep, etp=parallel.etp, sp=parallel.sequence_parallel,
+                   ep=parallel.ep, etp=parallel.etp, sp=parallel.sequence_parallel, rollout_tasks=rollout_tasks,
                    **{key: getattr(parallel, key) for key in SPLIT_KEYS})
 
     @property
@@ -160,6 +175,26 @@ class ParallelDims:
             raise ConfigError(f"the pipeline split of {name}'s {shape.num_layers} layers over parallel.pp={self.pp}"
                               f"{f' x vpp={self.vpp}' if self.vpp > 1 else ''} is not legal: {why}; change "
                               f"parallel.{', '.join(SPLIT_KEYS[:2])} or the pipeline size")
+
+
+def rollout_replica_error(rollout_tasks: int, tp: int, pp: int, ep: int) -> str | None:
+    """Why ``rollout_tasks`` generating processes cannot run beside this training layout (one line naming
+    cluster.rollout_tasks and the fix), or None: each rollout replica runs at the training layout's tp x pp (cp=1,
+    ep=1), so the rollout tasks split into whole replicas, and split placement runs no expert parallelism."""
+    if not rollout_tasks:
+        return None
+    if ep > 1:
+        return (f"cluster.rollout_tasks={rollout_tasks} with parallel.ep={ep}: rollout replicas run at ep=1, so split "
+                "placement does not run expert parallelism; set parallel.ep=1, or cluster.rollout_tasks=0 to "
+                "generate in the training processes")
+    replica = tp * pp
+    if rollout_tasks % replica:
+        lower = rollout_tasks // replica * replica
+        choices = " or ".join(str(n) for n in (lower, lower + replica) if n)
+        return (f"cluster.rollout_tasks={rollout_tasks} is not a multiple of parallel.tp*pp = {tp}*{pp} = {replica} "
+                f"(each rollout replica runs at the training layout's tp x pp); set cluster.rollout_tasks to a "
+                f"multiple of {replica}, e.g. {choices}")
+    return None
 
 
 def uneven_splits(num_layers: int, pp: int) -> list[tuple[int, int]]:

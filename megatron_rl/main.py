@@ -43,12 +43,29 @@ def run(config_path: str) -> int:
 
     cfg = load_config(config_path)
     shape = load_model_shape(cfg.model.name)
+    placement = None
+    if cfg.cluster.rollout_tasks:  # split placement: this process trains, or only generates, in its role's world
+        from megatron_rl.rollout.placement import split_placement
+        from megatron_rl.rollout.worker import rollout_config
+
+        placement = split_placement(read_dist_env(), rollout_tasks=cfg.cluster.rollout_tasks, run_dir=cfg.run.dir)
+        placement.enter()
+        if placement.role == "rollout":
+            cfg = rollout_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size=read_dist_env().world_size)
     initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
+    if placement is not None and placement.role == "rollout":
+        from megatron_rl.rollout.worker import serve
+
+        try:
+            return serve(cfg, shape, placement)
+        finally:
+            _write_cpu_redirects(cfg.run.dir)
+            shutdown()
     trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
     ctx, error = None, None
     try:
-        ctx = TrainerContext(cfg, shape=shape, config_path=config_path)
+        ctx = TrainerContext(cfg, shape=shape, config_path=config_path, placement=placement)
         trainer.train(cfg, shape, ctx)
     except BaseException as exc:
         error = exc
@@ -66,14 +83,13 @@ def _write_cpu_redirects(run_dir: str) -> None:
     import json
     import os
 
-    import torch
-
     from megatron_rl.runtime import cpu_compat
 
     if not cpu_compat.is_active():
         return
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    path = os.path.join(run_dir, "logs", f"cpu_redirects_rank{rank}.json")
+    from megatron_rl.rollout.placement import job_rank
+
+    path = os.path.join(run_dir, "logs", f"cpu_redirects_rank{job_rank()}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(cpu_compat.redirect_counts(), f, indent=1, sort_keys=True)

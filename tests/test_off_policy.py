@@ -104,3 +104,23 @@ def test_bad_arguments_are_refused():
         behaviour_weights(OLD, BEHAV, MASK, correction="tis", cap=2.0)
     with pytest.raises(ValueError, match="does not match"):
         behaviour_weights(OLD, BEHAV[:, :2], MASK, correction="truncated_is", cap=2.0)
+
+
+@pytest.mark.parametrize("correction, expected", [
+    # token-mean of the hand cases above (A = +1): decoupled (-1.1 - 1.8 + 0 - 0.5) / 4, TIS (-1.1 - 1.8 - 1.8 - 0.5) / 4
+    ("decoupled", -3.4 / 4), ("truncated_is", -5.2 / 4), ("none", -4.2 / 4)])
+def test_the_grpo_loss_applies_the_correction_the_config_names(correction, expected):
+    """The loss the trainer steps with (grpo_loss, as make_grpo_loss calls it with the batch's behav_logp) is the
+    hand-computed per-token loss of the correction, aggregated; its behav_* stats are those of the weights."""
+    from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
+
+    config = GRPOLossConfig(eps_low=0.2, eps_high=0.2, kl_coef=0.0, kl_kind="k3", loss_agg_mode="token-mean",
+                            off_policy_correction=correction, is_cap=2.0)
+    loss, metrics = grpo_loss(current(), OLD, torch.ones(1, dtype=torch.float64), MASK, config=config,
+                              behav_logp=BEHAV)
+    assert float(loss) == pytest.approx(expected, abs=1e-9)
+    if correction != "none":
+        assert float(metrics["behav_weight_mean"]) == pytest.approx((1 + 1.5 + 3 + 0.5) / 4)
+        assert float(metrics["behav_capped_fraction"]) == pytest.approx(0.25)
+        with pytest.raises(ValueError, match="needs behav_logp"):
+            grpo_loss(current(), OLD, torch.ones(1, dtype=torch.float64), MASK, config=config)

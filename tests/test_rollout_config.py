@@ -1,6 +1,6 @@
 """Config keys of split-placement (asynchronous) GRPO: cluster.rollout_tasks, algorithm.max_staleness,
-weight_sync, off_policy_correction and is_cap; their rules, and the job's refusal while the trainer does not
-run them yet (launcher/limits.py JOB_LIMITS).
+weight_sync, off_policy_correction and is_cap; their rules, and the job-limit mechanism (launcher/limits.py
+JOB_LIMITS) that refuses a key's value a trainer does not run yet.
 
 Run: `.venv/bin/python -m pytest tests/test_rollout_config.py -q`
 """
@@ -11,7 +11,6 @@ from launcher import cli
 from launcher.config.loader import load_config
 from launcher.config.validate import check_layout
 from launcher.errors import ConfigError
-from launcher.limits import JOB_LIMITS
 from launcher.model_shape import load_model_shape
 
 
@@ -19,7 +18,7 @@ def test_the_defaults_are_synchronous_colocated_grpo():
     cfg = load_config(None, [])
     assert (cfg.cluster.rollout_tasks, cfg.algorithm.max_staleness) == (0, 0)
     assert (cfg.algorithm.weight_sync, cfg.algorithm.off_policy_correction, cfg.algorithm.is_cap) == \
-        ("gloo", "none", 2.0)
+        ("files", "none", 2.0)
     check_layout(cfg, load_model_shape(cfg.model.name))
 
 
@@ -35,9 +34,18 @@ def test_the_defaults_are_synchronous_colocated_grpo():
     (["algorithm.weight_sync=nccl"], "algorithm.weight_sync=nccl needs GPUs.* set algorithm.weight_sync=gloo or files"),
     (["cluster.gpus_per_node=2", "parallel.backend=gloo", "algorithm.weight_sync=nccl"],
      "weight_sync=nccl needs GPUs and the nccl backend"),
+    (["cluster.gpus_per_node=2", "cluster.tasks_per_node=2", "cluster.rollout_tasks=1",
+      "algorithm.weight_sync=nccl"], "algorithm.weight_sync=nccl: the rollout workers receive weights over gloo or "
+                                     "files so far.* set algorithm.weight_sync=gloo or files"),
     (["algorithm.weight_sync=tcp"], "algorithm.weight_sync='tcp' is not valid; use one of: gloo, nccl, files"),
     (["algorithm.off_policy_correction=tis"], "use one of: none, truncated_is, decoupled"),
     (["algorithm.is_cap=0.5"], r"algorithm.is_cap=0.5 must be >= 1"),
+    (["algorithm.off_policy_correction=decoupled"], "algorithm.off_policy_correction=decoupled corrects for samples "
+                                                    "of older weights.* set algorithm.off_policy_correction=none"),
+    (["cluster.rollout_tasks=1", "algorithm.drop_zero_signal_groups=true"],
+     "algorithm.drop_zero_signal_groups=true draws more prompts inside a step.* set it false"),
+    (["cluster.tasks_per_node=4", "cluster.rollout_tasks=2", "parallel.ep=2"],
+     "parallel.ep=2 with cluster.rollout_tasks=2: .* set cluster.rollout_tasks=0 or parallel.ep=1"),
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -49,15 +57,21 @@ def test_nccl_weight_sync_loads_on_gpus():
     assert cfg.algorithm.weight_sync == "nccl"
 
 
-@pytest.mark.parametrize("overrides", [["cluster.rollout_tasks=1", "algorithm.max_staleness=2",
-                                        "algorithm.weight_sync=files"],
-                                       ["algorithm.off_policy_correction=decoupled"]])
-def test_the_job_refuses_what_the_trainer_does_not_run_yet_in_one_line(overrides, capsys, tmp_path):
-    cfg = load_config(None, overrides)  # a legal config ...
-    with pytest.raises(ConfigError) as refused:  # ... that the job cannot run yet
+@pytest.mark.parametrize("weight_sync", ["files", "gloo"])
+def test_split_placement_with_either_weight_sync_passes_the_layout_check(weight_sync):
+    cfg = load_config(None, ["cluster.rollout_tasks=1", "algorithm.max_staleness=2", f"algorithm.weight_sync={weight_sync}",
+                             "algorithm.off_policy_correction=decoupled"])
+    assert check_layout(cfg, load_model_shape(cfg.model.name)) == 1  # dp over the 1 training process
+
+
+def test_a_job_limit_refuses_its_key_in_one_line(monkeypatch, capsys, tmp_path):
+    from launcher import limits
+
+    monkeypatch.setattr(limits, "JOB_LIMITS", {"algorithm.is_cap": (2.0, "the trainer reads only the default")})
+    cfg = load_config(None, ["algorithm.is_cap=3"])
+    with pytest.raises(ConfigError) as refused:
         check_layout(cfg, load_model_shape(cfg.model.name))
-    key = overrides[0].split("=")[0]
-    assert str(refused.value).startswith(f"{overrides[0]}: ") and JOB_LIMITS[key][1] in str(refused.value)
-    assert str(refused.value).endswith(f"set {key}={JOB_LIMITS[key][0]}")
-    assert cli.main(["--dry-run", f"run.dir={tmp_path}", *overrides]) == 2
+    assert str(refused.value) == ("algorithm.is_cap=3.0: the trainer reads only the default; "
+                                  "set algorithm.is_cap=2.0")
+    assert cli.main(["--dry-run", f"run.dir={tmp_path}", "algorithm.is_cap=3"]) == 2
     assert capsys.readouterr().err == f"error: {refused.value}\n"

@@ -11,6 +11,10 @@ time depends on (default half of generation.max_new_tokens). With --config the f
 flags override them; a key given by a flag and by key=value is an error. Without --config, ``--model`` sizes a
 pretraining job unless --mode or algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU model).
 
+With ``cluster.rollout_tasks`` = R (split placement) the layout is planned over the world less R, with rollout
+replicas of its tp x pp on the R rollout GPUs; the plan shows both sides' times and memory and suggests an R that
+balances generation and training (the config keeps its own).
+
 The search keeps every parallel.* key that is given (file, key=value or --layout; any subset: the rest is searched)
 and holds the trainer limits (``launcher/limits.py``); the plan lists both. It prints the chosen layout's memory and
 step time by part, the runner-up and the part of the step time it lost on (or, when the kept keys excluded a

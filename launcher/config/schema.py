@@ -354,6 +354,11 @@ class ClusterConfig:
         return self.nodes * self.tasks_per_node
 
     @property
+    def training_tasks(self) -> int:
+        """Processes that train: all but the rollout_tasks (the training layout, parallel.*, is over these)."""
+        return self.world_size - self.rollout_tasks
+
+    @property
     def has_gpus(self) -> bool:
         """A GPU job (gpus_per_node > 0); CPU jobs request none."""
         return self.gpus_per_node > 0
@@ -411,12 +416,14 @@ class AlgorithmConfig:
     (old log-probs, reference, updates) the same way, so routing flips do not show up as policy ratios (R3)."""
     max_staleness: int = 0
     """With cluster.rollout_tasks > 0: the trainer takes only samples generated at most this many policy
-    versions (optimizer steps) ago, dropping older ones (megatron_rl/rollout/buffer.py); 0: only samples of the
-    current weights (synchronous). Must be 0 without rollout tasks (colocated generation is synchronous)."""
-    weight_sync: str = "gloo"
+    versions (GRPO steps) ago, dropping older ones (megatron_rl/rollout/buffer.py), and at most
+    (max_staleness + 1) x prompts_per_step prompts are out at once; 0: only samples of the current weights
+    (synchronous, split placement). Must be 0 without rollout tasks (colocated generation is synchronous)."""
+    weight_sync: str = "files"
     """How new weights reach the rollout tasks after each step: gloo (torch.distributed broadcast over TCP, CPU
     staging), nccl (GPUs only) or files (versioned safetensors in a shared folder, for ranks that cannot reach
-    each other; the samples come back through the same folder). Unused without rollout tasks."""
+    each other; the samples come back through the same folder). Unused without rollout tasks. Prompts and samples
+    always travel through the run folder (small); nccl is not built yet."""
     off_policy_correction: str = "none"
     """Correction for samples of an older (behaviour) policy (megatron_rl/algorithms/off_policy.py): none,
     truncated_is (the surrogate times min(pi_old / pi_behav, is_cap), Yao et al. 2025) or decoupled (AReaL's
@@ -824,6 +831,19 @@ class JobConfig:
         if algo.weight_sync == "nccl" and (not self.cluster.has_gpus or self.parallel.backend == "gloo"):
             raise ConfigError("algorithm.weight_sync=nccl needs GPUs and the nccl backend (cluster.gpus_per_node > 0, "
                               "parallel.backend auto or nccl); set algorithm.weight_sync=gloo or files")
+        if rollout_tasks and algo.weight_sync == "nccl":
+            raise ConfigError("algorithm.weight_sync=nccl: the rollout workers receive weights over gloo or files so "
+                              "far (megatron_rl/rollout/channel.py); set algorithm.weight_sync=gloo or files")
+        if not rollout_tasks and algo.off_policy_correction != "none":
+            raise ConfigError(f"algorithm.off_policy_correction={algo.off_policy_correction} corrects for samples of "
+                              "older weights, which only rollout tasks produce; set algorithm.off_policy_correction=none "
+                              "or cluster.rollout_tasks > 0")
+        if rollout_tasks and algo.drop_zero_signal_groups:
+            raise ConfigError("algorithm.drop_zero_signal_groups=true draws more prompts inside a step, which split "
+                              "placement does not do; set it false or cluster.rollout_tasks=0")
+        if rollout_tasks and self.parallel.ep > 1:
+            raise ConfigError(f"parallel.ep={self.parallel.ep} with cluster.rollout_tasks={rollout_tasks}: rollout "
+                              "workers hold no expert-parallel copy yet; set cluster.rollout_tasks=0 or parallel.ep=1")
 
     def _check_runtime(self) -> None:
         rt, gpus = self.runtime, self.cluster.has_gpus

@@ -13,7 +13,8 @@ from launcher.parallel import ParallelDims
 
 def with_pipeline_split(cfg: JobConfig, shape: ModelShape) -> JobConfig:
     """cfg with an uneven pipeline split filled in when pp (x vpp) does not divide the layers and none is given."""
-    dims = ParallelDims.from_config(cfg.parallel, world_size=cfg.cluster.world_size).with_split(shape.num_layers)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=cfg.cluster.training_tasks,
+                                    rollout_tasks=cfg.cluster.rollout_tasks).with_split(shape.num_layers)
     if (dims.first_stage_layers, dims.last_stage_layers) == (cfg.parallel.first_stage_layers,
                                                             cfg.parallel.last_stage_layers):
         return cfg
@@ -26,7 +27,7 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     """Raise ConfigError naming the key and the fix when the layout cannot run; return the data-parallel size."""
     check_job_limits(cfg)
     par = cfg.parallel
-    dims = ParallelDims.from_config(par, world_size=cfg.cluster.world_size)
+    dims = ParallelDims.from_config(par, world_size=cfg.cluster.training_tasks, rollout_tasks=cfg.cluster.rollout_tasks)
     dims.check_model(shape)
     dp = dims.dp
     gbs, mbs = cfg.algorithm.global_batch_size, par.micro_batch_size

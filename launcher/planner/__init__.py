@@ -21,16 +21,18 @@ from launcher.errors import ConfigError, did_you_mean
 from launcher.limits import as_yaml, check_limits
 from launcher.model_shape import ModelShape
 from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
-from launcher.planner.costs import GrpoSizing, Runtime, Workload
+from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement, Workload
 from launcher.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.moe_comm import check_runtime
 from launcher.planner.rl_step import RL_MODES, rollout
 from launcher.planner.search import SearchOutcome, search
+from launcher.planner.split import RolloutSuggestion, suggest_rollout_tasks
 
 __all__ = ["GPUS", "PLANNED_KEYS", "TIME_PARTS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult",
-           "RunnerUp", "Runtime", "evaluate", "layout_arg", "parse_layout", "plan", "smallest_fitting_gpus"]
+           "RolloutSuggestion", "RunnerUp", "Runtime", "SplitPlacement", "evaluate", "layout_arg", "parse_layout",
+           "plan", "smallest_fitting_gpus"]
 
 MODES = ("pretrain", "grpo", "rm", "dpo", "ppo", "eval")
 PRECISIONS = ("bf16", "fp8")
@@ -83,6 +85,9 @@ class PlanResult:
     """Layout keys the caller held fixed (``parallel:`` names)."""
     limits: dict[str, tuple[Any, str]] = field(default_factory=dict)
     """Layout keys held at the only value the trainers run yet: key -> (value, why)."""
+    rollout_suggestion: RolloutSuggestion | None = None
+    """Split placement: the cluster.rollout_tasks that balances generation and training for the chosen layout (a
+    suggestion; the config keeps its own)."""
 
     @property
     def memory(self) -> dict[str, float]:
@@ -114,6 +119,8 @@ class PlanResult:
         out["workload"] = self.workload
         out["constraints"] = self.constraints
         out["limits"] = {key: [value, why] for key, (value, why) in self.limits.items()}
+        if self.rollout_suggestion is not None:
+            out["suggested_rollout_tasks"] = self.rollout_suggestion.to_dict()
         return out
 
     def megatron_args(self) -> dict[str, object]:
@@ -132,12 +139,16 @@ class PlanResult:
 
 
 def _summary(e: Estimate) -> dict:
-    """One layout's JSON: layout, memory, fits, predicted speed and the step time by part."""
-    return {"layout": e.layout.to_dict(), "memory_gib": e.memory_gib(), "fits": e.fits,
-            "predicted": {"step_time_s": round(e.step_time_s, 4), "mfu": round(e.mfu, 4),
-                          "training_mfu": round(e.training_mfu, 4),
-                          "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1)},
-            "time_breakdown_s": {k: round(v, 6) for k, v in e.breakdown_s.items()}}
+    """One layout's JSON: layout, memory, fits, predicted speed and the step time by part (with split placement the
+    rollout GPUs' side too)."""
+    out = {"layout": e.layout.to_dict(), "memory_gib": e.memory_gib(), "fits": e.fits,
+           "predicted": {"step_time_s": round(e.step_time_s, 4), "mfu": round(e.mfu, 4),
+                         "training_mfu": round(e.training_mfu, 4),
+                         "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1)},
+           "time_breakdown_s": {k: round(v, 6) for k, v in e.breakdown_s.items()}}
+    if e.split is not None:
+        out["split"] = e.split.to_dict()
+    return out
 
 
 def layout_arg(layout: Layout) -> str:
@@ -185,7 +196,8 @@ def parse_layout(text: str) -> dict:
 
 
 def _workload(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | None, global_batch_size: int,
-              mode: str, precision: str, grpo: GrpoSizing | None, runtime: Runtime | None) -> Workload:
+              mode: str, precision: str, grpo: GrpoSizing | None, runtime: Runtime | None,
+              split: SplitPlacement | None = None) -> Workload:
     gpu = get_gpu(gpu_type) if isinstance(gpu_type, str) else gpu_type
     if not isinstance(num_gpus, int) or num_gpus < 1:
         raise ConfigError(f"--gpus must be a positive integer, got {num_gpus!r}")
@@ -205,8 +217,21 @@ def _workload(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: in
                           f"({shape.max_position_embeddings})")
     if grpo is not None and mode in RL_MODES:
         _check_rollout(grpo, seq)
+    if split is not None:
+        _check_split(split, mode)
     return Workload(shape=shape, gpu=gpu, num_gpus=num_gpus, seq_length=seq, global_batch_size=global_batch_size,
-                    mode=mode, precision=precision, runtime=runtime or Runtime(), grpo=grpo)
+                    mode=mode, precision=precision, runtime=runtime or Runtime(), grpo=grpo, split=split)
+
+
+def _check_split(split: SplitPlacement, mode: str) -> None:
+    """One-line errors for a split placement the step model cannot take."""
+    if mode != "grpo":
+        raise ConfigError(f"cluster.rollout_tasks={split.rollout_gpus}: separate rollout GPUs are planned for "
+                          f"grpo only, not {mode}; set cluster.rollout_tasks=0")
+    if split.rollout_gpus < 1:
+        raise ConfigError(f"cluster.rollout_tasks={split.rollout_gpus}: split placement needs at least one rollout GPU")
+    if split.weight_sync not in ("gloo", "nccl", "files"):
+        raise ConfigError(f"algorithm.weight_sync={split.weight_sync}: use gloo, nccl or files")
 
 
 def _describe(w: Workload) -> dict:
@@ -227,11 +252,16 @@ def _describe(w: Workload) -> dict:
     if w.mode == "dpo":
         out["dpo"] = {"pairs": w.global_batch_size, "sequences": 2 * w.global_batch_size,
                       "reference": "log-probs precomputed once over the data; no reference model held"}
+    if w.split is not None:
+        out["split"] = {"rollout_gpus": w.split.rollout_gpus, "max_staleness": w.split.max_staleness,
+                        "weight_sync": w.split.weight_sync}
     out["runtime"] = {"transformer_engine": w.runtime.transformer_engine,
                       "attention": "flash" if w.runtime.flash_attention else "unfused",
                       "tp_comm_overlap": w.runtime.tp_comm_overlap,
                       "overlap_grad_reduce": w.runtime.overlap_grad_reduce,
                       "main_grad_bytes": w.runtime.main_grad_bytes, "memory_margin": w.runtime.memory_margin}
+    if w.runtime.comm_backend != "nccl":  # named only when it is not the default
+        out["runtime"]["comm_backend"] = w.runtime.comm_backend
     return out
 
 
@@ -309,18 +339,20 @@ def _nearest_fitting(w: Workload, kept: Mapping[str, Any], limits_held: Mapping[
 def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | None = None,
          global_batch_size: int, mode: str = "pretrain", precision: str = "bf16", grpo: GrpoSizing | None = None,
          top_k: int = 5, runtime: Runtime | None = None, fixed: Mapping[str, Any] | None = None,
-         limits: Mapping[str, tuple[Any, str]] | None = None) -> PlanResult:
+         limits: Mapping[str, tuple[Any, str]] | None = None, split: SplitPlacement | None = None) -> PlanResult:
     """Search every legal layout and return the fastest that fits; NoFeasibleLayout (with the smallest GPU count
     that would fit) when none does. ``fixed``: layout keys (PLANNED_KEYS) the search keeps. ``limits``:
     key -> (value, why) for values the job can only run at (launcher.limits); held fixed like ``fixed``, which
-    must agree with them, and reported by explain() and to_dict()."""
+    must agree with them, and reported by explain() and to_dict(). ``split``: separate rollout GPUs (split.py);
+    ``num_gpus`` then counts the training GPUs alone, and the result suggests a rollout GPU count."""
     limits = dict(limits or {})
     constraints = dict(fixed or {})
     check_limits(constraints, limits)
     limits_held = _held_limits(limits)
     check_runtime(runtime)
     w = _workload(shape, num_gpus=num_gpus, gpu_type=gpu_type, seq_length=seq_length,
-                  global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime)
+                  global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime,
+                  split=split)
     start = time.perf_counter()
     outcome = search(w, {**limits_held, **constraints}, keep_all=False)
     elapsed = time.perf_counter() - start
@@ -332,7 +364,8 @@ def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | N
     return PlanResult(layout=best.layout, estimate=best, alternatives=alternatives,
                       runner_up=_runner_up(w, best, alternatives, constraints, limits_held) if top_k else None,
                       rejections=_rejections(outcome), considered=outcome.considered, evaluated=outcome.evaluated,
-                      search_seconds=elapsed, workload=_describe(w), constraints=constraints, limits=limits)
+                      search_seconds=elapsed, workload=_describe(w), constraints=constraints, limits=limits,
+                      rollout_suggestion=suggest_rollout_tasks(w, best))
 
 
 def _no_fit(w: Workload, outcome: SearchOutcome, constraints: Mapping[str, Any],
@@ -344,9 +377,13 @@ def _no_fit(w: Workload, outcome: SearchOutcome, constraints: Mapping[str, Any],
     held = {**limits_held, **constraints}
     smallest = smallest_fitting_gpus(w, held)
     reasons = "; ".join(f"{k}: {v['count']}" for k, v in _rejections(outcome).items()) or "no candidates"
-    where = (f"the smallest GPU count that fits is {smallest} x {w.gpu.name}" if smallest else
+    rollout = f" training GPUs (+ {w.split.rollout_gpus} rollout)" if w.split is not None else ""
+    where = (f"the smallest GPU count that fits is {smallest} x {w.gpu.name}{rollout}" if smallest else
              f"no GPU count up to {_MAX_GPUS} fits" + (" while keeping those" if held else
                                                       "; shorten the sequence or the batch"))
+    overflow = outcome.examples.get("rollout GPU memory")
+    if smallest is None and overflow is not None:
+        where = f"more training GPUs do not help while {overflow}"
     leanest = outcome.leanest
     needs = (f"; the leanest layout needs {leanest.total / GIB:.1f} of {leanest.capacity / GIB:.1f} GiB"
              if leanest is not None else "")
@@ -356,7 +393,7 @@ def _no_fit(w: Workload, outcome: SearchOutcome, constraints: Mapping[str, Any],
     limited = {k: value for k, (value, _) in limits.items() if k not in constraints}
     kept = ((f", keeping {_pairs(constraints)}" if constraints else "")
             + (f", trainer limits {_pairs(limited)}" if limited else ""))
-    return NoFeasibleLayout(f"no layout of {w.shape.name} fits on {w.num_gpus} x {w.gpu.name} "
+    return NoFeasibleLayout(f"no layout of {w.shape.name} fits on {w.num_gpus} x {w.gpu.name}{rollout} "
                             f"(seq {w.seq_length}, global batch {w.global_batch_size}, mode {w.mode}{kept}; "
                             f"ruled out: {reasons}){needs}{hint}; {where}", smallest_gpus=smallest, leanest=leanest,
                             nearest=near)
@@ -374,16 +411,17 @@ def _pairs(values: Mapping[str, Any]) -> str:
 def evaluate(shape: ModelShape, layout_partial: dict | str, *, num_gpus: int, gpu_type: str,
              seq_length: int | None = None, global_batch_size: int, mode: str = "pretrain",
              precision: str = "bf16", grpo: GrpoSizing | None = None, top_k: int = 5,
-             runtime: Runtime | None = None) -> PlanResult:
+             runtime: Runtime | None = None, split: SplitPlacement | None = None) -> PlanResult:
     """Evaluate a (partial) layout; the planner fills what it leaves out. Illegal -> ConfigError with the reason;
-    legal but too big -> a result with fits False."""
+    legal but too big -> a result with fits False. ``split`` as for plan()."""
     fixed = parse_layout(layout_partial) if isinstance(layout_partial, str) else dict(layout_partial)
     if "mbs" in fixed:
         fixed["micro_batch_size"] = fixed.pop("mbs")
     if "sp" in fixed:
         fixed["sequence_parallel"] = fixed.pop("sp")
     w = _workload(shape, num_gpus=num_gpus, gpu_type=gpu_type, seq_length=seq_length,
-                  global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime)
+                  global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime,
+                  split=split)
     start = time.perf_counter()
     outcome = search(w, fixed, keep_all=True)
     elapsed = time.perf_counter() - start
@@ -408,29 +446,39 @@ def smallest_fitting_gpus(w: Workload, fixed: Mapping[str, Any] | None = None) -
     """Smallest GPU count (same GPU type, model, sequence, batch, mode and ``fixed`` layout keys) with a layout
     that fits.
 
-    Counts are whole nodes above one node. Doubling finds a count that fits, bisection narrows it assuming more
-    GPUs never hurt, and a short scan below the answer catches batch-divisibility gaps."""
+    Counts are whole nodes above one node (with split placement the training GPUs are the nodes' GPUs less the
+    rollout GPUs, and the count returned is the training GPUs). Doubling finds a count that fits (trying the nodes
+    for the next power of two training GPUs too, where batch sizes divide), bisection narrows it assuming more GPUs
+    never hurt, and a short scan below the answer catches batch-divisibility gaps."""
     from dataclasses import replace
 
     gpn = w.gpu.gpus_per_node
+    rollout = w.split.rollout_gpus if w.split is not None else 0
 
-    def fits(count: int) -> bool:
+    def fits(world: int) -> bool:
+        if world - rollout < 1:
+            return False
         try:
-            return bool(search(replace(w, num_gpus=count), fixed, first_fit=True).fitting)
+            return bool(search(replace(w, num_gpus=world - rollout), fixed, first_fit=True).fitting)
         except ConfigError:  # the fixed keys cannot split this count
             return False
 
     wb, gb, _ = w.weight_bytes_per_param(1)
     floor = w.shape.num_params() * (wb + gb) / (w.gpu.memory_gib * 1024**3)  # weights + grads must fit
-    small = [c for c in range(1, gpn + 1) if gpn % c == 0 and c > w.num_gpus and c >= floor]
+    small = [c for c in range(1, gpn + 1) if gpn % c == 0 and c - rollout > w.num_gpus and c - rollout >= floor]
     for c in small:
         if fits(c):
-            return c
-    lo = max(1, -(-max(w.num_gpus + 1, int(floor)) // gpn))  # in nodes
+            return c - rollout
+    lo = max(1, -(-(max(w.num_gpus + 1, int(floor)) + rollout) // gpn))  # in nodes
     hi = lo
     while not fits(hi * gpn):
         if hi * gpn >= _MAX_GPUS:
             return None
+        training = hi * gpn - rollout
+        round_up = -(-((1 << (training - 1).bit_length()) + rollout) // gpn)  # nodes for a power of two
+        if round_up != hi and fits(round_up * gpn):
+            lo, hi = hi + 1, round_up
+            break
         lo, hi = hi + 1, min(hi * 2, _MAX_GPUS // gpn)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -440,6 +488,6 @@ def smallest_fitting_gpus(w: Workload, fixed: Mapping[str, Any] | None = None) -
             lo = mid + 1
     best = hi
     for nodes in range(hi - 1, max(0, hi - 8), -1):
-        if nodes * gpn > w.num_gpus and fits(nodes * gpn):
+        if nodes * gpn - rollout > w.num_gpus and fits(nodes * gpn):
             best = nodes
-    return best * gpn
+    return best * gpn - rollout

@@ -3,7 +3,8 @@
 Memory follows Korthikanti et al. 2022 (activations per stored tensor) and Megatron's
 theoretical_memory_usage.py (weights, fp32 grads, Adam states, distributed optimizer, pipeline in-flight
 micro-batches, interleaving). Time is compute at a shape-dependent calibrated fraction of peak plus
-bandwidth terms for TP, CP, EP, PP and DP traffic. Constants and how they were fitted: calibration.md.
+bandwidth terms for TP, CP, EP, PP and DP traffic: over NVLink inside a node and InfiniBand across with nccl, all
+over TCP with gloo on GPUs (TCP_GB_S, Runtime.comm_backend). Constants and how they were fitted: calibration.md.
 
 Check it: ``.venv/bin/python -m pytest tests/test_planner_calibration.py -q``.
 """
@@ -29,7 +30,16 @@ NeMo's long-sequence Llama2-7B CP4 row, calibration.md)."""
 FP8_GEMM_RELATIVE = 0.92
 """fp8 GEMMs reach this fraction of the bf16 efficiency, measured against the fp8 peak (casts, amax)."""
 LINK_EFFICIENCY = 0.8
-"""Achieved collective bus bandwidth over nominal link bandwidth (NVLink and InfiniBand)."""
+"""Achieved collective bus bandwidth over nominal link bandwidth (NVLink, InfiniBand and TCP)."""
+TCP_GB_S = 25 / 8
+"""Nominal bandwidth of the TCP path one process reaches, GB/s: a 25 Gb/s Ethernet NIC's worth. An assumption, not
+measured here. gloo (parallel.backend=gloo on GPUs, Runtime.comm_backend) copies each GPU tensor to host memory and
+sends it over TCP sockets, never over NVLink or InfiniBand verbs, so every collective, intra-node ones included
+(loopback TCP behind the same device-host staging), is taken at this rate. Weight sync over gloo or files (a shared
+file system on the same network) runs at it too (split.weight_sync_s)."""
+TCP_LATENCY_S = 50e-6
+"""Latency of one collective step over TCP with CPU staging (an assumption: socket round trips plus the device-host
+copies, several times InfiniBand's)."""
 HBM_EFFICIENCY = 0.8
 """Achieved over nominal HBM bandwidth for element-wise kernels."""
 TP_OVERLAP_EXPOSED = 0.25
@@ -103,6 +113,9 @@ class Runtime:
     trainable_fraction: float = 1.0
     """Share of the parameters that train (model.lora: the adapters', ``inputs.lora_trainable_fraction``): main
     gradients and optimizer state are counted for that share only; the frozen rest costs its weights."""
+    comm_backend: str = "nccl"
+    """Collective library: nccl (NVLink inside a node, InfiniBand across) or gloo (parallel.backend=gloo on GPUs:
+    TP, CP, EP, PP and DP traffic all at TCP_GB_S and TCP_LATENCY_S)."""
 
     @property
     def wire_grad_bytes(self) -> int:
@@ -152,6 +165,25 @@ class GrpoSizing:
     with the KV cache released for training, the cache also reuses their memory; the copies cost host-link time."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class SplitPlacement:
+    """Split placement (cluster.rollout_tasks > 0): separate GPUs only generate, each rollout replica at the
+    training layout's tp x pp (cp=1, ep=1); the workload's num_gpus are then the training GPUs alone (split.py)."""
+
+    rollout_gpus: int
+    """GPUs (one process each) that only generate: cluster.rollout_tasks, a multiple of tp*pp."""
+    max_staleness: int = 0
+    """algorithm.max_staleness: 0 = the trainer waits for rollouts of its current weights, so generation and
+    training add up; > 0 = the next rollout is generated while the trainer trains (the step is the longer)."""
+    weight_sync: str = "gloo"
+    """algorithm.weight_sync: gloo or files (at TCP_GB_S) or nccl (at the inter-node bandwidth)."""
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether generation runs during training (asynchronous GRPO)."""
+        return self.max_staleness > 0
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """Per-layer, per-micro-batch cost on one GPU."""
@@ -178,6 +210,7 @@ class Workload:
     precision: str = "bf16"
     runtime: Runtime = field(default_factory=Runtime)
     grpo: GrpoSizing | None = None
+    split: SplitPlacement | None = None
 
     def __post_init__(self):
         s = self.shape
@@ -199,8 +232,18 @@ class Workload:
         self.bf16_peak = self.gpu.bf16_tflops * 1e12
         self.gemm_peak = (self.gpu.fp8_tflops * 1e12 * FP8_GEMM_RELATIVE) if self.precision == "fp8" else self.bf16_peak
         self.hbm = self.gpu.hbm_tb_s * 1e12 * HBM_EFFICIENCY
-        self.nvlink = self.gpu.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
-        self.ib = self.gpu.internode_gb_s * 1e9 * LINK_EFFICIENCY
+        self.tcp = TCP_GB_S * 1e9 * LINK_EFFICIENCY
+        if self.runtime.comm_backend == "gloo":  # no NVLink, no RDMA: every link is TCP
+            self.nvlink = self.ib = self.tcp
+            self.nic = TCP_GB_S * 1e9
+            self.nvlink_latency = self.ib_latency = TCP_LATENCY_S
+            self.nvlink_domain = 1  # every all-to-all peer is behind the one TCP path
+        else:
+            self.nvlink = self.gpu.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
+            self.ib = self.gpu.internode_gb_s * 1e9 * LINK_EFFICIENCY
+            self.nic = self.gpu.internode_gb_s * 1e9
+            self.nvlink_latency, self.ib_latency = NVLINK_LATENCY_S, IB_LATENCY_S
+            self.nvlink_domain = self.gpu.gpus_per_node
         self.host_link = self.gpu.host_link_gb_s * 1e9 * LINK_EFFICIENCY
         self.modules = set(self.selective_modules())
         self.active_params = s.num_active_params()
@@ -341,7 +384,7 @@ class Workload:
         t_tp_unit = 0.0
         if tp > 1:
             unit_bytes = tokens * h * 2 * (tp - 1) / tp
-            t_tp_unit = unit_bytes / self.nvlink + NVLINK_LATENCY_S
+            t_tp_unit = unit_bytes / self.nvlink + self.nvlink_latency
             if self.runtime.tp_comm_overlap:
                 t_tp_unit *= TP_OVERLAP_EXPOSED + (1 - TP_OVERLAP_EXPOSED) * OVERLAP_CONTENTION
         tp_units = 4 if kind == "dense" else 2
@@ -353,15 +396,15 @@ class Workload:
             kv = self.n * (self.dqk + self.dv) / tp if s.is_mla else 2 * self.g * self.d / tp
             chunk = tokens * kv * 2
             bw = self.nvlink if tp * cp <= self.gpu.gpus_per_node else self.ib
-            comm_fwd = (cp - 1) * (chunk / bw + (NVLINK_LATENCY_S if bw == self.nvlink else IB_LATENCY_S))
+            comm_fwd = (cp - 1) * (chunk / bw + (self.nvlink_latency if bw == self.nvlink else self.ib_latency))
             t_cp_fwd = max(0.0, comm_fwd - t_core_fwd) + OVERLAP_CONTENTION * min(comm_fwd, t_core_fwd)
             t_cp_bwd = max(0.0, 2 * comm_fwd - t_core_bwd) + OVERLAP_CONTENTION * min(2 * comm_fwd, t_core_bwd)
         # EP all-to-all: dispatch + combine per direction, by topology (moe_comm.py)
         t_ep = 0.0
         if kind == "moe" and ep > 1:
             routed = tokens / rep * s.moe_router_topk * h * 2 * self.runtime.expert_load
-            t_ep = ep_time_s(routed_bytes=routed, ep=ep, gpus_per_node=self.gpu.gpus_per_node,
-                             nvlink_bytes_s=self.nvlink, nic_bytes_s=self.gpu.internode_gb_s * 1e9,
+            t_ep = ep_time_s(routed_bytes=routed, ep=ep, gpus_per_node=self.nvlink_domain,
+                             nvlink_bytes_s=self.nvlink, nic_bytes_s=self.nic,
                              overlap=self.runtime.moe_a2a_overlap, hideable_s=t_gemm + t_core_fwd,
                              inter_share=self._deepep_share(ep))
         fwd = t_gemm + t_core_fwd + t_mem_fwd + t_softmax_fwd + t_tp_fwd + t_cp_fwd + t_ep

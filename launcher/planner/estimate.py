@@ -14,29 +14,36 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from launcher.parallel import virtual_stage_layers
-from launcher.planner.costs import (DP_BUCKET_BYTES, GIB, IB_LATENCY_S, LAYER_PARTS, NVLINK_LATENCY_S,
-                                    OVERLAP_CONTENTION, LayerCost, Workload, add_parts, scale_parts)
+
+if TYPE_CHECKING:
+    from launcher.planner.split import SplitStep
+from launcher.planner.costs import (DP_BUCKET_BYTES, GIB, LAYER_PARTS, OVERLAP_CONTENTION, LayerCost, Workload,
+                                    add_parts, scale_parts)
 
 TRAINING_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all", "pp_p2p", "pp_bubble", "dp_comm",
                   "optimizer")
 """The TIME_PARTS of the optimizer steps (what ``plan --mode pretrain`` of the same layout and tokens prints)."""
-RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch", "reward_model", "critic")
-"""The TIME_PARTS an RL step adds (rl_step.py)."""
+RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch", "reward_model", "critic",
+            "weight_sync", "rollout_wait")
+"""The TIME_PARTS an RL step adds (rl_step.py; weight_sync and rollout_wait with split placement, split.py)."""
 TIME_PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
               "cp_comm": "CP communication", "ep_all_to_all": "EP all-to-all", "pp_p2p": "PP send/recv",
               "pp_bubble": "PP bubble", "dp_comm": "DP grad reduce/param gather", "optimizer": "optimizer step",
               "logprob_passes": "log-prob passes", "generation_prefill": "generation prefill",
               "generation_decode": "generation decode", "phase_switch": "phase switches (KV, offload)",
-              "reward_model": "reward model scoring", "critic": "critic (values + training)"}
+              "reward_model": "reward model scoring", "critic": "critic (values + training)",
+              "weight_sync": "weight sync to rollout GPUs", "rollout_wait": "waiting for rollouts"}
 """Estimate.breakdown_s's keys (the parts of a step's time) -> what the plan calls them. The training parts
 (TRAINING_PARTS) are the slowest pipeline rank's, times its micro-batches, times the optimizer steps of the step;
 pp_bubble is the pipeline fill and drain; dp_comm the exposed part of the data-parallel gradient reduce and
 parameter all-gather. The RL modes add RL_PARTS: the log-prob forward passes (old policy, reference), the rollout's
 prefill and decode, the phase switches (KV cache allocation, optimizer offload and reload), the colocated reward
-model's scoring forward and PPO's critic."""
+model's scoring forward and PPO's critic. With split placement (split.py) the trainer GPUs do not generate: the
+generation parts are 0, weight_sync is the new policy's trip to the rollout GPUs and rollout_wait the time the trainer
+waits for rollouts beyond its own work (all of the generation when max_staleness=0)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +259,10 @@ class Estimate:
     """Model FLOPs of the optimizer steps over the training parts' time only (TRAINING_PARTS)."""
     margin: float = 0.0
     """Runtime.memory_margin as a fraction of capacity: what a fitting layout leaves free."""
+    split: SplitStep | None = None
+    """Split placement: the rollout GPUs' memory and generation time, the trainer's time and the weight sync, and
+    how they make step_time_s (split.py); None when generation is colocated. The other fields are the trainer
+    GPUs'."""
 
     @property
     def total(self) -> float:
@@ -404,7 +415,7 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
     rep = L.tp if L.sequence_parallel else 1
     gpn = w.gpu.gpus_per_node
     p2p_bw = w.ib if L.tp * L.cp * L.dp >= gpn else w.nvlink
-    p2p = (tokens * s.hidden_size * 2 / rep / p2p_bw + IB_LATENCY_S) if L.pp > 1 else 0.0
+    p2p = (tokens * s.hidden_size * 2 / rep / p2p_bw + w.ib_latency) if L.pp > 1 else 0.0
     dp_shard = L.dp * L.cp
     edp = L.tp * L.cp * L.dp // (L.ep * L.etp)
     wb, gb, _ = w.weight_bytes_per_param(1)
@@ -509,7 +520,7 @@ def _dp_collectives(w: Workload, L: Layout, max_params: tuple[float, float]) -> 
         if group <= 1 or params <= 0:
             continue
         bw = w.nvlink if stride * group <= gpn else w.ib
-        lat = (NVLINK_LATENCY_S if bw == w.nvlink else IB_LATENCY_S) * 2 * int(group).bit_length()
+        lat = (w.nvlink_latency if bw == w.nvlink else w.ib_latency) * 2 * int(group).bit_length()
         grad_bytes = params * w.runtime.wire_grad_bytes
         t_red = rs_frac * grad_bytes * (group - 1) / group / bw + lat * (grad_bytes / DP_BUCKET_BYTES + 1)
         t_ag = params * 2 * (group - 1) / group / bw if w.runtime.distributed_optimizer else None

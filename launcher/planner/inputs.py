@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.errors import ConfigError
-from launcher.planner.costs import GrpoSizing, Runtime
+from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement
 
 RL_ALGORITHMS = ("grpo", "ppo", "eval")
 """algorithm.name values that generate rollouts (plan with a GrpoSizing)."""
@@ -18,7 +18,8 @@ RL_ALGORITHMS = ("grpo", "ppo", "eval")
 def runtime_of(cfg: Any, shape: Any = None) -> Runtime:
     """The Runtime a job runs with: Transformer Engine where the config says (auto: on GPU jobs, off on CPU ones),
     its attention kernel (auto as RuntimeConfig.attention_kernel resolves it), TP overlap, DP overlap, gradient dtype,
-    the distributed optimizer, and with model.lora (given the ``shape``) the adapters' share of the parameters."""
+    the distributed optimizer, collectives over TCP for parallel.backend=gloo on GPUs, and with model.lora (given the
+    ``shape``) the adapters' share of the parameters. A CPU job (gloo too) is planned as the GPU type it names, nccl."""
     rt = cfg.runtime
     te = rt.uses_transformer_engine(gpus=cfg.cluster.has_gpus)
     attention = rt.attention_kernel
@@ -26,6 +27,7 @@ def runtime_of(cfg: Any, shape: Any = None) -> Runtime:
     return Runtime(transformer_engine=te, flash_attention=attention == "flash", tp_comm_overlap=rt.tp_comm_overlap,
                    overlap_grad_reduce=rt.overlap_grad_reduce, distributed_optimizer=cfg.parallel.distributed_optimizer,
                    main_grad_bytes=2 if rt.grad_dtype == "bf16" else 4,
+                   comm_backend="gloo" if cfg.parallel.backend == "gloo" and cfg.cluster.has_gpus else "nccl",
                    trainable_fraction=lora_trainable_fraction(shape, lora) if lora and shape is not None else 1.0)
 
 
@@ -49,6 +51,16 @@ def lora_trainable_fraction(shape: Any, lora: Any) -> float:
     return (adapters + full) / (shape.num_params() + adapters)
 
 
+def split_placement(cfg: Any) -> SplitPlacement | None:
+    """The job's split placement (cluster.rollout_tasks > 0, algorithm.max_staleness and weight_sync), or None when
+    generation is colocated."""
+    rollout_tasks = cfg.cluster.rollout_tasks
+    if not rollout_tasks:
+        return None
+    return SplitPlacement(rollout_gpus=rollout_tasks, max_staleness=cfg.algorithm.max_staleness,
+                          weight_sync=cfg.algorithm.weight_sync)
+
+
 def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:
     """algorithm.recompute_old_logprobs with auto resolved as the GRPO trainer does (wants_recomputed_old_logprobs):
     on for bf16/fp16 parameters (model.dtype auto is bf16 on GPUs), Transformer Engine or an MoE model."""
@@ -63,7 +75,8 @@ def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:
 def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_length: int | None = None) -> GrpoSizing:
     """The GrpoSizing of an RL job: rollout size, response length (generation.max_new_tokens) and mean length,
     group size, concurrency, reference model (kl_coef > 0), old log-prob recompute, epochs, colocated reward model,
-    KV cache released for training and optimizer offload (generation.offload_optimizer)."""
+    KV cache released for training and optimizer offload (generation.offload_optimizer; never with rollout tasks, where
+    the trainer does not generate)."""
     algo, gen = cfg.algorithm, cfg.generation
     if algo.name == "eval":  # held-out batches of prompts_per_step prompts x eval.samples, no reference or training
         return GrpoSizing(rollout_batch_size=algo.prompts_per_step * cfg.eval.samples,
@@ -79,4 +92,4 @@ def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_leng
                       reference_model=algo.kl_coef > 0 and getattr(cfg.model, "lora", None) is None,  # LoRA: the base
                       recompute_old_logprobs=recomputes_old_logprobs(cfg, shape, runtime), epochs=algo.epochs,
                       reward_model=bool(algo.reward_model), kv_cache_released_for_training=True,
-                      optimizer_offloaded_for_generation=gen.offload_optimizer)
+                      optimizer_offloaded_for_generation=gen.offload_optimizer and not cfg.cluster.rollout_tasks)

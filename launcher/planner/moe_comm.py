@@ -33,7 +33,9 @@ IB_LATENCY_S = 15e-6
 
 
 def check_runtime(runtime) -> None:
-    """Refuse runtime settings no trainer here can run (DeepEP)."""
+    """Refuse runtime settings no trainer here can run (DeepEP), or that the planner does not model."""
+    if getattr(runtime, "comm_backend", "nccl") not in ("nccl", "gloo"):
+        raise ConfigError(f"runtime comm_backend {runtime.comm_backend!r}: use nccl or gloo")
     if getattr(runtime, "moe_deepep", False):
         raise ConfigError("runtime moe_deepep: DeepEP dispatch is not supported by the trainers here "
                           "(megatron_rl uses Megatron's all-to-all dispatcher); plan without it")

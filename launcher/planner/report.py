@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from launcher.limits import as_yaml
+from launcher.planner.costs import TCP_GB_S
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
+from launcher.planner.split import SUGGESTION_SLACK
 
 if TYPE_CHECKING:
     from launcher.planner import PlanResult
@@ -72,9 +74,41 @@ def _runtime_line(runtime: dict | None) -> list[str]:
         return []
     te = "Transformer Engine" if runtime["transformer_engine"] else "no Transformer Engine"
     grads = "fp32" if runtime["main_grad_bytes"] == 4 else "bf16"
+    gloo = (f", gloo collectives (every link at TCP, {8 * TCP_GB_S:g} Gb/s)"
+            if runtime.get("comm_backend") == "gloo" else "")
     return [f"Runtime     {te}, {runtime['attention']} attention, TP overlap "
             f"{'on' if runtime['tp_comm_overlap'] else 'off'}, DP overlap "
-            f"{'on' if runtime['overlap_grad_reduce'] else 'off'}, {grads} main grads"]
+            f"{'on' if runtime['overlap_grad_reduce'] else 'off'}, {grads} main grads{gloo}"]
+
+
+def split_lines(result: PlanResult) -> list[str]:
+    """Split placement: the rollout GPUs' memory, both sides' times and how they make the step, the weight sync,
+    and the suggested rollout_tasks."""
+    e, w = result.estimate, result.workload
+    sp = e.split
+    if sp is None:
+        return []
+    rollout = sp.rollout_gpu
+    mem = rollout.memory_gib()
+    parts = ", ".join(f"{key} {mem[key]:.2f}" for key in ("weights", "kv_cache", "inference_buffers", "overhead")
+                      if mem[key])
+    rule = (f"max of the two (max_staleness={w['split']['max_staleness']}: the next rollout is generated while "
+            f"the trainer trains)" if sp.overlapped else
+            "their sum (max_staleness=0: the trainer waits for rollouts of its current weights)")
+    lines = ["", f"Rollout GPUs {sp.rollout_gpus} = {sp.replicas} replica(s) of tp={e.layout.tp} x "
+                 f"pp={e.layout.pp} (cp=1, ep=1); per GPU (GiB): {parts}, total {mem['total']:.2f} of "
+                 f"{mem['capacity']:.1f} -> {'fits' if rollout.fits else 'DOES NOT FIT'}, {margin_text(rollout)}",
+             f"Split step  training {sp.trainer_s:.4g} s on the {w['gpus']} trainer GPUs (weight sync "
+             f"{sp.weight_sync_s:.3g} s: {sp.weight_sync_bytes / 1e9:.3g} GB over {sp.weight_sync}), generation "
+             f"{sp.generation_s:.4g} s on the rollout GPUs; step {sp.step_s:.4g} s = {rule}"]
+    hint = result.rollout_suggestion
+    if hint is not None:
+        how = ("balances generation and training" if hint.balanced else
+               f"comes within {SUGGESTION_SLACK:.0%} of the fastest generation, which is still longer than training")
+        lines.append(f"Suggested   cluster.rollout_tasks={hint.rollout_tasks} ({hint.replicas} replica(s)) {how} for "
+                     f"this layout: generation {hint.generation_s:.4g} s vs training {hint.trainer_s:.4g} s "
+                     f"(the config keeps {sp.rollout_gpus})")
+    return lines
 
 
 def margin_text(e: Estimate) -> str:
@@ -127,14 +161,16 @@ def explain(result: PlanResult) -> str:
     """Tables for the terminal."""
     w, e = result.workload, result.estimate
     mem = e.memory_gib()
-    lines = [f"Plan for {w['model']} on {w['gpus']} x {w['gpu_type']} (seq {w['seq_length']}, global batch "
+    rollout = f" training + {w['split']['rollout_gpus']} rollout" if "split" in w else ""
+    lines = [f"Plan for {w['model']} on {w['gpus']}{rollout} x {w['gpu_type']} (seq {w['seq_length']}, global batch "
              f"{w['global_batch_size']}, mode {w['mode']}, {w['precision']})",
              *_grpo_line(w.get("grpo")), *_dpo_line(w.get("dpo")), *_runtime_line(w.get("runtime")),
              "", f"Layout      {layout_line(e.layout)}",
              f"Pipeline    {e.layout.split_name()}; decoder layers per rank: "
              f"{stage_summary(e.stage_layers, e.layout.pp, e.layout.vpp)}",
-             "", f"Memory per GPU (GiB, fullest pipeline rank = {e.worst_rank})"]
-    always = {"weights", "gradients", "optimizer", "activations", "overhead", *(("kv_cache",) if "grpo" in w else ())}
+             "", f"Memory per {'trainer ' if e.split else ''}GPU (GiB, fullest pipeline rank = {e.worst_rank})"]
+    always = {"weights", "gradients", "optimizer", "activations", "overhead",
+              *(("kv_cache",) if "grpo" in w and e.split is None else ())}
     shared = w.get("grpo", {}).get("kv_cache_released_for_training")
     for key in ("weights", "gradients", "optimizer", "activations", "kv_cache", "inference_buffers", "reference_model",
                 "reward_model", "critic", "overhead"):
@@ -145,6 +181,7 @@ def explain(result: PlanResult) -> str:
             lines.append(f"  {key:<16}{mem[key]:>9.2f}{note}")
     verdict = "fits" if e.fits else "DOES NOT FIT"
     lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}, {margin_text(e)}")
+    lines += split_lines(result)
     lines += ["", *predicted_lines(e, rl="grpo" in w)]
     lines += ["", *time_lines(e)]
     if result.runner_up is not None:

@@ -20,6 +20,9 @@ An RL step (megatron_rl/trainers/grpo.py) is, in order:
   copied to host memory and back over the host link (grads are freed and come back as zeros, no copy). There is no
   weight refit: generation runs on the training weights.
 
+With split placement (cluster.rollout_tasks) the training GPUs hold no KV cache and generate nothing; split.py adds
+the rollout GPUs' generation to their step (max_staleness=0) or overlaps the two (max_staleness > 0).
+
 PPO adds a critic of the policy's shape (its weights, grads and optimizer in memory; a value forward and its own
 optimizer steps in time). eval is generation alone (weights, KV cache and buffers). DPO trains the policy on
 chosen and rejected (2 sequences per pair); the reference log-probs are taken once, in a pass over the data before
@@ -33,8 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from launcher.planner.costs import (IB_LATENCY_S, NVLINK_LATENCY_S, GrpoSizing, Workload,
-                                    kv_cache_elements_per_token_per_layer)
+from launcher.planner.costs import GrpoSizing, Workload, kv_cache_elements_per_token_per_layer
 from launcher.planner.estimate import (Estimate, Layout, RankGroup, TimeTerms, rank_groups, stage_params,
                                        training_estimate)
 
@@ -119,36 +121,46 @@ def mode_estimate(w: Workload, layout: Layout, *, only_if_fits: bool = False) ->
 
 def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, terms: TimeTerms,
                batch_flops: float) -> dict:
-    """The RL step's time, MFUs and tokens/s from one optimizer step's terms (its model FLOPs ``batch_flops``)."""
+    """The RL step's time, MFUs and tokens/s from one optimizer step's terms (its model FLOPs ``batch_flops``):
+    colocated, generation and training add up on the same GPUs; with split placement (w.split) generation runs on
+    the rollout GPUs and split.split_step combines the two sides."""
     g = w.grpo or GrpoSizing()
     step = terms.training_step()
     step_s = sum(step.values())
     fwd_pass = _forward_pass_s(terms, step)
     passes = int(g.recompute_old_logprobs and w.mode != "eval") + int(g.reference_model and w.mode != "eval")
-    key = ("generation", layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.dp, layout.first_stage_layers,
-           layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
-    made = w._cost_cache.get(key)
-    if made is None:
-        made = w._cost_cache[key] = generation_time(w, layout, r)
-    prefill, decode, kv_wave, waves = made
-    offload = 2 * optimizer_bytes / w.host_link if g.optimizer_offloaded_for_generation and w.mode != "eval" else 0.0
-    rl_parts = {"logprob_passes": passes * r.minibatches * fwd_pass, "generation_prefill": prefill,
-                "generation_decode": decode, "phase_switch": waves * kv_wave / w.hbm + offload,
-                "reward_model": r.minibatches * fwd_pass if g.reward_model else 0.0,
-                "critic": (r.minibatches * fwd_pass + r.steps * step_s) if w.mode == "ppo" else 0.0}
+    trainer_parts = {"logprob_passes": passes * r.minibatches * fwd_pass,
+                     "reward_model": r.minibatches * fwd_pass if g.reward_model else 0.0,
+                     "critic": (r.minibatches * fwd_pass + r.steps * step_s) if w.mode == "ppo" else 0.0}
     train_time = r.steps * step_s
-    total = train_time + sum(rl_parts.values())
+    split, gpus = None, w.num_gpus
+    if w.split is None:
+        key = ("generation", layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.dp,
+               layout.first_stage_layers, layout.last_stage_layers, layout.account_for_embedding,
+               layout.account_for_loss)
+        prefill, decode, kv_wave, waves = w._cached(key, lambda: generation_time(w, layout, r))
+        offloads = g.optimizer_offloaded_for_generation and w.mode != "eval"
+        offload = 2 * optimizer_bytes / w.host_link if offloads else 0.0
+        rl_parts = {**trainer_parts, "generation_prefill": prefill, "generation_decode": decode,
+                    "phase_switch": waves * kv_wave / w.hbm + offload}
+        total = train_time + sum(rl_parts.values())
+    else:
+        from launcher.planner.split import split_step  # split.py builds on this module
+
+        split = split_step(w, layout, trainer_s=train_time + sum(trainer_parts.values()))
+        rl_parts = {**trainer_parts, "weight_sync": split.weight_sync_s, "rollout_wait": split.rollout_wait_s}
+        total = split.step_s
+        gpus += w.split.rollout_gpus
     train_flops = r.steps * batch_flops
     other = (passes + int(g.reward_model)) * r.minibatches * batch_flops / 3
     if w.mode == "ppo":
         other += r.minibatches * batch_flops / 3 + train_flops
     gen_flops = 2 * w.active_params * r.sequences * (r.prompt / r.group + r.mean_response)
-    peak = w.num_gpus * w.bf16_peak
     tokens = r.sequences * r.mean_response if w.mode == "eval" else r.trained_tokens
     return {"step_time_s": total, "time_terms": terms._replace(steps=r.steps, rl_parts=rl_parts),
-            "mfu": (train_flops + other + gen_flops) / (total * peak),
-            "training_mfu": train_flops / (train_time * peak) if train_time else 0.0,
-            "tokens_per_s_per_gpu": tokens / total / w.num_gpus}
+            "mfu": (train_flops + other + gen_flops) / (total * gpus * w.bf16_peak),
+            "training_mfu": train_flops / (train_time * w.num_gpus * w.bf16_peak) if train_time else 0.0,
+            "tokens_per_s_per_gpu": tokens / total / gpus, "split": split}
 
 
 def _forward_pass_s(t: TimeTerms, step: dict[str, float]) -> float:
@@ -163,8 +175,15 @@ def _forward_pass_s(t: TimeTerms, step: dict[str, float]) -> float:
 def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex: float, parts: dict) -> dict:
     """One rank's memory in the RL modes: the larger of the generation phase (weights, frozen models, KV cache,
     inference buffers, and grads + optimizer unless offloaded) and the training phase (no KV cache), or their sum
-    when the KV cache is not released for training."""
+    when the KV cache is not released for training; with split placement the training phase and frozen models
+    alone."""
     g = w.grpo or GrpoSizing()
+    out = dict(parts)
+    bf16 = (ne + ex) * 2.0
+    out["reference_model"] = bf16 if g.reference_model and w.mode != "eval" else 0.0
+    out["reward_model"] = bf16 if g.reward_model else 0.0
+    if w.split is not None:  # the trainer GPUs do not generate (split.rollout_estimate sizes the rollout GPUs)
+        return out
     key = ("generation memory", gr, L.tp, L.ep, L.dp * L.cp, L.pp > 1)
     made = w._cost_cache.get(key)
     if made is None:
@@ -172,10 +191,6 @@ def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex:
         made = w._cost_cache[key] = (w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows),
                                      _inference_buffers(w, L, r, gr, rows))
     kv, buffers = made
-    out = dict(parts)
-    bf16 = (ne + ex) * 2.0
-    out["reference_model"] = bf16 if g.reference_model and w.mode != "eval" else 0.0
-    out["reward_model"] = bf16 if g.reward_model else 0.0
     out["kv_cache_generating"] = kv
     if w.mode == "eval":
         out.update(gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=kv, inference_buffers=buffers)
@@ -194,10 +209,12 @@ def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex:
 
 def generation_floor(w: Workload, L: Layout) -> float:
     """Bytes the fullest rank holds while generating, before overhead, whatever the micro-batch and recompute: weights,
-    frozen models, grads + optimizer unless offloaded, KV cache and inference buffers. A lower bound of the
-    estimate's total, so the search may skip a layout's variants when it alone overflows."""
+    frozen models, grads + optimizer unless offloaded, KV cache and inference buffers (none of the last two on the
+    trainer GPUs of split placement, which do not generate). A lower bound of the estimate's total, so the search
+    may skip a layout's variants when it alone overflows."""
     g = w.grpo or GrpoSizing()
     r = rollout(w)
+    generates = w.split is None
     groups = rank_groups(w.shape.moe_layers, w.shape.num_layers, L.pp, L.vpp, L.first_stage_layers,
                          L.last_stage_layers, L.account_for_embedding, L.account_for_loss)
     wb, gb, _ = w.weight_bytes_per_param(1)
@@ -211,8 +228,9 @@ def generation_floor(w: Workload, L: Layout) -> float:
             shard, edp = L.dp * L.cp, L.tp * L.cp * L.dp // (L.ep * L.etp)
             opt = (12.0 / shard, 12.0 / edp) if w.runtime.distributed_optimizer else (12.0, 12.0)
             state = (ne + ex) * gb + ne * opt[0] + ex * opt[1]
-        kv = w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows)
-        worst = max(worst, (ne + ex) * (wb + frozen) + state + kv + _inference_buffers(w, L, r, gr, rows))
+        kv = w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows) if generates else 0.0
+        buffers = _inference_buffers(w, L, r, gr, rows) if generates else 0.0
+        worst = max(worst, (ne + ex) * (wb + frozen) + state + kv + buffers)
     return worst
 
 
@@ -266,7 +284,7 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float, f
     fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
     context = r.prompt + min(r.response, 2 * r.mean_response / 3)
     decode_step = _pipelined(w, L, stages, fed, lambda st, n: _decode_part(w, L, st, n, context))
-    decode_step += fed * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT / w.hbm + 2 * NVLINK_LATENCY_S
+    decode_step += fed * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT / w.hbm + 2 * w.nvlink_latency
     distinct = max(1.0, rows / r.group)
     prefill = _pipelined(w, L, stages, distinct, lambda st, n: _prefill_part(w, L, st, n * r.prompt, r.prompt))
     per_token_layer = kv_cache_elements_per_token_per_layer(w.shape, L.tp) * (w.grpo or GrpoSizing()).kv_cache_bytes
@@ -285,7 +303,7 @@ def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_t
     per_part = rows / parts
     chunk = max(part_time(st, per_part) for st in stages) / L.vpp
     bw = w.ib if L.tp * L.cp * L.dp >= w.gpu.gpus_per_node else w.nvlink
-    hop = per_part * w.shape.hidden_size * 2 / bw + (IB_LATENCY_S if bw == w.ib else NVLINK_LATENCY_S)
+    hop = per_part * w.shape.hidden_size * 2 / bw + (w.ib_latency if bw == w.ib else w.nvlink_latency)
     forwards = parts * (L.vpp - 1) * L.pp + parts + L.pp - 1
     return forwards * (chunk + hop)
 
@@ -308,10 +326,10 @@ def _collectives(w: Workload, L: Layout, st: _Stage, tokens: float) -> float:
     h = w.shape.hidden_size
     t = 0.0
     if L.tp > 1:
-        t += st.layers * 2 * (2 * NVLINK_LATENCY_S + tokens * h * 2 * 2 * (L.tp - 1) / L.tp / w.nvlink)
+        t += st.layers * 2 * (2 * w.nvlink_latency + tokens * h * 2 * 2 * (L.tp - 1) / L.tp / w.nvlink)
     if L.ep > 1 and st.moe_layers:
         inter = L.ep * L.etp > w.gpu.gpus_per_node
-        bw, lat = (w.ib, IB_LATENCY_S) if inter else (w.nvlink, NVLINK_LATENCY_S)
+        bw, lat = (w.ib, w.ib_latency) if inter else (w.nvlink, w.nvlink_latency)
         volume = tokens * w.shape.moe_router_topk * h * 2 * (L.ep - 1) / L.ep * w.runtime.expert_load
         t += st.moe_layers * 2 * (lat + volume / bw)
     return t

@@ -4,7 +4,9 @@ Legality (Megatron-Core 0.16 rules): TP inside one node; heads and query groups 
 divisible by 2*CP (load-balanced causal CP) and by TP under sequence parallelism; TP*CP*PP divides the world;
 the pipeline split is one Megatron accepts (launcher.parallel.split_error); the global batch divides into DP*MBS
 micro-batches, and interleaving needs the micro-batch count divisible by PP (default group size); experts
-divisible by EP and EP dividing TP*CP*DP (expert tensor parallelism 1). Fixed keys are kept and the rest searched:
+divisible by EP and EP dividing TP*CP*DP (expert tensor parallelism 1). With split placement (Workload.split) the
+world is the training GPUs, TP*PP divides the rollout GPUs, EP is 1 and a rollout GPU must fit
+(launcher.parallel.rollout_replica_error, split.rollout_memory_error). Fixed keys are kept and the rest searched:
 a pipeline-split key (SPLIT_KEYS) without pp searches the pp values whose split Megatron accepts; a split that no pp
 accepts, or none at a fixed pp, is a ConfigError.
 
@@ -26,11 +28,12 @@ from dataclasses import dataclass, field
 
 from launcher.errors import ConfigError
 from launcher.limits import as_yaml
-from launcher.parallel import split_error, uneven_splits
+from launcher.parallel import rollout_replica_error, split_error, uneven_splits
 from launcher.planner.costs import GIB, Workload
 from launcher.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import Estimate, Layout, estimate, rank_groups, stage_params
 from launcher.planner.rl_step import RL_MODES, generation_floor
+from launcher.planner.split import rollout_memory_error
 
 MAX_CP = 64
 MAX_MBS = 16
@@ -131,6 +134,7 @@ def _given(fixed: dict, keys: tuple[str, ...]) -> str:
 def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_fit: bool, prune: bool,
             leanest: list) -> None:
     s, world, gpn = w.shape, w.num_gpus, w.gpu.gpus_per_node
+    gpus = f"{world} training GPUs" if w.split is not None else f"{world} GPUs"
     capacity = w.gpu.memory_gib * GIB * (1.0 - w.runtime.memory_margin)
     overhead = w.runtime.overhead_gib * GIB
 
@@ -154,6 +158,11 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
         if groups % tp:
             bad(("tp",), "query groups % tp", f"num_query_groups ({groups}) not divisible by tp={tp}")
             continue
+        if w.split is not None:  # tp divides the rollout tasks whatever pp is: say so before the world's sizes
+            why = rollout_replica_error(w.split.rollout_gpus, tp, fixed.get("pp", 1), 1)
+            if why:
+                bad(("tp", "pp") if "pp" in fixed else ("tp",), "rollout_tasks % (tp*pp)", why)
+                continue
         sps = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [tp > 1]
         cps = [fixed["cp"]] if "cp" in fixed else [c for c in (1, 2, 4, 8, 16, 32, MAX_CP) if c * tp <= world]
         for sp in sps:
@@ -174,13 +183,17 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
                     bad(("tp", "cp"), "seq/cp % tp (SP)", f"seq_length/cp ({w.seq_length // cp}) not divisible by tp={tp}")
                     continue
                 if world % (tp * cp):
-                    bad(("tp", "cp"), "world % (tp*cp*pp)", f"{world} GPUs not divisible by tp*cp={tp * cp}")
+                    bad(("tp", "cp"), "world % (tp*cp*pp)", f"{gpus} not divisible by tp*cp={tp * cp}")
                     continue
                 rest = world // (tp * cp)
                 pps = [fixed["pp"]] if "pp" in fixed else [p for p in divisors(rest) if p <= s.num_layers + 2]
                 for pp in pps:
                     if pp < 1 or rest % pp:
-                        bad(("tp", "cp", "pp"), "world % (tp*cp*pp)", f"{world} GPUs not divisible by tp*cp*pp={tp * cp * pp}")
+                        bad(("tp", "cp", "pp"), "world % (tp*cp*pp)", f"{gpus} not divisible by tp*cp*pp={tp * cp * pp}")
+                        continue
+                    why = rollout_replica_error(w.split.rollout_gpus, tp, pp, 1) if w.split is not None else None
+                    if why:
+                        bad(("tp", "pp"), "rollout_tasks % (tp*pp)", why)
                         continue
                     _search_pp(w, fixed, out, tp, sp, cp, pp, world // (tp * cp * pp), capacity, overhead, bad,
                                keep_all, first_fit, prune, leanest)
@@ -207,7 +220,7 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
     inner = len(mbss) * len(modes)
     overflow = (f"needs more than {capacity / GIB:.1f} GiB per GPU (capacity {w.gpu.memory_gib:.1f} less the "
                 f"{100 * w.runtime.memory_margin:.0f}% margin)")
-    if s.is_moe:
+    if s.is_moe and w.split is None:
         eps = [fixed["ep"]] if "ep" in fixed else [e for e in divisors(s.num_experts) if (tp * cp * dp) % e == 0]
     else:
         eps = [fixed.get("ep", 1)]
@@ -236,9 +249,16 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
             if (tp * cp * dp) % ep:
                 bad(("ep", "tp", "cp", "pp"), "ep | tp*cp*dp", f"ep={ep} does not divide tp*cp*dp={tp * cp * dp}", inner)
                 continue
+            if w.split is not None and ep != 1:
+                bad(("ep",), "split placement at ep=1", rollout_replica_error(w.split.rollout_gpus, tp, pp, ep), inner)
+                continue
             probe = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=1, recompute="full",
                            sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,
                            account_for_embedding=emb, account_for_loss=loss)
+            why = rollout_memory_error(w, probe) if w.split is not None else None
+            if why:
+                out.reject("rollout GPU memory", inner, why)
+                continue
             if prune and not fixed and _static_bytes(w, probe) + overhead > capacity:
                 out.reject("memory", inner, f"weights+grads+optimizer alone exceed {w.gpu.memory_gib:.0f} GiB")
                 continue

@@ -48,13 +48,19 @@ class GRPOLossConfig:
     """Constant normaliser for seq-mean-token-sum-norm (the generation length limit); required in that mode."""
     importance_ratio: str = "token"
     """One of the schema's IMPORTANCE_RATIOS: token (PPO/GRPO) or sequence (GSPO, ``sequence_log_ratio``)."""
+    off_policy_correction: str = "none"
+    """One of the schema's OFF_POLICY_CORRECTIONS: none, truncated_is or decoupled
+    (``megatron_rl.algorithms.off_policy``); the last two need the behaviour log-probs."""
+    is_cap: float = 2.0
+    """The cap of the behaviour importance weight of off_policy_correction."""
 
     @classmethod
     def from_algorithm(cls, algo: AlgorithmConfig, *, max_response_len: int) -> "GRPOLossConfig":
         """The loss of a job's ``algorithm`` section (already checked by the schema)."""
         return cls(eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip,
                    kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator, loss_agg_mode=algo.loss_aggregation,
-                   max_response_len=max_response_len, importance_ratio=algo.importance_ratio)
+                   max_response_len=max_response_len, importance_ratio=algo.importance_ratio,
+                   off_policy_correction=algo.off_policy_correction, is_cap=algo.is_cap)
 
     def __post_init__(self) -> None:
         if (self.kl_kind not in KL_ESTIMATORS or self.loss_agg_mode not in LOSS_AGGREGATIONS
@@ -62,6 +68,11 @@ class GRPOLossConfig:
             raise ValueError(f"kl_kind={self.kl_kind!r} / loss_agg_mode={self.loss_agg_mode!r} / importance_ratio="
                              f"{self.importance_ratio!r}: use one of {KL_ESTIMATORS} / {LOSS_AGGREGATIONS} / "
                              f"{IMPORTANCE_RATIOS}")
+        from megatron_rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
+
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS or self.is_cap < 1:
+            raise ValueError(f"off_policy_correction={self.off_policy_correction!r} / is_cap={self.is_cap}: use one of "
+                             f"{OFF_POLICY_CORRECTIONS} / a cap >= 1")
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and not self.max_response_len:
             raise ValueError("loss_agg_mode=seq-mean-token-sum-norm needs max_response_len")
 
@@ -253,8 +264,13 @@ def grpo_loss(
     global_num_seqs: Number | None = None,
     seq_lengths: torch.Tensor | None = None,
     sum_over_parts=None,
+    behav_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss = aggregate(policy_ratio_loss + kl_coef * kl_penalty), and detached 0-dim metrics.
+
+    With config.off_policy_correction (asynchronous GRPO) the ratio loss is ``off_policy.off_policy_ratio_loss``:
+    old_logp is then the proximal policy (the trainer's recomputation) and behav_logp the log-probs of the
+    policy that generated the tokens; its behav_* stats join the metrics.
 
     ref_logp may be None when config.kl_coef == 0; when given with kl_coef 0 the KL is still reported.
     entropy: optional per-token entropy [batch, T] (already computed by the caller), reported as a masked mean.
@@ -269,16 +285,26 @@ def grpo_loss(
     log_ratio = None
     if config.importance_ratio == "sequence":
         log_ratio = sequence_log_ratio(logp, old_logp, mask, seq_lengths=seq_lengths, sum_over_parts=sum_over_parts)
-    per_token_pg, stats = policy_ratio_loss(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        eps_low=config.eps_low,
-        eps_high=config.eps_high,
-        dual_clip=config.dual_clip,
-        log_ratio=log_ratio,
-    )
+    if config.off_policy_correction != "none":
+        from megatron_rl.algorithms.off_policy import off_policy_ratio_loss
+
+        if behav_logp is None:
+            raise ValueError(f"off_policy_correction={config.off_policy_correction} needs behav_logp")
+        per_token_pg, stats = off_policy_ratio_loss(
+            logp, old_logp, behav_logp, advantages, mask, correction=config.off_policy_correction,
+            cap=config.is_cap, eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip,
+            log_ratio=log_ratio)
+    else:
+        per_token_pg, stats = policy_ratio_loss(
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            eps_low=config.eps_low,
+            eps_high=config.eps_high,
+            dual_clip=config.dual_clip,
+            log_ratio=log_ratio,
+        )
     agg_kwargs = dict(
         max_response_len=config.max_response_len,
         global_num_tokens=global_num_tokens,

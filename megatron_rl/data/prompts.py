@@ -196,6 +196,12 @@ class PromptSampler:
                 self.position = 0
         return indices
 
+    def record_at(self, index: int) -> PromptRecord:
+        """The prompt at position ``index`` of the endless stream (epoch index // len, in that epoch's order),
+        without moving the sampler: split-placement GRPO names prompts by these positions."""
+        epoch, position = divmod(index, len(self.dataset))
+        return self.dataset[self._epoch_order(epoch)[position]]
+
     def next_batch(self) -> list[PromptRecord]:
         """The next batch_size prompts (advances the sampler)."""
         return [self.dataset[index] for index in self.next_indices()]

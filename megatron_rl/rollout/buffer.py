@@ -2,8 +2,8 @@
 version-tagged samples coming back, and the staleness bound ``algorithm.max_staleness``.
 
 A *sample* is one prompt's group of completions (a ``Rollout`` of ``group_size`` rows, or its
-``rollout_rows``) with the prompt's id and the policy version that generated it. Versions count optimizer
-steps: the trainer's weights after v steps are version v, and a sample of version g taken at version v has
+``rollout_rows``) with the prompt's id and the policy version that generated it. Versions count trainer
+steps (GRPO steps, each one or more optimizer steps): the trainer's weights after v steps are version v, and a sample of version g taken at version v has
 staleness v - g. A prompt id is a position in the prompt stream (the trainer maps it to a record; with
 ``PromptSampler``, epoch = id // len(dataset), position = id % len(dataset)).
 
@@ -170,6 +170,23 @@ class RolloutBuffer:
         if len(kept) != len(self._queue):
             self._queue = kept
             self._lock.notify_all()
+
+    @property
+    def room(self) -> int:
+        """Prompts ``issue`` would hand out now."""
+        with self._lock:
+            return self._room()
+
+    @property
+    def next_id(self) -> int:
+        """The first prompt id never issued."""
+        with self._lock:
+            return self._next_id
+
+    def outstanding_ids(self) -> set[int]:
+        """Ids issued and not consumed (in flight, queued, or to be issued again)."""
+        with self._lock:
+            return set(self._outstanding)
 
     @property
     def queue_depth(self) -> int:

@@ -75,6 +75,8 @@ class Received:
     version: int
     state_dict: dict[str, torch.Tensor]
     metrics: dict[str, float]
+    kind: str = "weights"
+    """weights, or over gloo also base (the tensors training never changes, sent once) or stop (the end)."""
 
 
 class WeightPublisher(ABC):
@@ -138,7 +140,7 @@ class FileWeightPublisher(WeightPublisher):
             raise ValueError(f"keep_last={keep_last} must be >= 1 and rank={rank} in [0, num_shards={num_shards})")
         self.folder = Path(folder)
         self.weights = make_private_dir(self.folder / "weights")
-        self.samples = make_private_dir(self.folder / "samples")
+        self.samples = self.folder / "samples"
         self.keep_last, self.rank, self.num_shards = keep_last, rank, num_shards
 
     def _tmp_dir(self, version: int) -> Path:
@@ -206,13 +208,24 @@ class FileWeightPublisher(WeightPublisher):
 
     def take_samples(self) -> tuple[list[Sample], dict[str, float]]:
         """Every sample batch the rollout workers published (oldest first), deleted once read; with
-        {sample_sync_bytes, sample_sync_s}."""
+        {sample_sync_bytes, sample_sync_s} and the sums of the batches' ``stats``."""
         start, nbytes, samples = time.perf_counter(), 0, []
-        for path in sorted(p for p in self.samples.iterdir() if not p.name.startswith(".")):
+        stats: dict[str, float] = {}
+        for path in sorted(p for p in self.samples.iterdir() if not p.name.startswith(".")) \
+                if self.samples.is_dir() else ():
             nbytes += path.stat().st_size
-            samples += [Sample(**row) for row in torch.load(path, weights_only=True)]
+            batch = torch.load(path, weights_only=True)
+            samples += [Sample(**row) for row in batch["samples"]]
+            for key, value in batch["stats"].items():
+                stats[key] = stats.get(key, 0.0) + value
             path.unlink()
-        return samples, {"sample_sync_bytes": nbytes, "sample_sync_s": time.perf_counter() - start}
+        return samples, {**stats, "sample_sync_bytes": nbytes, "sample_sync_s": time.perf_counter() - start}
+
+    def clear_samples(self) -> None:
+        """Delete every sample file (a new session starts: what an earlier attempt left is not this one's)."""
+        for path in self.samples.iterdir() if self.samples.is_dir() else ():
+            if path.is_file():
+                path.unlink(missing_ok=True)
 
 
 def complete_versions(weights: Path) -> list[int]:
@@ -229,100 +242,141 @@ class FileWeightSubscriber(WeightSubscriber):
     """Loads the newest complete version from ``<folder>/weights`` and publishes samples to
     ``<folder>/samples`` under the name ``worker``."""
 
-    def __init__(self, folder: str | Path, *, worker: str = "rollout0") -> None:
+    def __init__(self, folder: str | Path, *, worker: str = "rollout0", shard: Optional[int] = None) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_]+", worker):
             raise ValueError(f"worker={worker!r}: use letters, digits and _ only")
-        self.folder, self.worker = Path(folder), worker
+        self.folder, self.worker, self.shard = Path(folder), worker, shard
+        """``shard``: load only that trainer shard of each version (a rollout rank of the trainers' tp x pp layout
+        takes its own); None: every shard, merged."""
         self.weights, self.samples = self.folder / "weights", self.folder / "samples"
         self.version: Optional[int] = None
         """The version loaded last."""
-        self._loaded_id: Optional[str] = None
+        self.loaded_id: Optional[str] = None
 
     def poll(self) -> Optional[Received]:
-        from safetensors.torch import load
-
-        start = time.perf_counter()
         for _ in range(3):  # the publisher's retention may remove a version while it is read
+            newest = self.newest()
+            if newest is None or newest[1] == self.loaded_id:
+                return None
+            try:
+                return self.load(*newest)
+            except FileNotFoundError:
+                continue
+        return None
+
+    def newest(self) -> Optional[tuple[int, str]]:
+        """(version, copy id) of the newest complete version, or None (several readers that must load the same
+        version agree on this first, then each ``load`` it)."""
+        for _ in range(3):
             versions = complete_versions(self.weights)
             if not versions:
                 return None
-            folder = self.weights / version_dir_name(versions[-1])
             try:
-                complete = json.loads((folder / COMPLETE).read_text())
-                if complete["id"] == self._loaded_id:
-                    return None
-                shards = complete["shards"]
-                state_dict, nbytes = {}, 0
-                for name in shards:
-                    with open(folder / name, "rb") as handle:  # once open, a retention delete cannot cut it
-                        data = handle.read()
-                    nbytes += len(data)
-                    state_dict.update(load(data))
+                complete = json.loads((self.weights / version_dir_name(versions[-1]) / COMPLETE).read_text())
             except FileNotFoundError:
                 continue
-            self.version, self._loaded_id = versions[-1], complete["id"]
-            return Received(version=self.version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start))
+            return versions[-1], complete["id"]
         return None
 
-    def publish_samples(self, samples: list[Sample]) -> dict[str, float]:
-        """Write ``samples`` as one batch file for the trainer; returns {sample_sync_bytes, sample_sync_s}."""
+    def load(self, version: int, copy_id: str) -> Received:
+        """Read version ``version`` (its copy ``copy_id``); FileNotFoundError when it is gone or replaced."""
+        from safetensors.torch import load
+
+        start = time.perf_counter()
+        folder = self.weights / version_dir_name(version)
+        complete = json.loads((folder / COMPLETE).read_text())
+        if complete["id"] != copy_id:
+            raise FileNotFoundError(f"{folder}: copy {copy_id} was replaced")
+        names = complete["shards"] if self.shard is None else [shard_file_name(self.shard)]
+        state_dict, nbytes = {}, 0
+        for name in names:
+            with open(folder / name, "rb") as handle:  # once open, a retention delete cannot cut it
+                data = handle.read()
+            nbytes += len(data)
+            state_dict.update(load(data))
+        self.version, self.loaded_id = version, copy_id
+        return Received(version=version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start))
+
+    def publish_samples(self, samples: list[Sample], stats: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Write ``samples`` as one batch file for the trainer, with the worker's ``stats`` (numbers the trainer
+        sums, e.g. generate and idle seconds); returns {sample_sync_bytes, sample_sync_s}."""
         start = time.perf_counter()
         make_private_dir(self.samples)
         rows = [{"prompt_id": s.prompt_id, "version": s.version, "payload": s.payload} for s in samples]
         path = self.samples / f"{time.time_ns():020d}-{self.worker}.pt"
-        nbytes = _write_atomically(path, lambda tmp: torch.save(rows, tmp))
+        batch = {"samples": rows, "stats": {k: float(v) for k, v in (stats or {}).items()}}
+        nbytes = _write_atomically(path, lambda tmp: torch.save(batch, tmp))
         return {"sample_sync_bytes": nbytes, "sample_sync_s": time.perf_counter() - start}
 
 
 # ------------------------------------------------------------------------------------------------------ gloo
-def _broadcast_state(state_dict: Optional[dict[str, torch.Tensor]], version: Optional[int], *, src: int,
-                     group: Any) -> tuple[int, dict[str, torch.Tensor], int]:
-    """Broadcast (version, tensors) from global rank ``src`` over ``group``: the names, dtypes and shapes as an
-    object, the bytes as one uint8 buffer. Returns (version, tensors, bytes) on every rank."""
+def _group_broadcast(group: Any, tensor: torch.Tensor, root: int) -> None:
+    """Broadcast ``tensor`` in place from group rank ``root``, with the process group's own API: it works on a
+    group of this process's world (``new_group``) and on a standalone ``ProcessGroupGloo`` bridging two worlds."""
     import torch.distributed as dist
 
-    header: list[Any] = [None]
-    if state_dict is not None:
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = root, 0
+    group.broadcast([tensor], options).wait()
+
+
+def _broadcast_state(state_dict: Optional[dict[str, torch.Tensor]], version: Optional[int], *, src: int,
+                     group: Any, kind: str = "weights") -> tuple[str, int, dict[str, torch.Tensor], int]:
+    """Broadcast (kind, version, tensors) from group rank ``src`` over ``group``: a JSON header (names, dtypes and
+    shapes) and the bytes as one uint8 buffer, staged on the CPU. Returns (kind, version, tensors, bytes of the
+    tensors) on every rank."""
+    sending = state_dict is not None
+    if sending:
         tensors = _cpu_tensors(state_dict)
-        header = [(version, [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                             for name, t in tensors.items()])]
+        header = json.dumps({"kind": kind, "version": version,
+                             "layout": [(name, str(t.dtype).removeprefix("torch."), list(t.shape))
+                                        for name, t in tensors.items()]}).encode()
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]) if tensors \
             else torch.empty(0, dtype=torch.uint8)
-    dist.broadcast_object_list(header, src=src, group=group)
-    version, layout = header[0]
+    length = torch.tensor([len(header) if sending else 0], dtype=torch.int64)
+    _group_broadcast(group, length, src)
+    raw = torch.frombuffer(bytearray(header), dtype=torch.uint8) if sending \
+        else torch.empty(int(length), dtype=torch.uint8)
+    _group_broadcast(group, raw, src)
+    meta = json.loads(raw.numpy().tobytes())
+    layout = meta["layout"]
     sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in layout]
-    if state_dict is None:
+    if not sending:
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
-    dist.broadcast(flat, src=src, group=group)
-    if state_dict is not None:
-        return version, tensors, flat.numel()
+    if sizes:
+        _group_broadcast(group, flat, src)
+    if sending:
+        return meta["kind"], meta["version"], tensors, flat.numel()
     out = {name: part.clone().view(getattr(torch, dtype)).reshape(shape)  # clone: each its own aligned storage
            for (name, dtype, shape), part in zip(layout, torch.split(flat, sizes))}
-    return version, out, flat.numel()
+    return meta["kind"], meta["version"], out, flat.numel()
 
 
 class GlooWeightPublisher(WeightPublisher):
-    """Broadcasts each version from this rank (global rank ``src``) over the gloo ``group``."""
+    """Broadcasts each version from this rank (group rank ``src``) over the gloo ``group``."""
 
-    def __init__(self, group: Any, *, src: int) -> None:
+    def __init__(self, group: Any, *, src: int = 0) -> None:
         self.group, self.src = group, src
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor], *, kind: str = "weights") -> dict[str, float]:
+        """Send ``state_dict`` as ``version`` of ``kind`` (weights; base: the tensors that never change; stop: no
+        tensors, the subscribers end); returns {weight_sync_bytes, weight_sync_s}."""
         start = time.perf_counter()
-        _, _, nbytes = _broadcast_state(state_dict, version, src=self.src, group=self.group)
+        *_, nbytes = _broadcast_state(state_dict, version, src=self.src, group=self.group, kind=kind)
         return _sync_metrics(nbytes, start)
 
 
 class GlooWeightSubscriber(WeightSubscriber):
-    """Receives each version broadcast from global rank ``src`` over the gloo ``group``; ``poll`` blocks until
-    the publisher's next ``publish``."""
+    """Receives each version broadcast from group rank ``src`` over the gloo ``group``; ``poll`` blocks until
+    the publisher's next ``publish`` (run it in a thread to receive while generating)."""
 
-    def __init__(self, group: Any, *, src: int) -> None:
+    def __init__(self, group: Any, *, src: int = 0) -> None:
         self.group, self.src = group, src
         self.version: Optional[int] = None
 
     def poll(self) -> Optional[Received]:
         start = time.perf_counter()
-        version, state_dict, nbytes = _broadcast_state(None, None, src=self.src, group=self.group)
-        self.version = version
-        return Received(version=version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start))
+        kind, version, state_dict, nbytes = _broadcast_state(None, None, src=self.src, group=self.group)
+        if kind == "weights":
+            self.version = version
+        return Received(version=version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start), kind=kind)

@@ -19,6 +19,8 @@ import torch
 from launcher.parallel import ParallelDims
 
 T = TypeVar("T")
+INIT_METHOD_ENV = "MEGATRON_RL_INIT_METHOD"
+"""A torch.distributed init_method that replaces tcp://MASTER_ADDR:MASTER_PORT (``DistEnv.init_method``)."""
 RANK_ZERO_WORK_TIMEOUT_S = 24 * 3600
 """How long the other ranks wait in ``on_rank_zero`` (a Hugging Face export of a 1 TB model takes many
 minutes): far beyond parallel.timeout_s, which stays short so that a hung collective is found quickly."""
@@ -37,6 +39,9 @@ class DistEnv:
     """Host of rank 0, for the TCP rendezvous."""
     master_port: int
     """Rendezvous port."""
+    init_method: Optional[str] = None
+    """A torch.distributed init_method in place of tcp://master_addr:master_port (a split-placement rollout
+    world meets through a file: ``megatron_rl.rollout.placement``)."""
 
 
 def read_dist_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
@@ -46,7 +51,8 @@ def read_dist_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
         return DistEnv(
             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
             local_rank=int(env.get("LOCAL_RANK", "0")),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")))
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")),
+            init_method=env.get(INIT_METHOD_ENV) or None)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
         job_id = int(env.get("SLURM_JOB_ID", "0"))
@@ -106,7 +112,7 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
         torch.cuda.set_device(dist_env.local_rank)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            backend=backend, init_method=f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
+            backend=backend, init_method=dist_env.init_method or f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
             rank=dist_env.rank, world_size=dist_env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     # A CPU group for waiting on rank 0's long single-rank I/O; gloo exists wherever torch does (no NCCL needed).
     _rank_zero_wait["group"] = torch.distributed.new_group(

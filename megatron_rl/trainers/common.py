@@ -96,6 +96,9 @@ class TrainerContext:
     """The model's ModelShape, stored in every checkpoint so it exports to Hugging Face without extra input."""
     config_path: Optional[str] = None
     """The config.yaml this process loaded: its ``${oc.env:...}`` keys stay unresolved in the run's manifest."""
+    placement: Optional[Any] = None
+    """With cluster.rollout_tasks > 0: this trainer's ``megatron_rl.rollout.placement.Placement``; None when
+    generation is colocated."""
     logger: MetricsLogger = field(init=False)
     extra_state: Callable[[], dict] = field(default=lambda: {})
     resumed_extra: dict = field(default_factory=dict, init=False)

@@ -18,6 +18,7 @@ MoE rollout carries the experts generation chose, and its training forwards use 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from pathlib import Path
@@ -43,16 +44,28 @@ from megatron_rl.trainers.common import WARMUP_DONE, TrainerContext
 
 # ----------------------------------------------------------------------------------------------- the loop
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-    run = GrpoRun(cfg, shape, ctx)
-    start = run.resume_or_warm_up()
-    for step in range(start + 1, cfg.run.steps + 1):
-        batch = run.sample(step)  # generate and score; DAPO dynamic sampling draws until the batch has signal
-        with ctx.timer() as t_train:
-            train_metrics = run.train_on(batch.kept)
-        if run.eval_prompts is not None and step % cfg.data.eval_interval == 0:
-            run.evaluate(step)  # held-out pass@1, logged with phase "eval"
-        ctx.end_step(run.engine, step, run.step_metrics(batch, train_metrics, t_train.seconds))
-    run.finish()
+    run = make_run(cfg, shape, ctx)
+    with run.serving():  # split placement: the rollout workers generate until the loop ends
+        start = run.resume_or_warm_up()
+        for step in range(start + 1, cfg.run.steps + 1):
+            batch = run.sample(step)  # generate and score; DAPO dynamic sampling draws until the batch has signal
+            with ctx.timer() as t_train:
+                train_metrics = run.train_on(batch.kept)
+            run.sync_weights(step)  # split placement: the new weights reach the rollout workers
+            if run.eval_prompts is not None and step % cfg.data.eval_interval == 0:
+                run.evaluate(step)  # held-out pass@1, logged with phase "eval"
+            ctx.end_step(run.engine, step, run.step_metrics(batch, train_metrics, t_train.seconds))
+        run.finish()
+
+
+def make_run(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> "GrpoRun":
+    """Colocated GRPO, or with rollout workers (``ctx.placement``: cluster.rollout_tasks > 0) the split-placement
+    run of megatron_rl/trainers/grpo_async.py."""
+    if ctx.placement is None:
+        return GrpoRun(cfg, shape, ctx)
+    from megatron_rl.trainers.grpo_async import SplitGrpoRun
+
+    return SplitGrpoRun(cfg, shape, ctx, ctx.placement)
 
 
 @dataclasses.dataclass
@@ -94,6 +107,7 @@ class GrpoRun:
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
         self.warmup_done = 0
         self.recompute_old_logprobs = wants_recomputed_old_logprobs(cfg, shape, self.engine)
+        self.report_names = REPORTS
         ctx.extra_state = self.extra_state
 
     # ------------------------------------------------------------------ state
@@ -139,6 +153,13 @@ class GrpoRun:
                 self.ctx.preempt(self.engine, 0, what=f"SFT warm-up step {step} of {total}")
         self.engine.reset_optimizer_schedule()
         self.ctx.say(f"SFT warm-up: {self.algo.sft_warmup_steps} steps, final loss {metrics['loss']:.4f}")
+
+    def serving(self):
+        """Colocated: generation is a phase of these processes, so there are no rollout workers to serve."""
+        return contextlib.nullcontext()
+
+    def sync_weights(self, step: int) -> None:
+        """Colocated: generation samples from the training weights themselves; nothing to send."""
 
     # ------------------------------------------------------------------ sample
     def sample(self, step: int) -> SampledBatch:
@@ -236,7 +257,8 @@ class GrpoRun:
             for epoch in range(1, self.algo.epochs + 1):
                 for batches in minibatches:
                     self.record_policy_step(totals, epoch, self.engine.train_step(
-                        batches, self.loss_fn, seq_length=seq_length, report_names=REPORTS, forward_fn=logits_forward))
+                        batches, self.loss_fn, seq_length=seq_length, report_names=self.report_names,
+                        forward_fn=logits_forward))
         return combine_minibatches(totals)
 
     def minibatches(self, rollout: Rollout) -> list[list[dict]]:

@@ -1,0 +1,157 @@
+"""Split-placement (asynchronous) GRPO: 1 trainer + 1 rollout process, meeting only through run.dir/rollout
+(megatron_rl/trainers/grpo_async.py, megatron_rl/rollout/{placement,channel,worker}.py).
+
+    .venv/bin/python -m pytest tests/test_async_grpo.py -q
+
+- configs/grpo_async_tiny.yaml learns the tiny task (mean reward >= 0.8 over the last 10% of steps) with every
+  step's staleness_max <= max_staleness, every sample's version checked against the step that took it;
+- max_staleness=0 is synchronous: every sample comes from the weights being trained, so the behaviour weight
+  pi_prox / pi_behav is 1 up to generation-vs-training rounding;
+- a run preempted after step 3 and resumed trains on every issued prompt exactly once: no prompt lost, none
+  repeated, counted from the ledger and the checkpoint's buffer state independently of the trainer's own metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import read_metrics
+
+SHORT = ("algorithm.sft_warmup_steps=2", "checkpoint.save_interval=1")
+
+
+def _ledger(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rollout" / "consumed.jsonl").read_text().splitlines()]
+
+
+def _buffer_state(checkpoint: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(checkpoint))["extra"]["rollout_buffer"]
+
+
+# ------------------------------------------------------------------ placement (no processes)
+def test_placement_gives_the_last_ranks_the_rollout_world_and_each_role_its_own_ranks(tmp_path):
+    from megatron_rl.rollout.placement import split_placement
+    from megatron_rl.runtime.distributed import DistEnv, read_dist_env
+
+    env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2", "MASTER_PORT": "29600"}
+    roles = []
+    for rank in range(4):
+        job = DistEnv(rank=rank, world_size=4, local_rank=rank, master_addr="node1", master_port=29600)
+        placement = split_placement(job, rollout_tasks=1, run_dir=tmp_path, env=env)
+        roles.append((placement.role, placement.world.rank, placement.world.world_size))
+        process_env = {}
+        placement.enter(process_env)
+        seen = read_dist_env(process_env)
+        assert (seen.rank, seen.world_size) == (placement.world.rank, placement.world.world_size)
+        if placement.role == "rollout":  # meets through the run folder, not the trainers' host
+            assert seen.init_method == f"file://{tmp_path}/rollout/sessions/77_2_29600/rendezvous"
+            assert (tmp_path / "rollout" / "sessions" / "77_2_29600").stat().st_mode & 0o777 == 0o700
+        else:
+            assert seen.init_method is None and seen.master_addr == "node1"
+    assert roles == [("train", 0, 3), ("train", 1, 3), ("train", 2, 3), ("rollout", 0, 1)]
+    requeued = split_placement(job, rollout_tasks=1, run_dir=tmp_path, env={**env, "SLURM_RESTART_COUNT": "3"})
+    assert requeued.session != placement.session
+
+
+# ------------------------------------------------------------------ the tiny task, asynchronous
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    from helpers import run_launch
+
+    run_dir = tmp_path_factory.mktemp("grpo_async") / "run"
+    result = run_launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_async_grpo_learns_the_tiny_task_within_the_staleness_bound(async_run):
+    run_dir, result = async_run
+    metrics = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+    assert len(metrics) == 300
+    last = metrics[-30:]
+    assert sum(m["reward_mean"] for m in last) / len(last) >= 0.8
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    assert any(m["staleness_max"] == 1 for m in metrics)  # the worker did run ahead of the trainer
+    for key in ("staleness_mean", "dropped_samples", "queue_depth", "trainer_idle_s", "generator_idle_s",
+                "weight_sync_bytes", "weight_sync_s", "behav_weight_mean", "behav_capped_fraction"):
+        assert all(key in m for m in metrics), key
+    assert all(m["weight_sync_bytes"] > 0 for m in metrics)
+    assert "1 process(es) serving" in (run_dir / "logs" / "rank1.log").read_text()
+    assert "the trainers stopped (exit code 0)" in (run_dir / "logs" / "rank1.log").read_text()
+
+
+def test_every_sample_is_at_most_max_staleness_versions_older_than_the_weights_it_trains(async_run):
+    run_dir, _ = async_run
+    ledger = _ledger(run_dir)
+    assert [entry["step"] for entry in ledger] == list(range(1, 301))
+    for entry in ledger:  # step s trains the weights after s - 1 steps: version s - 1
+        assert all(0 <= (entry["step"] - 1) - version <= 1 for version in entry["versions"]), entry
+    ids = [i for entry in ledger for i in entry["prompt_ids"]]
+    assert len(ids) == len(set(ids)) == 300 * 16
+
+
+# ------------------------------------------------------------------ synchronous split placement
+def test_max_staleness_0_trains_only_on_samples_of_the_current_weights(launch, tmp_path):
+    run_dir = tmp_path / "sync"
+    result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=4",
+                    "algorithm.max_staleness=0", *SHORT, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+    assert [m["staleness_max"] for m in metrics] == [0, 0, 0, 0]
+    for m in metrics:  # the same weights generated and recomputed the log-probs: only kernel rounding is left
+        assert abs(m["behav_weight_mean"] - 1) < 1e-3 and m["behav_weight_max"] < 1.01, m
+    for entry in _ledger(run_dir):
+        assert entry["versions"] == [entry["step"] - 1] * 16
+
+
+# ------------------------------------------------------------------ preemption
+def test_a_preempted_async_run_resumes_without_losing_or_repeating_a_prompt(launch, tmp_path):
+    run_dir = tmp_path / "preempted"
+    args = ("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=6", *SHORT)
+    first = launch(*args, env={"MEGATRON_RL_STOP_AFTER_STEP": "3"}, timeout=600)
+    assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "the trainers stopped (exit code 3)" in (run_dir / "logs" / "rank1.log").read_text()
+    at_stop = _buffer_state(run_dir / "checkpoints" / "step_00000003")
+    assert at_stop["outstanding"]  # prompts were in flight when it stopped: these must come back
+    second = launch(*args, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+
+    ledger = _ledger(run_dir)
+    assert [entry["step"] for entry in ledger] == [1, 2, 3, 4, 5, 6]
+    assert len({entry["session"] for entry in ledger}) == 2
+    consumed = [i for entry in ledger for i in entry["prompt_ids"]]
+    assert len(consumed) == len(set(consumed))  # none repeated
+    after_resume = {i for entry in ledger[3:] for i in entry["prompt_ids"]}
+    final = _buffer_state(run_dir / "checkpoints" / "step_00000006")
+    assert set(consumed) | set(final["outstanding"]) == set(range(final["next_id"]))  # none lost
+    assert set(at_stop["outstanding"]) <= after_resume | set(final["outstanding"])
+    metrics = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(m["prompts_lost"] == 0 and m["prompts_repeated"] == 0 for m in metrics)
+
+
+def test_gloo_weight_sync_between_the_two_worlds_runs_and_learns_the_same_way(launch, tmp_path):
+    """weight_sync=gloo: the trainer's holder broadcasts each version over a gloo group bridging the worlds, the
+    worker receives it on a thread; the run's first steps equal the files run's (same samples, same weights)."""
+    runs = {}
+    for weight_sync in ("files", "gloo"):
+        run_dir = tmp_path / weight_sync
+        result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
+                        "algorithm.max_staleness=0", f"algorithm.weight_sync={weight_sync}", *SHORT, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[weight_sync] = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+    from megatron_rl.rollout.weight_sync import complete_versions
+
+    assert complete_versions(tmp_path / "files" / "rollout" / "weights") == [1, 2, 3]  # keep_last 3 of 0..3
+    for folder in ("weights", "base/weights"):  # over gloo no version went through the folder
+        assert complete_versions(tmp_path / "gloo" / "rollout" / folder) == []
+    for files, gloo in zip(runs["files"], runs["gloo"], strict=True):
+        assert gloo["staleness_max"] == 0 and gloo["weight_sync_bytes"] > 0
+        for key in ("reward_mean", "loss", "grad_norm", "behav_weight_mean"):
+            assert gloo[key] == pytest.approx(files[key], abs=1e-6), key
