@@ -67,6 +67,26 @@ def test_scontrol_requeue_resumes_from_the_last_checkpoint(launcher: Launcher, g
     run = launcher.finish(started, timeout=400)
     _assert_resumed_exactly(launcher, run, grpo_two_node_baseline)
     assert _runs_in_sacct(launcher.cluster, job_id) == ["REQUEUED", "COMPLETED"]
+    _assert_manifest_records_the_requeue(run.run_dir, job_id)
+
+
+def _assert_manifest_records_the_requeue(run_dir: Path, job_id: str) -> None:
+    """The audit record names the Slurm job, both of its runs (the requeue counted), both nodes of each, and the
+    step the second resumed from."""
+    from helpers import read_manifest
+
+    manifest = read_manifest(run_dir)
+    first, second = manifest["attempts"]
+    assert [a["slurm"]["job_id"] for a in (first, second)] == [job_id, job_id]
+    assert [a["slurm"]["restart_count"] for a in (first, second)] == [0, 1]
+    assert manifest["requeues"] == 1 and manifest["slurm_job_ids"] == [job_id]
+    assert all(sorted(a["hosts"]) == ["n1", "n2"] and a["world_size"] == 2 for a in (first, second))
+    # requeued under it: a save and exit (preempted), a collective broken by the other node's kill (failed: ...),
+    # or killed before recording anything (lost); never still "running" or "completed"
+    assert first["status"].startswith(("preempted", "failed: ", "lost: ")), first["status"]
+    assert second["status"] == "completed" and 2 <= second["resumed_from_step"] < 6
+    saved = {entry["step"] for entry in manifest["checkpoints"]}  # every 2 steps, a preemption save, the final
+    assert second["resumed_from_step"] in saved and 6 in saved and saved <= set(range(1, 7))
 
 
 def test_node_failure_requeues_and_resumes_from_the_last_checkpoint(
