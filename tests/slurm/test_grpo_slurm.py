@@ -20,3 +20,24 @@ def test_two_node_grpo_matches_local(launcher, grpo_two_node_baseline, tmp_path)
         assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"]
         for key in ("loss", "kl", "entropy", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+
+
+def test_async_grpo_with_its_rollout_worker_on_the_other_node_matches_local(launcher, tmp_path):
+    """Split placement on Slurm: the trainer on n1, the rollout worker on n2, weights over the gloo bridge (its
+    TCPStore on n1), prompts and samples through the shared run folder. At max_staleness=0 every sample comes from
+    the current weights, so the run equals the same job on local processes."""
+    args = ("--config", "configs/grpo_async_tiny.yaml", "run.steps=3", "algorithm.max_staleness=0",
+            "algorithm.sft_warmup_steps=2", "algorithm.weight_sync=gloo", "logging.tensorboard=false")
+    on_slurm = launcher.run(*args, "cluster.executor=slurm", "cluster.nodes=2", "cluster.tasks_per_node=1",
+                            run_dir=tmp_path / "slurm")
+    assert on_slurm.returncode == 0, on_slurm.stdout[-3000:] + on_slurm.stderr[-3000:]
+    assert "rank 0 on n1, rank 1 on n2" in on_slurm.stdout
+    local = run_launch(*args, f"run.dir={tmp_path / 'local'}")
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    slurm_steps, local_steps = [[m for m in launcher.grpo_metrics(run_dir) if m.get("phase") is None]
+                                for run_dir in (tmp_path / "slurm", tmp_path / "local")]
+    assert len(slurm_steps) == len(local_steps) == 3
+    for a, b in zip(local_steps, slurm_steps, strict=True):
+        assert b["staleness_max"] == 0 and b["weight_sync_bytes"] > 0
+        for key in ("reward_mean", "loss", "grad_norm", "behav_weight_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
