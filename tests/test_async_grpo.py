@@ -96,17 +96,30 @@ def test_every_sample_is_at_most_max_staleness_versions_older_than_the_weights_i
 
 
 # ------------------------------------------------------------------ synchronous split placement
-def test_max_staleness_0_trains_only_on_samples_of_the_current_weights(launch, tmp_path):
+FULL_WEIGHT_BYTES = 363_432
+"""Size of one full-weight version of the tiny-cpu model over files: its fp32 tensors plus the safetensors header
+(whose version field varies by a few bytes)."""
+
+
+@pytest.mark.parametrize("lora", [None, "{rank: 4}"])
+def test_max_staleness_0_trains_only_on_samples_of_the_current_weights(launch, tmp_path, lora):
+    """k = 0: every sample is of the weights being trained, so pi_prox / pi_behav = 1 up to kernel rounding; with
+    LoRA each version sends only the adapters."""
     run_dir = tmp_path / "sync"
-    result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=4",
-                    "algorithm.max_staleness=0", *SHORT, timeout=600)
+    result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
+                    "algorithm.max_staleness=0", *SHORT, *([f"model.lora={lora}"] if lora else []), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
-    assert [m["staleness_max"] for m in metrics] == [0, 0, 0, 0]
+    assert [m["staleness_max"] for m in metrics] == [0, 0, 0]
     for m in metrics:  # the same weights generated and recomputed the log-probs: only kernel rounding is left
         assert abs(m["behav_weight_mean"] - 1) < 1e-3 and m["behav_weight_max"] < 1.01, m
     for entry in _ledger(run_dir):
         assert entry["versions"] == [entry["step"] - 1] * 16
+    sent = {m["weight_sync_bytes"] for m in metrics}
+    if lora is None:
+        assert all(abs(size - FULL_WEIGHT_BYTES) < 64 for size in sent), sent
+    else:  # the rank-4 adapters alone (the frozen base went once, at the start)
+        assert len(sent) == 1 and 0 < sent.pop() < FULL_WEIGHT_BYTES / 10
 
 
 # ------------------------------------------------------------------ preemption
