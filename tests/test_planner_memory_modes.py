@@ -201,3 +201,19 @@ def test_the_configs_runtime_section_drives_the_plan(capsys):
     tuned = _plan_json(capsys, *held, "runtime.grad_dtype=bf16", "runtime.overlap_grad_reduce=false")
     assert tuned["workload"]["runtime"]["main_grad_bytes"] == 2
     assert tuned["workload"]["runtime"]["overlap_grad_reduce"] is False
+
+
+def test_ppo_generation_has_the_critics_offloaded_optimizer_state_to_spare_too():
+    """With generation.offload_optimizer the critic's grads and Adam state leave the GPU with the policy's, so the
+    KV cache that training must make room for is what exceeds the activations and both models' state."""
+    sizing = GrpoSizing(rollout_batch_size=2048, max_prompt_length=1024, max_response_length=8192,
+                        samples_per_prompt=16, kv_cache_released_for_training=True,
+                        optimizer_offloaded_for_generation=True)
+    lay = "tp=8,pp=2,vpp=1,cp=1,mbs=1,recompute=full"
+    grpo = evaluate(LLAMA, lay, mode="grpo", grpo=sizing, **KW).estimate
+    ppo = evaluate(LLAMA, lay, mode="ppo", grpo=sizing, **KW).estimate
+    kv = grpo.kv_cache_generating
+    state = grpo.gradients + grpo.optimizer
+    assert kv > grpo.activations + 2 * state  # the case where the critic's freed state matters
+    assert grpo.kv_cache == pytest.approx(kv - (grpo.activations + state), rel=1e-12)
+    assert ppo.kv_cache == pytest.approx(kv - (ppo.activations + 2 * state), rel=1e-12)

@@ -195,12 +195,14 @@ def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex:
     if w.mode == "eval":
         out.update(gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=kv, inference_buffers=buffers)
         return out
-    if w.mode == "ppo":
+    copies = 1.0
+    if w.mode == "ppo":  # the critic: the policy's shape, trained in the same phase, offloaded with it
         out["critic"] = parts["weights"] + parts["gradients"] + parts["optimizer"]
+        copies = 2.0
     if not g.kv_cache_released_for_training:
         out.update(kv_cache=kv, inference_buffers=buffers)
         return out
-    training_only = parts["activations"] + (parts["gradients"] + parts["optimizer"]
+    training_only = parts["activations"] + (copies * (parts["gradients"] + parts["optimizer"])
                                             if g.optimizer_offloaded_for_generation else 0.0)
     kv_extra = max(0.0, kv - training_only)
     out.update(kv_cache=kv_extra, inference_buffers=max(0.0, kv + buffers - training_only) - kv_extra)
