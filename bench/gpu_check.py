@@ -4,7 +4,7 @@ Run on a GPU (after ``bench/gpu_check.sh`` installed the carried wheels): ``pyth
 Dry mode, CPU, tiny model, fp32, tiny batch, same code path: ``.venv/bin/python bench/gpu_check.py --dry-run``.
 Normally started by ``bench/gpu_check.sh [--dry-run]``; tested by ``tests/test_gpu_check.py``.
 
-What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``initialize``):
+What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``initialize``) but for part 7:
 
 1. exactness: a tiny tied-embedding Llama in fp32 on the same device: KV-cache generation log-probs against
    the training forward (``sequence_logprobs``), and the same weights in ``transformers`` (log-probs and greedy
@@ -24,9 +24,17 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
    rollout's KV-cache log-probs are checked against the training forward. bf16 tolerance: max |diff| <= 0.25
    nats and mean |diff| <= 0.02 nats (bf16 keeps 8 mantissa bits; decode and full-sequence GEMMs round
    differently).
+7. gloo staging (``parallel.backend=gloo`` on GPUs, ``megatron_rl.runtime.gloo_staging``): two ranks started
+   here train the tiny model at TP=2 in fp32 (TF32 off) for a few steps over gloo, every collective's CUDA
+   tensors staged through pinned CPU buffers, against the same job over NCCL on 2+ GPUs; on one GPU (NCCL cannot
+   put two ranks on one device) both gloo ranks share it and the reference is the same job on the CPU. Reported:
+   max |loss diff| and |grad-norm diff|, the staged ops and their call counts. Unverified on a GPU so far (the
+   project's machines had none when it was written); the dry run compares the CPU test hook
+   (``MEGATRON_RL_GLOO_STAGING=1``: CPU tensors staged through separate CPU buffers) with plain gloo, exactly.
 
 Prints progress on stderr and, last on stdout, one JSON object with every figure; writes it to
-``OUT/gpu_check.json``. Exit code 0 when every check passed, 1 otherwise.
+``OUT/gpu_check.json`` (part 7's rank logs: ``OUT/gloo_staging_*_rank*.log``). Exit code 0 when every check
+passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +65,10 @@ import torch
 from launcher.ports import free_port
 
 FP32_LOGPROB_TOL = 1e-4
+GLOO_TP2_STEPS = 3
+GLOO_TP2_TOL = {"dry-run": 1e-6, "nccl": 1e-5, "cpu": 1e-4}
+"""Part 7's tolerance on |loss| and |grad-norm| differences by reference: the same CPU job unstaged (identical
+sums expected), NCCL on the same GPUs (fp32, TF32 off), the CPU (other kernels)."""
 BF16_LOGPROB_MAX_TOL = 0.25
 BF16_LOGPROB_MEAN_TOL = 0.02
 
@@ -516,6 +529,103 @@ def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
             "kv_cache_vs_training_forward": judge(merged, dtype=sizes.dtype)}
 
 
+def gloo_tp2_worker(backend: str, out: Path) -> int:
+    """One rank of part 7's job: the tiny model at TP=2 in fp32, GLOO_TP2_STEPS next-token steps over ``backend``;
+    rank 0 writes the losses, grad norms and gloo staging's call counts to ``out``."""
+    from launcher.config.loader import load_config
+    from launcher.model_shape import load_model_shape
+    from megatron_rl.runtime import gloo_staging
+    from megatron_rl.runtime.distributed import global_rank, initialize, job_dims, shutdown
+    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    with tempfile.TemporaryDirectory(prefix="gpu_check_gloo_tp2_") as run_dir:
+        cfg = load_config(None, ["model.name=tiny-cpu", "model.dtype=fp32", "algorithm.name=pretrain",
+                                 "algorithm.global_batch_size=4", "parallel.micro_batch_size=2", "parallel.tp=2",
+                                 f"parallel.backend={backend}", f"run.dir={run_dir}"])
+        shape = load_model_shape("tiny-cpu")
+        initialize(job_dims(tp=2), seed=cfg.run.seed, backend=backend)
+        try:
+            engine = build_engine(cfg, shape, total_steps=GLOO_TP2_STEPS)
+            losses, grad_norms = [], []
+            for step in range(1, GLOO_TP2_STEPS + 1):
+                rows = progression_batch(seed=5, step=step, batch_size=4, seq_length=32, vocab_size=shape.vocab_size)
+                metrics = engine.train_step([collate_lm(rows[:2]), collate_lm(rows[2:])], lm_loss, seq_length=32,
+                                            report_names=("loss",))
+                losses.append(metrics["loss"])
+                grad_norms.append(metrics["grad_norm"])
+            if global_rank() == 0:
+                out.write_text(json.dumps({
+                    "backend": backend, "device": "cuda" if torch.cuda.is_available() else "cpu",
+                    "staging_installed": gloo_staging.is_installed(), "staged_calls": gloo_staging.staged_counts(),
+                    "losses": losses, "grad_norms": grad_norms}))
+        finally:
+            shutdown()
+    return 0
+
+
+def run_gloo_tp2_job(label: str, backend: str, out: Path, *, local_ranks: tuple[int, int],
+                     env: dict[str, str]) -> dict:
+    """Start the two ranks of ``gloo_tp2_worker`` (logs in OUT/gloo_staging_LABEL_rankR.log); rank 0's figures."""
+    result_path = out / f"gloo_staging_{label}.json"
+    common = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+              "OMP_NUM_THREADS": "1", **env}
+    procs = []
+    try:
+        for rank, local_rank in enumerate(local_ranks):
+            with open(out / f"gloo_staging_{label}_rank{rank}.log", "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "--gloo-tp2-worker", backend, "--out",
+                     str(result_path)],
+                    env={**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}, stdout=log,
+                    stderr=subprocess.STDOUT))
+        codes = [proc.wait(timeout=150) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if codes != [0, 0]:
+        raise RuntimeError(f"gloo TP=2 job {label}: exit codes {codes} (see {out}/gloo_staging_{label}_rank*.log)")
+    return json.loads(result_path.read_text())
+
+
+def gloo_staging_check(out: Path, *, dry_run: bool) -> dict:
+    """Part 7: TP=2 over gloo with staged CUDA tensors against NCCL (2+ GPUs), the CPU (one GPU), or in the dry run
+    the CPU test hook against plain gloo."""
+    from megatron_rl.runtime.gloo_staging import STAGE_EVERY_TENSOR_ENV
+
+    gpus = torch.cuda.device_count()
+    staged_env, reference_env = {STAGE_EVERY_TENSOR_ENV: "1" if dry_run else "0"}, {STAGE_EVERY_TENSOR_ENV: "0"}
+    staged_ranks = reference_ranks = (0, 1)
+    if dry_run:
+        reference_kind = "dry-run"
+    elif gpus >= 2:
+        reference_kind = "nccl"
+    else:  # both ranks on the one GPU (LOCAL_RANK picks the device); NCCL refuses two ranks on one device
+        reference_kind, staged_ranks = "cpu", (0, 0)
+        reference_env["CUDA_VISIBLE_DEVICES"] = ""
+    staged = run_gloo_tp2_job("staged", "gloo", out, local_ranks=staged_ranks, env=staged_env)
+    reference = run_gloo_tp2_job("reference", "nccl" if reference_kind == "nccl" else "gloo", out,
+                                 local_ranks=reference_ranks, env=reference_env)
+    loss_diff = max(abs(a - b) for a, b in zip(staged["losses"], reference["losses"], strict=True))
+    norm_diff = max(abs(a - b) for a, b in zip(staged["grad_norms"], reference["grad_norms"], strict=True))
+    tol = GLOO_TP2_TOL[reference_kind]
+    staged_ops = sorted({site.split("@")[0] for site in staged["staged_calls"]})
+    return {
+        "layout": "tp=2 on 2 ranks, tiny-cpu fp32", "steps": GLOO_TP2_STEPS, "gpus": gpus,
+        "staged": {k: staged[k] for k in ("backend", "device", "losses", "grad_norms")},
+        "reference": {"kind": reference_kind,
+                      **{k: reference[k] for k in ("backend", "device", "losses", "grad_norms")}},
+        "max_abs_loss_diff": loss_diff, "max_abs_grad_norm_diff": norm_diff, "tolerance": tol,
+        "staged_ops": staged_ops, "staged_calls_rank0": staged["staged_calls"],
+        "passed": bool(staged["staging_installed"] and not reference["staging_installed"]
+                       and {"all_reduce", "all_gather_into_tensor"} <= set(staged_ops)
+                       and loss_diff <= tol and norm_diff <= tol),
+    }
+
+
 def planner_predictions(shape, model_yaml: str, sizes: CheckSizes, gpu_type: str, grpo: dict) -> dict:
     """The planner's single-GPU predictions for the measured training step and GRPO step."""
     from launcher.planner import GrpoSizing, Runtime, evaluate
@@ -600,7 +710,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--install-rc", type=int, default=None, help="gpu_check.sh: step 1 exit code")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                         help="main model dtype (default: bf16 on the GPU, fp32 in the dry run)")
+    parser.add_argument("--gloo-tp2-worker", choices=("gloo", "nccl"), default=None,
+                        help="internal: one rank of part 7's TP=2 job over this backend, figures to --out (a file)")
     args = parser.parse_args(argv)
+    if args.gloo_tp2_worker:
+        return gloo_tp2_worker(args.gloo_tp2_worker, Path(args.out))
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     if args.dtype:
         sizes = dataclasses.replace(sizes, dtype=args.dtype)
@@ -674,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                 attempt("grpo", lambda: grpo_steps(holder["run"], sizes, device))
             attempt("planner", lambda: planner_predictions(shape, sizes.model, sizes, args.gpu_type,
                                                            result.get("grpo", {})))
+            attempt("gloo_staging", lambda: gloo_staging_check(out, dry_run=args.dry_run))
             if torch.cuda.is_available():
                 result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         except Exception as exc:  # the JSON line must still come out, with what failed
@@ -722,6 +837,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
         "attention_kernels_agree": flag("attention_kernels", "passed"),
         "lora_adapters_equal_merged_weights": flag("lora", "passed"),
+        "gloo_staging_matches_reference": flag("gloo_staging", "passed"),
         "router_replay_narrows_ratio": flag("router_replay", "router_replay")
         and result["router_replay"]["router_replay"]["log_ratio_max_abs"]
         <= result["router_replay"]["free_routing"]["log_ratio_max_abs"] + 1e-6,

@@ -11,7 +11,8 @@
 #
 # GPU mode steps: 1. pip install --no-index --no-deps --target the carried wheels (torch, numpy, transformers
 # come from the machine); 3-5. bench/gpu_check.py: ~1.2B Llama in bf16, training MFU, generation vs
-# transformers, GRPO steps, KV-cache log-prob checks (run before the tests so that they cannot starve it);
+# transformers, GRPO steps, KV-cache log-prob checks, then a 2-rank TP=2 job over gloo with CUDA tensors staged
+# through CPU buffers (parallel.backend=gloo) against NCCL (run before the tests so that they cannot starve it);
 # 2. the in-process unit tests (GPU_TESTS below; the multi-process tests start CPU/gloo ranks and are left to
 # CI). The last stdout line is one JSON object with every figure, the test outcome merged in; it is also
 # $OUT/gpu_check.json. Logs go to $OUT (default ./gpu_check_out): nvidia-smi.txt, install.log, gpu_check.log,

@@ -61,6 +61,7 @@ def run(config_path: str) -> int:
             return serve(cfg, shape, placement)
         finally:
             _write_cpu_redirects(cfg.run.dir)
+            _write_gloo_staged_counts(cfg.run.dir)
             shutdown()
     trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
     ctx, error = None, None
@@ -74,6 +75,7 @@ def run(config_path: str) -> int:
         if ctx is not None:
             ctx.close(error)  # the manifest's end time and status, after its pending checkpoint hashes
         _write_cpu_redirects(cfg.run.dir)
+        _write_gloo_staged_counts(cfg.run.dir)
         shutdown()
     return 0
 
@@ -93,6 +95,23 @@ def _write_cpu_redirects(run_dir: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(cpu_compat.redirect_counts(), f, indent=1, sort_keys=True)
+
+
+def _write_gloo_staged_counts(run_dir: str) -> None:
+    """Record which ops gloo staging copied through CPU buffers, per call site (tests/test_gloo_staging.py)."""
+    import json
+    import os
+
+    from megatron_rl.runtime import gloo_staging
+
+    if not gloo_staging.is_installed():
+        return
+    from megatron_rl.rollout.placement import job_rank
+
+    path = os.path.join(run_dir, "logs", f"gloo_staged_rank{job_rank()}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(gloo_staging.staged_counts(), f, indent=1, sort_keys=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The GPU check's CPU dry mode: ``bench/gpu_check.sh --dry-run`` end to end (tiny model, fp32), in a subprocess.
 
-Run: ``.venv/bin/python -m pytest tests/test_gpu_check.py -q`` (one dry run, ~20-60 s on 2 cores).
+Run: ``.venv/bin/python -m pytest tests/test_gpu_check.py -q`` (one dry run, ~60-100 s on 2 cores: part 7 starts
+two 2-rank jobs).
 The GPU run itself (``bench/gpu_check.sh`` on an H200) needs a device; this proves its Python path on the CPU.
 """
 
@@ -110,3 +111,18 @@ def test_router_replay_figures_in_fp32(dry_run):
     assert replay["tokens"] > 0 and replay["route_flip_fraction"] == 0.0
     assert replay["router_replay"] == replay["free_routing"]
     assert replay["free_routing"]["log_ratio_max_abs"] < 1e-5
+
+
+def test_gloo_staging_part_equals_plain_gloo_in_the_dry_run(dry_run):
+    """Part 7 on the CPU: the TP=2 job with the test hook (every tensor staged through a CPU buffer) equals plain
+    gloo exactly, and the hook staged the TP and distributed-optimizer collectives."""
+    result, out, _ = dry_run
+    part = result["gloo_staging"]
+    assert part["passed"] and part["reference"]["kind"] == "dry-run" and part["tolerance"] == 1e-6
+    assert part["max_abs_loss_diff"] == 0.0 and part["max_abs_grad_norm_diff"] == 0.0
+    assert part["staged"]["losses"] == part["reference"]["losses"] and len(part["staged"]["losses"]) == part["steps"]
+    assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"} <= set(part["staged_ops"])
+    assert part["staged_calls_rank0"]["all_reduce@megatron/core/tensor_parallel/mappings.py:_reduce"] > 0
+    assert sorted(p.name for p in out.glob("gloo_staging_*_rank*.log")) == [
+        "gloo_staging_reference_rank0.log", "gloo_staging_reference_rank1.log",
+        "gloo_staging_staged_rank0.log", "gloo_staging_staged_rank1.log"]

@@ -98,7 +98,7 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
     ``timeout_s`` bounds every collective (``parallel.timeout_s``): a rank waits that long for the others."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_rl.runtime import cpu_compat
+    from megatron_rl.runtime import cpu_compat, gloo_staging
 
     dist_env = read_dist_env()
     if dims.world_size != dist_env.world_size:
@@ -114,6 +114,9 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
         torch.distributed.init_process_group(
             backend=backend, init_method=dist_env.init_method or f"tcp://{dist_env.master_addr}:{dist_env.master_port}",
             rank=dist_env.rank, world_size=dist_env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    stage_every_tensor = gloo_staging.requested_by_env()  # the CI hook: the GPU path's wrappers on a CPU job
+    if (on_gpu and backend == "gloo") or stage_every_tensor:
+        gloo_staging.install(stage_every_tensor=stage_every_tensor)
     # A CPU group for waiting on rank 0's long single-rank I/O; gloo exists wherever torch does (no NCCL needed).
     _rank_zero_wait["group"] = torch.distributed.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, RANK_ZERO_WORK_TIMEOUT_S)))
