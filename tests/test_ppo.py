@@ -110,25 +110,26 @@ def test_ppo_metrics_are_complete(tiny_run):
         assert m["first_ratio_min"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_the_critic_exports_as_a_reward_model(tiny_run, tmp_path):
-    """The critic's checkpoint (checkpoints/critic) exports in the reward-model format, HF
-    *ForSequenceClassification: its score layer at every token (plus the recorded bias) gives the values the
-    Megatron critic computes from the same checkpoint at TP=2, and at the last token the reward-model reading."""
+def test_the_critic_exports_as_a_value_model(tiny_run, tmp_path):
+    """The critic's checkpoint (checkpoints/critic) exports as HF *ForTokenClassification (num_labels 1, the
+    reward-model weights): its per-token output (plus the recorded bias) gives the values the Megatron critic
+    computes from the same checkpoint at TP=2, and at the last token the reward-model reading."""
     import transformers
 
     from megatron_rl.conversion.export import export_checkpoint_to_hf
 
     critic = tiny_run / "checkpoints" / "critic"
     summary = export_checkpoint_to_hf(critic, tmp_path / "hf")
-    assert summary.architecture == "LlamaForSequenceClassification"
+    assert summary.architecture == "LlamaForTokenClassification"
     ours = torchrun_check("critic_values.py", tmp_path / "values", "--ckpt", str(critic))[0]
     assert ours["head_loaded"]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf"),
-                                                                            dtype=torch.float32).eval()
+    model = transformers.AutoModelForTokenClassification.from_pretrained(str(tmp_path / "hf"),
+                                                                          dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForTokenClassification"
     tokens = torch.tensor(ours["tokens"])
     with torch.no_grad():
-        values = model.score(model.model(tokens).last_hidden_state).squeeze(-1) + config.get("reward_bias", 0.0)
+        values = model(tokens).logits.squeeze(-1) + config.get("reward_bias", 0.0)
     megatron = torch.tensor(ours["values"])
     for row, length in enumerate(ours["lengths"]):
         assert float((values[row, :length] - megatron[row, :length]).abs().max()) < 1e-4

@@ -190,13 +190,17 @@ def check_stored_tensors(reader, maps: list, shape: ModelShape, origin: str, rew
 
 
 def export_config(hf_config: dict, reader, dtype_name: str, reward: bool) -> tuple[dict, list[str]]:
-    """config.json of the export (a reward model becomes *ForSequenceClassification) and notes for the user."""
-    from megatron_rl.conversion.names import CLASSIFICATION_ARCHITECTURES, REWARD_HEAD_BIAS
+    """config.json of the export (a reward model becomes *ForSequenceClassification, a PPO critic
+    *ForTokenClassification: the same weights, a value at every token) and notes for the user."""
+    from megatron_rl.conversion.names import CLASSIFICATION_ARCHITECTURES, REWARD_HEAD_BIAS, VALUE_HEAD_ARCHITECTURES
+    from megatron_rl.runtime.checkpoint import COMPANION_KEY
 
     cfg = json.loads(json.dumps(hf_config))
     notes: list[str] = []
     if reward:
-        arch = CLASSIFICATION_ARCHITECTURES.get(cfg["architectures"][0], cfg["architectures"][0])
+        extra = reader.common_state().get("extra") or {}
+        heads = VALUE_HEAD_ARCHITECTURES if extra.get(COMPANION_KEY) == "critic" else CLASSIFICATION_ARCHITECTURES
+        arch = heads.get(cfg["architectures"][0], cfg["architectures"][0])
         cfg.update(architectures=[arch], num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         bias_ref = next((r for r in reader.index if r.name == REWARD_HEAD_BIAS), None)
         if bias_ref is not None:

@@ -57,6 +57,9 @@ CLASSIFICATION_ARCHITECTURES = {
     "MixtralForCausalLM": "MixtralForSequenceClassification",
     "DeepseekV3ForCausalLM": "DeepseekV3ForSequenceClassification",
 }
+VALUE_HEAD_ARCHITECTURES = {causal: classify.replace("SequenceClassification", "TokenClassification")
+                            for causal, classify in CLASSIFICATION_ARCHITECTURES.items()}
+"""A PPO critic's export: the same weights as a reward model's (``model.*``, ``score.weight``), a value per token."""
 FAMILY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                      "mixtral": "mixtral", "deepseek_v3": "deepseek_v3"}
 FAMILY_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

@@ -41,6 +41,10 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+COMPANION_KEY = "companion"
+"""Extra-state key of a companion engine's checkpoint (PPO's critic, ``TrainerContext.companions``): its name, so
+an export knows which head it holds."""
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

@@ -265,7 +265,8 @@ class TrainerContext:
         start = time.monotonic()
         for name, companion in self.companions.items():  # one more kept: a crash before the main save leaves step-1
             ckpt.save_checkpoint(self.ckpt_dir / name, step=step, chunks=companion.chunks, optimizer=companion.optimizer,
-                                 scheduler=companion.scheduler, extra=extra, keep_last=self.cfg.checkpoint.keep_last + 1)
+                                 scheduler=companion.scheduler, extra={**extra, ckpt.COMPANION_KEY: name},
+                                 keep_last=self.cfg.checkpoint.keep_last + 1)
         folder = ckpt.save_checkpoint(self.ckpt_dir, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
                                       scheduler=engine.scheduler, extra=extra,
                                       keep_last=self.cfg.checkpoint.keep_last)
