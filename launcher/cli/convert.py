@@ -35,7 +35,8 @@ Supported: LlamaForCausalLM (tied or untied; also Mistral without sliding window
 Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2:
 MLA, shared experts, sigmoid routing with its expert bias, yarn RoPE; official FP8 block-quantized weights are
 dequantized to bf16 at import; multi-token-prediction layers are dropped, with a note); reward-model
-checkpoints (a hidden->1 rm_head) export as *ForSequenceClassification with score.weight.
+checkpoints (a hidden->1 rm_head) export as *ForSequenceClassification with score.weight, and a PPO critic's
+(<checkpoint dir>/critic) as *ForTokenClassification with the same weights.
 """
 
 

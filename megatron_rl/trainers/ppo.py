@@ -15,8 +15,8 @@ policy after the SFT warm-up (fresh head) or from a reward-model checkpoint (``a
 optimizer state and grads are offloaded during generation with the policy's (``generation.offload_optimizer``).
 Checkpoints: the critic is a second sharded checkpoint, ``<checkpoint dir>/critic/step_N`` beside the policy's
 ``step_N`` (``TrainerContext.companions``). It is in our reward-model format, so
-``launch.py convert megatron-to-hf --ckpt <checkpoint dir>/critic`` exports it as HF ``*ForSequenceClassification``
-(num_labels=1; the same ``score`` weight a ``*ForTokenClassification`` value head holds, read at every token).
+``launch.py convert megatron-to-hf --ckpt <checkpoint dir>/critic`` exports it as HF ``*ForTokenClassification``
+(num_labels=1, a value at every token; the checkpoint records that it is the critic, ``checkpoint.COMPANION_KEY``).
 
 Values sit at the policy's label positions: the value of position t is V(state before response token t+1), the
 position whose logits give that token's log-prob. The value loss is a token mean over the global mini-batch.
