@@ -149,16 +149,22 @@ def test_a_preempted_async_run_resumes_without_losing_or_repeating_a_prompt(laun
     assert all(m["prompts_lost"] == 0 and m["prompts_repeated"] == 0 for m in metrics)
 
 
-def test_gloo_weight_sync_between_the_two_worlds_runs_and_learns_the_same_way(launch, tmp_path):
-    """weight_sync=gloo: the trainer's holder broadcasts each version over a gloo group bridging the worlds, the
-    worker receives it on a thread; the run's first steps equal the files run's (same samples, same weights)."""
+def test_gloo_weight_sync_at_tp2_equals_files_at_tp1(launch, tmp_path):
+    """weight_sync=gloo with 2 trainers at TP=2 and 2 rollout processes (their own TP=2 world): each trainer
+    holder broadcasts its shard over a gloo group bridging the worlds to the rollout rank of the same shard, which
+    receives it on a thread. At max_staleness=0 its first steps equal the 1 + 1 process files run at TP=1 (same
+    samples, same weights, up to TP rounding)."""
+    layouts = {"files": ("algorithm.weight_sync=files",),
+               "gloo": ("algorithm.weight_sync=gloo", "parallel.tp=2", "cluster.tasks_per_node=4",
+                        "cluster.rollout_tasks=2")}
     runs = {}
-    for weight_sync in ("files", "gloo"):
-        run_dir = tmp_path / weight_sync
+    for name, overrides in layouts.items():
+        run_dir = tmp_path / name
         result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
-                        "algorithm.max_staleness=0", f"algorithm.weight_sync={weight_sync}", *SHORT, timeout=600)
+                        "algorithm.max_staleness=0", *overrides, *SHORT, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        runs[weight_sync] = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+        runs[name] = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+    assert "2 process(es) serving" in (tmp_path / "gloo" / "logs" / "rank2.log").read_text()
     from megatron_rl.rollout.weight_sync import complete_versions
 
     assert complete_versions(tmp_path / "files" / "rollout" / "weights") == [1, 2, 3]  # keep_last 3 of 0..3
@@ -166,5 +172,6 @@ def test_gloo_weight_sync_between_the_two_worlds_runs_and_learns_the_same_way(la
         assert complete_versions(tmp_path / "gloo" / "rollout" / folder) == []
     for files, gloo in zip(runs["files"], runs["gloo"], strict=True):
         assert gloo["staleness_max"] == 0 and gloo["weight_sync_bytes"] > 0
-        for key in ("reward_mean", "loss", "grad_norm", "behav_weight_mean"):
-            assert gloo[key] == pytest.approx(files[key], abs=1e-6), key
+        assert gloo["reward_mean"] == files["reward_mean"]
+        for key in ("loss", "grad_norm", "behav_weight_mean"):
+            assert gloo[key] == pytest.approx(files[key], rel=1e-4, abs=1e-6), key

@@ -55,7 +55,7 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement) -> int:
     channel = WorkerChannel(placement.folder, placement.session, worker=f"rollout{placement.world.rank}",
                             weight_sync=weight_sync, bridge=bridge)
     timeout_s = WORKER_WAIT_S
-    say = print if placement.world.rank == 0 else (lambda *_: None)
+    say = print if placement.world.rank == 0 else (lambda *_, **__: None)
     say(f"rollout worker: {placement.world.world_size} process(es) serving session {placement.session}", flush=True)
     orders = 0
     while True:
