@@ -22,12 +22,10 @@ pi_theta / pi_old. Both corrections multiply it by a detached behaviour weight w
 
 With pi_behav = pi_old (on-policy samples) w_t = 1 and both reduce exactly to the plain clipped loss.
 
-The GRPO loss calls ``off_policy_ratio_loss`` in place of ``policy_ratio_loss`` with one extra tensor,
-the behaviour log-probs, when ``algorithm.off_policy_correction`` is not none. Trainer integration (next
-step): the trainer process group is all ranks but the last ``cluster.rollout_tasks``; rollout workers generate
-with weights version v and publish their samples (``megatron_rl.rollout.weight_sync``); the trainer takes
-samples at most ``algorithm.max_staleness`` versions old (``megatron_rl.rollout.buffer``), recomputes pi_old
-(pi_prox) with its current weights, steps with this loss, and publishes weights v + 1.
+The GRPO loss (``policy_loss.grpo_loss``) calls ``off_policy_ratio_loss`` in place of ``policy_ratio_loss``
+when ``algorithm.off_policy_correction`` is not none, with the behaviour log-probs the rollout workers returned
+(``behav_logp``) beside the trainer's recomputed pi_old / pi_prox; split-placement GRPO
+(``megatron_rl.trainers.grpo_async``) provides both.
 
 Test: ``.venv/bin/python -m pytest tests/test_off_policy.py -q``
 """

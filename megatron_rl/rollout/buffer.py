@@ -24,10 +24,10 @@ staleness v - g. A prompt id is a position in the prompt stream (the trainer map
 
 Thread-safe: a receiver thread may ``put`` while the training loop waits in ``take``.
 
-Trainer integration (next step): the trainer process group is all ranks but the last ``cluster.rollout_tasks``;
-rollout workers generate the issued prompts with weights version v and publish their samples
-(``megatron_rl.rollout.weight_sync``); the trainer ``put``s them, ``take``s a step's worth at staleness <= k,
-steps with the off-policy-corrected loss (``megatron_rl.algorithms.off_policy``), and publishes weights v + 1.
+Used by split-placement GRPO (``megatron_rl.trainers.grpo_async``): the trainer issues prompt ids as orders for
+the rollout workers (``megatron_rl.rollout.channel``), ``put``s what they send back, ``take``s a step's worth at
+staleness <= k with ``stale_policy="wait"``, steps with the off-policy-corrected loss
+(``megatron_rl.algorithms.off_policy``) and publishes weights v + 1.
 
 Test: ``.venv/bin/python -m pytest tests/test_rollout_buffer.py -q``
 """

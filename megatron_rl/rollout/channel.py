@@ -1,5 +1,8 @@
-"""The trainer <-> rollout-worker channel of split placement, through the run folder only
-(``algorithm.weight_sync=files``): weights one way, prompt orders one way, samples back.
+"""The trainer <-> rollout-worker channel of split placement: weights one way, prompt orders one way, samples
+back. Orders and samples always travel through the run folder (they are small, and the run folder is shared by
+every node of a job anyway, for checkpoints); weights through it too (``algorithm.weight_sync=files``, for ranks
+that share only a folder) or over gloo (``GlooBridge``: a process group bridging the two worlds per weight shard;
+the workers receive on a thread, ``GlooWeights``).
 
     run.dir/rollout/weights/v00000007/...        the policy after 7 GRPO steps (megatron_rl.rollout.weight_sync)
     run.dir/rollout/base/weights/v00000000/...   what never changes (a LoRA base, buffers): once per session
@@ -8,8 +11,8 @@
     run.dir/rollout/sessions/<session>/stop                   the trainer is done: {"exit_code": 0 | 3}
 
 Weights are sharded like the trainers' layout: every trainer rank of data-parallel (and context-parallel) rank 0
-writes its tp x pp shard (``shard_index``), trainer rank 0 commits the version, and the rollout rank of the same
-(tp, pp) coordinate reads that shard. All rollout ranks load the same version: the rollout world's rank 0 picks
+writes (files) or broadcasts (gloo) its tp x pp shard (``shard_index``), trainer rank 0 commits a files version,
+and the rollout ranks of the same (tp, pp) coordinate take that shard. All rollout ranks load the same version: the rollout world's rank 0 picks
 it and tells the others. Orders and the stop file belong to one session (``placement.session_id``): a trainer
 that starts removes the other sessions and the samples left behind, and publishes its weights before its
 first order, so a worker never mixes an earlier attempt's weights or prompts into this one.
@@ -36,7 +39,7 @@ from launcher.private import make_private_dir
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.rollout.weight_sync import (FileWeightPublisher, FileWeightSubscriber, GlooWeightPublisher,
-                                             GlooWeightSubscriber, _write_atomically, complete_versions)
+                                             GlooWeightSubscriber, _write_atomically)
 from megatron_rl.runtime import checkpoint as ckpt
 
 POLL_S = 0.02

@@ -24,14 +24,13 @@ rollback too. Samples are written the same way (temporary dot-name, fsync, renam
 once read; they are loaded with ``torch.load(weights_only=True)``, so a sample file can hold tensors, lists,
 dicts, strings and numbers (``rollout_rows``) but no code. Folders are 0700 and files 0600 (``launcher.private``).
 
-gloo (``GlooWeightPublisher`` / ``GlooWeightSubscriber``): one ``torch.distributed`` broadcast over a gloo group
-of the trainer's source rank and the rollout ranks, the tensors staged on the CPU as one byte buffer. Both
-sides call in step (``poll`` blocks until the next ``publish``).
+gloo (``GlooWeightPublisher`` / ``GlooWeightSubscriber``): broadcasts over a gloo group of the trainer's source
+rank and the rollout ranks: a JSON header (kind, version, names, dtypes, shapes), then the tensors staged on the
+CPU as one byte buffer. Both sides call in step (``poll`` blocks until the next ``publish``).
 
-Trainer integration (next step): the trainer process group is all ranks but the last
-``cluster.rollout_tasks``; rollout workers generate with weights version v and ``publish_samples``; the
-trainer ``take_samples`` into its ``RolloutBuffer`` (``megatron_rl.rollout.buffer``), takes those at most
-``algorithm.max_staleness`` versions old, steps, and publishes weights v + 1.
+Used by split-placement GRPO through ``megatron_rl.rollout.channel``: the gloo classes there broadcast over a
+standalone ``ProcessGroupGloo`` that bridges the trainers' and the rollout workers' worlds, which is why the
+broadcasts use the process group's own API (``_group_broadcast``) rather than torch.distributed's functions.
 
 Test: ``.venv/bin/python -m pytest tests/test_weight_sync.py -q``
 """
