@@ -68,6 +68,10 @@ class ParallelDims:
     """Processes beyond world_size that only generate (cluster.rollout_tasks, split placement): world_size is then
     the training processes alone, and the rollout tasks must split into replicas of tp x pp at ep=1
     (``rollout_replica_error``)."""
+    rollout_tp: Optional[int] = None
+    """parallel.rollout_tp: the rollout replicas' tensor-parallel size (None: tp)."""
+    rollout_pp: Optional[int] = None
+    """parallel.rollout_pp: the rollout replicas' pipeline-parallel size (None: pp)."""
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -80,7 +84,8 @@ class ParallelDims:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
-        why = rollout_replica_error(self.rollout_tasks, self.tp, self.pp, self.ep)
+        why = rollout_replica_error(self.rollout_tasks, self.rollout_tp or self.tp, self.rollout_pp or self.pp,
+                                    self.ep)
         if why is not None:
             raise ConfigError(why)
         where = (f"the {self.world_size} training processes (cluster.nodes*cluster.tasks_per_node - "
@@ -101,6 +106,7 @@ class ParallelDims:
         processes, ``rollout_tasks`` the generating ones beyond them."""
         return cls(world_size=world_size, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp,
                    ep=parallel.ep, etp=parallel.etp, sp=parallel.sequence_parallel, rollout_tasks=rollout_tasks,
+                   rollout_tp=parallel.rollout_tp, rollout_pp=parallel.rollout_pp,
                    **{key: getattr(parallel, key) for key in SPLIT_KEYS})
 
     @property
@@ -179,8 +185,9 @@ class ParallelDims:
 
 def rollout_replica_error(rollout_tasks: int, tp: int, pp: int, ep: int) -> str | None:
     """Why ``rollout_tasks`` generating processes cannot run beside this training layout (one line naming
-    cluster.rollout_tasks and the fix), or None: each rollout replica runs at the training layout's tp x pp (cp=1,
-    ep=1), so the rollout tasks split into whole replicas, and split placement runs no expert parallelism."""
+    cluster.rollout_tasks and the fix), or None: each rollout replica runs at tp x pp (the training layout's, or
+    parallel.rollout_tp / rollout_pp: pass the replica's sizes), cp=1, ep=1, so the rollout tasks split into whole
+    replicas, and split placement runs no expert parallelism."""
     if not rollout_tasks:
         return None
     if ep > 1:
@@ -191,8 +198,8 @@ def rollout_replica_error(rollout_tasks: int, tp: int, pp: int, ep: int) -> str 
     if rollout_tasks % replica:
         lower = rollout_tasks // replica * replica
         choices = " or ".join(str(n) for n in (lower, lower + replica) if n)
-        return (f"cluster.rollout_tasks={rollout_tasks} is not a multiple of parallel.tp*pp = {tp}*{pp} = {replica} "
-                f"(each rollout replica runs at the training layout's tp x pp); set cluster.rollout_tasks to a "
+        return (f"cluster.rollout_tasks={rollout_tasks} is not a multiple of the rollout replica's tp*pp = {tp}*{pp} = "
+                f"{replica} (parallel.rollout_tp/rollout_pp, or the training tp/pp); set cluster.rollout_tasks to a "
                 f"multiple of {replica}, e.g. {choices}")
     return None
 

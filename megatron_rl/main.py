@@ -46,19 +46,20 @@ def run(config_path: str) -> int:
     placement = None
     if cfg.cluster.rollout_tasks:  # split placement: this process trains, or only generates, in its role's world
         from megatron_rl.rollout.placement import split_placement
-        from megatron_rl.rollout.worker import rollout_config
+        from megatron_rl.rollout.worker import reshards, rollout_config
 
         placement = split_placement(read_dist_env(), rollout_tasks=cfg.cluster.rollout_tasks, run_dir=cfg.run.dir)
         placement.enter()
         if placement.role == "rollout":
-            cfg = rollout_config(cfg)
+            resharded = reshards(cfg)
+            cfg = rollout_config(cfg, shape)
     dims = ParallelDims.from_config(cfg.parallel, world_size=read_dist_env().world_size)
     initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
     if placement is not None and placement.role == "rollout":
         from megatron_rl.rollout.worker import serve
 
         try:
-            return serve(cfg, shape, placement)
+            return serve(cfg, shape, placement, resharded=resharded)
         finally:
             _write_cpu_redirects(cfg.run.dir)
             _write_gloo_staged_counts(cfg.run.dir)

@@ -149,6 +149,28 @@ def test_a_preempted_async_run_resumes_without_losing_or_repeating_a_prompt(laun
     assert all(m["prompts_lost"] == 0 and m["prompts_repeated"] == 0 for m in metrics)
 
 
+def test_rollout_workers_at_their_own_tp_get_resharded_weights(launch, tmp_path):
+    """parallel.rollout_tp=1 beside 2 trainers at TP=2: each version goes out as a distributed checkpoint and the
+    worker loads it at TP=1. The weights arrive exactly: the worker's log-probs are the trainers' recomputation
+    (behaviour weight 1), and the run equals the all-TP1 one (1 trainer + 1 worker)."""
+    runs = {}
+    for name, overrides in {"tp1": (), "resharded": ("parallel.tp=2", "parallel.rollout_tp=1",
+                                                     "cluster.tasks_per_node=3")}.items():
+        result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={tmp_path / name}", "run.steps=3",
+                        "algorithm.max_staleness=0", *overrides, *SHORT, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = [m for m in read_metrics(tmp_path / name) if m.get("phase", "train") == "train"]
+    assert "1 process(es) serving" in (tmp_path / "resharded" / "logs" / "rank2.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "resharded" / "rollout" / "resharded").glob("step_*")) == \
+        ["step_00000001", "step_00000002", "step_00000003"]  # keep_last 3 of versions 0..3
+    for tp1, resharded in zip(runs["tp1"], runs["resharded"], strict=True):
+        assert resharded["staleness_max"] == 0 and resharded["weight_sync_bytes"] > 0
+        assert abs(resharded["behav_weight_mean"] - 1) < 1e-5 and resharded["behav_weight_max"] < 1 + 1e-4
+        assert resharded["reward_mean"] == tp1["reward_mean"]
+        for key in ("loss", "grad_norm"):
+            assert resharded[key] == pytest.approx(tp1[key], rel=1e-4, abs=1e-6), key
+
+
 def test_gloo_weight_sync_at_tp2_equals_files_at_tp1(launch, tmp_path):
     """weight_sync=gloo with 2 trainers at TP=2 and 2 rollout processes (their own TP=2 world): each trainer
     holder broadcasts its shard over a gloo group bridging the worlds to the rollout rank of the same shard, which

@@ -64,6 +64,22 @@ def test_a_rollout_gpu_holds_its_weight_shard_and_the_kv_cache_of_max_concurrent
     assert gpu.fits
 
 
+def test_rollout_replicas_at_their_own_tp_and_pp_are_sized_at_those():
+    """parallel.rollout_tp / rollout_pp: 16 rollout GPUs at tp 4 x pp 2 beside a TP8 training layout are 2
+    replicas; a GPU holds 1/8 of the layers' weights split over tp 4 x pp 2 (the fullest stage: half the layers)
+    and the KV cache of its stage's 40 layers at tp 4 (2 query groups per rank), for 32 rows."""
+    w = _workload(SplitPlacement(rollout_gpus=16, rollout_tp=4, rollout_pp=2))
+    gpu = rollout_estimate(w, TP8)
+    assert (gpu.layout.tp, gpu.layout.pp, gpu.layout.dp) == (4, 2, 2)
+    same = rollout_estimate(_workload(SplitPlacement(rollout_gpus=16)), TP8)
+    assert (same.layout.tp, same.layout.pp, same.layout.dp) == (8, 1, 2)
+    kv_per_token_layer = 2 * (8 // 4) * 128 * 2
+    assert gpu.kv_cache == 32 * (512 + 1024) * 40 * kv_per_token_layer == same.kv_cache
+    assert 0.45 * LLAMA70B.num_params() * 2 / 4 < gpu.weights < 0.6 * LLAMA70B.num_params() * 2 / 4
+    assert rollout_replica_error(12, *SplitPlacement(rollout_gpus=12, rollout_tp=4, rollout_pp=2).replica(8, 1), 1) \
+        .startswith("cluster.rollout_tasks=12 is not a multiple of the rollout replica's tp*pp = 4*2 = 8")
+
+
 def test_the_trainer_gpus_hold_no_kv_cache_with_split_placement():
     colocated = estimate(_workload(None), TP8)
     split = estimate(_workload(SplitPlacement(rollout_gpus=16)), TP8)
@@ -169,8 +185,9 @@ def test_rollout_tasks_that_are_not_whole_replicas_are_refused_in_one_line_namin
     monkeypatch.setattr(limits, "JOB_LIMITS", {})
     cfg = _config("cluster.rollout_tasks=6", "parallel.auto=false", "parallel.tp=4", "parallel.pp=1",
                   "parallel.sequence_parallel=true", "parallel.micro_batch_size=1")
-    message = ("cluster.rollout_tasks=6 is not a multiple of parallel.tp*pp = 4*1 = 4 (each rollout replica runs at "
-               "the training layout's tp x pp); set cluster.rollout_tasks to a multiple of 4, e.g. 4 or 8")
+    message = ("cluster.rollout_tasks=6 is not a multiple of the rollout replica's tp*pp = 4*1 = 4 "
+               "(parallel.rollout_tp/rollout_pp, or the training tp/pp); set cluster.rollout_tasks to a multiple of "
+               "4, e.g. 4 or 8")
     with pytest.raises(ConfigError) as info:
         check_layout(cfg, LLAMA70B)
     assert str(info.value) == message

@@ -37,6 +37,12 @@ def test_the_defaults_are_synchronous_colocated_grpo():
     (["cluster.gpus_per_node=2", "cluster.tasks_per_node=2", "cluster.rollout_tasks=1",
       "algorithm.weight_sync=nccl"], "algorithm.weight_sync=nccl: the rollout workers receive weights over gloo or "
                                      "files so far.* set algorithm.weight_sync=gloo or files"),
+    (["parallel.rollout_tp=2"], "parallel.rollout_tp / rollout_pp size the rollout replicas, which need "
+                                "cluster.rollout_tasks > 0"),
+    (["cluster.tasks_per_node=3", "cluster.rollout_tasks=1", "parallel.tp=2", "parallel.rollout_tp=1",
+      "algorithm.weight_sync=gloo"], "parallel.rollout_tp/rollout_pp = 1/1 differ from the training tp/pp = 2/1: .* "
+                                     "set algorithm.weight_sync=files"),
+    (["parallel.rollout_pp=0"], "parallel.rollout_pp=0 must be"),
     (["algorithm.weight_sync=tcp"], "algorithm.weight_sync='tcp' is not valid; use one of: gloo, nccl, files"),
     (["algorithm.off_policy_correction=tis"], "use one of: none, truncated_is, decoupled"),
     (["algorithm.is_cap=0.5"], r"algorithm.is_cap=0.5 must be >= 1"),

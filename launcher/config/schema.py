@@ -176,6 +176,13 @@ class ParallelConfig:
     the others' activations (Megatron's recompute_method=block); None recomputes every layer."""
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+    rollout_tp: Optional[int] = None
+    """With cluster.rollout_tasks > 0: the tensor-parallel size of each rollout replica; None: parallel.tp. Another
+    size than the training's reshards every weight version through a distributed checkpoint
+    (algorithm.weight_sync=files only)."""
+    rollout_pp: Optional[int] = None
+    """With cluster.rollout_tasks > 0: the pipeline-parallel size of each rollout replica; None: parallel.pp
+    (resharded as rollout_tp is)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on GPUs, gloo on CPU), nccl or gloo."""
     timeout_s: int = 1800
@@ -186,7 +193,8 @@ class ParallelConfig:
         _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
                   micro_batch_size=self.micro_batch_size, first_stage_layers=self.first_stage_layers,
                   last_stage_layers=self.last_stage_layers, timeout_s=self.timeout_s,
-                  recompute_num_layers=self.recompute_num_layers)
+                  recompute_num_layers=self.recompute_num_layers, rollout_tp=self.rollout_tp,
+                  rollout_pp=self.rollout_pp)
         _one_of("parallel", "recompute", self.recompute, RECOMPUTE_MODES)
         if self.recompute_num_layers is not None and self.recompute != "full":
             raise ConfigError(f"parallel.recompute_num_layers={self.recompute_num_layers} needs parallel.recompute="
@@ -831,6 +839,15 @@ class JobConfig:
         if algo.weight_sync == "nccl" and (not self.cluster.has_gpus or self.parallel.backend == "gloo"):
             raise ConfigError("algorithm.weight_sync=nccl needs GPUs and the nccl backend (cluster.gpus_per_node > 0, "
                               "parallel.backend auto or nccl); set algorithm.weight_sync=gloo or files")
+        par = self.parallel
+        if not rollout_tasks and (par.rollout_tp is not None or par.rollout_pp is not None):
+            raise ConfigError("parallel.rollout_tp / rollout_pp size the rollout replicas, which need "
+                              "cluster.rollout_tasks > 0; set them null or give rollout tasks")
+        resharded = (par.rollout_tp or par.tp, par.rollout_pp or par.pp) != (par.tp, par.pp)
+        if rollout_tasks and resharded and algo.weight_sync != "files":
+            raise ConfigError(f"parallel.rollout_tp/rollout_pp = {par.rollout_tp or par.tp}/{par.rollout_pp or par.pp} "
+                              f"differ from the training tp/pp = {par.tp}/{par.pp}: the weights are resharded through "
+                              "a distributed checkpoint in the run folder; set algorithm.weight_sync=files")
         if rollout_tasks and algo.weight_sync == "nccl":
             raise ConfigError("algorithm.weight_sync=nccl: the rollout workers receive weights over gloo or files so "
                               "far (megatron_rl/rollout/channel.py); set algorithm.weight_sync=gloo or files")

@@ -177,6 +177,14 @@ class SplitPlacement:
     training add up; > 0 = the next rollout is generated while the trainer trains (the step is the longer)."""
     weight_sync: str = "gloo"
     """algorithm.weight_sync: gloo or files (at TCP_GB_S) or nccl (at the inter-node bandwidth)."""
+    rollout_tp: Optional[int] = None
+    """parallel.rollout_tp: the replicas' tensor-parallel size (None: the training layout's)."""
+    rollout_pp: Optional[int] = None
+    """parallel.rollout_pp: the replicas' pipeline-parallel size (None: the training layout's)."""
+
+    def replica(self, tp: int, pp: int) -> tuple[int, int]:
+        """(tp, pp) of a rollout replica beside a training layout of tp x pp."""
+        return self.rollout_tp or tp, self.rollout_pp or pp
 
     @property
     def overlapped(self) -> bool:

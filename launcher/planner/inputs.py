@@ -58,7 +58,8 @@ def split_placement(cfg: Any) -> SplitPlacement | None:
     if not rollout_tasks:
         return None
     return SplitPlacement(rollout_gpus=rollout_tasks, max_staleness=cfg.algorithm.max_staleness,
-                          weight_sync=cfg.algorithm.weight_sync)
+                          weight_sync=cfg.algorithm.weight_sync, rollout_tp=cfg.parallel.rollout_tp,
+                          rollout_pp=cfg.parallel.rollout_pp)
 
 
 def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:

@@ -95,8 +95,8 @@ def split_lines(result: PlanResult) -> list[str]:
     rule = (f"max of the two (max_staleness={w['split']['max_staleness']}: the next rollout is generated while "
             f"the trainer trains)" if sp.overlapped else
             "their sum (max_staleness=0: the trainer waits for rollouts of its current weights)")
-    lines = ["", f"Rollout GPUs {sp.rollout_gpus} = {sp.replicas} replica(s) of tp={e.layout.tp} x "
-                 f"pp={e.layout.pp} (cp=1, ep=1); per GPU (GiB): {parts}, total {mem['total']:.2f} of "
+    lines = ["", f"Rollout GPUs {sp.rollout_gpus} = {sp.replicas} replica(s) of tp={rollout.layout.tp} x "
+                 f"pp={rollout.layout.pp} (cp=1, ep=1); per GPU (GiB): {parts}, total {mem['total']:.2f} of "
                  f"{mem['capacity']:.1f} -> {'fits' if rollout.fits else 'DOES NOT FIT'}, {margin_text(rollout)}",
              f"Split step  training {sp.trainer_s:.4g} s on the {w['gpus']} trainer GPUs (weight sync "
              f"{sp.weight_sync_s:.3g} s: {sp.weight_sync_bytes / 1e9:.3g} GB over {sp.weight_sync}), generation "

@@ -159,7 +159,7 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
             bad(("tp",), "query groups % tp", f"num_query_groups ({groups}) not divisible by tp={tp}")
             continue
         if w.split is not None:  # tp divides the rollout tasks whatever pp is: say so before the world's sizes
-            why = rollout_replica_error(w.split.rollout_gpus, tp, fixed.get("pp", 1), 1)
+            why = rollout_replica_error(w.split.rollout_gpus, *w.split.replica(tp, fixed.get("pp", 1)), 1)
             if why:
                 bad(("tp", "pp") if "pp" in fixed else ("tp",), "rollout_tasks % (tp*pp)", why)
                 continue
@@ -191,7 +191,8 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
                     if pp < 1 or rest % pp:
                         bad(("tp", "cp", "pp"), "world % (tp*cp*pp)", f"{gpus} not divisible by tp*cp*pp={tp * cp * pp}")
                         continue
-                    why = rollout_replica_error(w.split.rollout_gpus, tp, pp, 1) if w.split is not None else None
+                    why = (rollout_replica_error(w.split.rollout_gpus, *w.split.replica(tp, pp), 1)
+                           if w.split is not None else None)
                     if why:
                         bad(("tp", "pp"), "rollout_tasks % (tp*pp)", why)
                         continue
@@ -250,7 +251,8 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                 bad(("ep", "tp", "cp", "pp"), "ep | tp*cp*dp", f"ep={ep} does not divide tp*cp*dp={tp * cp * dp}", inner)
                 continue
             if w.split is not None and ep != 1:
-                bad(("ep",), "split placement at ep=1", rollout_replica_error(w.split.rollout_gpus, tp, pp, ep), inner)
+                bad(("ep",), "split placement at ep=1",
+                    rollout_replica_error(w.split.rollout_gpus, *w.split.replica(tp, pp), ep), inner)
                 continue
             probe = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=1, recompute="full",
                            sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,

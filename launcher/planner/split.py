@@ -2,9 +2,10 @@
 
 The trainer GPUs run the training layout (``parallel.*``) over world - R processes (``Workload.num_gpus``, with
 ``Workload.split`` set); they hold no KV cache and generate nothing (rl_step._rl_memory, rl_step._rl_timing). The R
-rollout GPUs form R / (tp*pp) replicas at the training layout's tp x pp and pipeline split (vpp included), cp=1 and
-ep=1 (``launcher.parallel.rollout_replica_error``; megatron_rl/rollout/worker.py's ``rollout_config``). A rollout
-GPU holds its bf16 weight shard (no gradients or optimizer state) and the KV cache of generation.max_concurrent rows
+rollout GPUs form R / (tp*pp) replicas at the training layout's tp x pp and pipeline split (vpp included), or at
+parallel.rollout_tp x rollout_pp (``SplitPlacement.replica``), cp=1 and ep=1
+(``launcher.parallel.rollout_replica_error``; megatron_rl/rollout/worker.py's ``rollout_config``). A rollout GPU
+holds its bf16 weight shard (no gradients or optimizer state) and the KV cache of generation.max_concurrent rows
 (its whole share when that is null); its memory and generation time are ``plan --mode eval``'s of the rollout on
 those GPUs, i.e. rl_step's generation model (``rollout_estimate``).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from launcher.parallel import uneven_splits
 from launcher.planner.costs import GIB, TCP_LATENCY_S, GrpoSizing, Workload
 from launcher.planner.estimate import Estimate, Layout
 from launcher.planner.rl_step import mode_estimate, rollout
@@ -115,18 +117,34 @@ class RolloutSuggestion:
                 "balanced": self.balanced}
 
 
-def rollout_layout(layout: Layout, replicas: int) -> Layout:
-    """The layout of the rollout GPUs: the training tp x pp and pipeline split (vpp included), cp=1, ep=1,
-    ``replicas`` data-parallel replicas (generation runs without sequence parallelism)."""
-    return Layout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, cp=1, ep=1, dp=replicas, micro_batch_size=1,
-                  recompute="none", sequence_parallel=False, first_stage_layers=layout.first_stage_layers,
-                  last_stage_layers=layout.last_stage_layers, account_for_embedding=layout.account_for_embedding,
-                  account_for_loss=layout.account_for_loss)
+def rollout_layout(w: Workload, layout: Layout, replicas: int) -> Layout:
+    """The layout of the rollout GPUs: the replica's tp x pp (``SplitPlacement.replica``: the training layout's,
+    with its pipeline split and vpp, unless parallel.rollout_tp / rollout_pp say otherwise; another pp gets the
+    job's own split of the layers), cp=1, ep=1, ``replicas`` data-parallel replicas (generation runs without
+    sequence parallelism)."""
+    tp, pp = w.split.replica(layout.tp, layout.pp)
+    if pp == layout.pp:
+        split = dict(vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
+                     last_stage_layers=layout.last_stage_layers, account_for_embedding=layout.account_for_embedding,
+                     account_for_loss=layout.account_for_loss)
+    else:
+        first, last = (uneven_splits(w.shape.num_layers, pp) or [(None, None)])[0] \
+            if w.shape.num_layers % pp else (None, None)
+        split = dict(vpp=1, first_stage_layers=first, last_stage_layers=last, account_for_embedding=False,
+                     account_for_loss=False)
+    return Layout(tp=tp, pp=pp, cp=1, ep=1, dp=replicas, micro_batch_size=1, recompute="none",
+                  sequence_parallel=False, **split)
+
+
+def replica_size(w: Workload, layout: Layout) -> int:
+    """GPUs of one rollout replica beside ``layout``."""
+    tp, pp = w.split.replica(layout.tp, layout.pp)
+    return tp * pp
 
 
 def replicas_of(w: Workload, layout: Layout) -> int:
-    """Rollout replicas of the split workload ``w`` at ``layout``'s tp x pp."""
-    return w.split.rollout_gpus // (layout.tp * layout.pp)
+    """Rollout replicas of the split workload ``w`` beside ``layout``."""
+    return w.split.rollout_gpus // replica_size(w, layout)
 
 
 def rollout_estimate(w: Workload, layout: Layout, replicas: int | None = None) -> Estimate:
@@ -135,8 +153,8 @@ def rollout_estimate(w: Workload, layout: Layout, replicas: int | None = None) -
     replicas = replicas or replicas_of(w, layout)
     key = ("rollout estimate", replicas, layout.tp, layout.pp, layout.vpp, layout.first_stage_layers,
            layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
-    return w._cached(key, lambda: mode_estimate(_rollout_workload(w, replicas * layout.tp * layout.pp, replicas),
-                                                rollout_layout(layout, replicas)))
+    return w._cached(key, lambda: mode_estimate(_rollout_workload(w, replicas * replica_size(w, layout), replicas),
+                                                rollout_layout(w, layout, replicas)))
 
 
 def _rollout_workload(w: Workload, gpus: int, replicas: int) -> Workload:
@@ -172,7 +190,8 @@ def rollout_memory_error(w: Workload, layout: Layout) -> str | None:
     if e.fits:
         return None
     mem = e.memory_gib()
-    return (f"a rollout GPU (tp={layout.tp} x pp={layout.pp} replica, {replicas_of(w, layout)} replicas) needs "
+    tp, pp = w.split.replica(layout.tp, layout.pp)
+    return (f"a rollout GPU (tp={tp} x pp={pp} replica, {replicas_of(w, layout)} replicas) needs "
             f"{mem['total']:.1f} GiB of {e.usable / GIB:.1f} (bf16 weights {mem['weights']:.1f}, KV cache "
             f"{mem['kv_cache']:.1f}); lower generation.max_concurrent, or use more rollout tasks or a larger tp*pp")
 
@@ -202,5 +221,5 @@ def suggest_rollout_tasks(w: Workload, chosen: Estimate) -> RolloutSuggestion | 
             hi = mid
         else:
             lo = mid + 1
-    return RolloutSuggestion(rollout_tasks=lo * layout.tp * layout.pp, replicas=lo, generation_s=generation(lo),
+    return RolloutSuggestion(rollout_tasks=lo * replica_size(w, layout), replicas=lo, generation_s=generation(lo),
                              trainer_s=trainer_s)

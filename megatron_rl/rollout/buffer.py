@@ -1,11 +1,11 @@
 """The trainer's ledger of rollout samples for split-placement GRPO: prompt ids issued to the rollout workers,
 version-tagged samples coming back, and the staleness bound ``algorithm.max_staleness``.
 
-A *sample* is one prompt's group of completions (a ``Rollout`` of ``group_size`` rows, or its
-``rollout_rows``) with the prompt's id and the policy version that generated it. Versions count trainer
-steps (GRPO steps, each one or more optimizer steps): the trainer's weights after v steps are version v, and a sample of version g taken at version v has
-staleness v - g. A prompt id is a position in the prompt stream (the trainer maps it to a record; with
-``PromptSampler``, epoch = id // len(dataset), position = id % len(dataset)).
+A *sample* is one prompt's group of completions (a ``Rollout`` of ``group_size`` rows, or its ``rollout_rows``)
+with the prompt's id and the policy version that generated it. Versions count trainer steps (GRPO steps, each one
+or more optimizer steps): the trainer's weights after v steps are version v, and a sample of version g taken at
+version v has staleness v - g. A prompt id is a position in the prompt stream (the trainer maps it to a record;
+with ``PromptSampler``, epoch = id // len(dataset), position = id % len(dataset)).
 
 - ``issue(n)``: prompt ids for the generators, first the ones to redo (dropped as stale, or in flight at a
   resume), then new ones. ``stale_policy="wait"`` holds the generators back (AReaL's rule): at most

@@ -12,8 +12,10 @@ the workers receive on a thread, ``GlooWeights``).
 
 Weights are sharded like the trainers' layout: every trainer rank of data-parallel (and context-parallel) rank 0
 writes (files) or broadcasts (gloo) its tp x pp shard (``shard_index``), trainer rank 0 commits a files version,
-and the rollout ranks of the same (tp, pp) coordinate take that shard. All rollout ranks load the same version: the rollout world's rank 0 picks
-it and tells the others. Orders and the stop file belong to one session (``placement.session_id``): a trainer
+and the rollout ranks of the same (tp, pp) coordinate take that shard. Rollout replicas at another tp x pp
+(parallel.rollout_tp / rollout_pp) get each version as a distributed checkpoint instead (``ReshardedWeights``),
+which Megatron reshards to their layout as it loads. All rollout ranks load the same version: the rollout world's
+rank 0 picks it and tells the others. Orders and the stop file belong to one session (``placement.session_id``): a trainer
 that starts removes the other sessions and the samples left behind, and publishes its weights before its
 first order, so a worker never mixes an earlier attempt's weights or prompts into this one.
 
@@ -46,6 +48,8 @@ POLL_S = 0.02
 WORKER_WAIT_S = 24 * 3600
 """How long a rollout worker waits for an order or weights (and its gloo bridge for the next version): the
 trainers may be in a long SFT warm-up, a checkpoint or an export; a dead trainer ends the job, workers included."""
+RESHARDED = "resharded"
+"""Under the channel folder: the versions as distributed checkpoints, when the rollout layout differs."""
 ORDER_NAME = "{:08d}.json"
 STOP_FILE = "stop"
 
@@ -124,8 +128,11 @@ class TrainerChannel:
         if weight_sync == "files":
             self.weights = self.samples
             self.base = FileWeightPublisher(self.folder / "base", keep_last=1, rank=self.shard, num_shards=shards)
-        else:  # gloo: a holder broadcasts its shard to the rollout ranks that hold the same one
+        elif weight_sync == "gloo":  # a holder broadcasts its shard to the rollout ranks that hold the same one
             self.gloo = GlooWeightPublisher(bridge.group) if self.holder else None
+        elif weight_sync != "resharded":
+            raise ValueError(f"weight_sync={weight_sync!r}: files, gloo or resharded")
+        self.keep_last = keep_last
         self.orders = self.folder / "sessions" / session / "orders"
         self._next_seq = 0
 
@@ -138,6 +145,7 @@ class TrainerChannel:
             if entry.name != self.session:
                 shutil.rmtree(entry, ignore_errors=True)
         self.samples.clear_samples()
+        shutil.rmtree(self.folder / RESHARDED, ignore_errors=True)  # a resumed trainer's versions start again
         make_private_dir(self.orders.parent)
         make_private_dir(self.orders)
 
@@ -146,6 +154,10 @@ class TrainerChannel:
         rank 0 commits once every shard is in. Gloo: each holder's broadcast returns once its rollout ranks have
         the bytes (their receiving threads are always listening). {weight_sync_bytes (all ranks), weight_sync_s}."""
         start = time.perf_counter()
+        if self.weight_sync == "resharded":  # every version whole, as a distributed checkpoint (any layout loads it)
+            folder = ckpt.save_checkpoint(self.folder / RESHARDED, step=version, chunks=chunks, keep_last=self.keep_last)
+            nbytes = float(sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())) if self.rank == 0 else 0.0
+            return {"weight_sync_bytes": float(broadcast(nbytes)), "weight_sync_s": time.perf_counter() - start}
         trainable, frozen = split_weights(chunks)
         parts = ([("base", 0, frozen)] if base else []) + [("weights", version, trainable)]
         nbytes = 0.0
@@ -194,6 +206,7 @@ class WorkerChannel:
         shard, _, _ = shard_index()
         self.samples = FileWeightSubscriber(self.folder, worker=worker, shard=shard)
         self.weights = (FileWeights(self.folder, worker=worker, shard=shard) if weight_sync == "files"
+                        else ReshardedWeights(self.folder / RESHARDED) if weight_sync == "resharded"
                         else GlooWeights(GlooWeightSubscriber(bridge.group)))
         self.session_dir = self.folder / "sessions" / session
         self._next_seq = 0
@@ -282,6 +295,40 @@ class FileWeights:
             if _all_ranks_ok(received is not None):
                 load_weights(chunks, received.state_dict)
                 return float(received.metrics["weight_sync_bytes"])
+
+
+class ReshardedWeights:
+    """The rollout ranks' side when they run another tp x pp than the trainers: each version is a distributed
+    checkpoint (``checkpoint.save_checkpoint`` of the trainers' chunks), which Megatron reshards to this layout as
+    it loads."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.loaded: Optional[str] = None
+        self.version: Optional[int] = None
+
+    def load_newest(self, chunks: list, *, timeout_s: float) -> tuple[int, float]:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        deadline = time.monotonic() + timeout_s
+        while True:
+            newest = ckpt.latest_checkpoint(self.folder) if rank == 0 else None
+            if rank == 0 and newest is None and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                continue
+            newest = broadcast(None if newest is None else str(newest))
+            if newest is None:
+                raise TimeoutError(f"no weights in {self.folder} for {timeout_s:.0f} s")
+            if newest == self.loaded:
+                return self.version, 0.0
+            try:  # retention keeps the newest few: one deleted while read is retried, by every rank
+                state = ckpt.load_checkpoint(newest, chunks=chunks, load_optimizer=False)
+                ok = True
+            except FileNotFoundError:
+                ok = False
+            if _all_ranks_ok(ok):
+                self.loaded, self.version = newest, int(state["step"])
+                nbytes = sum(p.stat().st_size for p in Path(newest).rglob("*") if p.is_file()) if rank == 0 else 0
+                return self.version, float(nbytes)
 
 
 class GlooWeights:

@@ -5,11 +5,11 @@ train, and each role is a torch.distributed world of its own.
     placement.enter()          # this process's RANK / WORLD_SIZE / rendezvous become its role's world
 
 Why two worlds and not one: Megatron's parallel state is global to a process and spans its whole world, so the
-trainers (at ``parallel.*`` over world - R processes) and the rollout workers (at the training layout's tp x pp,
-over R processes; cp = ep = 1) each initialise it over their own world. The trainer world meets at the job's
-rendezvous (MASTER_ADDR:MASTER_PORT); the rollout world meets through a file in the run folder
-(``init_method=file://``), so the two need share nothing but the folder, which is also how weights, prompts and
-samples travel between them (``megatron_rl.rollout.channel``).
+trainers (at ``parallel.*`` over world - R processes) and the rollout workers (at the training layout's tp x pp or
+parallel.rollout_tp x rollout_pp, over R processes; cp = ep = 1) each initialise it over their own world. The
+trainer world meets at the job's rendezvous (MASTER_ADDR:MASTER_PORT); the rollout world meets through a file in
+the run folder (``init_method=file://``), so the two need share nothing but the folder, which is also how weights,
+prompts and samples travel between them (``megatron_rl.rollout.channel``).
 
 A *session* is one attempt of the job (a start, or a requeue): both roles derive the same id from the
 environment the launcher gave every process, without talking to each other, and the channel keeps one folder

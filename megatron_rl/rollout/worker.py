@@ -1,7 +1,8 @@
 """A split-placement rollout worker (``cluster.rollout_tasks``): the job's last processes run this instead of a
-trainer. It holds a copy of the policy at the training layout's tp x pp (cp = ep = 1; data-parallel over the
-rollout processes) and loops: take the next order of prompts, load the newest weights the trainers published,
-sample ``group_size`` completions per prompt, send them back tagged with the weights' version.
+trainer. It holds a copy of the policy at the training layout's tp x pp, or at parallel.rollout_tp x rollout_pp
+(then each version arrives as a distributed checkpoint that Megatron reshards as it loads), cp = ep = 1,
+data-parallel over the rollout processes, and loops: take the next order of prompts, load the newest weights the
+trainers published, sample ``group_size`` completions per prompt, send them back tagged with the weights' version.
 
     python launch.py --config configs/grpo_async_tiny.yaml      # 1 trainer + 1 rollout process on CPU
 
@@ -27,15 +28,35 @@ from megatron_rl.rollout.channel import WORKER_WAIT_S, GlooBridge, WorkerChannel
 from megatron_rl.rollout.placement import Placement
 
 
-def rollout_config(cfg: JobConfig) -> JobConfig:
-    """The job config as a rollout worker runs it: the training layout's tp x pp (and its pipeline split),
-    without context or expert parallelism; its data-parallel size is what the rollout processes allow."""
-    parallel = dataclasses.replace(cfg.parallel, cp=1, ep=1, etp=None)
+def rollout_config(cfg: JobConfig, shape: ModelShape) -> JobConfig:
+    """The job config as a rollout worker runs it: tp x pp of parallel.rollout_tp / rollout_pp (default: the
+    training layout's, with its pipeline split; another pp gets its own split), without context or expert
+    parallelism; its data-parallel size is what the rollout processes allow."""
+    from launcher.parallel import SPLIT_KEYS, ParallelDims
+
+    par = cfg.parallel
+    tp, pp = par.rollout_tp or par.tp, par.rollout_pp or par.pp
+    parallel = dataclasses.replace(par, tp=tp, cp=1, ep=1, etp=None, sequence_parallel=par.sequence_parallel and tp > 1,
+                                   rollout_tp=None, rollout_pp=None)
+    if pp != par.pp:
+        parallel = dataclasses.replace(parallel, pp=pp, vpp=None, **{key: None for key in SPLIT_KEYS[:2]},
+                                       account_for_embedding=False, account_for_loss=False)
+        dims = ParallelDims(world_size=tp * pp, tp=tp, pp=pp).with_split(shape.num_layers)
+        parallel = dataclasses.replace(parallel, first_stage_layers=dims.first_stage_layers,
+                                       last_stage_layers=dims.last_stage_layers)
     return dataclasses.replace(cfg, parallel=parallel)
 
 
-def serve(cfg: JobConfig, shape: ModelShape, placement: Placement) -> int:
-    """Generate orders until the trainers stop; returns the exit code they gave."""
+def reshards(cfg: JobConfig) -> bool:
+    """Whether the rollout replicas run at another tp x pp than the trainers (the weights then travel as a
+    distributed checkpoint, which Megatron loads at any layout)."""
+    par = cfg.parallel
+    return (par.rollout_tp or par.tp, par.rollout_pp or par.pp) != (par.tp, par.pp)
+
+
+def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded: bool = False) -> int:
+    """Generate orders until the trainers stop; returns the exit code they gave. ``cfg``: the rollout_config;
+    ``resharded``: the trainers run another tp x pp (``reshards`` of the job's config)."""
     from megatron_rl.data.prompts import PromptRecord
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.models.builder import build_model_chunks
@@ -53,7 +74,7 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement) -> int:
 
         bridge = GlooBridge.open(placement, replicas=ps.get_data_parallel_world_size(), timeout_s=WORKER_WAIT_S)
     channel = WorkerChannel(placement.folder, placement.session, worker=f"rollout{placement.world.rank}",
-                            weight_sync=weight_sync, bridge=bridge)
+                            weight_sync="resharded" if resharded else weight_sync, bridge=bridge)
     timeout_s = WORKER_WAIT_S
     say = print if placement.world.rank == 0 else (lambda *_, **__: None)
     say(f"rollout worker: {placement.world.world_size} process(es) serving session {placement.session}", flush=True)

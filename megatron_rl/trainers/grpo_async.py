@@ -44,6 +44,7 @@ from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import WORKER_WAIT_S, GlooBridge, TrainerChannel, broadcast
 from megatron_rl.rollout.placement import Placement
+from megatron_rl.rollout.worker import reshards
 from megatron_rl.trainers.grpo import GrpoRun, SampledBatch
 
 BUFFER_STATE = "rollout_buffer"
@@ -62,6 +63,8 @@ class SplitGrpoRun(GrpoRun):
             par = cfg.parallel
             bridge = GlooBridge.open(placement, replicas=cfg.cluster.rollout_tasks // (par.tp * par.pp),
                                      timeout_s=WORKER_WAIT_S)
+        if reshards(cfg):
+            weight_sync = "resharded"  # the schema allows it with files only
         self.channel = TrainerChannel(placement.folder, placement.session, weight_sync=weight_sync, bridge=bridge)
         self.buffer = RolloutBuffer(max_staleness=self.algo.max_staleness, batch_size=self.algo.prompts_per_step,
                                     stale_policy="wait")
