@@ -34,9 +34,6 @@ def test_the_defaults_are_synchronous_colocated_grpo():
     (["algorithm.weight_sync=nccl"], "algorithm.weight_sync=nccl needs GPUs.* set algorithm.weight_sync=gloo or files"),
     (["cluster.gpus_per_node=2", "parallel.backend=gloo", "algorithm.weight_sync=nccl"],
      "weight_sync=nccl needs GPUs and the nccl backend"),
-    (["cluster.gpus_per_node=2", "cluster.tasks_per_node=2", "cluster.rollout_tasks=1",
-      "algorithm.weight_sync=nccl"], "algorithm.weight_sync=nccl: the rollout workers receive weights over gloo or "
-                                     "files so far.* set algorithm.weight_sync=gloo or files"),
     (["parallel.rollout_tp=2"], "parallel.rollout_tp / rollout_pp size the rollout replicas, which need "
                                 "cluster.rollout_tasks > 0"),
     (["cluster.tasks_per_node=3", "cluster.rollout_tasks=1", "parallel.tp=2", "parallel.rollout_tp=1",
@@ -61,6 +58,9 @@ def test_bad_values_name_the_key_and_the_fix(overrides, message):
 def test_nccl_weight_sync_loads_on_gpus():
     cfg = load_config(None, ["cluster.gpus_per_node=2", "algorithm.weight_sync=nccl"])
     assert cfg.algorithm.weight_sync == "nccl"
+    split = load_config(None, ["cluster.gpus_per_node=4", "cluster.tasks_per_node=4", "cluster.rollout_tasks=2",
+                               "algorithm.weight_sync=nccl"])
+    assert check_layout(split, load_model_shape(split.model.name)) == 2
 
 
 @pytest.mark.parametrize("weight_sync", ["files", "gloo"])

@@ -431,7 +431,7 @@ class AlgorithmConfig:
     """How new weights reach the rollout tasks after each step: gloo (torch.distributed broadcast over TCP, CPU
     staging), nccl (GPUs only) or files (versioned safetensors in a shared folder, for ranks that cannot reach
     each other; the samples come back through the same folder). Unused without rollout tasks. Prompts and samples
-    always travel through the run folder (small); nccl is not built yet."""
+    always travel through the run folder (small)."""
     off_policy_correction: str = "none"
     """Correction for samples of an older (behaviour) policy (megatron_rl/algorithms/off_policy.py): none,
     truncated_is (the surrogate times min(pi_old / pi_behav, is_cap), Yao et al. 2025) or decoupled (AReaL's
@@ -848,9 +848,6 @@ class JobConfig:
             raise ConfigError(f"parallel.rollout_tp/rollout_pp = {par.rollout_tp or par.tp}/{par.rollout_pp or par.pp} "
                               f"differ from the training tp/pp = {par.tp}/{par.pp}: the weights are resharded through "
                               "a distributed checkpoint in the run folder; set algorithm.weight_sync=files")
-        if rollout_tasks and algo.weight_sync == "nccl":
-            raise ConfigError("algorithm.weight_sync=nccl: the rollout workers receive weights over gloo or files so "
-                              "far (megatron_rl/rollout/channel.py); set algorithm.weight_sync=gloo or files")
         if not rollout_tasks and algo.off_policy_correction != "none":
             raise ConfigError(f"algorithm.off_policy_correction={algo.off_policy_correction} corrects for samples of "
                               "older weights, which only rollout tasks produce; set algorithm.off_policy_correction=none "

@@ -1,8 +1,8 @@
 """The trainer <-> rollout-worker channel of split placement: weights one way, prompt orders one way, samples
 back. Orders and samples always travel through the run folder (they are small, and the run folder is shared by
 every node of a job anyway, for checkpoints); weights through it too (``algorithm.weight_sync=files``, for ranks
-that share only a folder) or over gloo (``GlooBridge``: a process group bridging the two worlds per weight shard;
-the workers receive on a thread, ``GlooWeights``).
+that share only a folder) or over gloo or nccl (``WeightBridge``: a process group bridging the two worlds per weight
+shard; the workers receive on a thread, ``BroadcastWeights``).
 
     run.dir/rollout/weights/v00000007/...        the policy after 7 GRPO steps (megatron_rl.rollout.weight_sync)
     run.dir/rollout/base/weights/v00000000/...   what never changes (a LoRA base, buffers): once per session
@@ -40,14 +40,16 @@ import torch
 from launcher.private import make_private_dir
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.placement import Placement
-from megatron_rl.rollout.weight_sync import (FileWeightPublisher, FileWeightSubscriber, GlooWeightPublisher,
-                                             GlooWeightSubscriber, _write_atomically)
+from megatron_rl.rollout.weight_sync import (BroadcastWeightPublisher, BroadcastWeightSubscriber, FileWeightPublisher,
+                                             FileWeightSubscriber, _write_atomically)
 from megatron_rl.runtime import checkpoint as ckpt
 
 POLL_S = 0.02
 WORKER_WAIT_S = 24 * 3600
 """How long a rollout worker waits for an order or weights (and its gloo bridge for the next version): the
 trainers may be in a long SFT warm-up, a checkpoint or an export; a dead trainer ends the job, workers included."""
+BRIDGE_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
+"""weight_sync over a WeightBridge -> where its broadcasts stage the tensors."""
 RESHARDED = "resharded"
 """Under the channel folder: the versions as distributed checkpoints, when the rollout layout differs."""
 ORDER_NAME = "{:08d}.json"
@@ -118,7 +120,7 @@ def load_weights(chunks: list, state: dict[str, torch.Tensor]) -> None:
 class TrainerChannel:
     """Trainer side: publish weights (every rank), issue orders and collect samples (rank 0)."""
 
-    def __init__(self, folder: Path, session: str, *, weight_sync: str = "files", bridge: Optional["GlooBridge"] = None,
+    def __init__(self, folder: Path, session: str, *, weight_sync: str = "files", bridge: Optional["WeightBridge"] = None,
                  keep_last: int = 3) -> None:
         self.folder, self.session = Path(folder), session
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -128,10 +130,11 @@ class TrainerChannel:
         if weight_sync == "files":
             self.weights = self.samples
             self.base = FileWeightPublisher(self.folder / "base", keep_last=1, rank=self.shard, num_shards=shards)
-        elif weight_sync == "gloo":  # a holder broadcasts its shard to the rollout ranks that hold the same one
-            self.gloo = GlooWeightPublisher(bridge.group) if self.holder else None
+        elif weight_sync in BRIDGE_DEVICES:  # a holder broadcasts its shard to the rollout ranks of the same one
+            self.bridge = BroadcastWeightPublisher(bridge.group, device=BRIDGE_DEVICES[weight_sync]) \
+                if self.holder else None
         elif weight_sync != "resharded":
-            raise ValueError(f"weight_sync={weight_sync!r}: files, gloo or resharded")
+            raise ValueError(f"weight_sync={weight_sync!r}: files, gloo, nccl or resharded")
         self.keep_last = keep_last
         self.orders = self.folder / "sessions" / session / "orders"
         self._next_seq = 0
@@ -151,7 +154,7 @@ class TrainerChannel:
 
     def publish(self, version: int, chunks: list, *, base: bool = False) -> dict[str, float]:
         """Send this rank's shard of ``version`` (and with ``base`` the frozen tensors, once per session). Files:
-        rank 0 commits once every shard is in. Gloo: each holder's broadcast returns once its rollout ranks have
+        rank 0 commits once every shard is in. A bridge: each holder's broadcast returns once its rollout ranks have
         the bytes (their receiving threads are always listening). {weight_sync_bytes (all ranks), weight_sync_s}."""
         start = time.perf_counter()
         if self.weight_sync == "resharded":  # every version whole, as a distributed checkpoint (any layout loads it)
@@ -168,8 +171,8 @@ class TrainerChannel:
                     nbytes += publisher.write_shard(number, tensors)
                 if self.rank == 0:
                     publisher.commit(number)
-            elif self.gloo is not None:
-                nbytes += self.gloo.publish(number, tensors, kind=kind)["weight_sync_bytes"]
+            elif self.bridge is not None:
+                nbytes += self.bridge.publish(number, tensors, kind=kind)["weight_sync_bytes"]
         total = torch.tensor([nbytes], dtype=torch.float64)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
@@ -188,26 +191,27 @@ class TrainerChannel:
 
     def stop(self, exit_code: int) -> None:
         """Tell the workers to exit with ``exit_code`` (0 done, REQUEUE_EXIT_CODE preempted): rank 0 writes the
-        stop file; over gloo every holder also ends its rollout ranks' receiving threads."""
+        stop file; over a bridge every holder also ends its rollout ranks' receiving threads."""
         if self.rank == 0 and self.orders.parent.is_dir():
             path = self.orders.parent / STOP_FILE
             _write_atomically(path, lambda tmp: tmp.write_text(json.dumps({"exit_code": exit_code})))
-        if self.weight_sync == "gloo" and self.gloo is not None:
-            self.gloo.publish(0, {}, kind="stop")
+        if self.weight_sync in BRIDGE_DEVICES and self.bridge is not None:
+            self.bridge.publish(0, {}, kind="stop")
 
 
 class WorkerChannel:
     """Rollout side: wait for orders or the stop (rank 0, told to all), load weights, send samples (rank 0)."""
 
     def __init__(self, folder: Path, session: str, *, worker: str = "rollout0", weight_sync: str = "files",
-                 bridge: Optional["GlooBridge"] = None) -> None:
+                 bridge: Optional["WeightBridge"] = None) -> None:
         self.folder = Path(folder)
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         shard, _, _ = shard_index()
         self.samples = FileWeightSubscriber(self.folder, worker=worker, shard=shard)
         self.weights = (FileWeights(self.folder, worker=worker, shard=shard) if weight_sync == "files"
                         else ReshardedWeights(self.folder / RESHARDED) if weight_sync == "resharded"
-                        else GlooWeights(GlooWeightSubscriber(bridge.group)))
+                        else BroadcastWeights(BroadcastWeightSubscriber(bridge.group,
+                                                                        device=BRIDGE_DEVICES[weight_sync])))
         self.session_dir = self.folder / "sessions" / session
         self._next_seq = 0
         self.idle_s = 0.0
@@ -331,11 +335,11 @@ class ReshardedWeights:
                 return self.version, float(nbytes)
 
 
-class GlooWeights:
-    """The rollout ranks' side of ``weight_sync=gloo``: a thread receives every broadcast version as it comes
-    (so the trainer's send never waits for a generation to finish); between orders the newest is loaded."""
+class BroadcastWeights:
+    """The rollout ranks' side of ``weight_sync=gloo`` or ``nccl``: a thread receives every broadcast version as it
+    comes (so the trainer's send never waits for a generation to finish); between orders the newest is loaded."""
 
-    def __init__(self, subscriber: GlooWeightSubscriber) -> None:
+    def __init__(self, subscriber: BroadcastWeightSubscriber) -> None:
         self.subscriber = subscriber
         self.received: dict[str, Any] = {}
         """kind -> the newest Received of it."""
@@ -348,6 +352,10 @@ class GlooWeights:
         self._thread.start()
 
     def _receive(self) -> None:
+        if self.subscriber.device != "cpu":  # a new thread starts on device 0
+            from megatron_rl.rollout.placement import job_local_rank
+
+            torch.cuda.set_device(job_local_rank())
         while True:
             received = self.subscriber.poll()
             with self._ready:
@@ -366,7 +374,7 @@ class GlooWeights:
         """``ready()`` once it is truthy (or the trainers stopped: then whatever it is)."""
         with self._ready:
             if not self._ready.wait_for(lambda: ready() or "stop" in self.received, timeout=timeout_s):
-                raise TimeoutError(f"no {what} over gloo for {timeout_s:.0f} s")
+                raise TimeoutError(f"no {what} over the weight bridge for {timeout_s:.0f} s")
             return ready()
 
     def load_newest(self, chunks: list, *, timeout_s: float) -> tuple[int, float]:
@@ -391,17 +399,21 @@ class GlooWeights:
 
 
 @dataclass
-class GlooBridge:
-    """The gloo process group of one weight shard across the two worlds: its trainer holder (group rank 0) and
-    the rollout ranks that hold the same shard (rank 1 + their rollout data-parallel rank). It meets through a
-    TCPStore that trainer rank 0 hosts at the job's rendezvous host, port MASTER_PORT + 1."""
+class WeightBridge:
+    """The process group of one weight shard across the two worlds (gloo, or nccl on GPUs): its trainer holder
+    (group rank 0) and the rollout ranks that hold the same shard (rank 1 + their rollout data-parallel rank). It
+    meets through a TCPStore that trainer rank 0 hosts at the job's rendezvous host, port MASTER_PORT + 1. The nccl
+    bridge follows torch's ``ProcessGroupNCCL(store, rank, size, options)``; it is unverified here (no GPU), and
+    needs one GPU per rank (NCCL refuses two ranks of a group on one device)."""
 
     group: Any
     store: Any
 
     @classmethod
-    def open(cls, placement: Placement, *, replicas: int, timeout_s: float) -> Optional["GlooBridge"]:
-        """This process's bridge (None for a trainer rank that holds no shard: it sends nothing)."""
+    def open(cls, placement: Placement, *, backend: str, replicas: int,
+             timeout_s: float) -> Optional["WeightBridge"]:
+        """This process's bridge over ``backend`` (gloo or nccl); None for a trainer rank that holds no shard (it
+        sends nothing)."""
         import datetime
 
         import torch.distributed as dist
@@ -418,6 +430,11 @@ class GlooBridge:
         store = dist.TCPStore(placement.world.master_addr, placement.world.master_port + 1,
                               is_master=placement.role == "train" and placement.job_rank == 0,
                               timeout=timeout, wait_for_workers=False)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(f"weights/{placement.session}/shard{shard}", store), rank,
-                                      1 + replicas, timeout)
+        prefixed = dist.PrefixStore(f"weights/{placement.session}/shard{shard}", store)
+        if backend == "gloo":
+            group = dist.ProcessGroupGloo(prefixed, rank, 1 + replicas, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, rank, 1 + replicas, options)
         return cls(group=group, store=store)

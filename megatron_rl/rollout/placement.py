@@ -93,3 +93,8 @@ def split_placement(job: DistEnv, *, rollout_tasks: int, run_dir: str | Path,
 def job_rank() -> int:
     """This process's rank in the whole job (its world's rank without split placement)."""
     return int(os.environ.get(JOB_RANK_ENV) or os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def job_local_rank() -> int:
+    """This process's rank on its node (selects its GPU)."""
+    return int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)

@@ -24,13 +24,15 @@ rollback too. Samples are written the same way (temporary dot-name, fsync, renam
 once read; they are loaded with ``torch.load(weights_only=True)``, so a sample file can hold tensors, lists,
 dicts, strings and numbers (``rollout_rows``) but no code. Folders are 0700 and files 0600 (``launcher.private``).
 
-gloo (``GlooWeightPublisher`` / ``GlooWeightSubscriber``): broadcasts over a gloo group of the trainer's source
-rank and the rollout ranks: a JSON header (kind, version, names, dtypes, shapes), then the tensors staged on the
-CPU as one byte buffer. Both sides call in step (``poll`` blocks until the next ``publish``).
+gloo and nccl (``BroadcastWeightPublisher`` / ``BroadcastWeightSubscriber``): broadcasts over a process group of
+the trainer's source rank and the rollout ranks: a JSON header (kind, version, names, dtypes, shapes), then the
+tensors as one byte buffer, staged on the CPU for gloo, on the GPU for nccl. Both sides call in step (``poll``
+blocks until the next ``publish``).
 
-Used by split-placement GRPO through ``megatron_rl.rollout.channel``: the gloo classes there broadcast over a
-standalone ``ProcessGroupGloo`` that bridges the trainers' and the rollout workers' worlds, which is why the
-broadcasts use the process group's own API (``_group_broadcast``) rather than torch.distributed's functions.
+Used by split-placement GRPO through ``megatron_rl.rollout.channel``: the broadcast classes there run over a
+standalone ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` that bridges the trainers' and the rollout workers' worlds,
+which is why the broadcasts use the process group's own API (``_group_broadcast``) rather than torch.distributed's
+functions.
 
 Test: ``.venv/bin/python -m pytest tests/test_weight_sync.py -q``
 """
@@ -308,7 +310,7 @@ class FileWeightSubscriber(WeightSubscriber):
         return {"sample_sync_bytes": nbytes, "sample_sync_s": time.perf_counter() - start}
 
 
-# ------------------------------------------------------------------------------------------------------ gloo
+# ------------------------------------------------------------------------------------------------ gloo and nccl
 def _group_broadcast(group: Any, tensor: torch.Tensor, root: int) -> None:
     """Broadcast ``tensor`` in place from group rank ``root``, with the process group's own API: it works on a
     group of this process's world (``new_group``) and on a standalone ``ProcessGroupGloo`` bridging two worlds."""
@@ -320,28 +322,29 @@ def _group_broadcast(group: Any, tensor: torch.Tensor, root: int) -> None:
 
 
 def _broadcast_state(state_dict: Optional[dict[str, torch.Tensor]], version: Optional[int], *, src: int,
-                     group: Any, kind: str = "weights") -> tuple[str, int, dict[str, torch.Tensor], int]:
+                     group: Any, kind: str = "weights",
+                     device: str = "cpu") -> tuple[str, int, dict[str, torch.Tensor], int]:
     """Broadcast (kind, version, tensors) from group rank ``src`` over ``group``: a JSON header (names, dtypes and
-    shapes) and the bytes as one uint8 buffer, staged on the CPU. Returns (kind, version, tensors, bytes of the
-    tensors) on every rank."""
+    shapes) and the bytes as one uint8 buffer, on ``device`` (cpu: staged for gloo; cuda: in place for nccl).
+    Returns (kind, version, tensors on ``device``, bytes of the tensors) on every rank."""
     sending = state_dict is not None
     if sending:
-        tensors = _cpu_tensors(state_dict)
+        tensors = {name: t.detach().to(device).contiguous() for name, t in state_dict.items()}
         header = json.dumps({"kind": kind, "version": version,
                              "layout": [(name, str(t.dtype).removeprefix("torch."), list(t.shape))
                                         for name, t in tensors.items()]}).encode()
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]) if tensors \
-            else torch.empty(0, dtype=torch.uint8)
-    length = torch.tensor([len(header) if sending else 0], dtype=torch.int64)
+            else torch.empty(0, dtype=torch.uint8, device=device)
+    length = torch.tensor([len(header) if sending else 0], dtype=torch.int64, device=device)
     _group_broadcast(group, length, src)
-    raw = torch.frombuffer(bytearray(header), dtype=torch.uint8) if sending \
-        else torch.empty(int(length), dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if sending \
+        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     _group_broadcast(group, raw, src)
-    meta = json.loads(raw.numpy().tobytes())
+    meta = json.loads(raw.cpu().numpy().tobytes())
     layout = meta["layout"]
     sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in layout]
     if not sending:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     if sizes:
         _group_broadcast(group, flat, src)
     if sending:
@@ -351,31 +354,36 @@ def _broadcast_state(state_dict: Optional[dict[str, torch.Tensor]], version: Opt
     return meta["kind"], meta["version"], out, flat.numel()
 
 
-class GlooWeightPublisher(WeightPublisher):
-    """Broadcasts each version from this rank (group rank ``src``) over the gloo ``group``."""
+class BroadcastWeightPublisher(WeightPublisher):
+    """Broadcasts each version from this rank (group rank ``src``) over ``group``: gloo with the tensors staged on
+    the CPU (``device="cpu"``), or nccl straight from the GPU (``device="cuda"``)."""
 
-    def __init__(self, group: Any, *, src: int = 0) -> None:
-        self.group, self.src = group, src
+    def __init__(self, group: Any, *, src: int = 0, device: str = "cpu") -> None:
+        self.group, self.src, self.device = group, src, device
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], *, kind: str = "weights") -> dict[str, float]:
         """Send ``state_dict`` as ``version`` of ``kind`` (weights; base: the tensors that never change; stop: no
         tensors, the subscribers end); returns {weight_sync_bytes, weight_sync_s}."""
         start = time.perf_counter()
-        *_, nbytes = _broadcast_state(state_dict, version, src=self.src, group=self.group, kind=kind)
+        *_, nbytes = _broadcast_state(state_dict, version, src=self.src, group=self.group, kind=kind,
+                                      device=self.device)
         return _sync_metrics(nbytes, start)
 
 
-class GlooWeightSubscriber(WeightSubscriber):
-    """Receives each version broadcast from group rank ``src`` over the gloo ``group``; ``poll`` blocks until
-    the publisher's next ``publish`` (run it in a thread to receive while generating)."""
+class BroadcastWeightSubscriber(WeightSubscriber):
+    """Receives each version broadcast from group rank ``src`` over ``group`` onto ``device``; ``poll`` blocks
+    until the publisher's next ``publish`` (run it in a thread to receive while generating)."""
 
-    def __init__(self, group: Any, *, src: int = 0) -> None:
-        self.group, self.src = group, src
+    def __init__(self, group: Any, *, src: int = 0, device: str = "cpu") -> None:
+        self.group, self.src, self.device = group, src, device
         self.version: Optional[int] = None
 
     def poll(self) -> Optional[Received]:
         start = time.perf_counter()
-        kind, version, state_dict, nbytes = _broadcast_state(None, None, src=self.src, group=self.group)
+        kind, version, state_dict, nbytes = _broadcast_state(None, None, src=self.src, group=self.group,
+                                                             device=self.device)
+        if self.device != "cpu":
+            torch.cuda.current_stream().synchronize()  # the tensors are complete before another thread reads them
         if kind == "weights":
             self.version = version
         return Received(version=version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start), kind=kind)

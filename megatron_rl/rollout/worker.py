@@ -24,7 +24,7 @@ import torch
 from launcher.config.schema import JobConfig
 from launcher.model_shape import ModelShape
 from megatron_rl.rollout.buffer import Sample
-from megatron_rl.rollout.channel import WORKER_WAIT_S, GlooBridge, WorkerChannel
+from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, WeightBridge, WorkerChannel
 from megatron_rl.rollout.placement import Placement
 
 
@@ -69,10 +69,11 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
         chunk.eval()
     weight_sync = cfg.algorithm.weight_sync
     bridge = None
-    if weight_sync == "gloo":
+    if weight_sync in BRIDGE_DEVICES:
         from megatron.core import parallel_state as ps
 
-        bridge = GlooBridge.open(placement, replicas=ps.get_data_parallel_world_size(), timeout_s=WORKER_WAIT_S)
+        bridge = WeightBridge.open(placement, backend=weight_sync, replicas=ps.get_data_parallel_world_size(),
+                                   timeout_s=WORKER_WAIT_S)
     channel = WorkerChannel(placement.folder, placement.session, worker=f"rollout{placement.world.rank}",
                             weight_sync="resharded" if resharded else weight_sync, bridge=bridge)
     timeout_s = WORKER_WAIT_S

@@ -42,7 +42,7 @@ from launcher.slurm import REQUEUE_EXIT_CODE
 from megatron_rl.data.prompts import encode_prompt
 from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
-from megatron_rl.rollout.channel import WORKER_WAIT_S, GlooBridge, TrainerChannel, broadcast
+from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.rollout.worker import reshards
 from megatron_rl.trainers.grpo import GrpoRun, SampledBatch
@@ -59,10 +59,10 @@ class SplitGrpoRun(GrpoRun):
         super().__init__(cfg, shape, ctx)
         self.placement = placement
         weight_sync, bridge = self.algo.weight_sync, None
-        if weight_sync == "gloo":
+        if weight_sync in BRIDGE_DEVICES:
             par = cfg.parallel
-            bridge = GlooBridge.open(placement, replicas=cfg.cluster.rollout_tasks // (par.tp * par.pp),
-                                     timeout_s=WORKER_WAIT_S)
+            bridge = WeightBridge.open(placement, backend=weight_sync,
+                                       replicas=cfg.cluster.rollout_tasks // (par.tp * par.pp), timeout_s=WORKER_WAIT_S)
         if reshards(cfg):
             weight_sync = "resharded"  # the schema allows it with files only
         self.channel = TrainerChannel(placement.folder, placement.session, weight_sync=weight_sync, bridge=bridge)

@@ -93,7 +93,7 @@ def subscriber(folder: str, versions: int) -> dict:
 def gloo() -> dict:
     import torch.distributed as dist
 
-    from megatron_rl.rollout.weight_sync import GlooWeightPublisher, GlooWeightSubscriber
+    from megatron_rl.rollout.weight_sync import BroadcastWeightPublisher, BroadcastWeightSubscriber
 
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1], backend="gloo")
@@ -101,9 +101,9 @@ def gloo() -> dict:
     for version in (1, 2, 3):
         if rank == 0:
             state = tensors_of(version)
-            out[version] = {"sha": digest(state), **GlooWeightPublisher(group, src=0).publish(version, state)}
+            out[version] = {"sha": digest(state), **BroadcastWeightPublisher(group, src=0).publish(version, state)}
         else:
-            received = GlooWeightSubscriber(group, src=0).poll()
+            received = BroadcastWeightSubscriber(group, src=0).poll()
             out[received.version] = {"sha": digest(received.state_dict), **received.metrics,
                                      "equal": all(torch.equal(received.state_dict[k], v)
                                                   for k, v in tensors_of(version).items())}
