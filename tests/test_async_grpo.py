@@ -101,15 +101,33 @@ FULL_WEIGHT_BYTES = 363_432
 (whose version field varies by a few bytes)."""
 
 
+SYNC = ("--config", "configs/grpo_async_tiny.yaml", "run.steps=3", "algorithm.max_staleness=0", *SHORT)
+"""Synchronous split placement (k = 0), 3 steps: every sample from the weights being trained, so runs at other
+layouts or transports must give the same metrics."""
+
+
+def _sync_run(run_dir: Path, *overrides: str) -> list[dict]:
+    from helpers import run_launch
+
+    result = run_launch(*SYNC, f"run.dir={run_dir}", *overrides, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+
+
+@pytest.fixture(scope="module")
+def sync_tp1(tmp_path_factory):
+    """The k = 0 run at 1 trainer + 1 worker, TP=1, weights through files: (run folder, train metrics)."""
+    run_dir = tmp_path_factory.mktemp("grpo_async_sync") / "tp1"
+    return run_dir, _sync_run(run_dir)
+
+
 @pytest.mark.parametrize("lora", [None, "{rank: 4}"])
-def test_max_staleness_0_trains_only_on_samples_of_the_current_weights(launch, tmp_path, lora):
+def test_max_staleness_0_trains_only_on_samples_of_the_current_weights(sync_tp1, tmp_path, lora):
     """k = 0: every sample is of the weights being trained, so pi_prox / pi_behav = 1 up to kernel rounding; with
     LoRA each version sends only the adapters."""
-    run_dir = tmp_path / "sync"
-    result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
-                    "algorithm.max_staleness=0", *SHORT, *([f"model.lora={lora}"] if lora else []), timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    metrics = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
+    run_dir, metrics = sync_tp1 if lora is None else (tmp_path / "lora", None)
+    if lora is not None:
+        metrics = _sync_run(run_dir, f"model.lora={lora}")
     assert [m["staleness_max"] for m in metrics] == [0, 0, 0]
     for m in metrics:  # the same weights generated and recomputed the log-probs: only kernel rounding is left
         assert abs(m["behav_weight_mean"] - 1) < 1e-3 and m["behav_weight_max"] < 1.01, m
@@ -149,19 +167,15 @@ def test_a_preempted_async_run_resumes_without_losing_or_repeating_a_prompt(laun
     assert all(m["prompts_lost"] == 0 and m["prompts_repeated"] == 0 for m in metrics)
 
 
-def test_rollout_workers_at_their_own_tp_get_resharded_weights(launch, tmp_path):
+def test_rollout_workers_at_their_own_tp_get_resharded_weights(sync_tp1, tmp_path):
     """parallel.rollout_tp=1 beside 2 trainers at TP=2: each version goes out as a distributed checkpoint and the
     worker loads it at TP=1. The weights arrive exactly: the worker's log-probs are the trainers' recomputation
     (behaviour weight 1), and the run equals the all-TP1 one (1 trainer + 1 worker)."""
-    runs = {}
-    for name, overrides in {"tp1": (), "resharded": ("parallel.tp=2", "parallel.rollout_tp=1",
-                                                     "cluster.tasks_per_node=3")}.items():
-        result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={tmp_path / name}", "run.steps=3",
-                        "algorithm.max_staleness=0", *overrides, *SHORT, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        runs[name] = [m for m in read_metrics(tmp_path / name) if m.get("phase", "train") == "train"]
-    assert "1 process(es) serving" in (tmp_path / "resharded" / "logs" / "rank2.log").read_text()
-    assert sorted(p.name for p in (tmp_path / "resharded" / "rollout" / "resharded").glob("step_*")) == \
+    resharded_dir = tmp_path / "resharded"
+    runs = {"tp1": sync_tp1[1],
+            "resharded": _sync_run(resharded_dir, "parallel.tp=2", "parallel.rollout_tp=1", "cluster.tasks_per_node=3")}
+    assert "1 process(es) serving" in (resharded_dir / "logs" / "rank2.log").read_text()
+    assert sorted(p.name for p in (resharded_dir / "rollout" / "resharded").glob("step_*")) == \
         ["step_00000001", "step_00000002", "step_00000003"]  # keep_last 3 of versions 0..3
     for tp1, resharded in zip(runs["tp1"], runs["resharded"], strict=True):
         assert resharded["staleness_max"] == 0 and resharded["weight_sync_bytes"] > 0
@@ -171,27 +185,21 @@ def test_rollout_workers_at_their_own_tp_get_resharded_weights(launch, tmp_path)
             assert resharded[key] == pytest.approx(tp1[key], rel=1e-4, abs=1e-6), key
 
 
-def test_gloo_weight_sync_at_tp2_equals_files_at_tp1(launch, tmp_path):
+def test_gloo_weight_sync_at_tp2_equals_files_at_tp1(sync_tp1, tmp_path):
     """weight_sync=gloo with 2 trainers at TP=2 and 2 rollout processes (their own TP=2 world): each trainer
     holder broadcasts its shard over a gloo group bridging the worlds to the rollout rank of the same shard, which
     receives it on a thread. At max_staleness=0 its first steps equal the 1 + 1 process files run at TP=1 (same
     samples, same weights, up to TP rounding)."""
-    layouts = {"files": ("algorithm.weight_sync=files",),
-               "gloo": ("algorithm.weight_sync=gloo", "parallel.tp=2", "cluster.tasks_per_node=4",
-                        "cluster.rollout_tasks=2")}
-    runs = {}
-    for name, overrides in layouts.items():
-        run_dir = tmp_path / name
-        result = launch("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
-                        "algorithm.max_staleness=0", *overrides, *SHORT, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        runs[name] = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
-    assert "2 process(es) serving" in (tmp_path / "gloo" / "logs" / "rank2.log").read_text()
+    files_dir, gloo_dir = sync_tp1[0], tmp_path / "gloo"
+    runs = {"files": sync_tp1[1],
+            "gloo": _sync_run(gloo_dir, "algorithm.weight_sync=gloo", "parallel.tp=2", "cluster.tasks_per_node=4",
+                              "cluster.rollout_tasks=2")}
+    assert "2 process(es) serving" in (gloo_dir / "logs" / "rank2.log").read_text()
     from megatron_rl.rollout.weight_sync import complete_versions
 
-    assert complete_versions(tmp_path / "files" / "rollout" / "weights") == [1, 2, 3]  # keep_last 3 of 0..3
+    assert complete_versions(files_dir / "rollout" / "weights") == [1, 2, 3]  # keep_last 3 of 0..3
     for folder in ("weights", "base/weights"):  # over gloo no version went through the folder
-        assert complete_versions(tmp_path / "gloo" / "rollout" / folder) == []
+        assert complete_versions(gloo_dir / "rollout" / folder) == []
     for files, gloo in zip(runs["files"], runs["gloo"], strict=True):
         assert gloo["staleness_max"] == 0 and gloo["weight_sync_bytes"] > 0
         assert gloo["reward_mean"] == files["reward_mean"]
