@@ -8,7 +8,10 @@
 - max_staleness=0 is synchronous: every sample comes from the weights being trained, so the behaviour weight
   pi_prox / pi_behav is 1 up to generation-vs-training rounding;
 - a run preempted after step 3 and resumed trains on every issued prompt exactly once: no prompt lost, none
-  repeated, counted from the ledger and the checkpoint's buffer state independently of the trainer's own metrics.
+  repeated, counted from the ledger and the checkpoint's buffer state independently of the trainer's own metrics;
+- the same k = 0 run at other layouts and transports gives the same metrics: rollout replicas at their own TP
+  (weights resharded through a distributed checkpoint), and gloo between 2 TP2 trainers and a 2-process TP2
+  rollout world.
 """
 
 from __future__ import annotations
