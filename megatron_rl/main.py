@@ -43,7 +43,7 @@ def run(config_path: str) -> int:
 
     cfg = load_config(config_path)
     shape = load_model_shape(cfg.model.name)
-    placement = None
+    placement, resharded = None, False
     if cfg.cluster.rollout_tasks:  # split placement: this process trains, or only generates, in its role's world
         from megatron_rl.rollout.placement import split_placement
         from megatron_rl.rollout.worker import reshards, rollout_config
@@ -55,64 +55,43 @@ def run(config_path: str) -> int:
             cfg = rollout_config(cfg, shape)
     dims = ParallelDims.from_config(cfg.parallel, world_size=read_dist_env().world_size)
     initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
-    if placement is not None and placement.role == "rollout":
-        from megatron_rl.rollout.worker import serve
-
-        try:
-            return serve(cfg, shape, placement, resharded=resharded)
-        finally:
-            _write_cpu_redirects(cfg.run.dir)
-            _write_gloo_staged_counts(cfg.run.dir)
-            shutdown()
-    trainer = importlib.import_module(TRAINERS[cfg.algorithm.name])
     ctx, error = None, None
     try:
+        if placement is not None and placement.role == "rollout":
+            from megatron_rl.rollout.worker import serve
+
+            return serve(cfg, shape, placement, resharded=resharded)
         ctx = TrainerContext(cfg, shape=shape, config_path=config_path, placement=placement)
-        trainer.train(cfg, shape, ctx)
+        importlib.import_module(TRAINERS[cfg.algorithm.name]).train(cfg, shape, ctx)
     except BaseException as exc:
         error = exc
         raise
     finally:
         if ctx is not None:
             ctx.close(error)  # the manifest's end time and status, after its pending checkpoint hashes
-        _write_cpu_redirects(cfg.run.dir)
-        _write_gloo_staged_counts(cfg.run.dir)
+        _write_call_site_counts(cfg.run.dir)
         shutdown()
     return 0
 
 
-def _write_cpu_redirects(run_dir: str) -> None:
-    """Record which Megatron call sites the CPU redirection rewrote (tests check them against KNOWN_SITES)."""
+def _write_call_site_counts(run_dir: str) -> None:
+    """Record, per call site, which Megatron calls the CPU redirection rewrote (tests check them against
+    KNOWN_SITES) and which ops gloo staging copied through CPU buffers (tests/test_gloo_staging.py): one JSON file
+    of each that is active, per rank of the job."""
     import json
     import os
 
-    from megatron_rl.runtime import cpu_compat
+    from megatron_rl.runtime import cpu_compat, gloo_staging
+    from megatron_rl.runtime.distributed import job_rank
 
-    if not cpu_compat.is_active():
-        return
-    from megatron_rl.rollout.placement import job_rank
-
-    path = os.path.join(run_dir, "logs", f"cpu_redirects_rank{job_rank()}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(cpu_compat.redirect_counts(), f, indent=1, sort_keys=True)
-
-
-def _write_gloo_staged_counts(run_dir: str) -> None:
-    """Record which ops gloo staging copied through CPU buffers, per call site (tests/test_gloo_staging.py)."""
-    import json
-    import os
-
-    from megatron_rl.runtime import gloo_staging
-
-    if not gloo_staging.is_installed():
-        return
-    from megatron_rl.rollout.placement import job_rank
-
-    path = os.path.join(run_dir, "logs", f"gloo_staged_rank{job_rank()}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(gloo_staging.staged_counts(), f, indent=1, sort_keys=True)
+    for name, active, counts in (("cpu_redirects", cpu_compat.is_active(), cpu_compat.redirect_counts),
+                                 ("gloo_staged", gloo_staging.is_installed(), gloo_staging.staged_counts)):
+        if not active:
+            continue
+        path = os.path.join(run_dir, "logs", f"{name}_rank{job_rank()}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(counts(), f, indent=1, sort_keys=True)
 
 
 def main(argv: list[str] | None = None) -> int:

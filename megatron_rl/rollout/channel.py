@@ -39,10 +39,11 @@ import torch
 
 from launcher.private import make_private_dir
 from megatron_rl.rollout.buffer import Sample
-from megatron_rl.rollout.placement import Placement
+from megatron_rl.rollout.placement import Placement, session_dir
 from megatron_rl.rollout.weight_sync import (BroadcastWeightPublisher, BroadcastWeightSubscriber, FileWeightPublisher,
                                              FileWeightSubscriber, _write_atomically)
 from megatron_rl.runtime import checkpoint as ckpt
+from megatron_rl.runtime.distributed import global_rank, read_dist_env
 
 POLL_S = 0.02
 WORKER_WAIT_S = 24 * 3600
@@ -123,7 +124,7 @@ class TrainerChannel:
     def __init__(self, folder: Path, session: str, *, weight_sync: str = "files", bridge: Optional["WeightBridge"] = None,
                  keep_last: int = 3) -> None:
         self.folder, self.session = Path(folder), session
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.rank = global_rank()
         self.shard, shards, self.holder = shard_index()
         self.weight_sync = weight_sync
         self.samples = FileWeightPublisher(self.folder, keep_last=keep_last, rank=self.shard, num_shards=shards)
@@ -136,14 +137,14 @@ class TrainerChannel:
         elif weight_sync != "resharded":
             raise ValueError(f"weight_sync={weight_sync!r}: files, gloo, nccl or resharded")
         self.keep_last = keep_last
-        self.orders = self.folder / "sessions" / session / "orders"
+        self.orders = session_dir(self.folder, session) / "orders"
         self._next_seq = 0
 
     def start(self) -> None:
         """Rank 0: remove other sessions and left-over samples, and make this session's folder."""
         if self.rank != 0:
             return
-        sessions = make_private_dir(self.folder / "sessions")
+        sessions = make_private_dir(session_dir(self.folder, self.session).parent)
         for entry in sessions.iterdir():
             if entry.name != self.session:
                 shutil.rmtree(entry, ignore_errors=True)
@@ -205,14 +206,14 @@ class WorkerChannel:
     def __init__(self, folder: Path, session: str, *, worker: str = "rollout0", weight_sync: str = "files",
                  bridge: Optional["WeightBridge"] = None) -> None:
         self.folder = Path(folder)
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.rank = global_rank()
         shard, _, _ = shard_index()
         self.samples = FileWeightSubscriber(self.folder, worker=worker, shard=shard)
         self.weights = (FileWeights(self.folder, worker=worker, shard=shard) if weight_sync == "files"
                         else ReshardedWeights(self.folder / RESHARDED) if weight_sync == "resharded"
                         else BroadcastWeights(BroadcastWeightSubscriber(bridge.group,
                                                                         device=BRIDGE_DEVICES[weight_sync])))
-        self.session_dir = self.folder / "sessions" / session
+        self.session_dir = session_dir(self.folder, session)
         self._next_seq = 0
         self.idle_s = 0.0
         """Seconds spent waiting for an order since the last ``send``."""
@@ -280,7 +281,7 @@ class FileWeights:
 
     @staticmethod
     def _load(subscriber: FileWeightSubscriber, chunks: list, *, timeout_s: float) -> float:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = global_rank()
         deadline = time.monotonic() + timeout_s
         while True:
             newest = subscriber.newest() if rank == 0 else None
@@ -312,7 +313,7 @@ class ReshardedWeights:
         self.version: Optional[int] = None
 
     def load_newest(self, chunks: list, *, timeout_s: float) -> tuple[int, float]:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = global_rank()
         deadline = time.monotonic() + timeout_s
         while True:
             newest = ckpt.latest_checkpoint(self.folder) if rank == 0 else None
@@ -353,9 +354,7 @@ class BroadcastWeights:
 
     def _receive(self) -> None:
         if self.subscriber.device != "cpu":  # a new thread starts on device 0
-            from megatron_rl.rollout.placement import job_local_rank
-
-            torch.cuda.set_device(job_local_rank())
+            torch.cuda.set_device(read_dist_env().local_rank)
         while True:
             received = self.subscriber.poll()
             with self._ready:
@@ -378,7 +377,7 @@ class BroadcastWeights:
             return ready()
 
     def load_newest(self, chunks: list, *, timeout_s: float) -> tuple[int, float]:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = global_rank()
         newest = None
         if rank == 0 and self._wait_for(lambda: bool(self.history), timeout_s=timeout_s, what="weights"):
             with self._ready:

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from launcher.private import make_private_dir
-from megatron_rl.runtime.distributed import INIT_METHOD_ENV, DistEnv
+from megatron_rl.runtime.distributed import INIT_METHOD_ENV, JOB_RANK_ENV, DistEnv
 
 ROLES = ("train", "rollout")
 ROLE_ENV = "MEGATRON_RL_ROLE"
-JOB_RANK_ENV = "MEGATRON_RL_JOB_RANK"
+SESSIONS = "sessions"
 ROLLOUT_FOLDER = "rollout"
 """Under run.dir: the channel between the roles (weights, sessions with their prompts and samples)."""
 
@@ -53,7 +53,7 @@ class Placement:
 
     @property
     def session_dir(self) -> Path:
-        return self.folder / "sessions" / self.session
+        return session_dir(self.folder, self.session)
 
     def enter(self, env: Optional[dict] = None) -> None:
         """Make ``world`` this process's world: read_dist_env() (and so initialize()) sees it from now on."""
@@ -68,12 +68,17 @@ class Placement:
             env.pop(INIT_METHOD_ENV, None)
 
 
+def session_dir(folder: Path, session: str) -> Path:
+    """Where a session's orders, stop file and rollout rendezvous live, under the channel's folder."""
+    return Path(folder) / SESSIONS / session
+
+
 def session_id(env: Optional[Mapping[str, str]] = None) -> str:
     """The attempt's id from what every process of it shares: the Slurm job and its requeue count, and the
     rendezvous port (a local launch picks a free one each time)."""
     env = os.environ if env is None else env
     parts = [env.get("SLURM_JOB_ID", "local"), env.get("SLURM_RESTART_COUNT", "0"), env.get("MASTER_PORT", "0")]
-    return re.sub(r"[^A-Za-z0-9_]", "_", "-".join(parts)).replace("-", "_")
+    return re.sub(r"[^A-Za-z0-9_]", "_", "_".join(parts))
 
 
 def split_placement(job: DistEnv, *, rollout_tasks: int, run_dir: str | Path,
@@ -88,13 +93,3 @@ def split_placement(job: DistEnv, *, rollout_tasks: int, run_dir: str | Path,
                     master_addr=job.master_addr, master_port=job.master_port)
     return Placement(role="rollout" if rollout else "train", job_rank=job.rank, world=world,
                      session=session_id(env), folder=Path(run_dir) / ROLLOUT_FOLDER)
-
-
-def job_rank() -> int:
-    """This process's rank in the whole job (its world's rank without split placement)."""
-    return int(os.environ.get(JOB_RANK_ENV) or os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
-
-
-def job_local_rank() -> int:
-    """This process's rank on its node (selects its GPU)."""
-    return int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)

@@ -19,6 +19,8 @@ import torch
 from launcher.parallel import ParallelDims
 
 T = TypeVar("T")
+JOB_RANK_ENV = "MEGATRON_RL_JOB_RANK"
+"""This process's rank in the whole job, when its world is only part of it (split placement)."""
 INIT_METHOD_ENV = "MEGATRON_RL_INIT_METHOD"
 """A torch.distributed init_method that replaces tcp://MASTER_ADDR:MASTER_PORT (``DistEnv.init_method``)."""
 RANK_ZERO_WORK_TIMEOUT_S = 24 * 3600
@@ -143,6 +145,11 @@ def shutdown() -> None:
 def global_rank() -> int:
     """This process's rank in the job (0 without a process group)."""
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def job_rank() -> int:
+    """This process's rank in the whole job (its world's rank, except under split placement)."""
+    return int(os.environ.get(JOB_RANK_ENV) or os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
 
 
 def on_rank_zero(fn: Callable[[], T]) -> Optional[T]:

@@ -220,7 +220,7 @@ class SplitGrpoRun(GrpoRun):
             "time_wait_s": batch.generate_s,
             "generate_tokens_per_s": stats.get("generated_tokens", 0.0) / max(stats.get("generate_s", 0.0), 1e-9),
             "prompts_lost": float(lost), "prompts_repeated": float(self.repeated),
-            **{key: value for key, value in self.sync_metrics.items()},
+            **self.sync_metrics,
             **({"sample_sync_bytes": stats["sample_sync_bytes"]} if "sample_sync_bytes" in stats else {}),
             "step_time_s": time.perf_counter() - self._step_began,
         })
