@@ -1,15 +1,17 @@
-"""Pipelined decode (the rows in pp parts, stages overlapping) against the stages in turn, at PP=2 on 2 CPU ranks.
+"""Pipelined decode (the rows in pp parts decoding on their own, successive steps overlapping across the stages)
+against the stages in turn, at PP=2 on 2 CPU ranks.
 
     .venv/bin/python bench/pipeline_decode.py            # small bench model (hidden 256, 4 layers), 64 rows
     .venv/bin/python bench/pipeline_decode.py --model tiny-cpu --rows 64 --new-tokens 32
 
 Starts itself on 2 local gloo ranks (torch.distributed.run). Each rank holds one pipeline stage of the same
-weights; ``generate`` runs greedy decoding of the same prompts with ``pipeline_microbatches=1`` (every step
-runs stage 0 then stage 1 on all rows: the other stage idles; the CPU default) and with 2 (while stage 1 works
-on part 0, stage 0 works on part 1; the GPU default), alternately, ``--repeats`` rounds. Both give the same tokens
-(asserted). The last line is one JSON object; ``speedup`` = stages-in-turn seconds / pipelined seconds
-(medians). On a GPU cluster the stages are separate GPUs; here they are 2 processes sharing the machine's
-cores, so the gain is bounded by the cores and by per-forward overhead, which the split doubles.
+weights; ``generate`` runs greedy decoding of the same prompts with ``pipeline_microbatches=1`` (every step runs
+stage 0 then stage 1 on all rows while the other stage idles) and with 2 (the default: while stage 1 finishes
+part 0's step t, stage 0 runs part 1's step t, then part 0's step t + 1; megatron_rl/generation/pipeline.py),
+alternately, ``--repeats`` rounds. Both give the same tokens (asserted). The last line is one JSON object;
+``speedup`` = stages-in-turn seconds / pipelined seconds (medians). On a GPU cluster the stages are separate
+GPUs; here they are 2 processes sharing the machine's 2 cores, and a forward of half the rows costs nearly what
+one of all rows costs (per-op overhead), so the gain here is well below the 2x of compute-bound stages.
 """
 
 from __future__ import annotations

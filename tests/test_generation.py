@@ -257,11 +257,18 @@ def test_max_concurrent_generates_in_waves_with_a_smaller_cache(request, layout)
 
 
 def test_pipelined_decode_equals_stages_in_turn(pp2_vpp2):
-    """PP2 x VPP2: the rows split into 2 parts that overlap across the stages give the tokens and log-probs of
-    one part running the stages in turn."""
+    """PP2 x VPP2: the rows in 2 or 3 parts (uneven), each decoding on its own so that successive steps overlap
+    across the stages, with shared prefill and compaction per part, give the tokens, finish reasons and log-probs
+    of one part fed whole (the stages in turn), greedy, sampled with the same seed, and with a stop token."""
     for rank in pp2_vpp2:
-        run = rank["pipeline_microbatches"]
-        assert run["tokens_equal"] and run["logprob_diff"] < LOGPROB_TOL, run
+        runs = rank["pipelined"]
+        assert set(runs) == {f"{name}_{parts}" for name in ("greedy", "sampled", "greedy_eos") for parts in (1, 2, 3)}
+        for name, run in runs.items():
+            assert run["tokens_equal"] and run["finish_reasons_equal"], (name, run)
+            assert run["logprob_diff"] < LOGPROB_TOL and run["sampling_logprob_diff"] < LOGPROB_TOL, (name, run)
+            assert run["forward_passes"][0] == run["forward_passes"][1], (name, run)
+        assert runs["greedy_eos_2"]["stopped"] >= 4  # prompt 0's group stops at its 3rd token
+        assert runs["greedy_eos_1"]["compactions"] >= 1 and runs["greedy_eos_2"]["compactions"] >= 1
 
 
 def test_pipeline_generation_equals_recomputation(pp2_vpp2):

@@ -125,7 +125,7 @@ def test_generation_max_concurrent_bounds_the_planned_kv_cache(capsys):
     """generation.max_concurrent reaches the planner, which sizes the KV cache for that many sequences per rollout
     worker (the runtime generates in waves of that many), not for the worker's whole share of the rollout."""
     whole = _plan(capsys, "--config", "grpo_llama70b")
-    held = [f"parallel.{key}={whole['layout'][key]}" for key in ("tp", "pp", "cp", "ep")]
+    held = [f"parallel.{key}={whole['layout'][key]}" for key in ("tp", "pp", "vpp", "cp", "ep")]
     capped = _plan(capsys, "--config", "grpo_llama70b", "generation.max_concurrent=16", *held)
     assert capped["workload"]["grpo"]["generation_concurrency"] == 16
     layout = whole["layout"]

@@ -16,7 +16,8 @@ from launcher.planner.costs import HBM_EFFICIENCY, IB_LATENCY_S, LINK_EFFICIENCY
 from launcher.planner.estimate import RL_PARTS, TRAINING_PARTS, Layout
 from launcher.planner.gpus import get_gpu
 from launcher.planner.rl_step import (COMPACTION_SLACK, DECODE_LAYER_OVERHEAD_S, SAMPLING_BYTES_PER_LOGIT,
-                                      _pipelined, _stages, generation_time, rollout)
+                                      _pipelined, _pipelined_decode_step, _stages,
+                                      generation_time, rollout)
 
 H100 = "h100-80gb"
 SIZING = dict(rollout_batch_size=2048, max_prompt_length=1024, max_response_length=2048, samples_per_prompt=16,
@@ -93,6 +94,43 @@ def test_pipelined_generation_matches_the_engines_stage_chain(pp, vpp):
     t = _pipelined(w, lay, _stages(w, lay), rows, lambda stage, part_rows: chunk)
     hop = (rows / pp) * 8192 * 2 / (50e9 * LINK_EFFICIENCY) + IB_LATENCY_S  # tp=8 fills a node: stages over IB
     assert t == pytest.approx(_engine_makespan(pp, pp, vpp) * (chunk / vpp + hop), rel=1e-9)
+
+
+def _ring_makespan(parts: int, pp: int, vpp: int, steps: int) -> int:
+    """Simulate pipelined_decode (megatron_rl/generation/pipeline.py): every rank walks (step, virtual stage,
+    part) in order; a unit waits for the part's previous virtual stage, and stage 0's first virtual stage for the
+    part's previous token, chosen by the last stage. Returns the makespan in virtual-stage forwards."""
+    done: dict = {}
+    free = [0] * pp
+    for t in range(steps):
+        for v in range(vpp):
+            for m in range(parts):
+                for r in range(pp):
+                    if r:
+                        ready = done[(t, v, m, r - 1)]
+                    elif v:
+                        ready = done[(t, v - 1, m, pp - 1)]
+                    else:
+                        ready = done[(t - 1, vpp - 1, m, pp - 1)] if t else 0
+                    done[(t, v, m, r)] = free[r] = max(ready, free[r]) + 1
+    return max(done.values())
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (2, 2), (4, 5), (8, 2)])
+def test_a_pipelined_decode_step_matches_the_engines_steady_state(pp, vpp):
+    """The engine's M = pp parts keep every stage busy: one decode step of all rows costs vpp x pp virtual-stage
+    forwards of a part, against (stages in turn, one part of all rows) the same count of full-row forwards."""
+    w = Workload(shape=load_model_shape("llama-3.3-70b"), gpu=get_gpu(H100), num_gpus=8 * pp, seq_length=4096,
+                 global_batch_size=64, mode="grpo", grpo=GrpoSizing(**SIZING))
+    lay = Layout(tp=8, pp=pp, vpp=vpp, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
+    rows, chunk = 64.0, 1e-3
+    step = _pipelined_decode_step(w, lay, _stages(w, lay), rows, lambda stage, part_rows: chunk)
+    steady = (_ring_makespan(pp, pp, vpp, 40) - _ring_makespan(pp, pp, vpp, 20)) / 20
+    hop = (rows / pp) * 8192 * 2 / (50e9 * LINK_EFFICIENCY) + IB_LATENCY_S
+    assert steady == vpp * pp
+    assert step == pytest.approx(steady * (chunk / vpp + hop), rel=1e-9)
+    # one part is latency-bound like pp parts, but each of its forwards carries every row
+    assert (_ring_makespan(1, pp, vpp, 40) - _ring_makespan(1, pp, vpp, 20)) / 20 == vpp * pp
 
 
 def test_decode_is_the_max_of_memory_compute_and_the_launch_floor_plus_tp_all_reduces():

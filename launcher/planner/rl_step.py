@@ -7,10 +7,11 @@ An RL step (megatron_rl/trainers/grpo.py) is, in order:
   (compute-bound, at the training GEMM efficiency), then decode steps up to the longest row of the wave, each
   bounded by max(HBM read of the weights and KV cache, the live rows' compute, a per-layer launch floor) plus two
   latency-bound TP all-reduces per layer and an EP dispatch + combine per MoE layer. Finished rows leave the
-  batch (compaction), so the rows fed average COMPACTION_SLACK x mean / max of the wave. Under PP each forward
-  runs in pp parts through ``_StageChain``: a rank forwards part m's virtual stage v only after receiving it, so
-  parts overlap only in the last virtual stage's fill and drain: one step is
-  (M (vpp - 1) pp + M + pp - 1) virtual-stage forwards of one part (M = pp parts), each paying a send/recv hop;
+  batch (compaction), so the rows fed average COMPACTION_SLACK x mean / max of the wave. Under PP the rows decode
+  in M = pp parts on their own (megatron_rl/generation/pipeline.py ``pipelined_decode``), successive steps
+  overlapping across the stages: a step is vpp x max(pp, M) virtual-stage forwards of one part, each paying a
+  send/recv hop. The prefill is one forward through ``StageChain.forward`` in M parts, which overlap only in the
+  pipeline's fill and drain: (M (vpp - 1) pp + M + pp - 1) virtual-stage forwards of one part;
 * the log-prob forward passes over the rollout's training tokens: the old policy when recomputed
   (algorithm.recompute_old_logprobs), the reference when algorithm.kl_coef > 0, and the colocated reward model's
   scoring forward;
@@ -285,7 +286,7 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float, f
     stages = _stages(w, L)
     fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
     context = r.prompt + min(r.response, 2 * r.mean_response / 3)
-    decode_step = _pipelined(w, L, stages, fed, lambda st, n: _decode_part(w, L, st, n, context))
+    decode_step = _pipelined_decode_step(w, L, stages, fed, lambda st, n: _decode_part(w, L, st, n, context))
     decode_step += fed * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT / w.hbm + 2 * w.nvlink_latency
     distinct = max(1.0, rows / r.group)
     prefill = _pipelined(w, L, stages, distinct, lambda st, n: _prefill_part(w, L, st, n * r.prompt, r.prompt))
@@ -297,17 +298,33 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float, f
 
 
 def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
-    """One forward of ``rows`` through ``_StageChain``: M = min(pp, rows) parts; each virtual stage forward of a
-    part takes the slowest rank's time over vpp, plus one send/recv hop under PP."""
+    """One forward of ``rows`` through ``StageChain.forward`` (the prefill): M = min(pp, rows) parts; each virtual
+    stage forward of a part takes the slowest rank's time over vpp, plus one send/recv hop under PP."""
     if L.pp == 1:
         return part_time(stages[0], rows)
+    parts, chunk, hop = _pipeline_part(w, L, stages, rows, part_time)
+    forwards = parts * (L.vpp - 1) * L.pp + parts + L.pp - 1
+    return forwards * (chunk + hop)
+
+
+def _pipelined_decode_step(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
+    """One decode step of ``rows`` in ``pipelined_decode``'s steady state: M = min(pp, rows) parts decode on their
+    own, so a rank runs M x vpp virtual-stage forwards of a part per step while each part's step passes through
+    pp x vpp of them in turn: vpp x max(pp, M) x (forward + hop)."""
+    if L.pp == 1:
+        return part_time(stages[0], rows)
+    parts, chunk, hop = _pipeline_part(w, L, stages, rows, part_time)
+    return L.vpp * max(L.pp, parts) * (chunk + hop)
+
+
+def _pipeline_part(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> tuple[float, float, float]:
+    """(parts, one part's virtual-stage forward on the slowest rank, one send/recv hop of a part)."""
     parts = min(L.pp, max(1.0, rows))
     per_part = rows / parts
     chunk = max(part_time(st, per_part) for st in stages) / L.vpp
     bw = w.ib if L.tp * L.cp * L.dp >= w.gpu.gpus_per_node else w.nvlink
     hop = per_part * w.shape.hidden_size * 2 / bw + (w.ib_latency if bw == w.ib else w.nvlink_latency)
-    forwards = parts * (L.vpp - 1) * L.pp + parts + L.pp - 1
-    return forwards * (chunk + hop)
+    return parts, chunk, hop
 
 
 def _expert_share(w: Workload, L: Layout, rows: float) -> tuple[float, float]:

@@ -24,29 +24,26 @@ Finished rows stop growing (their tokens stay ``pad_id``); decoding stops when e
 ``max_concurrent`` caps the rows (and so the cache) by generating the prompts in consecutive waves.
 
 Compaction. Once at most 3/4 of the fed rows are still running, the finished ones leave the decode batch: the
-live rows' cache rows move to the front (``compacted_rows``) and later steps feed only them. Every row's random
-draws are made for the whole batch and indexed (``choose_tokens(rows=)``), so tokens, log-probs and finish
-reasons are those of the static batch. On a GPU the host looks at the finished rows every
-``STOP_CHECK_EVERY_GPU`` steps (each look is a device sync; rows that finished in between just stop writing)
-and compacts to multiples of ``ROW_BUCKET_GPU`` rows, so decode steps come in few shapes.
+live rows' cache rows move to the front and later steps feed only them (rows.py). Every row's random draws are
+made for the whole batch and indexed (``StepDraws``), so tokens, log-probs and finish reasons are those of the
+static batch. On a GPU the host looks at the finished rows every few steps and compacts to bucketed row counts.
 
 Why not Megatron's dynamic engine. ``DynamicInferenceContext`` (paged KV cache, requests joining and leaving,
 CUDA graphs per batch bucket) is what continuous batching wants, but it allocates on ``torch.cuda`` at
 construction and its attention needs the flash-decode kernels, so it cannot run, or be tested, on the CPU path
 that CI runs; its ``TextGenerationController`` and static engine decode a fixed batch, as this loop did before
 compaction. This module keeps Megatron's static context and the training modules (no weight copy) and adds the
-compaction and shared prefill itself. CUDA-graph capture of the decode step is not done (unverified territory
-until a device runs it).
+compaction, shared prefill and pipelined decode itself. CUDA-graph capture of the decode step is not done: the
+lean step's shapes are static per row bucket, but capturing it needs a device to verify it on.
 
 Parallelism.
 * TP: logits are gathered over the vocabulary (``runtime_gather_output``), every TP rank draws with the same
   generator, and the chosen tokens are also broadcast from TP rank 0 so that the ranks cannot drift apart.
-* PP (and virtual PP): each step's rows go through the stages in ``pipeline_microbatches`` parts, hidden
-  states handed on with send/recv, so that stage s computes part m + 1 while stage s + 1 computes part m; the
-  last stage picks the tokens and broadcasts them (with their log-probs) to every stage. Within one step this
-  overlaps only the pipeline's fill and drain, (M + P - 1) / (M P) of the stages-in-turn time at best, so the
-  default is pp parts on GPUs and 1 on the CPU (``default_pipeline_microbatches``). Overlapping successive
-  steps (part m's step t + 1 on stage 0 while the last stage finishes part m + 1's step t) is not done.
+* PP (and virtual PP): the prefill goes through the stages in ``pipeline_microbatches`` parts (pipeline.py
+  ``StageChain.forward``); the decode steps then run in that many parts decoding on their own
+  (``pipelined_decode``), so successive steps overlap: part m's step t + 1 enters stage 0 while the later stages
+  still work on the other parts' step t. The last stage picks the tokens and sends them (with their log-probs)
+  to every stage. The default is pp parts; bench/pipeline_decode.py measures them against the stages in turn.
 * DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks, except
   for MoE models at ep > 1 (below).
 * SP and CP: switched off for the call (layout.py ``whole_sequences``): a decode step has one token per row,
@@ -54,7 +51,8 @@ Parallelism.
   (``data_parallel_seed`` gives each its own sampling stream).
 * EP: an MoE forward exchanges tokens between the ranks that share experts, which span DP replicas (and CP
   ranks) when ep > tp. Those replicas agree on the prefill length and the buffer width, and decode until every
-  replica's rows are done (layout.py ``Lockstep``); rows that finished early just stop growing.
+  replica's rows are done (layout.py ``Lockstep``; under PP per part); rows that finished early just stop
+  growing.
 
 Speed. Decoding runs under ``torch.inference_mode``. Megatron keeps a few tensors made during a forward
 (rotary tables in an ``lru_cache``, the attention scratch buffer); inference tensors left there would break
@@ -81,7 +79,10 @@ import torch
 from megatron_rl.generation.attention import RopeOnceDecode, sdpa_core_attention
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsupported
-from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens
+from megatron_rl.generation.pipeline import StageChain, pipelined_decode
+from megatron_rl.generation.rows import (DecodeRows, Stops, compacted_rows, copy_cache_rows, row_bucket,
+                                         stop_check_interval, worth_compacting)
+from megatron_rl.generation.sampling import SamplingParams, StepChoice, StepDraws, choose_tokens
 from megatron_rl.runtime.checkpoint import unwrap
 
 
@@ -143,97 +144,6 @@ def check_generation_layout(chunks: list) -> None:
                                   "model with flash_decode=False")
 
 
-def default_pipeline_microbatches(pp: int, device: torch.device) -> int:
-    """pp parts on a GPU, where a stage's forward is long next to its fixed cost; 1 (the stages in turn) on the
-    CPU, where splitting doubles the per-forward overhead: bench/pipeline_decode.py measured 2 parts at PP2
-    0.71x the speed of the stages in turn (small model, 64 rows)."""
-    return pp if device.type == "cuda" else 1
-
-
-class _StageChain:
-    """One forward of every pipeline stage (and virtual stage), hidden states handed on by send/recv; under PP
-    the rows go through in ``microbatches`` parts, so that stage s works on part m + 1 while stage s + 1 works
-    on part m (each part writes its own rows of the cache: ``batch_size_offset``)."""
-
-    def __init__(self, chunks: list, context, *, device: torch.device, microbatches: Optional[int] = None) -> None:
-        from megatron.core import parallel_state as ps
-
-        self.chunks = chunks
-        self.context = context
-        self.device = device
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        config = chunks[0].config
-        self.hidden_size = config.hidden_size
-        self.pipeline_dtype = config.pipeline_dtype or config.params_dtype
-        if self.pp_size > 1:
-            self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
-            self.next_rank = ps.get_pipeline_model_parallel_next_rank()
-            self.pp_group = ps.get_pipeline_model_parallel_group()
-            self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
-        if self.tp_size > 1:
-            self.tp_group = ps.get_tensor_model_parallel_group()
-            self.tp_src_rank = ps.get_tensor_model_parallel_src_rank()
-        self.microbatches = default_pipeline_microbatches(self.pp_size, device) if microbatches is None \
-            else microbatches
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """Logits ``[batch, padded_vocab]`` of the last fed position on the last stage; None elsewhere."""
-        if self.pp_size == 1 and len(self.chunks) == 1:
-            return self.chunks[0](tokens, positions, None, inference_context=self.context,
-                                  runtime_gather_output=True)[:, -1]
-        rows = tokens.size(0)
-        parts = max(1, min(self.microbatches, rows))
-        bounds = [(rows * i // parts, rows * (i + 1) // parts) for i in range(parts)]
-        outputs, sends = [], []
-        try:
-            for start, stop in bounds:
-                self.context.batch_size_offset = start
-                output = self._rows_forward(tokens[start:stop], positions[start:stop], sends)
-                if output is not None:
-                    outputs.append(output)
-        finally:
-            self.context.batch_size_offset = 0
-            for handle, _ in sends:
-                handle.wait()
-        return torch.cat(outputs) if self.is_last_stage else None
-
-    def _rows_forward(self, tokens: torch.Tensor, positions: torch.Tensor, sends: list) -> Optional[torch.Tensor]:
-        output = None
-        last_chunk = len(self.chunks) - 1
-        for v, model in enumerate(self.chunks):
-            if v > 0 or self.pp_rank > 0:
-                hidden = torch.empty((tokens.size(1), tokens.size(0), self.hidden_size),
-                                     dtype=self.pipeline_dtype, device=self.device)
-                torch.distributed.recv(hidden, src=self.prev_rank, group=self.pp_group)
-                model.set_input_tensor(hidden)
-            output = model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
-            if v < last_chunk or not self.is_last_stage:
-                sent = output.contiguous()  # kept alive until the send completes
-                sends.append((torch.distributed.isend(sent, dst=self.next_rank, group=self.pp_group), sent))
-        return output[:, -1] if self.is_last_stage else None
-
-    def share(self, choice: Optional[StepChoice], batch: int) -> StepChoice:
-        """The last stage's TP-rank-0 choice, on every TP and PP rank."""
-        if self.tp_size == 1 and self.pp_size == 1:
-            return choice
-        packed = torch.empty((3, batch), dtype=torch.float64, device=self.device)
-        if choice is not None:
-            torch.stack([choice.tokens.double(), choice.policy_logprobs.double(),
-                         choice.sampling_logprobs.double()], out=packed)
-        if self.tp_size > 1 and self.is_last_stage:
-            torch.distributed.broadcast(packed, src=self.tp_src_rank, group=self.tp_group)
-        if self.pp_size > 1:
-            torch.distributed.broadcast(packed, src=self.pp_last_rank, group=self.pp_group)
-        return StepChoice(tokens=packed[0].long(), policy_logprobs=packed[1].float(),
-                          sampling_logprobs=packed[2].float())
-
-
 class _KVCache:
     """A ``StaticInferenceContext`` whose tensors are dropped, and checked to be freed, on exit."""
 
@@ -278,26 +188,6 @@ def drop_inference_tensors_from_megatron_caches(chunks: list) -> None:
             del scratch.buffer[name]
 
 
-class _Stops:
-    """Stop tokens and multi-token stop sequences, checked on the token just written at position t."""
-
-    def __init__(self, stop_token_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]],
-                 device: torch.device) -> None:
-        self.token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
-        self.sequences = [torch.tensor(list(s), dtype=torch.long, device=device) for s in stop_sequences if len(s)]
-
-    def hit(self, tokens: torch.Tensor, t: int, prompt_lens: torch.Tensor) -> Optional[torch.Tensor]:
-        """[batch] bool: the response of a row ends at position t with a stop token or sequence."""
-        hit = torch.isin(tokens[:, t], self.token_ids) if self.token_ids.numel() else None
-        for seq in self.sequences:
-            start = t - seq.numel() + 1
-            if start < 0:
-                continue
-            match = (tokens[:, start:t + 1] == seq).all(dim=-1) & (prompt_lens <= start)
-            hit = match if hit is None else hit | match
-        return hit
-
-
 def shared_prefill_rows(prefix: torch.Tensor,
                         lockstep: Lockstep) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(rows to prefill, for every row the index of its source among them) when rows of ``prefix`` [batch,
@@ -314,15 +204,6 @@ def shared_prefill_rows(prefix: torch.Tensor,
     return sources, expand
 
 
-def copy_cache_rows(context, expand: torch.Tensor, *, positions: int) -> None:
-    """Row ``i`` of every layer's cache (``[sequence, batch, ...]``) becomes a copy of row ``expand[i]``, over the
-    first ``positions`` positions: the shared prefill fanned out to the rows that share it."""
-    batch = expand.numel()
-    for memory in context.key_value_memory_dict.values():
-        for tensor in memory:
-            tensor[:positions, :batch] = tensor[:positions].index_select(1, expand)
-
-
 class GenerationStopped(Exception):
     """``generate``'s ``stop_requested`` said yes between two waves: the rollout is abandoned."""
 
@@ -337,54 +218,6 @@ def _joined(waves: list[GenerationOutput]) -> GenerationOutput:
         prefill_rows=sum(w.prefill_rows for w in waves), compactions=sum(w.compactions for w in waves),
         decode_attention=waves[0].decode_attention, decode_path=waves[0].decode_path,
         routes=None if waves[0].routes is None else rows("routes"))
-
-
-STOP_CHECK_EVERY_GPU = 8
-"""Decode steps between the host's looks at the finished rows on a GPU (each look is a device sync)."""
-ROW_BUCKET_GPU = 8
-"""On a GPU the compacted batch is a multiple of this many rows, so decode steps come in few shapes."""
-
-
-def stop_check_interval(device: torch.device) -> int:
-    return STOP_CHECK_EVERY_GPU if device.type == "cuda" else 1
-
-
-def row_bucket(running: int, device: torch.device) -> int:
-    """Rows to keep feeding for ``running`` live ones: exact on the CPU, rounded up to ROW_BUCKET_GPU on a GPU."""
-    if device.type != "cuda":
-        return running
-    return -(-running // ROW_BUCKET_GPU) * ROW_BUCKET_GPU
-
-
-COMPACT_MIN_ROWS = 8
-"""Fewer fed rows than this are never compacted: the saving is below the bookkeeping it adds to every step."""
-COMPACT_MIN_STEPS_LEFT = 8
-"""Nor with fewer decode steps left than this (the default job's 4-token responses never compact)."""
-
-
-def worth_compacting(fed: int, keep: int, *, steps_left: int) -> bool:
-    """Compact when at most 3/4 of the ``fed`` rows would be kept (and two or more can go), at least
-    COMPACT_MIN_ROWS are fed and COMPACT_MIN_STEPS_LEFT steps remain: at most ~2.4 ln(batch) compactions, each a
-    copy of the kept cache rows, against the dropped rows' share of every later step."""
-    return (keep <= (3 * fed) // 4 and fed - keep >= 2 and fed >= COMPACT_MIN_ROWS
-            and steps_left >= COMPACT_MIN_STEPS_LEFT)
-
-
-def compacted_rows(context, done: torch.Tensor, active: Optional[torch.Tensor], running: int, *,
-                   positions: int) -> torch.Tensor:
-    """The batch rows to feed from now on: those of ``active`` (None: every row) not ``done``, padded with
-    finished ones up to ``running`` (an expert-parallel lockstep wants the busiest worker's row count on every
-    worker; a GPU a bucketed row count). Their cache rows move to the front, in that order, over the first
-    ``positions`` positions."""
-    batch = done.numel()
-    current = torch.arange(batch, device=done.device) if active is None else active
-    live = current[~done[current]]
-    if live.numel() < running:
-        live = torch.cat([live, current[done[current]][:running - live.numel()]])
-    slot = torch.empty(batch, dtype=torch.long, device=done.device)
-    slot[current] = torch.arange(current.numel(), device=done.device)
-    copy_cache_rows(context, slot[live], positions=positions)
-    return live
 
 
 def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
@@ -411,9 +244,9 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     feeds every row until the last one finishes. ``max_concurrent`` (generation.max_concurrent): decode at most
     this many prompts at once, in consecutive waves, so the KV cache holds that many rows (the planner counts
     the same cap); ``stop_requested`` is asked before every wave after the first (every rank asks at the same
-    points, so it may be a collective) and a yes raises ``GenerationStopped``. ``pipeline_microbatches`` (default ``default_pipeline_microbatches``): parts of the rows each
-    pipelined forward is split into, so the stages overlap; 1 runs the stages one after another. Returns on every
-    rank of the model-parallel group.
+    points, so it may be a collective) and a yes raises ``GenerationStopped``. ``pipeline_microbatches`` (default
+    pp): under PP, the parts the rows decode in, each on its own, so that the stages work at once (pipeline.py);
+    1 runs the stages one after another. Returns on every rank of the model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
@@ -452,16 +285,11 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                                   compact=compact, pipeline_microbatches=pipeline_microbatches))
         return _joined(waves)
 
-    tokens = torch.full((batch, total), pad_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+    rows = DecodeRows.new(prompts, total=total, max_new_tokens=max_new_tokens, pad_id=pad_id, device=device,
+                          stops=Stops(([eos_id] if eos_id is not None else []) + list(stop_token_ids), stop_sequences,
+                                      device))
+    tokens = rows.tokens
     positions = torch.arange(total, device=device).unsqueeze(0).expand(batch, -1)
-    policy_lp = torch.zeros((batch, total), dtype=torch.float32, device=device)
-    sampling_lp = torch.zeros((batch, total), dtype=torch.float32, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-    end = prompt_lens + max_new_tokens  # exclusive end position of each row's response
-    stops = _Stops(([eos_id] if eos_id is not None else []) + list(stop_token_ids), stop_sequences, device)
 
     was_training = [chunk.training for chunk in chunks]
     for chunk in chunks:
@@ -474,11 +302,17 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     forwards, compactions = 0, 0
     check_every = stop_check_interval(device)
     lean, used_lean = None, False
+    draws = None if params.greedy else StepDraws(generator, batch=batch, vocab_size=vocab_size, device=device)
+
+    def choose(logits: torch.Tensor, batch_rows: Optional[torch.Tensor], t: int) -> StepChoice:
+        return choose_tokens(logits, vocab_size=vocab_size, params=params,
+                             race=None if draws is None else draws.at(t, batch_rows))
+
     try:
         with whole_sequences(chunks), torch.inference_mode(), \
                 sdpa_core_attention(chunks if fast_attention else []) as swapped, \
                 cache as context, RopeOnceDecode(chunks if fast_attention else [], context) as rope_once:
-            chain = _StageChain(chunks, context, device=device, microbatches=pipeline_microbatches)
+            chain = StageChain(chunks, context, device=device, microbatches=pipeline_microbatches)
             fed_from = 0
             active = None  # the batch rows still fed (cache rows 0..len-1), once finished rows are compacted away
             for t in range(shortest, total):
@@ -502,30 +336,24 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                         used_lean = True
                 forwards += 1
                 fed_from = t
-                local = (choose_tokens(logits, vocab_size=vocab_size, params=params, generator=generator,
-                                       rows=active, batch=batch) if logits is not None else None)
+                local = None if logits is None else choose(logits, active, t)
                 choice = chain.share(local, batch if active is None else active.numel())
-                if active is not None:
-                    choice = choice.scattered(active, batch)
-                writing = (prompt_lens <= t) & ~done
-                tokens[:, t] = torch.where(writing, choice.tokens, tokens[:, t])
-                policy_lp[:, t] = torch.where(writing, choice.policy_logprobs, 0.0)
-                sampling_lp[:, t] = torch.where(writing, choice.sampling_logprobs, 0.0)
-                hit = stops.hit(tokens, t, prompt_lens)
-                if hit is not None:
-                    hit = hit & writing
-                    stopped |= hit
-                    end = torch.where(hit, t + 1, end)
-                done |= writing & (end <= t + 1)
+                rows.record(choice if active is None else choice.scattered(active, batch), t)
+                if chain.pp_size > 1:
+                    steps, compactions = pipelined_decode(chain, rows, first=t, total=total, choose=choose,
+                                                          compact=compact, check_every=check_every,
+                                                          lockstep=lockstep, recorder=recorder)
+                    forwards += steps
+                    break
                 if (t + 1 - shortest) % check_every:
                     continue  # finished rows stop writing; the host learns of them at the next check
-                running = lockstep.running(done)
+                running = lockstep.running(rows.done)
                 if running == 0:
                     break
                 fed_rows = batch if active is None else active.numel()
                 keep = min(fed_rows, row_bucket(running, device))
                 if compact and worth_compacting(fed_rows, keep, steps_left=total - 1 - t):
-                    active = compacted_rows(context, done, active, keep, positions=t)
+                    active = compacted_rows(context, rows.done, active, keep, positions=t)
                     compactions += 1
     finally:
         lean = None
@@ -535,19 +363,10 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
         for chunk, flag in zip(chunks, was_training):
             chunk.train(flag)
 
-    ends = end.tolist()
-    starts = prompt_lens.tolist()
-    token_rows, policy_rows, sampling_rows = tokens.tolist(), policy_lp.tolist(), sampling_lp.tolist()
-    flags = stopped.tolist()
     return GenerationOutput(
-        tokens=[row[s:e] for row, s, e in zip(token_rows, starts, ends)],
-        logprobs=[row[s:e] for row, s, e in zip(policy_rows, starts, ends)],
-        sampling_logprobs=[row[s:e] for row, s, e in zip(sampling_rows, starts, ends)],
-        lengths=[e - s for s, e in zip(starts, ends)],
-        finish_reasons=["stop" if f else "length" for f in flags],
-        forward_passes=forwards, kv_cache_bytes=cache.nbytes,
+        **rows.responses(), forward_passes=forwards, kv_cache_bytes=cache.nbytes,
         prefill_rows=batch if sources is None else int(sources.numel()), compactions=compactions,
         decode_attention="+".join(name for name, used in (("sdpa", swapped > 0), ("rope-once", rope_once.enabled))
                                   if used) or "megatron",
         decode_path="lean" if used_lean else "modules",
-        routes=None if recorder is None else recorder.rows([e - 1 for e in ends]))
+        routes=None if recorder is None else recorder.rows([e - 1 for e in rows.end.tolist()]))

@@ -89,14 +89,34 @@ class StepChoice:
                           sampling_logprobs=place(self.sampling_logprobs))
 
 
+class StepDraws:
+    """The exponential race of each decode step, drawn once for the whole batch and indexed by the rows that ask:
+    each row's draws are the same whatever rows are still decoding (finished ones compacted away) and whatever
+    part of the batch asks first (pipeline parts decode on their own). Steps must be asked for in order."""
+
+    def __init__(self, generator: Optional[torch.Generator], *, batch: int, vocab_size: int,
+                 device: torch.device) -> None:
+        self.generator, self.shape, self.device = generator, (batch, vocab_size), device
+        self.step: Optional[int] = None
+        self.race: Optional[torch.Tensor] = None
+
+    def at(self, t: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Step ``t``'s draws ``[batch, vocab_size]``, or those of batch rows ``rows``."""
+        if t != self.step:
+            if self.step is not None and t < self.step:
+                raise RuntimeError(f"draws of step {t} asked for after step {self.step}")
+            self.race = torch.empty(self.shape, dtype=torch.float32, device=self.device).exponential_(
+                generator=self.generator)
+            self.step = t
+        return self.race if rows is None else self.race[rows]
+
+
 def choose_tokens(logits: torch.Tensor, *, vocab_size: int, params: SamplingParams,
-                  generator: Optional[torch.Generator], rows: Optional[torch.Tensor] = None,
-                  batch: Optional[int] = None) -> StepChoice:
+                  generator: Optional[torch.Generator] = None, race: Optional[torch.Tensor] = None) -> StepChoice:
     """Pick the next token of every row from ``logits`` ``[batch, padded_vocab]``.
 
-    ``rows`` (with ``batch``): ``logits`` are those rows of a ``batch``-row decode (finished rows compacted
-    away); the random draw is still made for the whole batch and indexed, so each row's draws are the same
-    whatever rows are still decoding."""
+    Sampling draws its exponential race from ``generator``, or takes ``race`` ``[batch, vocab_size]`` (a
+    ``StepDraws`` row selection) instead."""
     logits = logits.float()
     policy = torch.log_softmax(logits, dim=-1)
     real = logits[:, :vocab_size]
@@ -106,10 +126,10 @@ def choose_tokens(logits: torch.Tensor, *, vocab_size: int, params: SamplingPara
     else:
         shaped = sampling_logits(real, params)
         probs = torch.softmax(shaped, dim=-1)
+        if race is None:
+            race = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
         # A zero draw would turn a removed token's 0/0 into NaN, which argmax would pick.
-        shape = probs.shape if rows is None else (batch, probs.size(-1))
-        race = torch.empty(shape, dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
-        race = (race if rows is None else race[rows]).clamp_min_(torch.finfo(probs.dtype).tiny)
+        race = race.clamp_min(torch.finfo(probs.dtype).tiny)
         tokens = (probs / race).argmax(dim=-1)
         sampled_lp = torch.log_softmax(shaped, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     policy_lp = policy.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -121,7 +121,8 @@ class RouteRecorder:
     each row's first ``lengths[i]`` positions as ``[length, slots, topk]`` int16 on the CPU."""
 
     def __init__(self, chunks: list, *, batch: int, total: int, device: torch.device) -> None:
-        self.replays = [r for chunk in chunks for r in routers(chunk)]
+        self.chunk_replays = [routers(chunk) for chunk in chunks]
+        self.replays = [r for replays in self.chunk_replays for r in replays]
         if not self.replays:
             raise ValueError("record_routes needs an MoE model built with router replay (algorithm.router_replay)")
         self.batch = batch
@@ -133,10 +134,11 @@ class RouteRecorder:
             replay.set_router_replay_action(RouterReplayAction.RECORD)
 
     def take(self, start: int, end: int, *, sources: Optional[torch.Tensor] = None,
-             rows: Optional[torch.Tensor] = None) -> None:
+             rows: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> None:
         """``sources``: the forward ran fewer rows (a shared prefill) and batch row i is their ``sources[i]``;
-        ``rows``: the forward ran only these batch rows (the others finished and were compacted away)."""
-        for replay in self.replays:
+        ``rows``: the forward ran only these batch rows (the others finished, or decode in another part);
+        ``chunk``: only that chunk (virtual stage) of this rank ran."""
+        for replay in self.replays if chunk is None else self.chunk_replays[chunk]:
             parts = replay.recorded_parts  # each [(end - start) * rows of the part, topk], sequence-major
             topk = parts[0].size(-1)
             if self.routes is None:

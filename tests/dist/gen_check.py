@@ -223,19 +223,27 @@ def main() -> None:
             "vs_sequence_logprobs": max_abs_diff(shared.logprobs, response_slice(full, grouped, shared.lengths)),
             "forward_passes": [shared.forward_passes, static.forward_passes]}
 
-    # Pipelined decode: the rows in pp parts so that the stages overlap, against one part (stages in turn).
+    # Pipelined decode: the rows in 1, 2 or 3 parts, each decoding on its own so that successive steps overlap
+    # across the stages (3 parts of 16 rows: uneven), with shared prefill and compaction per part, against one
+    # part fed whole (the stages in turn, every row to the end); greedy, sampled (the same seed) and with a stop.
     if args.pp > 1:
-        seconds = {}
-        runs = {}
-        for parts in (1, 2):
-            started = time.perf_counter()
-            runs[parts] = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
-                                   pipeline_microbatches=parts)
-            seconds[parts] = time.perf_counter() - started
-        result["pipeline_microbatches"] = {
-            "tokens_equal": runs[1].tokens == runs[2].tokens,
-            "logprob_diff": max_abs_diff(runs[1].logprobs, runs[2].logprobs),
-            "seconds_one_part": seconds[1], "seconds_two_parts": seconds[2]}
+        result["pipelined"] = {}
+        for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5)),
+                             ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
+            static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
+                              compact=False, pipeline_microbatches=1, **kwargs)
+            for parts in (1, 2, 3):
+                started = time.perf_counter()
+                run = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
+                               pipeline_microbatches=parts, **kwargs)
+                result["pipelined"][f"{name}_{parts}"] = {
+                    "seconds": time.perf_counter() - started, "compactions": run.compactions,
+                    "forward_passes": [run.forward_passes, static.forward_passes],
+                    "tokens_equal": run.tokens == static.tokens,
+                    "finish_reasons_equal": run.finish_reasons == static.finish_reasons,
+                    "stopped": run.finish_reasons.count("stop"),
+                    "logprob_diff": max_abs_diff(run.logprobs, static.logprobs),
+                    "sampling_logprob_diff": max_abs_diff(run.sampling_logprobs, static.sampling_logprobs)}
 
     # generation.max_concurrent: the same rows in waves of 8 (the KV cache sized for 8 rows).
     waves = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, max_concurrent=8)

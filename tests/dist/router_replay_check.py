@@ -2,7 +2,7 @@
 tests/test_router_replay.py.
 
 Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/router_replay_check.py --tp 2 --ep 2
---sp --out DIR`` (also ``--ep 2``: EP across two DP replicas; ``--pp 2``; ``--cp 2``).
+--sp --out DIR`` (also ``--ep 2``: EP across two DP replicas; ``--pp 2``; ``--cp 2``; ``--pp 2 --ep 2`` on 4 ranks).
 
 Forward hooks on every router see what the layers really did: the router's input (so its logits) and the
 routing map it returned. Each local router row is mapped back to its sequence and position by the test's own
