@@ -1,7 +1,7 @@
 """Seconds per GRPO step (generate + score + train) of our trainer against TRL's ``GRPOTrainer``, same run.
 
-Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small --steps 16 --block 2 --warmup 2
---threads 1 --prompts 8 --group 8 --new-tokens 16 --profile``). Needs ``trl datasets accelerate`` (the ``bench``
+Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small,long --steps 16 --long-steps 6
+--long-new-tokens 128 --block 2 --warmup 2 --threads 1 --prompts 8 --group 8 --new-tokens 16 --profile``). Needs ``trl datasets accelerate`` (the ``bench``
 extra). CPU, fp32, no network (``HF_HUB_OFFLINE=1``).
 
 Each side runs in its own worker process (ours: ``GrpoRun`` on Megatron Core, world size 1, gloo; TRL:
@@ -22,8 +22,11 @@ tokenizer is our character vocabulary as a ``PreTrainedTokenizerFast`` (ids padd
 with unused tokens).
 
 Sizes: ``tiny`` = the ``tiny-cpu`` preset (hidden 64, 2 layers, 4 heads / 2 KV heads, ffn 128, vocab 128);
-``small`` = hidden 256, 4 layers, 8 heads / 4 KV heads, ffn 704, vocab 512. The main figure is the first size.
-The last line is one JSON object; ``speedup`` = TRL seconds / our seconds (> 1: we are faster).
+``small`` = hidden 256, 4 layers, 8 heads / 4 KV heads, ffn 704, vocab 512; ``long`` = the small model with
+``--long-new-tokens`` (128) per completion, ``--long-steps`` (6) timed steps. The main figure is the first size.
+Each size reports the medians and the spread of the per-step ratios (TRL's i-th timed step over ours, taken in
+the same block pair): median, quartiles, min and max. The last line is one JSON object; ``speedup`` = TRL seconds /
+our seconds (medians, > 1: we are faster).
 Threads: 1 by default. On this 2-core machine, shared with other jobs, 2 OpenMP threads per side measure
 the neighbours more than the trainers (TRL's 2-thread steps swung between 0.1 s and 10 s while ours stayed
 near 0.13 s); ``--threads 2`` is meaningful only on an idle machine.
@@ -371,12 +374,20 @@ class Worker:
             self.process.join()
 
 
-def measure_size(size: str, model: str, args, work_root: Path) -> dict:
-    """Interleaved blocks of steps on both sides for one model size; medians and splits."""
-    total = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
-    blocks = [args.warmup] + [args.block] * (args.steps // args.block) + (
-        [args.steps % args.block] if args.steps % args.block else [])
-    settings = BenchSettings(model=model, prompts=args.prompts, group=args.group, new_tokens=args.new_tokens,
+def ratio_spread(ratios: list[float]) -> dict:
+    """Median, quartiles, min and max of per-step ratios."""
+    if len(ratios) < 2:
+        return {"median": ratios[0], "q1": ratios[0], "q3": ratios[0], "min": ratios[0], "max": ratios[0]}
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3, "min": min(ratios), "max": max(ratios)}
+
+
+def measure_size(size: str, model: str, args, work_root: Path, *, new_tokens: int, steps: int) -> dict:
+    """Interleaved blocks of steps on both sides for one model size; medians, splits and the ratios' spread."""
+    total = args.warmup + steps + (args.profile_steps if args.profile else 0)
+    blocks = [args.warmup] + [args.block] * (steps // args.block) + (
+        [steps % args.block] if steps % args.block else [])
+    settings = BenchSettings(model=model, prompts=args.prompts, group=args.group, new_tokens=new_tokens,
                              threads=args.threads, seed=args.seed, total_steps=total,
                              work_dir=str(work_root / size))
     load_before = os.getloadavg()[0]
@@ -399,7 +410,7 @@ def measure_size(size: str, model: str, args, work_root: Path) -> dict:
     first = {name: times[name][0]["prompts"] for name in times}
     if first["ours"] != first["trl"]:
         raise RuntimeError(f"the two sides saw different prompts at step 1: {first['ours'][:3]} vs {first['trl'][:3]}")
-    expected_tokens = args.prompts * args.group * args.new_tokens
+    expected_tokens = args.prompts * args.group * new_tokens
     lengths = {t["response_tokens"] for t in times["ours"]}
     if lengths != {expected_tokens}:
         raise RuntimeError(f"our completions held {sorted(lengths)} tokens per step, expected {expected_tokens}")
@@ -413,7 +424,8 @@ def measure_size(size: str, model: str, args, work_root: Path) -> dict:
         "ours_split_s": {k: median("ours", k) for k in ("generate", "score", "train", "other")},
         "trl_split_s": {k: median("trl", k) for k in ("generate", "score", "train")},
         "ours_s_all": [t["total"] for t in timed["ours"]], "trl_s_all": [t["total"] for t in timed["trl"]],
-        "steps_timed": len(timed["ours"]), "warmup_steps": args.warmup, "block": args.block,
+        "new_tokens": new_tokens, "steps_timed": len(timed["ours"]), "warmup_steps": args.warmup, "block": args.block,
+        "speedup_per_step": ratio_spread([t["total"] / o["total"] for o, t in zip(timed["ours"], timed["trl"])]),
         "threads": {name: sorted(seen) for name, seen in threads_seen.items()},
         "first_ratio_ours": times["ours"][-1]["first_ratio"],
         "load_average_1min": [load_before, os.getloadavg()[0]],
@@ -428,7 +440,8 @@ def measure_size(size: str, model: str, args, work_root: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="tiny,small", help="comma list of tiny, small; the first is the main one")
+    parser.add_argument("--sizes", default="tiny,small,long",
+                        help="comma list of tiny, small, long; the first is the main one")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per side and size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     parser.add_argument("--block", type=int, default=2, help="steps per turn before the other side runs")
@@ -437,35 +450,45 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--long-new-tokens", type=int, default=128, help="new tokens per completion of size long")
+    parser.add_argument("--long-steps", type=int, default=6, help="timed steps per side of size long")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--profile", action="store_true", help="also cProfile our step and print the top")
     parser.add_argument("--profile-steps", type=int, default=5)
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    if not sizes or any(s not in ("tiny", "small") for s in sizes):
-        parser.error("--sizes takes a comma list of tiny and small")
-    if min(args.steps, args.block, args.threads) < 1 or args.warmup < 1:
-        parser.error("--steps, --block, --threads and --warmup must be >= 1")
+    if not sizes or any(s not in ("tiny", "small", "long") for s in sizes):
+        parser.error("--sizes takes a comma list of tiny, small and long")
+    if min(args.steps, args.block, args.threads, args.long_steps, args.long_new_tokens) < 1 or args.warmup < 1:
+        parser.error("--steps, --long-steps, --long-new-tokens, --block, --threads and --warmup must be >= 1")
 
     with tempfile.TemporaryDirectory(prefix="grpo_step_bench_") as tmp:
         work_root = Path(tmp)
         small_yaml = work_root / "small-cpu-bench.yaml"
         small_yaml.write_text(SMALL_SHAPE_YAML)
-        models = {"tiny": "tiny-cpu", "small": str(small_yaml)}
+        long_yaml = work_root / "small-cpu-bench-long.yaml"  # the same model, with room for long responses
+        long_yaml.write_text(SMALL_SHAPE_YAML.replace("seq_length: 64", "seq_length: 512").replace(
+            "max_position_embeddings: 128", "max_position_embeddings: 512"))
+        models = {"tiny": "tiny-cpu", "small": str(small_yaml), "long": str(long_yaml)}
         results = {}
         for size in sizes:
-            results[size] = measure_size(size, models[size], args, work_root)
+            long = size == "long"
+            results[size] = measure_size(size, models[size], args, work_root,
+                                         new_tokens=args.long_new_tokens if long else args.new_tokens,
+                                         steps=args.long_steps if long else args.steps)
             results[size]["model"] = size if size == "tiny" else "small-cpu-bench (hidden 256, 4 layers, vocab 512)"
 
-    print(f"GRPO step, {args.prompts} prompts x {args.group} completions x {args.new_tokens} new tokens, fp32, "
-          f"{args.threads} torch threads per side, medians of {args.steps} steps after {args.warmup} warm-up, "
-          f"blocks of {args.block} alternating")
+    print(f"GRPO step, {args.prompts} prompts x {args.group} completions, fp32, {args.threads} torch threads per "
+          f"side, medians after {args.warmup} warm-up steps, blocks of {args.block} alternating")
     for size, r in results.items():
-        o, t = r["ours_split_s"], r["trl_split_s"]
-        print(f"{size:6} ours {r['ours_s']:.4f} s (generate {o['generate']:.4f}, score {o['score']:.4f}, "
+        o, t, spread = r["ours_split_s"], r["trl_split_s"], r["speedup_per_step"]
+        print(f"{size:6} {r['new_tokens']} new tokens, {r['steps_timed']} steps")
+        print(f"{'':6} ours {r['ours_s']:.4f} s (generate {o['generate']:.4f}, score {o['score']:.4f}, "
               f"train {o['train']:.4f}, other {o['other']:.4f})")
         print(f"{'':6} TRL  {r['trl_s']:.4f} s (generate {t['generate']:.4f}, score {t['score']:.4f}, "
-              f"train+rest {t['train']:.4f})   speedup TRL/ours {r['speedup']:.2f}")
+              f"train+rest {t['train']:.4f})")
+        print(f"{'':6} speedup TRL/ours {r['speedup']:.2f}; per step median {spread['median']:.2f}, quartiles "
+              f"{spread['q1']:.2f}..{spread['q3']:.2f}, range {spread['min']:.2f}..{spread['max']:.2f}")
         if "profile" in r:
             print(f"--- cProfile of our step ({size}, {args.profile_steps} steps, {r['profile']['wall_s']:.2f} s)")
             print(r["profile"]["cumulative"])
@@ -474,8 +497,10 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "benchmark": "grpo_step", "main_size": main_size, "speedup": results[main_size]["speedup"],
         "speedups": {size: r["speedup"] for size, r in results.items()},
+        "speedup_spreads": {size: r["speedup_per_step"] for size, r in results.items()},
         "settings": {"prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
-                     "threads": args.threads, "steps": args.steps, "warmup": args.warmup, "block": args.block,
+                     "long_new_tokens": args.long_new_tokens, "threads": args.threads, "steps": args.steps,
+                     "long_steps": args.long_steps, "warmup": args.warmup, "block": args.block,
                      "dtype": "fp32", "lr": LEARNING_RATE, "eos": "disabled (exact new_tokens per completion)"},
         "sizes": {size: {k: v for k, v in r.items() if k != "profile"} for size, r in results.items()},
     }

@@ -49,6 +49,10 @@ def test_one_step_each_side_prints_the_ratio(tmp_path):
     assert tiny["threads"] == {"ours": [1], "trl": [1]}
     assert tiny["ours_s"] > 0 and tiny["trl_s"] > 0
     assert summary["speedup"] == pytest.approx(tiny["trl_s"] / tiny["ours_s"])
+    ratios = [t / o for o, t in zip(tiny["ours_s_all"], tiny["trl_s_all"])]
+    spread = summary["speedup_spreads"]["tiny"]
+    assert spread["min"] == pytest.approx(min(ratios)) and spread["max"] == pytest.approx(max(ratios))
+    assert spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"] <= spread["max"]
     split = tiny["ours_split_s"]
     assert sum(split.values()) == pytest.approx(tiny["ours_s"], rel=0.2)
     # Colocated generation log-probs match the training forward: the first importance ratio is 1.

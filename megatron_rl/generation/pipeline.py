@@ -2,22 +2,28 @@
 
 ``StageChain.forward`` runs one forward of the rows through every stage (and virtual stage), hidden states handed
 on by send/recv, in ``microbatches`` parts so that stage s works on part m + 1 while stage s + 1 works on part m.
-Within one forward that overlaps only the pipeline's fill and drain. It runs the prefill, and the decode steps
-where the loop must stay in lockstep with other replicas (MoE at ep > 1) or records expert routes.
+Within one forward that overlaps only the pipeline's fill and drain; it runs the prefill.
 
 ``pipelined_decode`` overlaps successive decode steps. The rows are split into M parts (M = pp by default), each
 decoding on its own: part m's step t + 1 enters stage 0 as soon as part m's step-t token is chosen, while the
 later stages still work on the other parts' step t. Every rank walks its units in the order (step, virtual
 stage, part); a unit waits for the previous virtual stage of the same part and step, or, on stage 0's first
-virtual stage, for the part's previous token. With M >= pp every stage is busy in the steady state: a step of all
-rows takes vpp x max(pp x (one part's virtual-stage forward + hop), M x the same forward), against pp x vpp full
-forwards when the stages take turns. The last stage picks the tokens (TP rank 0's choice, broadcast over TP) and
-sends each part's choice straight to every other stage, tagged apart from the hidden states. Every rank records
+virtual stage, for the part's previous token. With M >= pp every stage is busy in the steady state: a step of
+all rows takes vpp x max(pp, M) forwards of one part's virtual stage (plus a hop each), against vpp x pp forwards
+of all rows when the stages take turns (M = 1).
+
+The last stage picks the tokens (TP rank 0's choice, broadcast over TP) and sends each part's choice straight to
+every other stage. Messages to an earlier stage (the choices, and the last stage's hand-over to stage 0's next
+virtual stage) travel on a group of their own (``runtime.distributed.pipeline_return_group``), so every
+communicator carries one direction, its messages in the order both ends post them. They go untagged, as NCCL
+matches them; gloo matches untagged messages by order too, so the CPU runs check that order. Every rank records
 the same choices for a part before that part's next forward, so every rank holds the same rows, compacts the
-same way (each part in its own cache slots) and stops at the same point, without collectives. Sampling draws one
-``[batch, vocab]`` exponential race per step, the first time any part needs it, and each part indexes its rows:
-the draws, and so the tokens, are those of the whole batch decoded in one piece (``generate(share_prefill=False,
-compact=False)``).
+same way (each part in its own cache slots) and stops at the same point; under an expert-parallel ``Lockstep``
+the replicas agree per part, as the whole batch does at PP=1.
+
+Sampling draws one ``[batch, vocab]`` exponential race per step, the first time any part needs it, and each part
+indexes its rows (``StepDraws``): the draws, and so the tokens, are those of the whole batch decoded in one piece
+(``generate(share_prefill=False, compact=False, pipeline_microbatches=1)``).
 
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q -k pipelined`` (PP2 x VPP2 against the stages in
 turn, greedy, sampled and with stops); ``bench/pipeline_decode.py`` times both.
@@ -33,10 +39,7 @@ import torch
 from megatron_rl.generation.layout import Lockstep
 from megatron_rl.generation.rows import DecodeRows, compacted_rows, row_bucket, worth_compacting
 from megatron_rl.generation.sampling import StepChoice
-
-CHOICE_TAG = 1
-"""The p2p tag of the last stage's token choices (hidden states go untagged)."""
-
+from megatron_rl.runtime.distributed import pipeline_return_group
 
 def default_pipeline_microbatches(pp: int) -> int:
     """pp parts: with M >= pp parts every stage works at once in the steady state of ``pipelined_decode``. On the
@@ -67,6 +70,11 @@ class StageChain:
             self.pp_group = ps.get_pipeline_model_parallel_group()
             self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
             self.pp_ranks = torch.distributed.get_process_group_ranks(self.pp_group)
+            self.return_group = pipeline_return_group()
+            # messages to a later stage go on Megatron's pipeline group, those to an earlier one (the last
+            # stage's to stage 0, the token choices) on the return group: each communicator carries one direction
+            self.recv_group = self.return_group if self.pp_rank == 0 else self.pp_group
+            self.send_group = self.return_group if self.is_last_stage else self.pp_group
         if self.tp_size > 1:
             self.tp_group = ps.get_tensor_model_parallel_group()
             self.tp_src_rank = ps.get_tensor_model_parallel_src_rank()
@@ -108,12 +116,12 @@ class StageChain:
         if v > 0 or self.pp_rank > 0:
             hidden = torch.empty((tokens.size(1), tokens.size(0), self.hidden_size),
                                  dtype=self.pipeline_dtype, device=self.device)
-            torch.distributed.recv(hidden, src=self.prev_rank, group=self.pp_group)
+            torch.distributed.recv(hidden, src=self.prev_rank, group=self.recv_group)
             model.set_input_tensor(hidden)
         output = model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
         if v < len(self.chunks) - 1 or not self.is_last_stage:
             sent = output.contiguous()  # kept alive until the send completes
-            sends.append((torch.distributed.isend(sent, dst=self.next_rank, group=self.pp_group), sent))
+            sends.append((torch.distributed.isend(sent, dst=self.next_rank, group=self.send_group), sent))
             return None
         return output[:, -1]
 
@@ -130,12 +138,12 @@ class StageChain:
         """On the last stage: TP rank 0's choice, sent on to every other stage (``receive_choice``)."""
         packed = self._tp_shared(choice, choice.tokens.numel())
         for rank in self.pp_ranks[:-1]:
-            sends.append((torch.distributed.isend(packed, dst=rank, group=self.pp_group, tag=CHOICE_TAG), packed))
+            sends.append((torch.distributed.isend(packed, dst=rank, group=self.return_group), packed))
         return _unpacked(packed)
 
     def receive_choice(self, rows: int) -> StepChoice:
         packed = torch.empty((3, rows), dtype=torch.float64, device=self.device)
-        torch.distributed.recv(packed, src=self.pp_last_rank, group=self.pp_group, tag=CHOICE_TAG)
+        torch.distributed.recv(packed, src=self.pp_last_rank, group=self.return_group)
         return _unpacked(packed)
 
     def _tp_shared(self, choice: Optional[StepChoice], batch: int) -> torch.Tensor:

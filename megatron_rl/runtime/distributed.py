@@ -27,6 +27,7 @@ RANK_ZERO_WORK_TIMEOUT_S = 24 * 3600
 """How long the other ranks wait in ``on_rank_zero`` (a Hugging Face export of a 1 TB model takes many
 minutes): far beyond parallel.timeout_s, which stays short so that a hung collective is found quickly."""
 _rank_zero_wait: dict[str, object] = {}
+_pipeline_return: dict[str, object] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +127,8 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
         context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
+    if dims.pp > 1:
+        _pipeline_return["group"] = _new_pipeline_return_group()
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dist_env
@@ -138,8 +141,37 @@ def shutdown() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _rank_zero_wait.clear()
+    _pipeline_return.clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _new_pipeline_return_group():
+    """A second group over every pipeline's ranks (made by every rank, in the same order); this rank's."""
+    from megatron.core import parallel_state
+
+    mine = torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    found = None
+    for ranks in sorted({tuple(r) for r in every}):
+        group = torch.distributed.new_group(list(ranks))
+        if torch.distributed.get_rank() in ranks:
+            found = group
+    return found
+
+
+def pipeline_return_group():
+    """The group for point-to-point messages to an earlier pipeline stage (generation's token choices and the
+    last stage's hand-over to stage 0's next virtual stage), beside Megatron's pipeline group for those to a
+    later one. NCCL orders a rank pair's sends and receives in one stream per communicator, and a send blocks
+    until its receive is posted, so two stages sending to each other on one communicator can wait on each
+    other; with one group per direction every communicator carries messages one way, in the order both ends
+    post them."""
+    if "group" not in _pipeline_return:
+        raise RuntimeError("no pipeline return group: the parallel state was not set up by "
+                           "megatron_rl.runtime.distributed.initialize")
+    return _pipeline_return["group"]
 
 
 def global_rank() -> int:
