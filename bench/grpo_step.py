@@ -1,8 +1,8 @@
 """Seconds per GRPO step (generate + score + train) of our trainer against TRL's ``GRPOTrainer``, same run.
 
 Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small,long --steps 16 --long-steps 6
---long-new-tokens 128 --block 2 --warmup 2 --threads 1 --prompts 8 --group 8 --new-tokens 16 --profile``).
-Needs ``trl datasets accelerate`` (the ``bench`` extra). CPU, fp32, no network (``HF_HUB_OFFLINE=1``).
+--long-new-tokens 128 --block 2 --warmup 2 --threads 1 --prompts 8 --group 8 --new-tokens 16 --profile``). Needs ``trl datasets accelerate`` (the ``bench``
+extra). CPU, fp32, no network (``HF_HUB_OFFLINE=1``).
 
 Each side runs in its own worker process (ours: ``GrpoRun`` on Megatron Core, world size 1, gloo; TRL:
 ``GRPOTrainer`` on a ``LlamaForCausalLM``), both on ``--threads`` torch threads. This process only hands out

@@ -14,14 +14,9 @@ Two costs of Megatron's static-cache decoding that do not exist in a training fo
   this class rotates the prefilled keys once in place and turns that path on, with ``flash_decode`` given a
   torch body: RoPE by Megatron's ``apply_rotary_pos_emb`` with the model's own table, cache write, SDPA.
   The body is used even where flash-attn is installed, so GPUs run the same (tested) code as the CPU.
-* The KV cache of the layers whose core attention runs SDPA is batch-major (``_batch_major_memory``): a view
-  ``[sequence, batch, groups, dim]`` as Megatron indexes it, of ``[batch, groups, sequence, dim]`` storage, so a
-  decode step reads each row's keys of a query group as one block. Decode steps attend by ``decode_attention``
-  (two batched GEMMs per group). bench/generation.py, long case (small model, up to 256 tokens): 2.70 s against
-  3.36 s with SDPA on the sequence-major cache.
 
 Measured on the tiny Llama (CPU, batch 64, 8 + 32 tokens): the decode step takes about 0.6x the time.
-All three are per-instance and undone on exit, so training never sees them; configurations they do not
+Both are per-instance and undone on exit, so training never sees them; configurations they do not
 reproduce (sliding windows, softmax offsets, query-key layer scaling, output gates, YaRN/MLA, no-RoPE layers)
 keep Megatron's path.
 
@@ -67,34 +62,13 @@ def _sdpa_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return sdpa_context(query, key, value, scale=self.softmax_scale)
 
 
-def _batch_major_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
-    """``Attention._allocate_memory``'s contract, a ``[sequence, batch, groups, dim]`` cache, as a view of
-    ``[batch, groups, sequence, dim]`` storage: a row's keys of one query group lie together, which is what a
-    decode step's attention reads (``decode_attention``)."""
-    storage = torch.empty(batch_size, self.num_query_groups_per_partition, inference_max_sequence_length, dim,
-                          dtype=dtype, device=next(self.parameters()).device)
-    return storage.permute(2, 0, 1, 3)
-
-
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """One query token per row: ``query`` [b, groups, heads per group, d] against the cache's ``keys`` and
-    ``values`` [sequence, b, groups, d] (views of the batch-major storage) -> [b, groups, heads per group, d].
-    Two batched GEMMs per query group, without expanding the groups: on the CPU 2-2.8x faster than SDPA's kernel
-    (64 rows, 8 heads / 4 groups of 32, 40-264 cached positions)."""
-    scores = torch.matmul(query, keys.permute(1, 2, 3, 0)).mul_(scale)
-    return torch.matmul(torch.softmax(scores, dim=-1), values.permute(1, 2, 0, 3))
-
-
 @contextlib.contextmanager
 def sdpa_core_attention(chunks: list) -> Iterator[int]:
-    """Swap eligible core-attention modules of ``chunks`` to SDPA for the duration, and give their attention
-    layers a batch-major KV cache (``_batch_major_memory``); yields how many modules of ``chunks`` attend by
-    SDPA: those swapped and those built with it (runtime.attention=flash)."""
-    from megatron.core.transformer.attention import SelfAttention
-
+    """Swap eligible core-attention modules of ``chunks`` to SDPA for the duration; yields how many modules of
+    ``chunks`` attend by SDPA: those swapped and those built with it (runtime.attention=flash)."""
     from megatron_rl.models.sdpa_attention import SDPADotProductAttention
 
-    swapped, built, caches = [], 0, []
+    swapped, built = [], 0
     try:
         for chunk in chunks:
             for module in chunk.modules():
@@ -103,18 +77,10 @@ def sdpa_core_attention(chunks: list) -> Iterator[int]:
                 elif _eligible(module) and "forward" not in module.__dict__:
                     module.forward = types.MethodType(_sdpa_forward, module)
                     swapped.append(module)
-            for module in chunk.modules():
-                if (type(module) is SelfAttention and "_allocate_memory" not in module.__dict__
-                        and (isinstance(module.core_attention, SDPADotProductAttention)
-                             or module.core_attention in swapped)):
-                    module._allocate_memory = types.MethodType(_batch_major_memory, module)
-                    caches.append(module)
         yield len(swapped) + built
     finally:
         for module in swapped:
             del module.forward
-        for module in caches:
-            del module._allocate_memory
 
 
 def _rope_once_eligible(chunk) -> bool:
@@ -145,11 +111,12 @@ def _rope_once_flash_decode(self, sequence_len_offset, query_layer, key_layer, v
     query = apply_rotary_pos_emb(query_layer, step_freqs, config=self.config)
     inference_key_memory[pos, start:start + batch] = apply_rotary_pos_emb(key_layer, step_freqs, config=self.config)[0]
     inference_value_memory[pos, start:start + batch] = value_layer[0]
-    groups, head_dim = key_layer.shape[2], query.shape[-1]
-    context = decode_attention(query[0].view(batch, groups, -1, head_dim),
-                               inference_key_memory[:pos + 1, start:start + batch],
-                               inference_value_memory[:pos + 1, start:start + batch], scale=scale)
-    return context.reshape(batch, 1, -1, head_dim)
+    keys = inference_key_memory[:pos + 1, start:start + batch]
+    values = inference_value_memory[:pos + 1, start:start + batch]
+    context_layer = F.scaled_dot_product_attention(
+        query.permute(1, 2, 0, 3), keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), scale=scale,
+        enable_gqa=query.shape[2] != keys.shape[2])
+    return context_layer.permute(0, 2, 1, 3)
 
 
 class RopeOnceDecode:
