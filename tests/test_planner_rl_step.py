@@ -70,7 +70,7 @@ def test_the_printed_plan_states_the_rollout_the_runtime_and_both_mfus(capsys):
 
 # ---------------- generation ----------------
 def _engine_makespan(parts: int, pp: int, vpp: int) -> int:
-    """Simulate _StageChain.forward (decoding.py): every rank walks parts, then virtual stages, in order; a
+    """Simulate StageChain.forward (megatron_rl/generation/pipeline.py): every rank walks parts, then virtual stages, in order; a
     forward waits for its input (recv blocks, isend does not). Returns the makespan in chunk forwards."""
     done: dict = {}
     free = [0] * pp
