@@ -5,8 +5,9 @@ Run: ``.venv/bin/python -m pytest tests/test_generation.py -q`` (about 100 s on 
 The lean decode step (lean_decode.py) is checked by this file's own ``--lean-worker`` mode under torchrun
 (TP=1 and TP=2): for model variants (GQA, QKV bias + QK-norm, MHA + bias linears + tied embeddings, LayerNorm +
 GeLU without gating), parameters perturbed so that zero-initialised biases and unit norm weights matter, and
-prompts of lengths 3..9 batched together, greedy and sampled (same seed), the lean path must give the same
-tokens as the module path and log-probs within 1e-5 of it and of the training forward (``sequence_logprobs``).
+prompts of lengths 3..9 batched together, greedy and sampled (same seed), each with Megatron's sequence-major KV
+cache and with the batch-major one (attention.py), the lean path must give the same tokens as the module path and
+log-probs within 1e-5 of it and of the training forward (``sequence_logprobs``).
 
 The distributed cases start ``tests/dist/gen_check.py`` in their own torchrun (Megatron's parallel state is
 process-global): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2,
@@ -35,6 +36,7 @@ import torch
 from megatron_rl.runtime.phases import HostOffload
 from helpers import torchrun_check
 from launcher.ports import free_port
+from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS
 from megatron_rl.generation.sampling import SamplingParams, choose_tokens, sampling_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -245,6 +247,21 @@ def test_shared_prefill_and_compaction_equal_the_static_path(request, layout):
         assert rank["shared_prefill"]["greedy_eos"]["stopped"] >= 4  # prompt 0's group stops at its 3rd token
 
 
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
+def test_batch_major_cache_equals_megatrons_sequence_major_cache(request, layout):
+    """Long decodes (BATCH_MAJOR_MIN_NEW_TOKENS) keep the KV cache batch-major and attend by two GEMMs per query
+    group: the tokens, finish reasons and log-probs of Megatron's sequence-major cache with SDPA (greedy with a
+    stop token, so rows are compacted; sampled with the same seed), and the training forward's log-probs."""
+    for rank in request.getfixturevalue(layout):
+        for name, run in rank["cache_layout"].items():
+            assert run["decode_attention"] == ["sdpa+rope-once+batch-major", "sdpa+rope-once"], (name, run)
+            assert run["tokens_equal"] and run["finish_reasons_equal"], (name, run)
+            assert run["logprob_diff"] < LOGPROB_TOL and run["sampling_logprob_diff"] < LOGPROB_TOL, (name, run)
+            assert run["vs_sequence_logprobs"] < LOGPROB_TOL, (name, run)
+        assert rank["cache_layout"]["sampled"]["longest"] == BATCH_MAJOR_MIN_NEW_TOKENS
+        assert rank["cache_layout"]["greedy_eos"]["compactions"] >= 1
+
+
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
 def test_max_concurrent_generates_in_waves_with_a_smaller_cache(request, layout):
     """generation.max_concurrent=8: the rows go through in waves of 8, with the same greedy tokens and log-probs,
@@ -356,6 +373,8 @@ LEAN_VARIANTS = {
 }
 LEAN_PROMPT_LENGTHS = (5, 9, 3, 7, 9, 4)
 LEAN_NEW_TOKENS = 8
+LEAN_SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=20, top_p=0.9, seed=11)}
+LEAN_CACHES = ("sequence_major", "batch_major")
 
 
 def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -387,8 +406,8 @@ def _lean_worker(out: Path, tp: int) -> None:
             for param in engine.chunks[0].parameters():
                 param.add_(torch.randn(param.shape, generator=noise) * 0.1)
         variant = {}
-        for mode, kwargs in (("greedy", dict(temperature=0.0)),
-                             ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=11))):
+        for mode, kwargs in ((f"{sampling}_{cache}", dict(sampling_kwargs, batch_major_cache=cache == "batch_major"))
+                             for sampling, sampling_kwargs in LEAN_SAMPLING.items() for cache in LEAN_CACHES):
             lean = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=LEAN_NEW_TOKENS,
                             **kwargs)
             modules = generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
@@ -400,6 +419,7 @@ def _lean_worker(out: Path, tp: int) -> None:
                         for b, (p, n) in enumerate(zip(prompts, lean.lengths))]
             variant[mode] = {
                 "paths": [lean.decode_path, modules.decode_path], "tokens": lean.tokens,
+                "attention": [lean.decode_attention, modules.decode_attention],
                 "tokens_equal": lean.tokens == modules.tokens, "lengths": lean.lengths,
                 "forward_passes": [lean.forward_passes, modules.forward_passes],
                 "vs_modules": _max_abs_diff(lean.logprobs, modules.logprobs),
@@ -430,15 +450,21 @@ def lean_runs(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(LEAN_VARIANTS))
 def test_lean_decode_equals_module_path_and_training_forward(lean_runs, tp, variant):
     for rank in lean_runs[tp]:
-        for mode in ("greedy", "sampled"):
-            run = rank["variants"][variant][mode]
-            assert run["paths"] == ["lean", "modules"]
-            assert run["tokens_equal"], (variant, mode)
-            assert run["vs_modules"] < LOGPROB_TOL and run["sampling_vs_modules"] < LOGPROB_TOL
-            assert run["vs_training_forward"] < LOGPROB_TOL
-            assert run["lengths"] == [LEAN_NEW_TOKENS] * len(LEAN_PROMPT_LENGTHS)
-            assert run["forward_passes"][0] == run["forward_passes"][1] == 9 + LEAN_NEW_TOKENS - 3
-            assert run["kv_cache_bytes"][0] == run["kv_cache_bytes"][1] > 0
+        for sampling in LEAN_SAMPLING:
+            for cache in LEAN_CACHES:
+                mode = f"{sampling}_{cache}"
+                run = rank["variants"][variant][mode]
+                assert run["attention"] == ["sdpa+rope-once" + ("+batch-major" if cache == "batch_major" else "")] * 2
+                assert run["paths"] == ["lean", "modules"]
+                assert run["tokens_equal"], (variant, mode)
+                assert run["vs_modules"] < LOGPROB_TOL and run["sampling_vs_modules"] < LOGPROB_TOL
+                assert run["vs_training_forward"] < LOGPROB_TOL
+                assert run["lengths"] == [LEAN_NEW_TOKENS] * len(LEAN_PROMPT_LENGTHS)
+                assert run["forward_passes"][0] == run["forward_passes"][1] == 9 + LEAN_NEW_TOKENS - 3
+                assert run["kv_cache_bytes"][0] == run["kv_cache_bytes"][1] > 0
+            # the cache layout changes where the numbers are kept, not the maths
+            assert rank["variants"][variant][f"{sampling}_batch_major"]["tokens"] == \
+                rank["variants"][variant][f"{sampling}_sequence_major"]["tokens"], (variant, sampling)
 
 
 @pytest.mark.parametrize("variant", list(LEAN_VARIANTS))
@@ -446,7 +472,8 @@ def test_lean_decode_tp2_ranks_agree(lean_runs, variant):
     """Both TP=2 ranks return the same tokens (vocab-gathered logits, shared generator, TP-rank-0 broadcast).
     TP=2 is not compared with TP=1 here: the parameter perturbation is drawn per shard."""
     a, b = (rank["variants"][variant] for rank in lean_runs[2])
-    assert a["greedy"]["tokens"] == b["greedy"]["tokens"] and a["sampled"]["tokens"] == b["sampled"]["tokens"]
+    for mode in a:
+        assert a[mode]["tokens"] == b[mode]["tokens"], mode
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.attention import RopeOnceDecode, sdpa_core_attention
+from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS, RopeOnceDecode, sdpa_core_attention
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsupported
 from megatron_rl.generation.pipeline import StageChain, pipelined_decode
@@ -111,7 +111,8 @@ class GenerationOutput:
     kv_cache_bytes: int
     """Bytes the KV cache held on this rank; released before ``generate`` returned."""
     decode_attention: str
-    """Attention path used: "megatron" (unchanged modules) or "+"-joined fast paths: "sdpa", "rope-once"."""
+    """Attention path used: "megatron" (unchanged modules) or "+"-joined fast paths: "sdpa", "rope-once",
+    "batch-major" (the cache layout, attention.py)."""
     decode_path: str
     """How decode steps ran: "lean" (``LeanDecoder`` on the parameters) or "modules" (``GPTModel.forward``)."""
     routes: Optional[list[torch.Tensor]] = None
@@ -227,6 +228,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              pad_id: int = 0, fast_attention: bool = True, fast_decode: bool = True,
              record_routes: bool = False, share_prefill: bool = True, compact: bool = True,
              max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None,
+             batch_major_cache: Optional[bool] = None,
              stop_requested: Optional[Callable[[], bool]] = None) -> GenerationOutput:
     """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
 
@@ -246,7 +248,9 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     the same cap); ``stop_requested`` is asked before every wave after the first (every rank asks at the same
     points, so it may be a collective) and a yes raises ``GenerationStopped``. ``pipeline_microbatches`` (default
     pp): under PP, the parts the rows decode in, each on its own, so that the stages work at once (pipeline.py);
-    1 runs the stages one after another. Returns on every rank of the model-parallel group.
+    1 runs the stages one after another. ``batch_major_cache``: the KV cache layout of the layers attending by
+    SDPA (attention.py); None: batch-major for decodes of ``BATCH_MAJOR_MIN_NEW_TOKENS`` or more new tokens.
+    Returns on every rank of the model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
@@ -282,7 +286,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                                   eos_id=eos_id, stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
                                   generator=generator, pad_id=pad_id, fast_attention=fast_attention,
                                   fast_decode=fast_decode, record_routes=record_routes, share_prefill=share_prefill,
-                                  compact=compact, pipeline_microbatches=pipeline_microbatches))
+                                  compact=compact, pipeline_microbatches=pipeline_microbatches,
+                                  batch_major_cache=batch_major_cache))
         return _joined(waves)
 
     rows = DecodeRows.new(prompts, total=total, max_new_tokens=max_new_tokens, pad_id=pad_id, device=device,
@@ -295,6 +300,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     for chunk in chunks:
         chunk.eval()
     cache = _KVCache(batch, total)
+    if batch_major_cache is None:
+        batch_major_cache = max_new_tokens >= BATCH_MAJOR_MIN_NEW_TOKENS
     if record_routes:
         from megatron_rl.models.router_replay import RouteRecorder
     recorder = RouteRecorder(chunks, batch=batch, total=total, device=device) if record_routes else None
@@ -309,9 +316,10 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                              race=None if draws is None else draws.at(t, batch_rows))
 
     try:
+        fast = chunks if fast_attention else []
         with whole_sequences(chunks), torch.inference_mode(), \
-                sdpa_core_attention(chunks if fast_attention else []) as swapped, \
-                cache as context, RopeOnceDecode(chunks if fast_attention else [], context) as rope_once:
+                sdpa_core_attention(fast, batch_major_cache=batch_major_cache) as (swapped, batch_major), \
+                cache as context, RopeOnceDecode(fast, context) as rope_once:
             chain = StageChain(chunks, context, device=device, microbatches=pipeline_microbatches)
             fed_from = 0
             active = None  # the batch rows still fed (cache rows 0..len-1), once finished rows are compacted away
@@ -366,7 +374,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     return GenerationOutput(
         **rows.responses(), forward_passes=forwards, kv_cache_bytes=cache.nbytes,
         prefill_rows=batch if sources is None else int(sources.numel()), compactions=compactions,
-        decode_attention="+".join(name for name, used in (("sdpa", swapped > 0), ("rope-once", rope_once.enabled))
-                                  if used) or "megatron",
+        decode_attention="+".join(name for name, used in (("sdpa", swapped > 0), ("rope-once", rope_once.enabled),
+                                                          ("batch-major", batch_major > 0)) if used) or "megatron",
         decode_path="lean" if used_lean else "modules",
         routes=None if recorder is None else recorder.rows([e - 1 for e in rows.end.tolist()]))

@@ -7,8 +7,9 @@ the chunk's parameters (read at every step, never copied, so an optimizer step b
 is seen), the rotary table of ``chunk.rotary_pos_emb`` and the K/V tensors of Megatron's
 ``StaticInferenceContext``, which after the prefill hold RoPE-rotated keys (``RopeOnceDecode`` in attention.py
 rotated them and is a precondition). Per layer: norm, fused QKV (+ bias), QK-norm, RoPE of the new token only,
-cache write, SDPA over the cache (GQA without copies), output projection, residual, norm, fc1 ([gate; up] per
-TP shard) with SwiGLU / GeLU, fc2, residual; then the final norm and the output layer (or tied embedding).
+cache write, ``decode_attention`` over the cache (GQA without copies), output projection, residual, norm, fc1
+([gate; up] per TP shard) with SwiGLU / GeLU, fc2, residual; then the final norm and the output layer (or tied
+embedding).
 
 TP: the local shards of every weight are used as Megatron's column/row-parallel layers use them: the embedding
 is looked up in the rank's vocabulary range and all-reduced, row-parallel outputs (``linear_proj``,
@@ -30,6 +31,8 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+
+from megatron_rl.generation.attention import decode_attention
 
 _NORMS = (torch.nn.RMSNorm, torch.nn.LayerNorm)
 
@@ -235,11 +238,9 @@ class LeanDecoder:
             key_memory, value_memory = memory[layer.layer_number]
             key_memory[position, :batch] = key
             value_memory[position, :batch] = value
-            context = F.scaled_dot_product_attention(
-                query.reshape(batch, groups * per_group, 1, head_dim),
-                key_memory[:position + 1, :batch].permute(1, 2, 0, 3),
-                value_memory[:position + 1, :batch].permute(1, 2, 0, 3),
-                scale=layer.scale, enable_gqa=per_group != 1)
+            context = decode_attention(query.reshape(batch, groups * per_group, 1, head_dim),
+                                       key_memory[:position + 1, :batch], value_memory[:position + 1, :batch],
+                                       scale=layer.scale)
             x = x + self._row_parallel(context.reshape(batch, -1), layer.proj_weight, layer.proj_bias)
             h = _apply_norm(x, layer.mlp_norm)
             h = F.linear(h, layer.fc1_weight)

@@ -116,7 +116,12 @@ def copy_cache_rows(context, expand: torch.Tensor, *, positions: int, offset: in
     batch = expand.numel()
     for memory in context.key_value_memory_dict.values():
         for tensor in memory:
-            tensor[:positions, offset:offset + batch] = tensor[:positions, offset:].index_select(1, expand)
+            if tensor.stride(0) < tensor.stride(1):  # a batch-major cache (attention.py): select in storage order
+                rows_first = tensor.permute(1, 2, 0, 3)
+                rows_first[offset:offset + batch, :, :positions] = \
+                    rows_first[offset:, :, :positions].index_select(0, expand)
+            else:
+                tensor[:positions, offset:offset + batch] = tensor[:positions, offset:].index_select(1, expand)
 
 
 STOP_CHECK_EVERY_GPU = 8
