@@ -80,8 +80,7 @@ from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS, RopeOnc
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsupported
 from megatron_rl.generation.pipeline import StageChain, pipelined_decode
-from megatron_rl.generation.rows import (DecodeRows, Stops, compacted_rows, copy_cache_rows, row_bucket,
-                                         stop_check_interval, worth_compacting)
+from megatron_rl.generation.rows import DecodeRows, Feed, Stops, copy_cache_rows, stop_check_interval
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, StepDraws, choose_tokens
 from megatron_rl.runtime.checkpoint import unwrap
 
@@ -322,9 +321,9 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 cache as context, RopeOnceDecode(fast, context) as rope_once:
             chain = StageChain(chunks, context, device=device, microbatches=pipeline_microbatches)
             fed_from = 0
-            active = None  # the batch rows still fed (cache rows 0..len-1), once finished rows are compacted away
+            feed = Feed(rows=rows)
             for t in range(shortest, total):
-                fed = slice(None) if active is None else active
+                fed = slice(None) if feed.active is None else feed.active
                 if lean is not None:
                     logits = lean.step(tokens[fed, t - 1], t - 1)
                 elif forwards == 0 and sources is not None:
@@ -334,7 +333,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 else:
                     logits = chain.forward(tokens[fed, fed_from:t], positions[fed, fed_from:t])
                 if recorder is not None:
-                    recorder.take(fed_from, t, sources=expand if forwards == 0 else None, rows=active)
+                    recorder.take(fed_from, t, sources=expand if forwards == 0 else None, rows=feed.active)
                 context.sequence_len_offset += t - fed_from
                 if forwards == 0:
                     context.enable_decode_mode()
@@ -344,25 +343,20 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                         used_lean = True
                 forwards += 1
                 fed_from = t
-                local = None if logits is None else choose(logits, active, t)
-                choice = chain.share(local, batch if active is None else active.numel())
-                rows.record(choice if active is None else choice.scattered(active, batch), t)
+                local = None if logits is None else choose(logits, feed.active, t)
+                # between checks finished rows stop writing; the host learns of them at the next check
+                feed.record(chain.share(local, feed.fed_rows), t, lockstep=lockstep, compact=compact,
+                            context=context, total=total,
+                            check=chain.pp_size == 1 and (t + 1 - shortest) % check_every == 0)
+                compactions = feed.compactions
                 if chain.pp_size > 1:
                     steps, compactions = pipelined_decode(chain, rows, first=t, total=total, choose=choose,
                                                           compact=compact, check_every=check_every,
                                                           lockstep=lockstep, recorder=recorder)
                     forwards += steps
                     break
-                if (t + 1 - shortest) % check_every:
-                    continue  # finished rows stop writing; the host learns of them at the next check
-                running = lockstep.running(rows.done)
-                if running == 0:
+                if not feed.live:
                     break
-                fed_rows = batch if active is None else active.numel()
-                keep = min(fed_rows, row_bucket(running, device))
-                if compact and worth_compacting(fed_rows, keep, steps_left=total - 1 - t):
-                    active = compacted_rows(context, rows.done, active, keep, positions=t)
-                    compactions += 1
     finally:
         lean = None
         if recorder is not None:

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_rl.generation.layout import Lockstep
-from megatron_rl.generation.rows import DecodeRows, compacted_rows, row_bucket, worth_compacting
+from megatron_rl.generation.rows import DecodeRows, Feed
 from megatron_rl.generation.sampling import StepChoice
 from megatron_rl.runtime.distributed import pipeline_return_group
 
@@ -161,20 +161,11 @@ def _unpacked(packed: torch.Tensor) -> StepChoice:
 
 
 @dataclass(kw_only=True)
-class _Part:
-    """A contiguous share of the rows decoding on its own, in cache slots ``start`` on."""
+class _Part(Feed):
+    """A contiguous share of the rows decoding on its own, in cache slots ``offset`` on."""
 
-    start: int
-    rows: DecodeRows
-    active: Optional[torch.Tensor] = None
-    """The part's rows still fed (local indices, in slot order) once finished ones were compacted away."""
-    live: bool = True
-    fed: bool = False
+    in_flight: bool = False
     """Fed at the latest step: its choice is on the way to the stages before the last."""
-
-    @property
-    def fed_rows(self) -> int:
-        return self.rows.size if self.active is None else self.active.numel()
 
 
 def pipelined_decode(chain: StageChain, rows: DecodeRows, *, first: int, total: int,
@@ -189,27 +180,15 @@ def pipelined_decode(chain: StageChain, rows: DecodeRows, *, first: int, total: 
     context, device = chain.context, rows.tokens.device
     size = rows.size
     count = max(1, min(chain.microbatches, size))
-    parts = [_Part(start=size * i // count, rows=rows.part(size * i // count, size * (i + 1) // count))
+    parts = [_Part(offset=size * i // count, rows=rows.part(size * i // count, size * (i + 1) // count))
              for i in range(count)]
     virtual = len(chain.chunks)
-    steps = compactions = 0
+    steps = 0
     sends: list = []
 
     def recorded(part: _Part, choice: StepChoice, t: int) -> None:
-        nonlocal compactions
-        if part.active is not None:
-            choice = choice.scattered(part.active, part.rows.size)
-        part.rows.record(choice, t)
-        if (t + 1 - first) % check_every:
-            return
-        running = lockstep.running(part.rows.done)
-        if running == 0:
-            part.live = False
-            return
-        keep = min(part.fed_rows, row_bucket(running, device))
-        if compact and worth_compacting(part.fed_rows, keep, steps_left=total - 1 - t):
-            part.active = compacted_rows(context, part.rows.done, part.active, keep, positions=t, offset=part.start)
-            compactions += 1
+        part.record(choice, t, check=(t + 1 - first) % check_every == 0, lockstep=lockstep, compact=compact,
+                    context=context, total=total)
 
     try:
         for t in range(first + 1, total + 1):
@@ -217,22 +196,22 @@ def pipelined_decode(chain: StageChain, rows: DecodeRows, *, first: int, total: 
             fed_any = False
             for v in range(virtual):
                 for part in parts:
-                    if v == 0 and part.fed and not chain.is_last_stage:
+                    if v == 0 and part.in_flight and not chain.is_last_stage:
                         recorded(part, chain.receive_choice(part.fed_rows), t - 1)
                     if v == 0:
-                        part.fed = part.live and t < total
-                    if not part.fed:
+                        part.in_flight = part.live and t < total
+                    if not part.in_flight:
                         continue
                     fed_any = True
-                    local = torch.arange(part.rows.size, device=device) if part.active is None else part.active
-                    context.batch_size_offset = part.start
+                    local = part.fed()
+                    context.batch_size_offset = part.offset
                     context.sequence_len_offset = t - 1
                     logits = chain.chunk_forward(v, part.rows.tokens[local, t - 1:t],
                                                  torch.full((local.numel(), 1), t - 1, device=device), sends)
                     if recorder is not None:
-                        recorder.take(t - 1, t, rows=part.start + local, chunk=v)
+                        recorder.take(t - 1, t, rows=part.offset + local, chunk=v)
                     if logits is not None:
-                        choice = chain.send_choice(choose(logits, part.start + local, t), sends)
+                        choice = chain.send_choice(choose(logits, part.offset + local, t), sends)
                         recorded(part, choice, t)
             for handle, _ in earlier:  # received by now: every rank has moved past step t - 1
                 handle.wait()
@@ -243,4 +222,4 @@ def pipelined_decode(chain: StageChain, rows: DecodeRows, *, first: int, total: 
         context.batch_size_offset = 0
         for handle, _ in sends:
             handle.wait()
-    return steps, compactions
+    return steps, sum(part.compactions for part in parts)

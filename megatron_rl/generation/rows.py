@@ -1,7 +1,8 @@
 """The decode loop's rows: the token buffer and log-probs, stops, finished rows, and compaction of the KV cache.
 
 ``DecodeRows`` holds one ``generate`` call's per-row state; ``part(start, stop)`` is a contiguous share of it that
-writes through to the whole (the pipelined decode of pipeline.py gives each of its parts one). ``record`` writes
+writes through to the whole (the pipelined decode of pipeline.py gives each of its parts one). A ``Feed`` is rows
+that decode together: which of them are still fed, and the stop checks that end or compact it. ``record`` writes
 one step's choice and ends the rows that stopped or reached their length; every rank of a replica records the
 same choices, so every rank holds the same state and reaches the same decisions (when to compact, when to stop)
 without talking.
@@ -122,6 +123,47 @@ def copy_cache_rows(context, expand: torch.Tensor, *, positions: int, offset: in
                     rows_first[offset:, :, :positions].index_select(0, expand)
             else:
                 tensor[:positions, offset:offset + batch] = tensor[:positions, offset:].index_select(1, expand)
+
+
+@dataclass(kw_only=True)
+class Feed:
+    """Rows that decode together in cache slots ``offset`` on (the whole batch at PP=1, a part of it under PP,
+    pipeline.py): records each step's choice and, at the stop checks, ends when none runs or drops the finished
+    ones from the feed (compaction)."""
+
+    rows: DecodeRows
+    offset: int = 0
+    active: Optional[torch.Tensor] = None
+    """The rows still fed (indices into ``rows``, in slot order) once finished ones were compacted away."""
+    live: bool = True
+    compactions: int = 0
+
+    @property
+    def fed_rows(self) -> int:
+        return self.rows.size if self.active is None else self.active.numel()
+
+    def fed(self) -> torch.Tensor:
+        """Indices into ``rows`` of the rows fed, in slot order."""
+        return torch.arange(self.rows.size, device=self.rows.done.device) if self.active is None else self.active
+
+    def record(self, choice: StepChoice, t: int, *, check: bool, lockstep, compact: bool, context,
+               total: int) -> None:
+        """Record the fed rows' choice at position ``t``; at a stop check (``check``), end when no row runs
+        (``lockstep.running``: the count every expert-parallel replica agrees on) or compact when
+        ``worth_compacting``."""
+        if self.active is not None:
+            choice = choice.scattered(self.active, self.rows.size)
+        self.rows.record(choice, t)
+        if not check:
+            return
+        running = lockstep.running(self.rows.done)
+        if running == 0:
+            self.live = False
+            return
+        keep = min(self.fed_rows, row_bucket(running, self.rows.done.device))
+        if compact and worth_compacting(self.fed_rows, keep, steps_left=total - 1 - t):
+            self.active = compacted_rows(context, self.rows.done, self.active, keep, positions=t, offset=self.offset)
+            self.compactions += 1
 
 
 STOP_CHECK_EVERY_GPU = 8
