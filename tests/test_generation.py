@@ -37,7 +37,7 @@ from megatron_rl.runtime.phases import HostOffload
 from helpers import torchrun_check
 from launcher.ports import free_port
 from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS
-from megatron_rl.generation.sampling import SamplingParams, choose_tokens, sampling_logits
+from megatron_rl.generation.sampling import SamplingParams, StepDraws, choose_tokens, sampling_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "tests" / "dist" / "gen_check.py"
@@ -125,6 +125,33 @@ def test_policy_logprobs_use_raw_logits_over_the_padded_vocabulary():
 def test_same_generator_state_gives_the_same_tokens():
     a, b = draw(SamplingParams(temperature=0.9), n=256, seed=5), draw(SamplingParams(temperature=0.9), n=256, seed=5)
     assert torch.equal(a.tokens, b.tokens)
+
+
+def test_step_draws_asked_by_row_subsets_follow_the_tempered_softmax():
+    """What compaction and pipeline parts do: each step, rows ask for their draws in parts (a shrinking set of live
+    rows, then the rest), later parts first. The tokens are those of the whole batch drawn at once, and their
+    frequencies follow the tempered softmax (5 sigma)."""
+    temperature, batch, steps = 0.7, 128, 200
+    params = SamplingParams(temperature=temperature)
+    expected = softmax([x / temperature for x in LOGITS[:REAL_VOCAB].tolist()])
+    whole = StepDraws(torch.Generator().manual_seed(3), batch=batch, vocab_size=REAL_VOCAB, device=torch.device("cpu"))
+    parts = StepDraws(torch.Generator().manual_seed(3), batch=batch, vocab_size=REAL_VOCAB, device=torch.device("cpu"))
+    order = torch.randperm(batch, generator=torch.Generator().manual_seed(4))
+    drawn = []
+    for t in range(steps):
+        live = order[:batch - t // 4]  # rows finish over time; the live ones, in slot order
+        front, back = live[:live.numel() // 3], live[live.numel() // 3:]
+        tokens = {}
+        for rows in (back, front):
+            choice = choose_tokens(LOGITS.expand(rows.numel(), -1), vocab_size=REAL_VOCAB, params=params,
+                                   race=parts.at(t, rows))
+            tokens.update(zip(rows.tolist(), choice.tokens.tolist()))
+        reference = choose_tokens(LOGITS.expand(batch, -1), vocab_size=REAL_VOCAB, params=params,
+                                  race=whole.at(t)).tokens
+        assert all(reference[row] == token for row, token in tokens.items()), t
+        drawn.extend(tokens.values())
+    assert len(drawn) > 20000
+    assert_frequencies(torch.tensor(drawn), expected)
 
 
 def test_sampling_params_are_checked():
