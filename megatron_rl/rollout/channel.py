@@ -401,7 +401,8 @@ class BroadcastWeights:
 class WeightBridge:
     """The process group of one weight shard across the two worlds (gloo, or nccl on GPUs): its trainer holder
     (group rank 0) and the rollout ranks that hold the same shard (rank 1 + their rollout data-parallel rank). It
-    meets through a TCPStore that trainer rank 0 hosts at the job's rendezvous host, port MASTER_PORT + 1. The nccl
+    meets through a FileStore in the session's folder, as the rollout world does: no port to reserve (a TCPStore at
+    MASTER_PORT + 1 could find that port taken and fail the job with EADDRINUSE). The nccl
     bridge follows torch's ``ProcessGroupNCCL(store, rank, size, options)``; it is unverified here (no GPU), and
     needs one GPU per rank (NCCL refuses two ranks of a group on one device)."""
 
@@ -426,14 +427,13 @@ class WeightBridge:
         else:
             rank = 1 + ps.get_data_parallel_rank()
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(placement.world.master_addr, placement.world.master_port + 1,
-                              is_master=placement.role == "train" and placement.job_rank == 0,
-                              timeout=timeout, wait_for_workers=False)
-        prefixed = dist.PrefixStore(f"weights/{placement.session}/shard{shard}", store)
+        folder = make_private_dir(placement.session_dir)
+        store = dist.FileStore(str(folder / f"weights-shard{shard}.store"), 1 + replicas)
+        store.set_timeout(timeout)
         if backend == "gloo":
-            group = dist.ProcessGroupGloo(prefixed, rank, 1 + replicas, timeout)
+            group = dist.ProcessGroupGloo(store, rank, 1 + replicas, timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group = dist.ProcessGroupNCCL(prefixed, rank, 1 + replicas, options)
+            group = dist.ProcessGroupNCCL(store, rank, 1 + replicas, options)
         return cls(group=group, store=store)
