@@ -83,6 +83,11 @@ def _batch_major_memory(self, inference_max_sequence_length, batch_size, dim, dt
     return storage.permute(2, 0, 1, 3)
 
 
+def is_batch_major(cache: torch.Tensor) -> bool:
+    """A ``[sequence, batch, ...]`` cache tensor (or a slice of it) laid out by ``_batch_major_memory``."""
+    return cache.stride(0) < cache.stride(1)
+
+
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float) -> torch.Tensor:
     """One new token per row: ``query`` ``[b, heads, 1, d]`` against the cache's ``keys`` and ``values``
     ``[sequence, b, groups, d]`` -> ``[b, heads, 1, d]``. On Megatron's sequence-major cache, SDPA over strided
@@ -90,7 +95,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     groups: on the CPU 1.4-2.8x faster than SDPA (64-128 rows, head dim 16-32, 16-264 cached positions)."""
     batch, heads, _, dim = query.shape
     groups = keys.shape[2]
-    if keys.stride(0) >= keys.stride(1):  # sequence-major
+    if not is_batch_major(keys):
         return F.scaled_dot_product_attention(query, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3),
                                               scale=scale, enable_gqa=heads != groups)
     scores = torch.matmul(query.reshape(batch, groups, heads // groups, dim), keys.permute(1, 2, 3, 0)).mul_(scale)
