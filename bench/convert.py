@@ -50,7 +50,7 @@ def write_random_llama(folder: Path, *, hidden: int, layers: int, ffn: int, head
                        vocab: int) -> int:
     import torch
 
-    from launcher.model_shape import shape_from_hf_config
+    from megatron_rl.spec.model_shape import shape_from_hf_config
     from megatron_rl.conversion.names import expected_hf_tensors
     from megatron_rl.conversion.safetensors_io import PlannedTensor, ShardedSafetensorsWriter, plan_shards
 

@@ -65,7 +65,7 @@ def write_random_hf(folder: Path, config: dict) -> dict[str, int]:
     """A random bf16 model of ``config`` (2 GB shards); returns each tensor's bytes."""
     import torch
 
-    from launcher.model_shape import shape_from_hf_config
+    from megatron_rl.spec.model_shape import shape_from_hf_config
     from megatron_rl.conversion.names import expected_hf_tensors
     from megatron_rl.conversion.safetensors_io import PlannedTensor, ShardedSafetensorsWriter, plan_shards
 

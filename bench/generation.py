@@ -50,7 +50,7 @@ from gpu_check import hf_generate, megatron_to_hf  # noqa: E402  (shared with th
 from grpo_step import SMALL_SHAPE_YAML  # noqa: E402  (the same small model)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launcher.ports import free_port  # noqa: E402
+from megatron_rl.spec.ports import free_port  # noqa: E402
 
 PROMPT_LEN = 8
 
@@ -79,8 +79,8 @@ def small_shape_file(folder: Path) -> Path:
 
 
 def trained_engine(model: str, train_steps: int):
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.runtime.training import build_engine
     from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
 
@@ -112,7 +112,7 @@ def until_stop(row: list[int], eos_id: int | None) -> list[int]:
 
 def run_case(name: str, case: Case, engine, shape, args) -> dict:
     from megatron_rl.generation import generate
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
 
     hf = megatron_to_hf(unwrap(engine.chunks[0]), shape, dtype=torch.float32, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)

@@ -62,7 +62,7 @@ except ImportError:
 
 import torch
 
-from launcher.ports import free_port
+from megatron_rl.spec.ports import free_port
 
 FP32_LOGPROB_TOL = 1e-4
 GLOO_TP2_STEPS = 3
@@ -239,7 +239,7 @@ def exactness_check(exact_yaml: str, device: torch.device) -> dict:
 
 
 def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
@@ -279,9 +279,9 @@ def attention_kernels_check(exact_yaml: str, device: torch.device) -> dict:
     against TE's unfused one on a GPU with TE (Megatron's attention_backend), torch's SDPA against Megatron's
     DotProductAttention without TE. TE reads the backend from NVTE_* variables, which each build sets; they are
     cleared around the part so the main model sets its own."""
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import sequence_logprobs
 
     names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
@@ -312,11 +312,11 @@ def lora_check(exact_yaml: str, device: torch.device) -> dict:
     """model.lora on this device's layers (Transformer Engine's linears, LayerNorm-fused ones included, on a GPU
     with TE), fp32: zero-initialised adapters leave the base's log-probs unchanged, and with random B the
     adapters' forward equals the base with B A alpha / r merged into each weight."""
-    from launcher.config.schema import LoraConfig
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.schema import LoraConfig
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
     from megatron_rl.models.lora import adapters, adapters_disabled
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import sequence_logprobs
 
     shape = load_model_shape(str(REPO_ROOT / exact_yaml))
@@ -354,10 +354,10 @@ def moe_check(run_dir: str, device: torch.device) -> dict:
     """The MoE path on this device, fp32: the tiny MoE preset (on a GPU with Transformer Engine: TE layers, grouped
     GEMM experts, the all-to-all dispatcher), two training steps, then KV-cache generation against the training
     forward. Layouts over several GPUs (EP, SP, CP) need more than the one GPU this check has."""
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
     from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
 
@@ -443,7 +443,7 @@ def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, 
     """Greedy decoding on the training engine vs transformers generate on a copy of the weights."""
     from megatron_rl.generation import generate
     from megatron_rl.runtime.training import sequence_logprobs
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.phases import generation_phase
     from megatron_rl.trainers.pretrain import progression_batch
 
@@ -532,8 +532,8 @@ def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
 def gloo_tp2_worker(backend: str, out: Path) -> int:
     """One rank of part 7's job: the tiny model at TP=2 in fp32, GLOO_TP2_STEPS next-token steps over ``backend``;
     rank 0 writes the losses, grad norms and gloo staging's call counts to ``out``."""
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.runtime import gloo_staging
     from megatron_rl.runtime.distributed import global_rank, initialize, job_dims, shutdown
     from megatron_rl.runtime.training import build_engine
@@ -728,9 +728,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.perf_counter()
 
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
     from megatron_rl.trainers.common import TrainerContext
     from megatron_rl.trainers.grpo import GrpoRun

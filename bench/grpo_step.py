@@ -48,7 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launcher.ports import free_port  # noqa: E402
+from megatron_rl.spec.ports import free_port  # noqa: E402
 
 SMALL_SHAPE_YAML = """\
 name: small-cpu-bench
@@ -147,8 +147,8 @@ def _isolate_worker_env(threads: int) -> None:
 # ------------------------------------------------------------------------------------------------ our side
 def build_our_run(settings: BenchSettings):
     """(GrpoRun, TrainerContext) of our trainer with the matched settings; starts torch.distributed (world 1)."""
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.trainers.common import TrainerContext
     from megatron_rl.trainers.grpo import GrpoRun
@@ -252,7 +252,7 @@ def trl_worker(conn, settings: BenchSettings) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.rewards import build_reward_fn
 
     transformers.logging.set_verbosity_error()

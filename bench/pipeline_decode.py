@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def worker(args) -> None:
     import torch
 
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
     from megatron_rl.runtime.training import build_engine
@@ -83,7 +83,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from launcher.ports import free_port
+    from megatron_rl.spec.ports import free_port
 
     with tempfile.TemporaryDirectory(prefix="pipeline_decode_") as tmp:
         model = args.model

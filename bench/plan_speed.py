@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher.model_shape import shape_from_megatron_dict  # noqa: E402
+from megatron_rl.spec.model_shape import shape_from_megatron_dict  # noqa: E402
 from launcher.planner import plan  # noqa: E402
 from launcher.planner.costs import Runtime, Workload  # noqa: E402
 from launcher.planner.gpus import get_gpu  # noqa: E402
@@ -62,8 +62,8 @@ def rl_search_times() -> tuple[dict[str, float | str], dict[str, int], dict[str,
     job's config (pipelines) are skipped."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from launcher.config.loader import given_keys, load_config
-    from launcher.errors import ConfigError
+    from megatron_rl.spec.config.loader import given_keys, load_config
+    from megatron_rl.spec.errors import ConfigError
     from launcher.job import load_shape, plan_job
 
     seconds: dict[str, float | str] = {}

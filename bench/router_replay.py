@@ -79,7 +79,7 @@ def _free_routing_maps(engine, batch: dict, seq_length: int) -> torch.Tensor:
     routers returned them (forward hooks)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import forward_logprobs
 
     b = batch["tokens"].size(0)
@@ -100,8 +100,8 @@ def _free_routing_maps(engine, batch: dict, seq_length: int) -> torch.Tensor:
 
 
 def build(shape_yaml: str, dtype: str, run_dir: str):
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.runtime.training import build_engine
 
     cfg = load_config(None, [f"model.name={shape_yaml}", f"model.dtype={dtype}", "algorithm.router_replay=true",
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    from launcher.ports import free_port
+    from megatron_rl.spec.ports import free_port
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

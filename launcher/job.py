@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Mapping, Optional
 
-from launcher.config import JobConfig, to_yaml
-from launcher.config.validate import check_layout, with_pipeline_split
-from launcher.errors import ConfigError
-from launcher.limits import check_limits, trainer_limits
-from launcher.model_shape import ModelShape, load_model_shape
-from launcher.private import check_run_dir, make_private_dir, write_private_text
+from megatron_rl.spec.config import JobConfig, to_yaml
+from megatron_rl.spec.config.validate import check_layout, with_pipeline_split
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.limits import check_limits, trainer_limits
+from megatron_rl.spec.model_shape import ModelShape, load_model_shape
+from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
+from megatron_rl.spec.run_files import CONFIG_FILE
 
 PLANNER_MODES = {"grpo": "grpo", "rm": "rm", "sft": "pretrain", "pretrain": "pretrain", "dpo": "dpo", "ppo": "ppo",
                  "eval": "eval"}
@@ -46,16 +47,17 @@ class PreparedJob:
     """The PlanResult of the job's own layout (the chosen one with parallel.auto), written as prediction.json;
     None when the planner cannot evaluate the layout."""
     unresolved: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Keys written with their ``${oc.env:...}`` text (``launcher.config.loader.env_references``)."""
+    """Keys written with their ``${oc.env:...}`` text (``megatron_rl.spec.config.loader.env_references``)."""
 
     @property
     def config_path(self) -> Path:
-        return self.run_dir / "config.yaml"
+        return self.run_dir / CONFIG_FILE
 
     def write_config(self) -> Path:
         """Write config.yaml (0600) into the run folder (created 0700), and the planner's prediction for the
-        job's layout (prediction.json, see ``launcher.calibrate``) when it has one."""
-        from launcher.calibrate import PREDICTION_FILE, prediction_record
+        job's layout (prediction.json, see ``megatron_rl.spec.calibrate``) when it has one."""
+        from megatron_rl.spec.calibrate import prediction_record
+        from megatron_rl.spec.run_files import PREDICTION_FILE
 
         make_private_dir(self.run_dir)
         if self.prediction is not None:
@@ -70,7 +72,7 @@ class PreparedJob:
 
 def load_shape(name: str) -> ModelShape:
     """``load_model_shape(name)``, with a file that is not UTF-8 text refused as one line naming it."""
-    from launcher.config.loader import read_text
+    from megatron_rl.spec.config.loader import read_text
 
     path = Path(name).expanduser()
     if path.is_dir():
@@ -125,7 +127,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     ``launcher.planner.inputs.runtime_of``), and for GRPO/PPO its rollout (``inputs.rollout_sizing``: size, group,
     response length and ``mean_response_length`` (None: half the max), reference model, old log-prob recompute,
     epochs, reward model, KV cache release and optimizer offload). It keeps the ``parallel.*`` keys named in
-    ``given`` (``launcher.config.loader.given_keys``) and the trainer limits (``launcher.limits``).
+    ``given`` (``megatron_rl.spec.config.loader.given_keys``) and the trainer limits (``megatron_rl.spec.limits``).
     Returns the PlanResult; NoFeasibleLayout when nothing fits, ConfigError when a given key cannot be kept."""
     from launcher.planner import PLANNED_KEYS, NoFeasibleLayout, plan
     from launcher.planner.inputs import RL_ALGORITHMS, rollout_sizing, runtime_of, split_placement
@@ -160,7 +162,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
 
 def evaluate_layout(cfg: JobConfig, shape: ModelShape):
     """``plan_job`` of cfg's own layout (every planned key held): the prediction a run is checked against
-    (``launcher.calibrate``); None when the planner cannot evaluate it (a layout it does not model)."""
+    (``megatron_rl.spec.calibrate``); None when the planner cannot evaluate it (a layout it does not model)."""
     from launcher.planner import PLANNED_KEYS, NoFeasibleLayout
 
     try:

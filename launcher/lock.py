@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from launcher.errors import ConfigError
-from launcher.private import make_private_dir, open_private, write_private_text
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.private import make_private_dir, open_private, write_private_text
 
 LOCK_NAME = ".lock"
 CANCELLED_NAME = ".cancelled"

@@ -62,12 +62,13 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import OmegaConf
 
-from launcher.config import JobConfig
-from launcher.config.loader import env_references, find_config, given_keys, load_config, read_text
-from launcher.errors import ConfigError, did_you_mean
+from megatron_rl.spec.config import JobConfig
+from megatron_rl.spec.config.loader import env_references, find_config, given_keys, load_config, read_text
+from megatron_rl.spec.errors import ConfigError, did_you_mean
 from launcher.job import PreparedJob, prepare
-from launcher.private import check_run_dir, make_private_dir, write_private_text
-from launcher.runs.folder import CONFIG_NAME, MAIN_PHASES, STAGE_ORDER_FILE, RunFolder
+from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
+from launcher.runs.folder import MAIN_PHASES, STAGE_ORDER_FILE, RunFolder
+from megatron_rl.spec.run_files import CONFIG_FILE
 
 STAGE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 REFERENCE = re.compile(r"\$\{stages\.([^.}]*)\.([^}]*)\}")
@@ -340,7 +341,7 @@ def prepare_stages(pipeline: PipelineSpec) -> list[Stage]:
 def _shown(config: Optional[Path]) -> str:
     if config is None:
         return "default"
-    from launcher.resources import configs_dir
+    from megatron_rl.spec.resources import configs_dir
 
     return config.stem if config.parent.resolve() == configs_dir() else str(config)
 
@@ -360,8 +361,8 @@ def _check_stages(pipeline: PipelineSpec, stages: list[Stage]) -> None:
                                   f"each eval stage its own eval.stage")
             keys[key] = stage.name
     check_run_dir(pipeline.dir, key="pipeline.dir")
-    if (pipeline.dir / CONFIG_NAME).is_file():
-        raise ConfigError(f"pipeline.dir={pipeline.dir} is a run folder (it holds {CONFIG_NAME}); give a new "
+    if (pipeline.dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"pipeline.dir={pipeline.dir} is a run folder (it holds {CONFIG_FILE}); give a new "
                           "folder for the pipeline")
 
 

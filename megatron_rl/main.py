@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-from launcher.config import load_config
-from launcher.errors import ConfigError
-from launcher.model_shape import load_model_shape
+from megatron_rl.spec.config import load_config
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import load_model_shape
 
 # algorithm.name -> module with ``train(cfg, shape, ctx)``; imported only when chosen.
 TRAINERS = {
@@ -23,6 +23,8 @@ TRAINERS = {
     "dpo": "megatron_rl.trainers.dpo",
     "eval": "megatron_rl.trainers.evaluate",
 }
+SPLIT_PLACEMENT_TRAINERS = {"grpo": "megatron_rl.trainers.grpo_async"}
+"""The trainer of an algorithm when rollout workers generate (cluster.rollout_tasks > 0)."""
 
 
 def run(config_path: str) -> int:
@@ -37,7 +39,7 @@ def run(config_path: str) -> int:
                     ".*full scope is deprecated.*", ".*is deprecated. Please use `torch.distributed.*",
                     ".*The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.*"):
         warnings.filterwarnings("ignore", message=pattern)
-    from launcher.parallel import ParallelDims
+    from megatron_rl.spec.parallel import ParallelDims
     from megatron_rl.runtime.distributed import initialize, read_dist_env, shutdown
     from megatron_rl.trainers.common import TrainerContext
 
@@ -62,7 +64,8 @@ def run(config_path: str) -> int:
 
             return serve(cfg, shape, placement, resharded=resharded)
         ctx = TrainerContext(cfg, shape=shape, config_path=config_path, placement=placement)
-        importlib.import_module(TRAINERS[cfg.algorithm.name]).train(cfg, shape, ctx)
+        trainers = TRAINERS if placement is None else SPLIT_PLACEMENT_TRAINERS
+        importlib.import_module(trainers[cfg.algorithm.name]).train(cfg, shape, ctx)
     except BaseException as exc:
         error = exc
         raise
@@ -95,7 +98,7 @@ def _write_call_site_counts(run_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launcher.private import private_umask
+    from megatron_rl.spec.private import private_umask
 
     private_umask()  # checkpoints, exports, logs and metrics are 0600 in 0700 folders, whatever the caller's umask
     argv = sys.argv[1:] if argv is None else argv

@@ -9,9 +9,11 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_rl.spec.run_files import METRICS_FILE
+
 
 def load_train_rows(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run folder?")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -34,7 +34,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def torchrun_check(script: str, out: Path, *args: str, nproc: int = 2) -> list[dict]:
     """Run ``tests/dist/<script> --out OUT ARGS`` on ``nproc`` local gloo ranks; each rank's ``OUT/rank{R}.json``."""
-    from launcher.ports import free_port
+    from megatron_rl.spec.ports import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), str(REPO_ROOT / "tests" / "dist" / script), "--out", str(out), *args]

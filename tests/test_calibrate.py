@@ -1,4 +1,4 @@
-"""The planner's prediction beside a run's measurements (launcher/calibrate.py), without a run: numbers by hand."""
+"""The planner's prediction beside a run's measurements (megatron_rl/spec/calibrate.py), without a run: numbers by hand."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.calibrate import calibration_report, compare, measured, one_line
-from launcher.errors import ConfigError
+from megatron_rl.spec.calibrate import calibration_report, compare, measured, one_line
+from megatron_rl.spec.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREDICTION = {"gpu_type": "h100-80gb", "step_time_s": 2.0, "memory_gib": {"total": 40.0}, "layout": {}}

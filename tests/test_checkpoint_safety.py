@@ -22,7 +22,7 @@ import yaml
 
 from helpers import REPO_ROOT, read_metrics, without_measurements
 
-from launcher.ports import free_port
+from megatron_rl.spec.ports import free_port
 from megatron_rl.runtime import checkpoint as ckpt
 
 ONE_RANK = ["cluster.executor=local", "cluster.tasks_per_node=1", "algorithm.name=pretrain", "run.steps=6",
@@ -166,8 +166,8 @@ def test_files_and_folders_are_fsynced_before_the_rename_and_the_latest_write(tm
 
 
 def test_parallel_timeout_is_a_config_key():
-    from launcher.config.schema import ParallelConfig
-    from launcher.errors import ConfigError
+    from megatron_rl.spec.config.schema import ParallelConfig
+    from megatron_rl.spec.errors import ConfigError
 
     assert ParallelConfig().timeout_s == 1800
     assert ParallelConfig(timeout_s=60).timeout_s == 60

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config import JobConfig, load_config, to_yaml
-from launcher.config.validate import check_layout
-from launcher.errors import ConfigError, did_you_mean
-from launcher.model_shape import load_model_shape
+from megatron_rl.spec.config import JobConfig, load_config, to_yaml
+from megatron_rl.spec.config.validate import check_layout
+from megatron_rl.spec.errors import ConfigError, did_you_mean
+from megatron_rl.spec.model_shape import load_model_shape
 
 from helpers import REPO_ROOT
 
@@ -199,7 +199,7 @@ def test_launcher_path_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, launcher.cli, launcher.job, launcher.executors.local, launcher.planner, launcher.config;"
+    code = ("import sys, launcher.cli, launcher.job, launcher.executors.local, launcher.planner, megatron_rl.spec.config;"
             "bad=[m for m in ('torch','megatron','transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO_ROOT, run_launch
 
-from launcher.config.schema import ClusterConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.schema import ClusterConfig
+from megatron_rl.spec.errors import ConfigError
 from launcher.slurm.script import render_convert_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))

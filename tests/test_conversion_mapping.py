@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 
 from convert_fixtures import TINY_HF  # noqa: E402
 
-from launcher.errors import ConfigError  # noqa: E402
+from megatron_rl.spec.errors import ConfigError  # noqa: E402
 from megatron_rl.conversion import mapping  # noqa: E402
 from megatron_rl.conversion.names import (  # noqa: E402
     MegatronRef,

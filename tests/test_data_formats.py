@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import REPO_ROOT, read_metrics, without_measurements
-from launcher.config.schema import DataConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.schema import DataConfig
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import SequenceEncoder, read_preference_records
 from megatron_rl.data.prompts import PromptDataset, encode_prompt, load_eval_prompts, load_prompts

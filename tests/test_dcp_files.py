@@ -15,7 +15,7 @@ import zipfile
 
 import pytest
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.conversion.dcp_files import (
     MetadataIndex,
     load_metadata,

@@ -24,8 +24,8 @@ import pytest
 from helpers import run_launch
 from test_scale_layouts import SP, _assert_same_training, _run
 
-from launcher.errors import ConfigError
-from launcher.model_shape import load_model_shape, shape_from_hf_config
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import load_model_shape, shape_from_hf_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 
@@ -65,8 +65,8 @@ def test_preset_and_hf_config_shapes():
 def test_megatron_config():
     """MLATransformerConfig with the DeepSeek fields; the expert bias is frozen unless model.moe_expert_bias_update."""
     pytest.importorskip("megatron.core")
-    from launcher.config.schema import ModelConfig
-    from launcher.parallel import ParallelDims
+    from megatron_rl.spec.config.schema import ModelConfig
+    from megatron_rl.spec.parallel import ParallelDims
     from megatron_rl.models.builder import EXPERT_BIAS_UPDATE_RATE, ModelOptions, transformer_config
 
     assert ModelConfig().moe_expert_bias_update is False
@@ -357,7 +357,7 @@ def no_network(*args, **kwargs):
 
 socket.socket.connect = socket.create_connection = no_network
 import megatron_rl.data.tokenizer as tokenizers
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 folder, result, out = sys.argv[1], sys.argv[2], {}
 for name, detect in (("auto_map", True), ("transformers_error", False)):
@@ -385,7 +385,7 @@ def test_tokenizer_with_custom_code_needs_trust_remote_code(tmp_path):
 
     from helpers import REPO_ROOT
 
-    from launcher.config.loader import load_config
+    from megatron_rl.spec.config.loader import load_config
 
     assert load_config().model.trust_remote_code is False
     assert load_config(overrides=["model.trust_remote_code=true"]).model.trust_remote_code is True

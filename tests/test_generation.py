@@ -35,7 +35,7 @@ import torch
 
 from megatron_rl.runtime.phases import HostOffload
 from helpers import torchrun_check
-from launcher.ports import free_port
+from megatron_rl.spec.ports import free_port
 from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS
 from megatron_rl.generation.sampling import SamplingParams, StepDraws, choose_tokens, sampling_logits
 
@@ -412,8 +412,8 @@ def _lean_worker(out: Path, tp: int) -> None:
     import dataclasses
 
     torch.set_num_threads(1)
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, sequence_logprobs

@@ -56,7 +56,7 @@ def job(tmp_path_factory):
     """job(name) -> (metrics of its GRPO steps, run folder); each job runs once, when a test first needs it."""
     import yaml
 
-    from launcher.resources import presets_dir
+    from megatron_rl.spec.resources import presets_dir
 
     preset = yaml.safe_load((presets_dir() / "tiny-cpu.yaml").read_text())
     model = tmp_path_factory.mktemp("model") / "tiny-5-layers.yaml"

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from launcher.config.schema import AlgorithmConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.schema import AlgorithmConfig
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.algorithms.advantages import expand_group_mask, group_advantages, groups_with_signal
 from megatron_rl.algorithms.policy_loss import (
     GRPOLossConfig,
@@ -340,7 +340,7 @@ def tensor_parallel_group():
 
     from megatron.core import parallel_state
 
-    from launcher.ports import free_port
+    from megatron_rl.spec.ports import free_port
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                          world_size=1, timeout=datetime.timedelta(seconds=60))

@@ -76,8 +76,8 @@ def built(tmp_path_factory) -> dict:
 
 def test_the_wheel_ships_the_configs_presets_and_templates(built):
     with zipfile.ZipFile(built["wheel"]) as wheel:
-        shipped = {name.removeprefix("launcher/shipped/") for name in wheel.namelist()
-                   if name.startswith("launcher/shipped/")}
+        shipped = {name.split("/shipped/", 1)[1] for name in wheel.namelist()
+                   if name.startswith(("launcher/shipped/", "megatron_rl/spec/shipped/"))}
     in_checkout = {str(p.relative_to(REPO_ROOT)) for pattern in ("configs/*.yaml", "configs/models/*.yaml",
                                                                  "slurm/*.sbatch") for p in REPO_ROOT.glob(pattern)}
     assert shipped == in_checkout
@@ -85,8 +85,8 @@ def test_the_wheel_ships_the_configs_presets_and_templates(built):
 
 
 def test_the_installed_launcher_is_the_wheel_not_the_checkout(built):
-    where = _run([built["python"], "-c", "import launcher, launcher.resources as r; "
-                  "print(launcher.__file__); print(r.configs_dir()); print(r.templates_dir())"],
+    where = _run([built["python"], "-c", "import launcher, launcher.resources as r, megatron_rl.spec.resources as s; "
+                  "print(launcher.__file__); print(s.configs_dir()); print(r.templates_dir())"],
                  cwd=built["empty"]).stdout.split()
     for path in where:
         assert Path(path).resolve().is_relative_to(built["venv"].resolve()), where

@@ -27,9 +27,9 @@ TP = 2
 def test_planner_counts_the_cache_generation_allocates(tmp_path):
     from helpers import REPO_ROOT
 
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from launcher.planner.costs import kv_cache_elements_per_token_per_layer
-    from launcher.ports import free_port
+    from megatron_rl.spec.ports import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-port",
            str(free_port()), __file__, "--out", str(tmp_path)]
@@ -52,7 +52,7 @@ def test_planner_counts_the_cache_generation_allocates(tmp_path):
 def _worker(out: Path) -> None:
     import torch
 
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation.decoding import generate
     from megatron_rl.models.builder import ModelOptions, build_model_chunks
     from megatron_rl.runtime.distributed import initialize, job_dims

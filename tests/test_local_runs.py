@@ -171,7 +171,7 @@ def _tiny_with_layers(folder, num_layers: int) -> str:
     """model.name of a tiny-cpu variant with ``num_layers`` layers (a Megatron-style YAML in ``folder``)."""
     import yaml
 
-    from launcher.resources import presets_dir
+    from megatron_rl.spec.resources import presets_dir
 
     preset = yaml.safe_load((presets_dir() / "tiny-cpu.yaml").read_text())
     model = folder / f"tiny-{num_layers}-layers.yaml"

@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from helpers import REPO_ROOT, read_metrics
-from launcher.config.loader import load_config
-from launcher.config.schema import WandbConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.loader import load_config
+from megatron_rl.spec.config.schema import WandbConfig
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.runtime.metrics import MetricsLogger
 
 

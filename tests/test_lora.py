@@ -46,8 +46,8 @@ slow = pytest.mark.slow
                                                 "use names from: embedding, output_layer, final_layernorm"),
 ])
 def test_bad_lora_settings_are_refused(override, message):
-    from launcher.config.loader import load_config
-    from launcher.errors import ConfigError
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
@@ -61,8 +61,8 @@ def test_bad_lora_target_exits_2_with_one_line(launch):
 
 
 def test_planner_counts_adapter_gradients_and_state_only():
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from launcher.planner.costs import Workload
     from launcher.planner.estimate import Layout, training_estimate
     from launcher.planner.gpus import get_gpu
@@ -162,8 +162,8 @@ def test_modules_to_save_train_in_full_with_their_optimizer_state(layouts):
     assert tied["trainable_fraction"] == pytest.approx((6656 + 8192 + 64) / (97088 - 8192), abs=1e-12)
     import dataclasses
 
-    from launcher.config.schema import LoraConfig
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.schema import LoraConfig
+    from megatron_rl.spec.model_shape import load_model_shape
     from launcher.planner.inputs import lora_trainable_fraction
 
     lora = LoraConfig(rank=4, alpha=8, modules_to_save=["embedding", "output_layer", "final_layernorm"])
@@ -241,8 +241,8 @@ def test_tied_embeddings_with_modules_to_save_train_alike_at_pp2_and_pp1(dropout
     assert all(stage["shared_diff_to_pp1"] < 1e-5 and stage["shared_change"] > 1e-3 for stage in stages)
     import dataclasses
 
-    from launcher.config.schema import LoraConfig
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.schema import LoraConfig
+    from megatron_rl.spec.model_shape import load_model_shape
     from launcher.planner.inputs import lora_trainable_fraction
 
     tied = dataclasses.replace(load_model_shape("tiny-cpu"), tie_embeddings=True)

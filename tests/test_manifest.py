@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import load_config
-from launcher.config.loader import env_references, to_yaml
-from launcher.errors import ConfigError
+from megatron_rl.spec.config import load_config
+from megatron_rl.spec.config.loader import env_references, to_yaml
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.runtime import manifest as mf
 
 

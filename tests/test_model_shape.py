@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape, list_presets, load_model_shape
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape, list_presets, load_model_shape
 
 from helpers import REPO_ROOT
 
@@ -194,7 +194,7 @@ def test_errors(tmp_path):
 def test_transformers5_rope_parameters_and_qwen3_moe_experts_are_read(tmp_path):
     import json
 
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
 
     cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2,
            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,

@@ -1,4 +1,4 @@
-"""Off-policy corrections (megatron_rl/algorithms/off_policy.py) on hand-computed tokens.
+"""Off-policy corrections (megatron_rl/algorithms/policy_loss.py) on hand-computed tokens.
 
 Run: `.venv/bin/python -m pytest tests/test_off_policy.py -q`
 """
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.algorithms.off_policy import behaviour_weights, off_policy_ratio_loss
+from megatron_rl.algorithms.policy_loss import behaviour_weights, off_policy_ratio_loss
 from megatron_rl.algorithms.policy_loss import policy_ratio_loss
 
 CLIP = dict(eps_low=0.2, eps_high=0.2)

@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 
-from launcher.errors import ConfigError
-from launcher.model_shape import load_model_shape
-from launcher.parallel import ParallelDims
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import load_model_shape
+from megatron_rl.spec.parallel import ParallelDims
 
 parallel_state = pytest.importorskip("megatron.core.parallel_state")
 

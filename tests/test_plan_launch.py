@@ -15,14 +15,14 @@ import pytest
 import yaml
 
 from launcher import cli
-from launcher.config import load_config
-from launcher.config.loader import find_config, given_keys
-from launcher.config.validate import check_layout
-from launcher.errors import ConfigError
+from megatron_rl.spec.config import load_config
+from megatron_rl.spec.config.loader import find_config, given_keys
+from megatron_rl.spec.config.validate import check_layout
+from megatron_rl.spec.errors import ConfigError
 from launcher.job import apply_plan, prepare
-from launcher.limits import TRAINER_LIMITS, trainer_limits
-from launcher.model_shape import load_model_shape
-from launcher.parallel import ParallelDims
+from megatron_rl.spec.limits import TRAINER_LIMITS, trainer_limits
+from megatron_rl.spec.model_shape import load_model_shape
+from megatron_rl.spec.parallel import ParallelDims
 from launcher.planner import PLANNED_KEYS, parse_layout
 
 PATHS = ["model.init_from=/ckpt", "model.tokenizer=/tok", "data.train_path=/data.jsonl"]

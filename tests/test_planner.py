@@ -8,14 +8,15 @@ import time
 
 import pytest
 
-from launcher.config.schema import ParallelConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import load_model_shape, shape_from_megatron_dict
+from megatron_rl.spec.config.schema import ParallelConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import load_model_shape, shape_from_megatron_dict
 from launcher.planner import GrpoSizing, NoFeasibleLayout, Runtime, evaluate, parse_layout, plan
 from launcher.cli.plan import main as cli_main
 from launcher.planner.costs import Workload
-from launcher.parallel import virtual_stage_layers
-from launcher.planner.estimate import Layout, estimate
+from megatron_rl.spec.parallel import virtual_stage_layers
+from launcher.planner.estimate import Layout
+from launcher.planner.rl_step import estimate
 from launcher.planner.gpus import GPUS, get_gpu
 from launcher.planner.search import search
 
@@ -325,7 +326,7 @@ def test_cli_errors(capsys):
 
 # ---------------- explanation: step time by part, runner-up, alternatives, --layout ----------------
 def _grpo_llama70b_plan():
-    from launcher.config.loader import given_keys, load_config
+    from megatron_rl.spec.config.loader import given_keys, load_config
     from launcher.job import load_shape, plan_job
 
     cfg = load_config("grpo_llama70b", [], allow_missing=True)

@@ -7,7 +7,7 @@ Table: .venv/bin/python -m launcher.planner.calibration
 
 import pytest
 
-from launcher.model_shape import load_model_shape
+from megatron_rl.spec.model_shape import load_model_shape
 from launcher.planner import Runtime, evaluate, plan
 from launcher.planner.calibration import evaluate_row, korthikanti_memory, load_rows
 

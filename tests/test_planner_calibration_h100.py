@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from launcher.errors import ConfigError
-from launcher.model_shape import load_model_shape
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import load_model_shape
 from launcher.planner import Runtime, plan
 from launcher.planner.calibration_h100 import compare, load_h100_rows
 from launcher.planner.moe_comm import a2a_shares, deepep_inter_share

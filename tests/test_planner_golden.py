@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config.loader import given_keys, load_config
+from megatron_rl.spec.config.loader import given_keys, load_config
 from launcher.job import evaluate_layout, load_shape, plan_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +31,8 @@ REL_TOL = 1e-3
 
 
 def _shipped_configs() -> list[Path]:
-    """configs/*.yaml (launcher/shipped/configs is a link to it) that are one job's config (not a pipeline)."""
-    assert (ROOT / "launcher" / "shipped" / "configs").resolve() == (ROOT / "configs").resolve()
+    """configs/*.yaml (megatron_rl/spec/shipped/configs is a link to it) that are one job's config (not a pipeline)."""
+    assert (ROOT / "megatron_rl" / "spec" / "shipped" / "configs").resolve() == (ROOT / "configs").resolve()
     return sorted(path for path in (ROOT / "configs").glob("*.yaml")
                   if "stages" not in yaml.safe_load(path.read_text()))
 

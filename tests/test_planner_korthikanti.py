@@ -18,7 +18,8 @@ import pytest
 
 from launcher.planner.calibration import _gpu, evaluate_row, korthikanti_memory, load_rows
 from launcher.planner.costs import Workload
-from launcher.planner.estimate import Layout, estimate
+from launcher.planner.estimate import Layout
+from launcher.planner.rl_step import estimate
 
 ROWS = [r for r in load_rows() if r.era == "korthikanti2022"]
 CASES = {"SP only": (True, "none"), "selective only": (False, "selective"), "SP+selective": (True, "selective"),

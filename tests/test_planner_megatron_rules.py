@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from launcher.parallel import split_error, virtual_stage_layers
+from megatron_rl.spec.parallel import split_error, virtual_stage_layers
 
 torch = pytest.importorskip("torch")
 tc = pytest.importorskip("megatron.core.transformer.transformer_config")

@@ -9,14 +9,14 @@ import json
 import pytest
 
 from launcher.cli import main as cli
-from launcher.config.loader import given_keys, load_config
+from megatron_rl.spec.config.loader import given_keys, load_config
 from launcher.job import PLANNER_MODES, load_shape, plan_job
-from launcher.model_shape import load_model_shape
+from megatron_rl.spec.model_shape import load_model_shape
 from launcher.planner import GrpoSizing, Runtime, evaluate, plan
 from launcher.planner.costs import MOE_DROPLESS_IMBALANCE, Workload
-from launcher.planner.estimate import TRAINING_PARTS, Layout, estimate, rank_groups
+from launcher.planner.estimate import TRAINING_PARTS, Layout, rank_groups
 from launcher.planner.gpus import get_gpu
-from launcher.planner.rl_step import SAMPLING_BYTES_PER_LOGIT, _inference_buffers, rollout
+from launcher.planner.rl_step import SAMPLING_BYTES_PER_LOGIT, _inference_buffers, estimate, rollout
 
 H100 = "h100-80gb"
 LLAMA = load_model_shape("llama-3.3-70b")

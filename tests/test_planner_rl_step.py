@@ -10,7 +10,7 @@ import math
 import pytest
 
 from launcher.cli import main as cli
-from launcher.model_shape import load_model_shape
+from megatron_rl.spec.model_shape import load_model_shape
 from launcher.planner import GrpoSizing, evaluate, layout_arg
 from launcher.planner.costs import HBM_EFFICIENCY, IB_LATENCY_S, LINK_EFFICIENCY, NVLINK_LATENCY_S, Workload
 from launcher.planner.estimate import RL_PARTS, TRAINING_PARTS, Layout
@@ -233,7 +233,7 @@ def _llama_like(name, **fields):
     import yaml
     from pathlib import Path
 
-    from launcher.model_shape import shape_from_megatron_dict
+    from megatron_rl.spec.model_shape import shape_from_megatron_dict
 
     base = yaml.safe_load((Path(__file__).parents[1] / "configs" / "models" / "llama-3.3-70b.yaml").read_text())
     return shape_from_megatron_dict({**base, "name": name, **fields}, name=name, source="test")

@@ -17,18 +17,18 @@ import dataclasses
 
 import pytest
 
-from launcher import limits
-from launcher.config.loader import given_keys, load_config
-from launcher.config.validate import check_layout
-from launcher.errors import ConfigError
+from megatron_rl.spec import limits
+from megatron_rl.spec.config.loader import given_keys, load_config
+from megatron_rl.spec.config.validate import check_layout
+from megatron_rl.spec.errors import ConfigError
 from launcher.job import apply_plan, plan_job
-from launcher.model_shape import load_model_shape
-from launcher.parallel import ParallelDims, rollout_replica_error
+from megatron_rl.spec.model_shape import load_model_shape
+from megatron_rl.spec.parallel import ParallelDims, rollout_replica_error
 from launcher.planner import GrpoSizing, NoFeasibleLayout, Runtime, SplitPlacement, plan
 from launcher.planner.costs import IB_LATENCY_S, LINK_EFFICIENCY, TCP_GB_S, TCP_LATENCY_S, Workload
-from launcher.planner.estimate import Layout, estimate
+from launcher.planner.estimate import Layout
 from launcher.planner.gpus import GIB, get_gpu
-from launcher.planner.split import rollout_estimate, suggest_rollout_tasks, weight_sync_s
+from launcher.planner.rl_step import estimate, rollout_estimate, suggest_rollout_tasks, weight_sync_s
 
 LLAMA70B = load_model_shape("llama-3.3-70b")
 ROLLOUT = GrpoSizing(rollout_batch_size=256, max_prompt_length=512, max_response_length=1024, samples_per_prompt=8,

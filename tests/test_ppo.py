@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from helpers import read_metrics, run_launch, torchrun_check, without_measurements
-from launcher.config import load_config
-from launcher.errors import ConfigError
+from megatron_rl.spec.config import load_config
+from megatron_rl.spec.errors import ConfigError
 
 # 16 completions (one per prompt), 2 mini-batches of 8 x 2 epochs; the KL in the reward brings the reference in;
 # step 1 trains only the critic

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data import CharTokenizer, PromptDataset, PromptSampler
 from megatron_rl.data.synthetic import (
     TASKS,

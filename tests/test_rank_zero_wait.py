@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.ports import free_port
+from megatron_rl.spec.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

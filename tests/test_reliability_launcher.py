@@ -24,7 +24,7 @@ import pytest
 
 from helpers import REPO_ROOT, read_metrics, run_launch
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 TINY_RUN = ["cluster.executor=local", "algorithm.name=pretrain", "algorithm.global_batch_size=2",
             "parallel.micro_batch_size=1", "cluster.tasks_per_node=1", "logging.tensorboard=false"]
@@ -158,8 +158,8 @@ def test_dry_run_never_prints_an_oc_env_value(launch):
 
 
 def test_written_config_resolves_env_when_the_job_loads_it(tmp_path, monkeypatch):
-    from launcher.config import load_config
-    from launcher.config.loader import env_references, to_yaml
+    from megatron_rl.spec.config import load_config
+    from megatron_rl.spec.config.loader import env_references, to_yaml
 
     overrides = ["run.name=${oc.env:SECRET_X}", "run.seed=${oc.env:SECRET_SEED}", "run.steps=3"]
     monkeypatch.setenv("SECRET_X", "s3")
@@ -205,7 +205,7 @@ def test_a_folder_others_can_write_is_refused_with_the_fix(launch, tmp_path):
 
 
 def test_symlinks_are_never_written_through(launch, tmp_path):
-    from launcher.private import write_private_text
+    from megatron_rl.spec.private import write_private_text
 
     target = tmp_path / "elsewhere"
     target.mkdir(mode=0o700)

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from launcher.config.loader import load_config
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.loader import load_config
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.rewards import (
     MathVerifyReward,
     WeightedRewards,
@@ -161,6 +161,19 @@ def test_registry_builds_named_rewards():
         build_reward_fn("format", {"tags": ["answer"]})
     with pytest.raises(ConfigError, match="not registered"):
         build_reward_fn("nope")
+
+
+def test_the_specs_builtin_reward_options_are_their_scorers_keywords():
+    """The config check (torch-free spec) and the job's scorers agree on every built-in's options."""
+    import inspect
+
+    from megatron_rl.rewards.registry import _FACTORIES
+    from megatron_rl.spec.rewards import BUILTIN_REWARD_OPTIONS
+
+    for name, options in BUILTIN_REWARD_OPTIONS.items():
+        params = inspect.signature(_FACTORIES[name]).parameters.values()
+        assert tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY) == options, name
+        assert all(p.default is not p.empty for p in params), name
 
 
 def test_registry_accepts_stateful_scorers():

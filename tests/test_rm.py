@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data.preferences import (
     PreferenceRecord,
     SequenceEncoder,

@@ -1,5 +1,5 @@
 """Config keys of split-placement (asynchronous) GRPO: cluster.rollout_tasks, algorithm.max_staleness,
-weight_sync, off_policy_correction and is_cap; their rules, and the job-limit mechanism (launcher/limits.py
+weight_sync, off_policy_correction and is_cap; their rules, and the job-limit mechanism (megatron_rl/spec/limits.py
 JOB_LIMITS) that refuses a key's value a trainer does not run yet.
 
 Run: `.venv/bin/python -m pytest tests/test_rollout_config.py -q`
@@ -8,10 +8,10 @@ Run: `.venv/bin/python -m pytest tests/test_rollout_config.py -q`
 import pytest
 
 from launcher import cli
-from launcher.config.loader import load_config
-from launcher.config.validate import check_layout
-from launcher.errors import ConfigError
-from launcher.model_shape import load_model_shape
+from megatron_rl.spec.config.loader import load_config
+from megatron_rl.spec.config.validate import check_layout
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import load_model_shape
 
 
 def test_the_defaults_are_synchronous_colocated_grpo():
@@ -71,7 +71,7 @@ def test_split_placement_with_either_weight_sync_passes_the_layout_check(weight_
 
 
 def test_a_job_limit_refuses_its_key_in_one_line(monkeypatch, capsys, tmp_path):
-    from launcher import limits
+    from megatron_rl.spec import limits
 
     monkeypatch.setattr(limits, "JOB_LIMITS", {"algorithm.is_cap": (2.0, "the trainer reads only the default")})
     cfg = load_config(None, ["algorithm.is_cap=3"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.config.schema import CheckpointConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.schema import CheckpointConfig
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.trainers.common import AUTO_SAVE_OVERHEAD, auto_save_due
 
 

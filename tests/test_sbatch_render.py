@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import load_config
-from launcher.config.schema import ClusterConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config import load_config
+from megatron_rl.spec.config.schema import ClusterConfig
+from megatron_rl.spec.errors import ConfigError
 from launcher.job import prepare
 from launcher.resources import templates_dir
-from launcher.slurm import REQUEUE_EXIT_CODE
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from launcher.slurm import executor as slurm_executor
 from launcher.slurm.prepare import allocation_overrides
 from launcher.slurm.script import (

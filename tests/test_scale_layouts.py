@@ -85,10 +85,10 @@ def test_dense_tp2_sp_matches_plain(launch, tmp_path, plain_dense):
 def test_sequence_parallel_lengths():
     """Under SP the sequence splits over TP ranks: SFT pads to a multiple of tp, pretrain refuses a length that
     does not divide (Megatron would assert inside scatter_to_sequence_parallel_region)."""
-    from launcher.config import load_config
-    from launcher.config.validate import check_layout
-    from launcher.errors import ConfigError
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config import load_config
+    from megatron_rl.spec.config.validate import check_layout
+    from megatron_rl.spec.errors import ConfigError
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.trainers.sft import sft_seq_length
 
     examples = [([1] * 15, [1] * 15), ([1] * 4, [1] * 4)]

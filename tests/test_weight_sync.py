@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.weight_sync import FileWeightPublisher, FileWeightSubscriber, complete_versions
-from launcher.ports import free_port
+from megatron_rl.spec.ports import free_port
 from tests.helpers import REPO_ROOT
 
 PEER = str(REPO_ROOT / "tests" / "dist" / "weight_sync_peer.py")

@@ -20,8 +20,8 @@ import importlib
 import sys
 from typing import Optional
 
-from launcher.errors import ConfigError
-from launcher.private import private_umask
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.private import private_umask
 
 SUBCOMMANDS = {
     "plan": "size the parallel layout for a model and GPU count (no job is started)",

@@ -7,7 +7,8 @@
 
 Bad input (not a checkpoint, unsupported architecture, missing or truncated shard, mismatched shapes, existing
 output without --overwrite) exits 2 with one line; an export whose --verify fails exits 1 and publishes nothing.
-Torch is imported only when the conversion runs in this process. With --slurm it runs instead as a one-task
+The launcher checks the arguments and runs the conversion as a child process (``python -m
+megatron_rl.conversion.command``, the job side: it imports torch), so the launcher never does. With --slurm it runs instead as a one-task
 Slurm job (a >100B model needs a compute node's memory and cores): --dry-run prints the sbatch script, --wait
 follows the job, and the logs go to run.dir/slurm (default runs/convert).
 """
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 from launcher.cli import CliParser
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 EPILOG = """\
 examples:
@@ -158,82 +159,9 @@ def main(argv: list[str]) -> int:
     if args.dry_run or args.wait:
         raise ConfigError(f"convert: {'--dry-run' if args.dry_run else '--wait'} applies to a Slurm job; add --slurm")
     check_inputs(args)
+    options = {action.dest: getattr(args, action.dest) for action in args.conversion_options}
+    command = [sys.executable, "-m", "megatron_rl.conversion.command", args.direction, json.dumps(options)]
     try:
-        if args.direction == "hf-to-megatron":
-            return _hf_to_megatron(args)
-        return _megatron_to_hf(args)
-    except RuntimeError as exc:  # a worker crashed: one line here, the traceback is in the worker log
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-
-def _hf_to_megatron(args) -> int:
-    from megatron_rl.conversion.importer import import_hf_to_megatron
-
-    result = import_hf_to_megatron(args.hf, args.out, tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1,
-                                   dtype=args.dtype, overwrite=args.overwrite, timeout=args.timeout)
-    print(f"wrote {result['step_folder']} ({result['dtype']}, built at tp={result['tp']} pp={result['pp']} "
-          f"ep={result['ep']} on {result['processes']} process(es), {result['seconds']:.1f} s)")
-    return 0
-
-
-class VerificationFailed(Exception):
-    """--verify found the two models disagreeing."""
-
-
-def _lora_adapter(args) -> int:
-    from megatron_rl.conversion.lora_export import export_peft_adapter
-
-    result = export_peft_adapter(args.ckpt, args.out, base_hf=args.base_hf, overwrite=args.overwrite)
-    print(f"wrote {result['out_dir']}: PEFT LoRA adapter (r={result['r']}, {result['tensors']} tensors, "
-          f"target_modules {', '.join(result['target_modules'])}"
-          + (f", modules_to_save {', '.join(result['modules_to_save'])}" if result["modules_to_save"] else "")
-          + f") for {args.base_hf}")
-    return 0
-
-
-def _megatron_to_hf(args) -> int:
-    from megatron_rl.conversion.export import export_checkpoint_to_hf
-
-    if args.lora_adapter:
-        return _lora_adapter(args)
-
-    report: dict = {}
-
-    def check(folder) -> None:
-        from megatron_rl.conversion.verify import verify_export
-
-        report.update(verify_export(args.ckpt, folder, tp=args.tp, pp=args.pp, ep=args.ep, model=args.model,
-                                    tolerance=args.tolerance, timeout=args.timeout))
-        if not report["ok"]:
-            raise VerificationFailed()
-
-    last = [time.monotonic()]
-
-    def progress(message: str) -> None:  # big exports: a line every 10 s on stderr (Slurm logs)
-        if time.monotonic() - last[0] >= 10:
-            last[0] = time.monotonic()
-            print(message, file=sys.stderr, flush=True)
-
-    try:
-        summary = export_checkpoint_to_hf(args.ckpt, args.out, model=args.model, hf_source=args.hf_source,
-                                          shard_size=args.shard_size, dtype=args.dtype, overwrite=args.overwrite,
-                                          check=check if args.verify else None, progress=progress)
-    except VerificationFailed:
-        print(json.dumps({k: report[k] for k in ("max_abs_logit_diff", "argmax_agreement", "tensors_equal")}))
-        print(f"error: verification failed ({report['detail']['tensors']}; tolerance {args.tolerance}); "
-              f"{args.out} was not written", file=sys.stderr)
-        return 1
-    from megatron_rl.runtime.manifest import record_export
-
-    manifest = record_export(args.ckpt, summary.out_dir)  # the audit record of the run the checkpoint came from
-    for note in summary.notes:
-        print(f"note: {note}", file=sys.stderr)
-    print(f"wrote {summary.out_dir}: {summary.architecture}, {summary.num_tensors} tensors in {summary.num_shards} "
-          f"shard(s), {summary.bytes_written / 1e9:.3f} GB in {summary.seconds:.1f} s "
-          f"({summary.bytes_copied_in_kernel / max(summary.bytes_written, 1):.0%} copied file to file)")
-    if manifest is not None:
-        print(f"recorded the export in {manifest}")
-    if args.verify:
-        print(json.dumps({k: report[k] for k in ("max_abs_logit_diff", "argmax_agreement", "tensors_equal")}))
-    return 0
+        return subprocess.run(command, check=False).returncode
+    except KeyboardInterrupt:
+        return 130

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from launcher.cli import CliParser
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 
 def main(argv: list[str]) -> int:

@@ -16,12 +16,12 @@ replicas of its tp x pp on the R rollout GPUs; the plan shows both sides' times 
 balances generation and training (the config keeps its own).
 
 The search keeps every parallel.* key that is given (file, key=value or --layout; any subset: the rest is searched)
-and holds the trainer limits (``launcher/limits.py``); the plan lists both. It prints the chosen layout's memory and
+and holds the trainer limits (``megatron_rl/spec/limits.py``); the plan lists both. It prints the chosen layout's memory and
 step time by part, the runner-up and the part of the step time it lost on (or, when the kept keys excluded a
 faster layout, that one), and the alternatives: the fastest of each other tp/pp/cp/ep first. Example:
 ``python launch.py plan --model llama-3.1-405b --gpus 16384 --gpu-type h100-80gb --global-batch-size 2048``.
 ``python launch.py plan --calibrate RUN_DIR [--json]`` prints a run's prediction (written at launch) beside what it
-measured, with the error of each (``launcher/calibrate.py``).
+measured, with the error of each (``megatron_rl/spec/calibrate.py``).
 Exit codes: 0 plan printed; 2 bad input; 3 nothing fits: one line on stderr with the memory the leanest layout needs,
 the nearest layout that fits when keys were kept (as a --layout value, which plans with exit 0), and the smallest GPU
 count that would fit.
@@ -34,8 +34,8 @@ import json
 import sys
 
 from launcher.cli import CliParser
-from launcher.config.schema import ALGORITHMS, JobConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.schema import ALGORITHMS, JobConfig
+from megatron_rl.spec.errors import ConfigError
 
 EXIT_NO_FIT = 3
 SHORTHANDS = {"model": "model.name", "gpu_type": "cluster.gpu_type", "seq_len": "model.seq_length",
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
     """The overrides that plan's flags (but --gpus) and key=value arguments stand for."""
-    from launcher.limits import as_yaml
+    from megatron_rl.spec.limits import as_yaml
     from launcher.planner import parse_layout
 
     flags = [f"{key}={getattr(args, name)}" for name, key in SHORTHANDS.items() if getattr(args, name) is not None]
@@ -152,7 +152,7 @@ def _flag_of(key: str) -> str:
 
 def calibrate(args: argparse.Namespace) -> int:
     """``plan --calibrate RUN_DIR``: the prediction beside the measurement, one line (or --json)."""
-    from launcher.calibrate import calibration_report, one_line
+    from megatron_rl.spec.calibrate import calibration_report, one_line
 
     if args.overrides or args.config or args.model or args.layout:
         raise ConfigError("--calibrate RUN_DIR reads that run's own prediction and metrics; give no config, model, "
@@ -164,7 +164,7 @@ def calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the plan subcommand; returns the exit code."""
-    from launcher.config.loader import given_keys, load_config
+    from megatron_rl.spec.config.loader import given_keys, load_config
     from launcher.job import load_shape, plan_job
     from launcher.planner import NoFeasibleLayout, layout_arg
 

@@ -19,7 +19,7 @@ examples:
   python launch.py plan --config configs/grpo_llama70b.yaml parallel.tp=4   # the layout that job would get
 
 Overrides are section.key=value for the sections model, parallel, cluster, algorithm, generation, runtime,
-eval, optimizer, data, checkpoint, logging and run (see configs/ and launcher/config/schema.py).
+eval, optimizer, data, checkpoint, logging and run (see configs/ and megatron_rl/spec/config/schema.py).
 """
 
 
@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from launcher.config import load_config
-    from launcher.config.loader import env_references, given_keys
+    from megatron_rl.spec.config import load_config
+    from megatron_rl.spec.config.loader import env_references, given_keys
     from launcher.executors import get_executor
     from launcher.job import prepare
 

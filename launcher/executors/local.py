@@ -3,7 +3,7 @@
 Rank 0's output goes to the console; every rank writes ``run.dir/logs/rank<N>.log``. When any rank fails,
 the others are stopped within ``STOP_GRACE_S`` seconds instead of waiting on a collective timeout.
 The launcher holds ``run.dir/.lock`` (``launcher.lock``) until every rank has ended, so a second launch into the
-folder is refused; everything it writes is private (``launcher.private``).
+folder is refused; everything it writes is private (``megatron_rl.spec.private``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from launcher.job import PreparedJob, check_env
 from launcher.lock import acquire
-from launcher.ports import free_port
-from launcher.private import make_private_dir, open_private_append
+from megatron_rl.spec.ports import free_port
+from megatron_rl.spec.private import make_private_dir, open_private_append
 
 STOP_GRACE_S = 10.0
 

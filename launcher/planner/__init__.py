@@ -1,7 +1,7 @@
 """Parallelism planner: pick TP/PP/VPP/CP/EP/DP, micro-batch and recompute for a model on N GPUs, predict
 memory per GPU and speed, and refuse what cannot run. Pure Python (no torch/megatron import).
 
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from launcher.planner import plan
     print(plan(load_model_shape("llama-3.1-405b"), num_gpus=16384, gpu_type="h100-80gb",
                global_batch_size=2048).explain())
@@ -17,18 +17,17 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from launcher.errors import ConfigError, did_you_mean
-from launcher.limits import as_yaml, check_limits
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.errors import ConfigError, did_you_mean
+from megatron_rl.spec.limits import as_yaml, check_limits
+from megatron_rl.spec.model_shape import ModelShape
 from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
 from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement, Workload
-from launcher.config.schema import RECOMPUTE_MODES
+from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.moe_comm import check_runtime
-from launcher.planner.rl_step import RL_MODES, rollout
+from launcher.planner.rl_step import RL_MODES, RolloutSuggestion, rollout, suggest_rollout_tasks
 from launcher.planner.search import SearchOutcome, search
-from launcher.planner.split import RolloutSuggestion, suggest_rollout_tasks
 
 __all__ = ["GPUS", "PLANNED_KEYS", "TIME_PARTS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult",
            "RolloutSuggestion", "RunnerUp", "Runtime", "SplitPlacement", "evaluate", "layout_arg", "parse_layout",
@@ -342,8 +341,8 @@ def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | N
          limits: Mapping[str, tuple[Any, str]] | None = None, split: SplitPlacement | None = None) -> PlanResult:
     """Search every legal layout and return the fastest that fits; NoFeasibleLayout (with the smallest GPU count
     that would fit) when none does. ``fixed``: layout keys (PLANNED_KEYS) the search keeps. ``limits``:
-    key -> (value, why) for values the job can only run at (launcher.limits); held fixed like ``fixed``, which
-    must agree with them, and reported by explain() and to_dict(). ``split``: separate rollout GPUs (split.py);
+    key -> (value, why) for values the job can only run at (megatron_rl.spec.limits); held fixed like ``fixed``, which
+    must agree with them, and reported by explain() and to_dict(). ``split``: separate rollout GPUs (rl_step.py);
     ``num_gpus`` then counts the training GPUs alone, and the result suggests a rollout GPU count."""
     limits = dict(limits or {})
     constraints = dict(fixed or {})

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.model_shape import ModelShape, load_model_shape, shape_from_megatron_dict
+from megatron_rl.spec.model_shape import ModelShape, load_model_shape, shape_from_megatron_dict
 from launcher.planner import PlanResult, Runtime, evaluate
 from launcher.planner import costs, moe_comm
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from launcher.config.schema import RECOMPUTE_MODES
+from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import Estimate, Layout
 
 CHANGE_COST = {"tp": 3, "cp": 3, "ep": 3, "sequence_parallel": 3, "pp": 2, "vpp": 1, "micro_batch_size": 1,

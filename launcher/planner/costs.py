@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.model_shape import ModelShape
 from launcher.planner.gpus import GIB, GpuSpec
 from launcher.planner.moe_comm import IB_LATENCY_S, NVLINK_LATENCY_S, deepep_inter_share, ep_time_s
 
@@ -168,7 +168,7 @@ class GrpoSizing:
 @dataclass(frozen=True, kw_only=True)
 class SplitPlacement:
     """Split placement (cluster.rollout_tasks > 0): separate GPUs only generate, each rollout replica at the
-    training layout's tp x pp (cp=1, ep=1); the workload's num_gpus are then the training GPUs alone (split.py)."""
+    training layout's tp x pp (cp=1, ep=1); the workload's num_gpus are then the training GPUs alone (rl_step.py's split placement)."""
 
     rollout_gpus: int
     """GPUs (one process each) that only generate: cluster.rollout_tasks, a multiple of tp*pp."""

@@ -1,6 +1,6 @@
 """One layout in, memory per GPU and step time out: the Layout type, Megatron's pipeline splits, one optimizer
-step's estimate (training_estimate) and its time by part (TIME_PARTS, Estimate.breakdown_s); estimate() hands the
-post-training modes to rl_step.py, which builds on training_estimate.
+step's estimate (training_estimate) and its time by part (TIME_PARTS, Estimate.breakdown_s). rl_step.py builds the
+post-training modes on training_estimate, and its estimate() takes any mode.
 
 The pipeline split follows Megatron-Core's rules (transformer_config.py): an even split; or the embedding and/or
 the loss counted as one layer each (--account-for-embedding/loss-in-pipeline-split); or explicit first/last
@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from launcher.parallel import virtual_stage_layers
+from megatron_rl.spec.parallel import virtual_stage_layers
 
 if TYPE_CHECKING:
-    from launcher.planner.split import SplitStep
+    from launcher.planner.rl_step import SplitStep
 from launcher.planner.costs import (DP_BUCKET_BYTES, GIB, LAYER_PARTS, OVERLAP_CONTENTION, LayerCost, Workload,
                                     add_parts, scale_parts)
 
@@ -28,7 +28,7 @@ TRAINING_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all",
 """The TIME_PARTS of the optimizer steps (what ``plan --mode pretrain`` of the same layout and tokens prints)."""
 RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch", "reward_model", "critic",
             "weight_sync", "rollout_wait")
-"""The TIME_PARTS an RL step adds (rl_step.py; weight_sync and rollout_wait with split placement, split.py)."""
+"""The TIME_PARTS an RL step adds (rl_step.py; weight_sync and rollout_wait with split placement)."""
 TIME_PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
               "cp_comm": "CP communication", "ep_all_to_all": "EP all-to-all", "pp_p2p": "PP send/recv",
               "pp_bubble": "PP bubble", "dp_comm": "DP grad reduce/param gather", "optimizer": "optimizer step",
@@ -41,7 +41,7 @@ TIME_PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP com
 pp_bubble is the pipeline fill and drain; dp_comm the exposed part of the data-parallel gradient reduce and
 parameter all-gather. The RL modes add RL_PARTS: the log-prob forward passes (old policy, reference), the rollout's
 prefill and decode, the phase switches (KV cache allocation, optimizer offload and reload), the colocated reward
-model's scoring forward and PPO's critic. With split placement (split.py) the trainer GPUs do not generate: the
+model's scoring forward and PPO's critic. With split placement (rl_step.py) the trainer GPUs do not generate: the
 generation parts are 0, weight_sync is the new policy's trip to the rollout GPUs and rollout_wait the time the trainer
 waits for rollouts beyond its own work (all of the generation when max_staleness=0)."""
 
@@ -261,7 +261,7 @@ class Estimate:
     """Runtime.memory_margin as a fraction of capacity: what a fitting layout leaves free."""
     split: SplitStep | None = None
     """Split placement: the rollout GPUs' memory and generation time, the trainer's time and the weight sync, and
-    how they make step_time_s (split.py); None when generation is colocated. The other fields are the trainer
+    how they make step_time_s (rl_step.py); None when generation is colocated. The other fields are the trainer
     GPUs'."""
 
     @property
@@ -527,14 +527,3 @@ def _dp_collectives(w: Workload, L: Layout, max_params: tuple[float, float]) -> 
         out.append((t_red, t_ag))
     made = w._cost_cache[key] = tuple(out)
     return made
-
-
-def estimate(w: Workload, layout: Layout, *, only_if_fits: bool = False) -> Estimate | float:
-    """Memory and time of a legal layout for w's mode: the RL modes (grpo, ppo, eval) and dpo go through
-    rl_step.py, the others are one optimizer step. ``only_if_fits``: a layout that does not fit gives its total
-    bytes alone (training_estimate)."""
-    if w.mode in ("grpo", "ppo", "eval", "dpo"):
-        from launcher.planner.rl_step import mode_estimate
-
-        return mode_estimate(w, layout, only_if_fits=only_if_fits)
-    return training_estimate(w, layout, only_if_fits=only_if_fits)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.errors import ConfigError, did_you_mean
+from megatron_rl.spec.errors import ConfigError, did_you_mean
 
 GIB = 1024**3
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement
 
 RL_ALGORITHMS = ("grpo", "ppo", "eval")

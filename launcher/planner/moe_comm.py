@@ -19,7 +19,7 @@ trainers here run: it is off by default and ``plan()`` refuses it (``check_runti
 
 from __future__ import annotations
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 A2A_NIC_EFFICIENCY = 0.78
 """Achieved inter-node all-to-all bandwidth over the NIC's nominal per-GPU bandwidth (fitted on the Qwen3-235B

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from launcher.limits import as_yaml
+from megatron_rl.spec.limits import as_yaml
 from launcher.planner.costs import TCP_GB_S
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
-from launcher.planner.split import SUGGESTION_SLACK
+from launcher.planner.rl_step import SUGGESTION_SLACK
 
 if TYPE_CHECKING:
     from launcher.planner import PlanResult

@@ -2,11 +2,11 @@
 
 Legality (Megatron-Core 0.16 rules): TP inside one node; heads and query groups divisible by TP; sequence
 divisible by 2*CP (load-balanced causal CP) and by TP under sequence parallelism; TP*CP*PP divides the world;
-the pipeline split is one Megatron accepts (launcher.parallel.split_error); the global batch divides into DP*MBS
+the pipeline split is one Megatron accepts (megatron_rl.spec.parallel.split_error); the global batch divides into DP*MBS
 micro-batches, and interleaving needs the micro-batch count divisible by PP (default group size); experts
 divisible by EP and EP dividing TP*CP*DP (expert tensor parallelism 1). With split placement (Workload.split) the
 world is the training GPUs, TP*PP divides the rollout GPUs, EP is 1 and a rollout GPU must fit
-(launcher.parallel.rollout_replica_error, split.rollout_memory_error). Fixed keys are kept and the rest searched:
+(megatron_rl.spec.parallel.rollout_replica_error, split.rollout_memory_error). Fixed keys are kept and the rest searched:
 a pipeline-split key (SPLIT_KEYS) without pp searches the pp values whose split Megatron accepts; a split that no pp
 accepts, or none at a fixed pp, is a ConfigError.
 
@@ -26,14 +26,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from launcher.errors import ConfigError
-from launcher.limits import as_yaml
-from launcher.parallel import rollout_replica_error, split_error, uneven_splits
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.limits import as_yaml
+from megatron_rl.spec.parallel import rollout_replica_error, split_error, uneven_splits
 from launcher.planner.costs import GIB, Workload
-from launcher.config.schema import RECOMPUTE_MODES
-from launcher.planner.estimate import Estimate, Layout, estimate, rank_groups, stage_params
-from launcher.planner.rl_step import RL_MODES, generation_floor
-from launcher.planner.split import rollout_memory_error
+from megatron_rl.spec.config.schema import RECOMPUTE_MODES
+from launcher.planner.estimate import Estimate, Layout, rank_groups, stage_params
+from launcher.planner.rl_step import RL_MODES, estimate, generation_floor, rollout_memory_error
 
 MAX_CP = 64
 MAX_MBS = 16

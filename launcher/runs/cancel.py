@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from launcher.lock import mark_cancelled
 from launcher.runs.folder import RunFolder, open_folder
 from launcher.runs.status import slurm_jobs

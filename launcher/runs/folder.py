@@ -20,16 +20,13 @@ from typing import Any, Optional
 
 import yaml
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.run_files import CONFIG_FILE, MANIFEST_FILE, METRICS_FILE
 from launcher.lock import CANCELLED_NAME, LOCK_NAME, pid_alive, read_holder
 from launcher.slurm.query import FINAL_STATES, live_state
 
-CONFIG_NAME = "config.yaml"
 STAGE_ORDER_FILE = "stages.txt"
 """A pipeline folder's stage order, one stage name a line (``launcher.pipeline``)."""
-METRICS_NAME = "metrics.jsonl"
-MANIFEST_FILE = "manifest.json"
-"""The run's audit record, written by the job (megatron_rl/runtime/manifest.py)."""
 METRICS_TAIL_BYTES = 1 << 20
 """Only the end of metrics.jsonl is read: enough lines for the last step and the recent step times."""
 JOB_FILE = re.compile(r"^(\d+)_")
@@ -99,7 +96,7 @@ class RunFolder:
 
     def recent_metrics(self) -> list[dict[str, Any]]:
         """The last lines of metrics.jsonl (up to METRICS_TAIL_BYTES), parsed; a line being written is skipped."""
-        path = self.path / METRICS_NAME
+        path = self.path / METRICS_FILE
         try:
             with path.open("rb") as handle:
                 size = handle.seek(0, os.SEEK_END)
@@ -151,7 +148,7 @@ def _names(folder: Path) -> list[str]:
 
 
 def is_run_folder(path: Path) -> bool:
-    return (path / CONFIG_NAME).is_file()
+    return (path / CONFIG_FILE).is_file()
 
 
 def stage_folders(path: Path) -> list[Path]:
@@ -161,7 +158,7 @@ def stage_folders(path: Path) -> list[Path]:
     stages = [path / name for name in _names(path) if (path / name).is_dir() and is_run_folder(path / name)]
     listed = {name: index for index, name in enumerate(stage_order(path))}
     return sorted(stages, key=lambda stage: (listed.get(stage.name, len(listed)),
-                                             (stage / CONFIG_NAME).stat().st_mtime, stage.name))
+                                             (stage / CONFIG_FILE).stat().st_mtime, stage.name))
 
 
 def stage_order(path: Path) -> list[str]:
@@ -175,9 +172,9 @@ def stage_order(path: Path) -> list[str]:
 
 def read_run(path: Path) -> RunFolder:
     try:
-        config = yaml.safe_load((path / CONFIG_NAME).read_text()) or {}
+        config = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read {path / CONFIG_NAME} ({exc.__class__.__name__}: "
+        raise ConfigError(f"cannot read {path / CONFIG_FILE} ({exc.__class__.__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else 'unreadable'}); check the file") from None
     return RunFolder(path=path, config=config if isinstance(config, dict) else {})
 
@@ -186,7 +183,7 @@ def open_folder(path: str | Path, *, command: str) -> list[tuple[Optional[str], 
     """[(None, run)] for a run folder, or [(stage name, run), ...] for a folder of run folders (a pipeline);
     ConfigError naming the path and the fix otherwise."""
     folder = Path(path).expanduser().absolute()
-    usage = f"give a run folder (the run.dir of a launch, holding {CONFIG_NAME}) or a pipeline folder"
+    usage = f"give a run folder (the run.dir of a launch, holding {CONFIG_FILE}) or a pipeline folder"
     if not folder.exists():
         raise ConfigError(f"{command}: {folder} does not exist; {usage}")
     if not folder.is_dir():
@@ -195,7 +192,7 @@ def open_folder(path: str | Path, *, command: str) -> list[tuple[Optional[str], 
         return [(None, read_run(folder))]
     stages = stage_folders(folder)
     if not stages:
-        raise ConfigError(f"{command}: {folder} is not a run folder (no {CONFIG_NAME} in it or in its subfolders); "
+        raise ConfigError(f"{command}: {folder} is not a run folder (no {CONFIG_FILE} in it or in its subfolders); "
                           f"{usage}")
     return [(stage.name, read_run(stage)) for stage in stages]
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from launcher.runs.folder import RunFolder, open_run
 
 FOLLOW_POLL_S = 0.5

@@ -18,7 +18,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from launcher.runs.folder import MAIN_PHASES, MANIFEST_FILE, RunFolder, open_folder
+from launcher.runs.folder import MAIN_PHASES, RunFolder, open_folder
+from megatron_rl.spec.run_files import MANIFEST_FILE
 from launcher.slurm.query import JobState, live_state, sacct_states
 
 KEY_METRICS = ("reward_mean", "loss", "accuracy", "pass@1", "kl", "response_length", "reward_margin")

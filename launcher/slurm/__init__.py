@@ -2,6 +2,3 @@
 end (``watch``), and what runs inside the job (``task``: each rank of a submitted training job; ``prepare``: the
 config of a plain ``sbatch slurm/train.sbatch``). None of it imports torch.
 """
-
-REQUEUE_EXIT_CODE = 3
-"""A trainer exits with this code after saving a preemption checkpoint; the job script then requeues the job."""

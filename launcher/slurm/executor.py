@@ -24,11 +24,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from launcher.config.schema import ClusterConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.schema import ClusterConfig
+from megatron_rl.spec.errors import ConfigError
 from launcher.job import PreparedJob, check_env
 from launcher.lock import acquire
-from launcher.private import check_run_dir, make_private_dir, write_private_text
+from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
 from launcher.slurm.script import (
     TrainScript, conversion_cluster, log_dir, render_convert_script, render_train_script, slurm_time_seconds,
 )
@@ -176,7 +176,7 @@ CONVERSION_FIXED_KEYS = ("nodes", "tasks_per_node", "gpus_per_node", "signal_del
 
 def conversion_job(overrides: Sequence[str]) -> tuple[ClusterConfig, Path]:
     """The cluster section and run folder of a conversion job, from ``cluster.*`` and ``run.dir`` overrides."""
-    from launcher.config import load_config
+    from megatron_rl.spec.config import load_config
 
     for item in overrides:
         key = item.partition("=")[0]

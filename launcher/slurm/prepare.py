@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Mapping, Optional
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from launcher.lock import acquire
-from launcher.private import private_umask
+from megatron_rl.spec.private import private_umask
 
 
 def allocation_overrides(env: Mapping[str, str]) -> list[str]:
@@ -35,8 +35,8 @@ def allocation_overrides(env: Mapping[str, str]) -> list[str]:
 def resolve(*, run_dir: str, algorithm: str, config: Optional[str], overrides: list[str],
             env: Mapping[str, str]) -> Path:
     """Load, check and write the config of this allocation; return the config.yaml path."""
-    from launcher.config import load_config
-    from launcher.config.loader import env_references, given_keys
+    from megatron_rl.spec.config import load_config
+    from megatron_rl.spec.config.loader import env_references, given_keys
     from launcher.job import prepare
 
     forced = [f"run.dir={Path(run_dir).expanduser().resolve()}", f"algorithm.name={algorithm}",

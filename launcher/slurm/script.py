@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from launcher.config.schema import ClusterConfig
-from launcher.errors import ConfigError
+from megatron_rl.spec.config.schema import ClusterConfig
+from megatron_rl.spec.errors import ConfigError
 from launcher.resources import templates_dir
 
 TEMPLATE = "train.sbatch"

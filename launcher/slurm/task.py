@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.slurm import REQUEUE_EXIT_CODE
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 
 POLL_S = 0.5
 FAILURE_MARK = "megatron-rl task failed:"  # the watcher looks for this line in the tasks' .err logs
@@ -39,7 +39,7 @@ class TrainTask:
     def __call__(self) -> dict[str, Any]:
         from submitit.helpers import TorchDistributedEnvironment
 
-        from launcher.private import private_umask
+        from megatron_rl.spec.private import private_umask
 
         private_umask()  # the trainer's checkpoints and submitit's result pickle are 0600
 

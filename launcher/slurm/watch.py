@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from launcher.config.schema import ClusterConfig
+from megatron_rl.spec.config.schema import ClusterConfig
 from launcher.runs.logs import LogTail
-from launcher.slurm import REQUEUE_EXIT_CODE
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from launcher.slurm.query import FINAL_STATES, JobState, run_tool, sacct_state, squeue_state
 from launcher.slurm.task import FAILURE_MARK, PLACEMENT_MARK
 

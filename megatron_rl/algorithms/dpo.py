@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from launcher.config.schema import DPO_LOSSES, AlgorithmConfig
+from megatron_rl.spec.config.schema import DPO_LOSSES, AlgorithmConfig
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.conversion.dcp_files import (
     DTYPE_ITEMSIZE,
     MetadataIndex,

@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 
 HF_CONFIG_FILE = "hf_config.json"
 HF_TOKENIZER_DIR = "hf_tokenizer"
@@ -91,7 +91,7 @@ def _shape_from_dict(d: dict) -> ModelShape:
 def resolve_model_source(step_folder: Path, model: Union[None, str, Path, ModelShape, dict],
                          common: dict, hf_source: Optional[Path] = None) -> ModelSource:
     """Model description: explicit ``model`` > files stored in the checkpoint > ``extra["model"]`` of common.pt."""
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.conversion.names import hf_config_from_shape, shape_from_config
 
     if isinstance(model, ModelShape):
@@ -259,8 +259,6 @@ def hf_tensor_bytes(tm, shape: ModelShape, reader, out_dtype: Optional[str],
 
     stored = reader.index[tm.ref]
     if lora_scale is not None:
-        from megatron_rl.conversion.lora_export import merged_weight_bytes
-
         rows = merged_weight_bytes(reader, tm.ref, lora_scale).reshape(stored.shape[0], -1)
     else:
         rows = reader.read_bytes(tm.ref).reshape(stored.shape[0] if stored.shape else 1, -1)
@@ -278,6 +276,45 @@ def cast(data: np.ndarray, dtype: str, out_dtype: str) -> np.ndarray:
 
     values = torch.from_numpy(data.reshape(-1)).view(getattr(torch, dtype))
     return values.to(getattr(torch, out_dtype)).view(torch.uint8).numpy()
+
+
+def lora_settings(reader) -> Optional[dict[str, Any]]:
+    """The run's ``model.lora`` settings recorded in the checkpoint (None: not a LoRA checkpoint)."""
+    extra = reader.common_state().get("extra")
+    return extra.get("lora") if isinstance(extra, dict) else None
+
+
+def adapted_weights(reader) -> dict:
+    """Base weight ref -> the LoRA scale alpha / r of its adapter, for every adapter the checkpoint stores."""
+    from megatron_rl.conversion.names import LORA_SUFFIXES, MegatronRef
+
+    refs = [ref for ref in reader.index if ref.name.endswith(LORA_SUFFIXES[0])]
+    if not refs:
+        return {}
+    settings = lora_settings(reader)
+    if settings is None:
+        raise ConfigError(f"--ckpt {reader.folder}: holds LoRA adapters but no extra['lora'] settings (alpha); "
+                          "it was not saved by a megatron_rl LoRA run")
+    out = {}
+    for a_ref in refs:
+        rank = reader.index[a_ref].shape[0]
+        out[MegatronRef(a_ref.name.removesuffix(LORA_SUFFIXES[0]) + ".weight", a_ref.layer, a_ref.expert)] = \
+            float(settings["alpha"]) / rank
+    return out
+
+
+def merged_weight_bytes(reader, ref, scale: float) -> np.ndarray:
+    """The global base weight of ``ref`` with its adapter merged (W + B A scale), in the stored dtype, as
+    ``read_bytes`` gives it: uint8 of shape (*shape, itemsize)."""
+    import torch
+
+    from megatron_rl.conversion.names import adapter_refs
+
+    a_ref, b_ref = adapter_refs(ref)
+    tensors = reader.read([ref, a_ref, b_ref])
+    base = tensors[ref]
+    merged = (base.float() + (tensors[b_ref].float() @ tensors[a_ref].float()) * scale).to(base.dtype)
+    return merged.contiguous().view(torch.uint8).numpy().reshape(*base.shape, base.element_size())
 
 
 class ReadAhead:
@@ -358,7 +395,6 @@ def export_checkpoint_to_hf(ckpt: Union[str, Path], out_dir: Union[str, Path], *
     maps = tensor_maps(shape, reward_head=reward)
 
     check_stored_tensors(reader, maps, shape, source.origin, reward)
-    from megatron_rl.conversion.lora_export import adapted_weights
 
     merged = adapted_weights(reader)  # LoRA: base weight ref -> scale; these go through memory, merged
 

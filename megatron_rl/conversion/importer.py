@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 

@@ -26,50 +26,13 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from launcher.errors import ConfigError
+from megatron_rl.conversion.export import (adapted_weights, check_stored_tensors, hf_tensor_bytes, lora_settings,
+                                           prepare_output, publish, resolve_model_source)
+from megatron_rl.spec.errors import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-
-
-def lora_settings(reader) -> Optional[dict[str, Any]]:
-    """The run's ``model.lora`` settings recorded in the checkpoint (None: not a LoRA checkpoint)."""
-    extra = reader.common_state().get("extra")
-    return extra.get("lora") if isinstance(extra, dict) else None
-
-
-def adapted_weights(reader) -> dict:
-    """Base weight ref -> the LoRA scale alpha / r of its adapter, for every adapter the checkpoint stores."""
-    from megatron_rl.conversion.names import LORA_SUFFIXES, MegatronRef
-
-    refs = [ref for ref in reader.index if ref.name.endswith(LORA_SUFFIXES[0])]
-    if not refs:
-        return {}
-    settings = lora_settings(reader)
-    if settings is None:
-        raise ConfigError(f"--ckpt {reader.folder}: holds LoRA adapters but no extra['lora'] settings (alpha); "
-                          "it was not saved by a megatron_rl LoRA run")
-    out = {}
-    for a_ref in refs:
-        rank = reader.index[a_ref].shape[0]
-        out[MegatronRef(a_ref.name.removesuffix(LORA_SUFFIXES[0]) + ".weight", a_ref.layer, a_ref.expert)] = \
-            float(settings["alpha"]) / rank
-    return out
-
-
-def merged_weight_bytes(reader, ref, scale: float) -> np.ndarray:
-    """The global base weight of ``ref`` with its adapter merged (W + B A scale), in the stored dtype, as
-    ``read_bytes`` gives it: uint8 of shape (*shape, itemsize)."""
-    import torch
-
-    from megatron_rl.conversion.names import adapter_refs
-
-    a_ref, b_ref = adapter_refs(ref)
-    tensors = reader.read([ref, a_ref, b_ref])
-    base = tensors[ref]
-    merged = (base.float() + (tensors[b_ref].float() @ tensors[a_ref].float()) * scale).to(base.dtype)
-    return merged.contiguous().view(torch.uint8).numpy().reshape(*base.shape, base.element_size())
 
 
 def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, base_hf: Union[str, Path],
@@ -80,7 +43,6 @@ def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, ba
     from safetensors.torch import save_file
 
     from megatron_rl.conversion.dist_reader import CheckpointReader
-    from megatron_rl.conversion.export import check_stored_tensors, prepare_output, publish, resolve_model_source
     from megatron_rl.conversion.names import REWARD_HEAD_WEIGHT, adapter_refs, check_convertible, hf_row_sources, tensor_maps
 
     out = Path(out_dir).resolve()
@@ -148,7 +110,6 @@ def saved_module_tensors(reader, maps, shape, modules_to_save) -> dict:
     with tied embeddings the shared weight is both embed_tokens and lm_head (PEFT keeps a copy for each)."""
     import torch
 
-    from megatron_rl.conversion.export import hf_tensor_bytes
     from megatron_rl.conversion.names import EMBEDDING, FINAL_NORM, OUTPUT
 
     wanted = {{"embedding": EMBEDDING, "output_layer": OUTPUT, "final_layernorm": FINAL_NORM}[m]

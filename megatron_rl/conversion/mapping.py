@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.conversion.names import TensorMap, is_model_key, parse_megatron_key, row_pieces, tensor_maps
 
 

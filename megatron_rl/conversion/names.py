@@ -41,8 +41,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape, shape_from_hf_config
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape, shape_from_hf_config
 
 # HF architectures this converter maps (causal LM); the sequence-classification twin is used for reward models.
 SUPPORTED_ARCHITECTURES = {
@@ -79,7 +79,7 @@ def conversion_dims(shape: ModelShape, tp: int, pp: int, ep: int):
     """The ``ParallelDims`` a conversion builds at (tp, pp, ep): experts whole per rank (etp 1), sequence
     parallelism where Megatron needs it (MoE or MLA at tp > 1), and an uneven pipeline split chosen like the
     trainers' (``ParallelDims.with_split``) when pp does not divide the layers (61 layers on pp 2: 31 + 30)."""
-    from launcher.parallel import ParallelDims, split_error
+    from megatron_rl.spec.parallel import ParallelDims, split_error
 
     dims = ParallelDims(world_size=layout_world_size(tp, pp, ep), tp=tp, pp=pp, ep=ep, etp=1,
                         sp=(shape.is_moe or shape.is_mla) and tp > 1).with_split(shape.num_layers)
@@ -226,8 +226,8 @@ def refs_in_stored_tensor(key: str, size: tuple[int, ...]) -> Iterator[tuple[Meg
 # ----- Hugging Face config -----
 def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """Fold transformers-5 spellings (``rope_parameters``, ``num_local_experts`` for Qwen3-MoE) into the classic
-    keys that ``launcher.model_shape`` reads, and reject what the Megatron model cannot reproduce."""
-    from launcher.model_shape import fold_transformers5_keys
+    keys that ``megatron_rl.spec.model_shape`` reads, and reject what the Megatron model cannot reproduce."""
+    from megatron_rl.spec.model_shape import fold_transformers5_keys
 
     cfg = fold_transformers5_keys(cfg)
     archs = cfg.get("architectures") or []

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import ConfigError
-from launcher.ports import free_port
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.ports import free_port
 
 
 def worker_command(nproc: int, tasks_file: Path, script: Optional[str] = None) -> list[str]:

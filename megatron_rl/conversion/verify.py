@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")

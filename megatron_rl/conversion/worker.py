@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ST_TO_NAME = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
@@ -74,7 +74,7 @@ def run_import(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_random(task: dict[str, Any]) -> dict[str, Any]:
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.conversion.export import model_metadata
     from megatron_rl.conversion.model_build import build_conversion_model
     from megatron_rl.runtime.checkpoint import save_checkpoint

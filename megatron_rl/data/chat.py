@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 Messages = list[dict]
 Part = Union[str, Messages]

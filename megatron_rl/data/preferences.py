@@ -43,7 +43,7 @@ import random
 from pathlib import Path
 from typing import Optional
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data import synthetic
 from megatron_rl.data.chat import ChatFormat, Part, check_part, has_chat_template, plain_text
 from megatron_rl.data.records import FORMATS, RecordFile, read_records

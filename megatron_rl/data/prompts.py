@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data.chat import ChatFormat, check_messages
 from megatron_rl.data.records import FORMATS, RecordFile, read_records
 

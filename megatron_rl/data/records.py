@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 FORMATS = "a .jsonl, .json, .parquet or .arrow file, or a datasets.save_to_disk folder"
 _DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}

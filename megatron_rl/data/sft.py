@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data.chat import ChatFormat, Part, check_messages
 from megatron_rl.data.records import FORMATS, read_records
 

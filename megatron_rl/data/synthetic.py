@@ -29,7 +29,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 TASKS: tuple[str, ...] = ("last_digit", "first_digit", "add", "reverse")
 _REVERSE_LETTERS = "abcde"

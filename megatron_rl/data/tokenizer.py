@@ -61,7 +61,7 @@ class HFTokenizer:
     def __init__(self, path: str, *, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
-        from launcher.errors import ConfigError
+        from megatron_rl.spec.errors import ConfigError
 
         if not trust_remote_code and ships_tokenizer_code(path):
             raise remote_code_refused(path)
@@ -114,7 +114,7 @@ def ships_tokenizer_code(path: str) -> bool:
 
 def remote_code_refused(path: str):
     """The one-line ConfigError for a tokenizer folder whose code model.trust_remote_code does not allow."""
-    from launcher.errors import ConfigError
+    from megatron_rl.spec.errors import ConfigError
 
     return ConfigError(f"model.tokenizer={path!r} needs the tokenizer code shipped in that folder (custom code, "
                        "e.g. a tiktoken tokenizer); set model.trust_remote_code=true to run it, if you trust it")
@@ -129,7 +129,7 @@ def load_tokenizer(path: str | None, *, trust_remote_code: bool = False):
         return CharTokenizer()
     from pathlib import Path
 
-    from launcher.errors import ConfigError
+    from megatron_rl.spec.errors import ConfigError
 
     if not Path(path).is_dir():
         raise ConfigError(f"model.tokenizer={path!r} is not a folder; give a local Hugging Face tokenizer folder "

@@ -82,7 +82,7 @@ from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsuppor
 from megatron_rl.generation.pipeline import StageChain, pipelined_decode
 from megatron_rl.generation.rows import DecodeRows, Feed, Stops, copy_cache_rows, stop_check_interval
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, StepDraws, choose_tokens
-from megatron_rl.runtime.checkpoint import unwrap
+from megatron_rl.models import unwrap
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,10 +19,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from launcher.config.schema import LoraConfig, attention_kernel
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
-from launcher.parallel import ParallelDims
+from megatron_rl.spec.config.schema import LoraConfig, attention_kernel
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
+from megatron_rl.spec.parallel import ParallelDims
 
 VOCAB_PAD_MULTIPLE = 128
 

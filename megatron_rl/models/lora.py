@@ -52,7 +52,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from launcher.config.schema import LoraConfig
+from megatron_rl.spec.config.schema import LoraConfig
 
 ADAPTER = "lora"
 """Name of the adapter child of each adapted linear (checkpoint keys ``<linear>.lora.A`` / ``.lora.B``)."""

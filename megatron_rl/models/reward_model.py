@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.models.builder import ModelOptions, build_gpt_model
 
 HEAD_NAME = "rm_head"
@@ -178,16 +178,6 @@ def value_forward(model, batch: dict) -> torch.Tensor:
     return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), last_index=None)
 
 
-def checkpoint_tensor_keys(folder: str | Path) -> set[str]:
-    """Global tensor and object keys stored in one of our checkpoints (step folder or root with ``latest``)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_rl.runtime.checkpoint import resolve_checkpoint
-
-    metadata = FileSystemReader(str(resolve_checkpoint(folder))).read_metadata()
-    return {key.split("/shard_")[0] for key in metadata.state_dict_metadata}  # objects are stored per shard
-
-
 def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     """Load model weights from a checkpoint into reward-model ``chunks``; returns whether the head was loaded.
 
@@ -198,7 +188,8 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     from megatron.core import dist_checkpointing
 
     from megatron_rl.models.lora import adapters, is_adapter_key
-    from megatron_rl.runtime.checkpoint import resolve_checkpoint, unwrap
+    from megatron_rl.models import unwrap
+    from megatron_rl.runtime.checkpoint import checkpoint_tensor_keys, resolve_checkpoint
 
     try:
         folder = resolve_checkpoint(path)

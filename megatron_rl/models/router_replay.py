@@ -89,7 +89,7 @@ class RolloutRouterReplay(RouterReplay):
 def _topk_routers(chunk) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
 
     return [m for m in unwrap(chunk).modules() if isinstance(m, TopKRouter)]
 
@@ -179,7 +179,7 @@ def replay(chunk, routes: torch.Tensor) -> None:
 
 
 def _sequence_parallel(chunk) -> bool:
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
 
     return bool(unwrap(chunk).config.sequence_parallel)
 

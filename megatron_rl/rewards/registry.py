@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from launcher.errors import ConfigError, did_you_mean
+from megatron_rl.spec.errors import ConfigError, did_you_mean
 from megatron_rl.rewards.verifiers import ExactMatchReward, FormatReward, MathAnswerReward, MathVerifyReward
 
 RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
@@ -139,13 +139,6 @@ def _check_options(factory: Callable[..., Any], options: Mapping[str, Any], labe
     except TypeError as error:
         raise ConfigError(f"{label}: the options do not fit its factory ({error}); add them next to the weight") \
             from None
-
-
-def check_reward_options(spec: str, options: Mapping[str, Any], *, label: str) -> None:
-    """For a registered name: ConfigError naming label when options do not fit its factory. Dotted paths and
-    names registered later (by the job's own imports) are checked when the job builds them."""
-    if spec in _FACTORIES:
-        _check_options(_FACTORIES[spec], options, label)
 
 
 def _call_factory(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> Any:

@@ -28,9 +28,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from launcher.config.schema import LoraConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import LoraConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import SequenceEncoder
 from megatron_rl.data.tokenizer import load_tokenizer

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.rewards.extract import (
     MATH_TOLERANCE,
     extract_boxed,

@@ -27,7 +27,7 @@ Thread-safe: a receiver thread may ``put`` while the training loop waits in ``ta
 Used by split-placement GRPO (``megatron_rl.trainers.grpo_async``): the trainer issues prompt ids as orders for
 the rollout workers (``megatron_rl.rollout.channel``), ``put``s what they send back, ``take``s a step's worth at
 staleness <= k with ``stale_policy="wait"``, steps with the off-policy-corrected loss
-(``megatron_rl.algorithms.off_policy``) and publishes weights v + 1.
+(``megatron_rl.algorithms.policy_loss``) and publishes weights v + 1.
 
 Test: ``.venv/bin/python -m pytest tests/test_rollout_buffer.py -q``
 """

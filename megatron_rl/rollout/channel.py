@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from launcher.private import make_private_dir
+from megatron_rl.spec.private import make_private_dir
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.placement import Placement, session_dir
 from megatron_rl.rollout.weight_sync import (BroadcastWeightPublisher, BroadcastWeightSubscriber, FileWeightPublisher,

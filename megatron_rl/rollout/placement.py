@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from launcher.private import make_private_dir
+from megatron_rl.spec.private import make_private_dir
 from megatron_rl.runtime.distributed import INIT_METHOD_ENV, JOB_RANK_ENV, DistEnv
 
 ROLES = ("train", "rollout")

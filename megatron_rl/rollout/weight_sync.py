@@ -22,7 +22,7 @@ the one published (left by a trainer that has resumed from an older checkpoint) 
 the newest version whenever it is not the copy it loaded last (the id in ``COMPLETE``), so it follows such a
 rollback too. Samples are written the same way (temporary dot-name, fsync, rename) and deleted by the trainer
 once read; they are loaded with ``torch.load(weights_only=True)``, so a sample file can hold tensors, lists,
-dicts, strings and numbers (``rollout_rows``) but no code. Folders are 0700 and files 0600 (``launcher.private``).
+dicts, strings and numbers (``rollout_rows``) but no code. Folders are 0700 and files 0600 (``megatron_rl.spec.private``).
 
 gloo and nccl (``BroadcastWeightPublisher`` / ``BroadcastWeightSubscriber``): broadcasts over a process group of
 the trainer's source rank and the rollout ranks: a JSON header (kind, version, names, dtypes, shapes), then the
@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from launcher.private import DIR_MODE, FILE_MODE, make_private_dir, write_private_text
+from megatron_rl.spec.private import DIR_MODE, FILE_MODE, make_private_dir, write_private_text
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.runtime.checkpoint import _fault, fsync_path
 

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from launcher.config.schema import JobConfig
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, WeightBridge, WorkerChannel
 from megatron_rl.rollout.placement import Placement
@@ -32,7 +32,7 @@ def rollout_config(cfg: JobConfig, shape: ModelShape) -> JobConfig:
     """The job config as a rollout worker runs it: tp x pp of parallel.rollout_tp / rollout_pp (default: the
     training layout's, with its pipeline split; another pp gets its own split), without context or expert
     parallelism; its data-parallel size is what the rollout processes allow."""
-    from launcher.parallel import SPLIT_KEYS, ParallelDims
+    from megatron_rl.spec.parallel import SPLIT_KEYS, ParallelDims
 
     par = cfg.parallel
     tp, pp = par.rollout_tp or par.tp, par.rollout_pp or par.pp

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_rl.models import unwrap
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -302,11 +304,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def unwrap(chunk):
-    """The GPTModel inside a DDP (or other) wrapper."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+def checkpoint_tensor_keys(folder: str | Path) -> set[str]:
+    """Global tensor and object keys stored in one of our checkpoints (step folder or root with ``latest``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(resolve_checkpoint(folder))).read_metadata()
+    return {key.split("/shard_")[0] for key in metadata.state_dict_metadata}  # objects are stored per shard
 
 
 def _model_sharded_state_dict(chunks: list) -> dict:
@@ -316,7 +319,6 @@ def _model_sharded_state_dict(chunks: list) -> dict:
 def _adapters_not_stored(folder: Path, model_sd: dict) -> set[str]:
     """State-dict names of the LoRA adapter matrices in ``model_sd`` that ``folder`` does not store."""
     from megatron_rl.models.lora import is_adapter_key
-    from megatron_rl.models.reward_model import checkpoint_tensor_keys
 
     names = {name: item.key for sd in model_sd.values() for name, item in sd.items() if is_adapter_key(name)}
     if not names:
@@ -391,7 +393,7 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
     from megatron_rl.models.lora import is_adapter_key
 
     if stored_lora and not any(is_adapter_key(name) for sd in model_sd.values() for name in sd):
-        from launcher.errors import ConfigError
+        from megatron_rl.spec.errors import ConfigError
 
         raise ConfigError(f"checkpoint {folder} holds LoRA adapters (model.lora={stored_lora}); set the same "
                           "model.lora to load it, or export it merged (launch.py convert megatron-to-hf)")

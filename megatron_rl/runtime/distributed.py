@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
-from launcher.parallel import ParallelDims
+from megatron_rl.spec.parallel import ParallelDims
 
 T = TypeVar("T")
 JOB_RANK_ENV = "MEGATRON_RL_JOB_RANK"

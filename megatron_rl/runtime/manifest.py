@@ -36,7 +36,7 @@ Cost. Only global rank 0 hashes, in one background thread, so training goes on w
 first waits for the previous checkpoint's hash (so retention never deletes a folder being read), and the end
 of the process (completed, preempted or failed) waits for all of them. The file is rewritten under a lock
 (``.manifest.lock``) by read-modify-write, so an export from another process is never lost; it is private
-(0600) and replaced atomically (``launcher.private.write_private_text``). This module imports no torch.
+(0600) and replaced atomically (``megatron_rl.spec.private.write_private_text``). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from launcher.runs.folder import MANIFEST_FILE
+from megatron_rl.spec.run_files import CONFIG_FILE, MANIFEST_FILE
 
 LOCK_FILE = ".manifest.lock"
 CHUNK = 1 << 20
@@ -174,10 +174,10 @@ def slurm_attempt(env: dict[str, str] = os.environ) -> Optional[dict[str, Any]]:
 
 def config_record(cfg: Any, config_path: Optional[str | Path]) -> dict[str, Any]:
     """The resolved config as a mapping, each key the config file set through ``${oc.env:...}`` kept as that
-    text (the same rule as config.yaml: ``launcher.config.loader.env_references``), so no secret is in it."""
+    text (the same rule as config.yaml: ``megatron_rl.spec.config.loader.env_references``), so no secret is in it."""
     import yaml
 
-    from launcher.config.loader import env_references, to_yaml
+    from megatron_rl.spec.config.loader import env_references, to_yaml
 
     unresolved = env_references(config_path) if config_path and Path(config_path).is_file() else {}
     return yaml.safe_load(to_yaml(cfg, unresolved))
@@ -210,7 +210,7 @@ def input_paths(cfg: Any) -> list[tuple[str, Path]]:
 def update_manifest(run_dir: str | Path, change: Callable[[dict], None]) -> dict:
     """Read ``run_dir/manifest.json``, apply ``change`` to it, write it back (0600, atomic), all under the
     manifest's lock; returns the new contents. A manifest that cannot be parsed is kept aside, not lost."""
-    from launcher.private import make_private_dir, open_private, write_private_text
+    from megatron_rl.spec.private import make_private_dir, open_private, write_private_text
 
     run_dir = make_private_dir(Path(run_dir))
     path = run_dir / MANIFEST_FILE
@@ -273,7 +273,7 @@ class RunManifest:
     def __init__(self, cfg: Any, *, enabled: bool, config_path: Optional[str | Path] = None) -> None:
         self.cfg, self.enabled = cfg, enabled
         self.run_dir = Path(cfg.run.dir).absolute()
-        default_config = self.run_dir / "config.yaml"
+        default_config = self.run_dir / CONFIG_FILE
         self.config_path = config_path or (default_config if default_config.is_file() else None)
         self.attempt: dict[str, Any] = {}
         self._inputs_hashed = False

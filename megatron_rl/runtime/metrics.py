@@ -26,8 +26,9 @@ from typing import Any, Optional, TextIO
 
 import yaml
 
-from launcher.errors import ConfigError
-from launcher.private import write_private_text
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.private import write_private_text
+from megatron_rl.spec.run_files import CONFIG_FILE, METRICS_FILE
 
 CONSOLE_KEYS = ("loss", "reward_mean", "accuracy", "pass_at_1", "kl", "response_length", "grad_norm", "lr",
                 "step_time_s")
@@ -40,7 +41,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, total_steps: int, console: str = "progress",
                  tensorboard: bool = True, wandb: Optional[Any] = None, enabled: bool = True,
                  stream: TextIO = sys.stdout) -> None:
-        """wandb: a ``launcher.config.schema.WandbConfig`` (None: no W&B)."""
+        """wandb: a ``megatron_rl.spec.config.schema.WandbConfig`` (None: no W&B)."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.console = console
@@ -54,7 +55,7 @@ class MetricsLogger:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / METRICS_FILE
         self._lines = len(_read_records(self.path))
         self._file = self.path.open("a", buffering=1)
         if tensorboard:
@@ -169,7 +170,7 @@ def _start_wandb(run_dir: Path, cfg: Any) -> tuple[Any, bool]:
     else:
         run_id = uuid.uuid4().hex[:16]
         write_private_text(id_path, run_id + "\n")
-    config_path = run_dir / "config.yaml"  # as written by the launcher: ${oc.env:...} secrets stay unresolved
+    config_path = run_dir / CONFIG_FILE  # as written by the launcher: ${oc.env:...} secrets stay unresolved
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
     run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, id=run_id, resume="allow",
                      name=run_dir.name, config=config, dir=os.environ.get("WANDB_DIR") or str(run_dir),

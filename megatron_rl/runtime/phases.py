@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_rl.runtime.checkpoint import unwrap
+from megatron_rl.models import unwrap
 from megatron_rl.runtime.memory import peak_memory_of
 
 

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from launcher.config.schema import JobConfig
-from launcher.model_shape import ModelShape
-from launcher.parallel import ParallelDims
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.model_shape import ModelShape
+from megatron_rl.spec.parallel import ParallelDims
 from megatron_rl.models.builder import (ModelOptions, build_model_chunks, compute_dtype, padded_vocab_size,
                                         resolve_transformer_engine)
 from megatron_rl.runtime.memory import peak_memory_of

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from launcher.config.schema import JobConfig
-from launcher.slurm import REQUEUE_EXIT_CODE
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.distributed import global_rank, on_rank_zero
 from megatron_rl.runtime.manifest import RunManifest
@@ -319,7 +319,8 @@ class TrainerContext:
     def say_prediction_beside_measurement(self) -> None:
         """The planner's step time and memory for this job (prediction.json, written at launch) beside what the
         run measured (metrics.jsonl); nothing when the launcher wrote no prediction."""
-        from launcher.calibrate import PREDICTION_FILE, calibration_report, one_line
+        from megatron_rl.spec.calibrate import calibration_report, one_line
+        from megatron_rl.spec.run_files import PREDICTION_FILE
 
         if (Path(self.cfg.run.dir) / PREDICTION_FILE).is_file():
             on = None if torch.cuda.is_available() else "cpu"  # GPU names do not map onto gpu_type names

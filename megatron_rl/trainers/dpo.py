@@ -33,9 +33,9 @@ from typing import Optional
 
 import torch
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.algorithms.dpo import DPOLossConfig, dpo_pair_terms
 from megatron_rl.data.preferences import PreferenceData
 from megatron_rl.models.logprobs import vocab_parallel_logprobs

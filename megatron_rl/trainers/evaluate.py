@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.rollout.sampling import held_out, sample_rollout, summarize
 from megatron_rl.trainers.common import TrainerContext
 
@@ -133,7 +133,7 @@ def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext
 
 def record(path: Path, stage: str, entry: dict) -> None:
     """Add (or replace) ``stage``'s entry in the eval.json at ``path``, privately."""
-    from launcher.private import write_private_text
+    from megatron_rl.spec.private import write_private_text
 
     entries = json.loads(path.read_text()) if path.is_file() else {}
     entries[stage] = entry

@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.algorithms.advantages import group_advantages, groups_with_signal
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig
 from megatron_rl.data.chat import ChatFormat
@@ -44,7 +44,12 @@ from megatron_rl.trainers.common import WARMUP_DONE, TrainerContext
 
 # ----------------------------------------------------------------------------------------------- the loop
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-    run = make_run(cfg, shape, ctx)
+    """Colocated GRPO. With rollout workers (cluster.rollout_tasks > 0) megatron_rl/trainers/grpo_async.py runs
+    this loop with its split-placement run."""
+    run_loop(GrpoRun(cfg, shape, ctx), cfg, ctx)
+
+
+def run_loop(run: "GrpoRun", cfg: JobConfig, ctx: TrainerContext) -> None:
     with run.serving():  # split placement: the rollout workers generate until the loop ends
         start = run.resume_or_warm_up()
         for step in range(start + 1, cfg.run.steps + 1):
@@ -56,16 +61,6 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
                 run.evaluate(step)  # held-out pass@1, logged with phase "eval"
             ctx.end_step(run.engine, step, run.step_metrics(batch, train_metrics, t_train.seconds))
         run.finish()
-
-
-def make_run(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> "GrpoRun":
-    """Colocated GRPO, or with rollout workers (``ctx.placement``: cluster.rollout_tasks > 0) the split-placement
-    run of megatron_rl/trainers/grpo_async.py."""
-    if ctx.placement is None:
-        return GrpoRun(cfg, shape, ctx)
-    from megatron_rl.trainers.grpo_async import SplitGrpoRun
-
-    return SplitGrpoRun(cfg, shape, ctx, ctx.placement)
 
 
 @dataclasses.dataclass

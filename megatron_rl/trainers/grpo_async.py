@@ -3,7 +3,7 @@ with a bound on staleness (``algorithm.max_staleness = k``) and a correction for
 
     python launch.py --config configs/grpo_async_tiny.yaml      # 1 trainer + 1 rollout process on CPU
 
-The loop is GRPO's (``megatron_rl.trainers.grpo.train``); what changes is where a step's samples come from and
+The loop is GRPO's (``megatron_rl.trainers.grpo.run_loop``); what changes is where a step's samples come from and
 what happens after it:
 
 - sample: take ``prompts_per_step`` groups from the rollout buffer (``megatron_rl.rollout.buffer``), each at
@@ -11,7 +11,7 @@ what happens after it:
   the trainers wait while too few are in), then score them here.
 - train: the old log-probs are recomputed with the current weights (pi_prox, the proximal policy), and the
   loss weights each token by pi_prox / pi_behav against the log-probs the worker returned
-  (``algorithm.off_policy_correction``: truncated IS or AReaL's decoupled PPO, ``megatron_rl.algorithms.off_policy``).
+  (``algorithm.off_policy_correction``: truncated IS or AReaL's decoupled PPO, ``megatron_rl.algorithms.policy_loss``).
 - sync: publish the new weights (version = steps done) and issue more prompts; with the "wait" rule at most
   (k + 1) x prompts_per_step prompts are out at once (AReaL's bound), so k = 0 is synchronous: the workers
   generate each step's prompts with that step's weights.
@@ -38,18 +38,23 @@ from typing import Iterator
 
 import torch
 
-from launcher.slurm import REQUEUE_EXIT_CODE
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from megatron_rl.data.prompts import encode_prompt
 from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.rollout.worker import reshards
-from megatron_rl.trainers.grpo import GrpoRun, SampledBatch
+from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, run_loop
 
 BUFFER_STATE = "rollout_buffer"
 LEDGER_FILE = "consumed.jsonl"
 TAKE_POLL_S = 0.05
+
+
+def train(cfg, shape, ctx) -> None:
+    """GRPO's loop, with samples from the rollout workers of ``ctx.placement``."""
+    run_loop(SplitGrpoRun(cfg, shape, ctx, ctx.placement), cfg, ctx)
 
 
 class SplitGrpoRun(GrpoRun):

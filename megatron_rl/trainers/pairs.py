@@ -15,9 +15,9 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits
 from megatron_rl.data.tokenizer import load_tokenizer

@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.preferences import PreferenceData
 from megatron_rl.models.reward_model import (
     build_reward_model_chunks,

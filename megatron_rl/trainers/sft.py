@@ -14,9 +14,9 @@ import random
 
 import torch
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.sft import encode_sft_example, read_sft_records
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice

@@ -131,7 +131,7 @@ def tiny_gpt(shape, cp: int, *, swap: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from launcher.parallel import ParallelDims
+    from megatron_rl.spec.parallel import ParallelDims
     from megatron_rl.models import builder
     from megatron_rl.models.cp_attention import with_cp_core_attention
 
@@ -241,7 +241,7 @@ def main() -> None:
     result["timings"]["attention_s"] = time.perf_counter() - t0
 
     if "gpt" in cases or "engine" in cases:
-        from launcher.model_shape import load_model_shape
+        from megatron_rl.spec.model_shape import load_model_shape
 
         shape = load_model_shape("tiny-cpu")
 
@@ -287,7 +287,7 @@ def main() -> None:
 
     if "engine" in cases:
         t0 = time.perf_counter()
-        from launcher.config.loader import load_config
+        from megatron_rl.spec.config.loader import load_config
 
         common = ["algorithm.name=pretrain", "parallel.micro_batch_size=1", "algorithm.global_batch_size=4",
                   "run.seed=7", "optimizer.lr=0.01", "optimizer.lr_warmup_steps=0"]

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dist_common import write_rank_result  # noqa: E402
-from launcher.model_shape import load_model_shape  # noqa: E402
+from megatron_rl.spec.model_shape import load_model_shape  # noqa: E402
 from megatron_rl.data.tokenizer import CharTokenizer  # noqa: E402
 from megatron_rl.models.builder import ModelOptions  # noqa: E402
 from megatron_rl.models.reward_model import (  # noqa: E402

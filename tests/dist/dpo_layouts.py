@@ -23,8 +23,8 @@ PAIRS = 32
 def run_layout(model: str, sizes: dict) -> dict:
     from megatron.core import parallel_state
 
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.algorithms.dpo import DPOLossConfig
     from megatron_rl.data.preferences import SequenceEncoder, synthetic_preference_records, tokenize_pairs
     from megatron_rl.data.tokenizer import CharTokenizer

@@ -84,7 +84,7 @@ def full_forward_reference(chunks, prompts: list[list[int]], responses: list[lis
 
 
 def _with_sequence_parallel(chunks, call):
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
 
     config = unwrap(chunks[0]).config
     config.sequence_parallel = True
@@ -123,12 +123,12 @@ def main() -> None:
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase, grad_buffer_tensors, optimizer_tensors
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine
     from dist_common import progression_trainer, write_rank_result

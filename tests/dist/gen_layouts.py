@@ -54,10 +54,10 @@ def main() -> None:
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, data_parallel_share, gather_data_parallel, sequence_logprobs
     from dist_common import progression_trainer, write_rank_result

@@ -9,7 +9,7 @@ import sys
 if __name__ == "__main__":
     import torch
 
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.models.builder import ModelOptions, build_model_chunks
     from megatron_rl.runtime import checkpoint as ckpt

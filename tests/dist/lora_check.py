@@ -39,8 +39,8 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     from megatron.core import parallel_state
 
     from dist_common import progression_trainer
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.runtime import checkpoint as ckpt
     from megatron_rl.runtime.distributed import initialize, job_dims
@@ -95,8 +95,8 @@ def gradient_check() -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from launcher.config.schema import LoraConfig
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.schema import LoraConfig
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.runtime.distributed import initialize, job_dims
@@ -143,8 +143,8 @@ def modules_to_save_check(name: str, sizes: dict, tied: bool, out: Path) -> dict
     from megatron.core import parallel_state
 
     from dist_common import progression_trainer
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.lora import adapters, adapters_disabled, saved_parameters
     from megatron_rl.runtime import checkpoint as ckpt
     from megatron_rl.runtime.distributed import initialize, job_dims

@@ -46,8 +46,8 @@ def dropout_check(sizes: dict) -> dict:
     import torch
 
     from dist_common import progression_trainer
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron.core import tensor_parallel
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.runtime import checkpoint as ckpt
@@ -130,8 +130,8 @@ def tied_pipeline_check(name: str, sizes: dict, out: Path, pp1_weight=None) -> d
     import torch
 
     from dist_common import progression_trainer
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.lora import adapters_disabled
     from megatron_rl.runtime import checkpoint as ckpt
     from megatron_rl.runtime.training import build_engine, sequence_logprobs

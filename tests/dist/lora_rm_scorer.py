@@ -29,7 +29,7 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from dist_common import write_rank_result
-    from launcher.config.loader import load_config
+    from megatron_rl.spec.config.loader import load_config
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.rewards.reward_model_scorer import RewardModelScorer
     from megatron_rl.runtime.distributed import initialize, job_dims

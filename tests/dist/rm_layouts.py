@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launcher.model_shape import load_model_shape  # noqa: E402
+from megatron_rl.spec.model_shape import load_model_shape  # noqa: E402
 from megatron_rl.data.tokenizer import CharTokenizer  # noqa: E402
 from megatron_rl.models.builder import ModelOptions, build_model_chunks  # noqa: E402
 from megatron_rl.models.reward_model import (  # noqa: E402
@@ -88,7 +88,7 @@ def padding_rewards(model) -> dict:
 
 def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
     """Two RM optimizer steps on 4 fixed pairs from the weights in rm_dir: loss, grad norm, and metrics after."""
-    from launcher.config.loader import load_config
+    from megatron_rl.spec.config.loader import load_config
     from megatron_rl.models.reward_model import reward_forward
     from megatron_rl.runtime.training import build_engine
     from megatron_rl.trainers.rm import REPORTS, PairBatcher, preference_loss

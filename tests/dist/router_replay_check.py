@@ -121,12 +121,12 @@ def main() -> None:
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
-    from launcher.config.loader import load_config
-    from launcher.model_shape import load_model_shape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
     from megatron_rl.generation import generate
     from megatron_rl.rollout.batch import REPORTS, collate_rollout, make_grpo_loss
-    from megatron_rl.runtime.checkpoint import unwrap
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import (build_engine, data_parallel_share, data_parallel_slice,
                                               forward_logprobs, gather_data_parallel, logits_forward)

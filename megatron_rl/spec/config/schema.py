@@ -2,7 +2,7 @@
 
 YAML files and ``key=value`` overrides are merged onto ``OmegaConf.structured(JobConfig)``, so an unknown or
 misspelt key fails at load time. Checks that involve one section live in that section's ``__post_init__``;
-checks that need the model shape or the world size live in ``launcher.config.validate``.
+checks that need the model shape or the world size live in ``megatron_rl.spec.config.validate``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.rewards import check_reward_options
 
 EXECUTORS = ("auto", "local", "slurm")
 ALGORITHMS = ("grpo", "ppo", "rm", "sft", "pretrain", "dpo", "eval")
@@ -433,7 +434,7 @@ class AlgorithmConfig:
     each other; the samples come back through the same folder). Unused without rollout tasks. Prompts and samples
     always travel through the run folder (small)."""
     off_policy_correction: str = "none"
-    """Correction for samples of an older (behaviour) policy (megatron_rl/algorithms/off_policy.py): none,
+    """Correction for samples of an older (behaviour) policy (megatron_rl/algorithms/policy_loss.py): none,
     truncated_is (the surrogate times min(pi_old / pi_behav, is_cap), Yao et al. 2025) or decoupled (AReaL's
     decoupled PPO: the ratio against the proximal policy, the weights before the step, times pi_prox /
     pi_behav; tokens whose weight exceeds is_cap are left out)."""
@@ -574,8 +575,6 @@ class AlgorithmConfig:
 
     def _check_rewards(self) -> None:
         """Each entry's shape, and the options of the built-in rewards (other rewards' are checked by the job)."""
-        from megatron_rl.rewards.registry import check_reward_options
-
         for name, options in self.reward_options.items():
             if name == "rm" and options:
                 raise ConfigError(f"algorithm.rewards.rm takes only a weight, not {', '.join(sorted(options))}; "

@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
 
 PRIVATE_UMASK = 0o077
 DIR_MODE = 0o700

@@ -20,7 +20,7 @@ expert-bias correction, ``n_group`` / ``topk_group``, ``routed_scaling_factor``,
 not built: conversion drops them at import with a note.
 
 Check it: ``.venv/bin/python -m pytest tests/test_model_shape.py -q``;
-print one: ``.venv/bin/python -m launcher.model_shape llama-3.1-405b``.
+print one: ``.venv/bin/python -m megatron_rl.spec.model_shape llama-3.1-405b``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.errors import ConfigError, did_you_mean
-from launcher.resources import presets_dir
+from megatron_rl.spec.errors import ConfigError, did_you_mean
+from megatron_rl.spec.resources import presets_dir
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt")
 # Default training sequence length taken from an HF config when it gives none: long-context windows are

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError
-from launcher.limits import check_job_limits, check_limits, trainer_limits
-from launcher.model_shape import ModelShape
-from launcher.parallel import ParallelDims
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.limits import check_job_limits, check_limits, trainer_limits
+from megatron_rl.spec.model_shape import ModelShape
+from megatron_rl.spec.parallel import ParallelDims
 
 
 def with_pipeline_split(cfg: JobConfig, shape: ModelShape) -> JobConfig:

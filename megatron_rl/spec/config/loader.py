@@ -18,9 +18,9 @@ from omegaconf.errors import (
     ConfigKeyError, GrammarParseError, InterpolationResolutionError, OmegaConfBaseException, ValidationError,
 )
 
-from launcher.config.schema import JobConfig
-from launcher.errors import ConfigError, did_you_mean
-from launcher.resources import configs_dir
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError, did_you_mean
+from megatron_rl.spec.resources import configs_dir
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = (), *,

@@ -16,10 +16,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.run_files import METRICS_FILE, PREDICTION_FILE
 
-PREDICTION_FILE = "prediction.json"
-METRICS_FILE = "metrics.jsonl"
 
 
 def prediction_record(plan, *, gpu_type: str) -> dict[str, Any]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from launcher.config.schema import ALGORITHMS
-from launcher.errors import ConfigError
-from launcher.model_shape import ModelShape
+from megatron_rl.spec.config.schema import ALGORITHMS
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 
 
 @dataclass(frozen=True, kw_only=True)
