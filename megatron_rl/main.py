@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from megatron_rl.spec.config import load_config
+from megatron_rl.spec.config.validate import check_layout, with_pipeline_split
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import load_model_shape
 
@@ -45,6 +46,7 @@ def run(config_path: str) -> int:
 
     cfg = load_config(config_path)
     shape = load_model_shape(cfg.model.name)
+    check_layout(with_pipeline_split(cfg, shape), shape)  # the launch check: a config started by hand is refused too
     placement, resharded = None, False
     if cfg.cluster.rollout_tasks:  # split placement: this process trains, or only generates, in its role's world
         from megatron_rl.rollout.placement import split_placement

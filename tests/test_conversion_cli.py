@@ -160,7 +160,7 @@ def test_wrong_model_for_checkpoint(converted, tmp_path):
 def test_bad_layout_is_refused_before_any_process(converted, tmp_path):
     result = run_launch("convert", "hf-to-megatron", "--hf", str(converted / "hf"), "--out", str(tmp_path / "o"),
                         "--tp", "3")
-    _fails_cleanly(result, "--tp 3 must divide")
+    _fails_cleanly(result, "--tp=3 does not divide the")
 
 
 def test_convert_command_does_not_import_torch():

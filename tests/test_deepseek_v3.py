@@ -83,7 +83,7 @@ def test_megatron_config():
     assert config.moe_router_topk_scaling_factor == 2.5 and config.moe_router_bias_update_rate == 0.0
     updating = transformer_config(shape, ModelOptions(moe_expert_bias_update=True))
     assert updating.moe_router_bias_update_rate == EXPERT_BIAS_UPDATE_RATE
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+    with pytest.raises(ConfigError, match="without Transformer Engine needs parallel.sequence_parallel=true"):
         transformer_config(shape, ModelOptions(dims=ParallelDims(world_size=2, tp=2, ep=2)))
 
 

@@ -186,7 +186,7 @@ def test_shorthand_flags_set_the_config_keys(capsys):
     (["--model", "tiny-cpu", "model.name=tiny-cpu-moe"], "model.name is given twice, by --model and by "
                                                          "model.name=tiny-cpu-moe"),
     (["--gpus", "16", "cluster.nodes=2"], "cluster.nodes is given twice, by --gpus and by cluster.nodes=2"),
-    (["--config", "grpo_llama70b", "parallel.tp=3"], "parallel.tp=3: num_attention_heads (64) not divisible by tp=3"),
+    (["--config", "grpo_llama70b", "parallel.tp=3"], "parallel.tp=3 does not divide the 64 attention heads of llama-3.3-70b"),
     (["--config", "grpo_llama70b", "--layout", "tp=8,tp=4"], "--layout: tp is given twice; give it once"),
     (["--config", "grpo_llama70b", "--layout", "tp="], "--layout tp=: must be an integer"),
     (["--config", "grpo_llama70b", "--layout", "pp"], "--layout: 'pp' is not key=value"),

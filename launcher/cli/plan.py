@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
     """The overrides that plan's flags (but --gpus) and key=value arguments stand for."""
-    from megatron_rl.spec.limits import as_yaml
+    from megatron_rl.spec.errors import as_yaml
     from launcher.planner import parse_layout
 
     flags = [f"{key}={getattr(args, name)}" for name, key in SHORTHANDS.items() if getattr(args, name) is not None]

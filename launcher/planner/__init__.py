@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from megatron_rl.spec.errors import ConfigError, did_you_mean
-from megatron_rl.spec.limits import as_yaml, check_limits
+from megatron_rl.spec.errors import as_yaml
+from megatron_rl.spec.limits import check_limits
 from megatron_rl.spec.model_shape import ModelShape
 from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
 from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement, Workload

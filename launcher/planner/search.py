@@ -26,9 +26,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.limits import as_yaml
-from megatron_rl.spec.parallel import rollout_replica_error, split_error, uneven_splits
+from megatron_rl.spec.errors import ConfigError, as_yaml
+from megatron_rl.spec.parallel import (attention_split_error, expert_split_error, microbatch_error, mla_error,
+                                       mlp_split_error, moe_sequence_parallel_error, rollout_replica_error,
+                                       sequence_error, split_error, uneven_splits)
 from launcher.planner.costs import GIB, Workload
 from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import Estimate, Layout, rank_groups, stage_params
@@ -141,21 +142,17 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
         # a constraint decided only by fixed --layout fields is the user's error: say why, stop
         if all(f in fixed for f in fields):
             given = ",".join(f"{f}={fixed[f]}" for f in fields)
-            raise ConfigError(f"--layout {given}: {example}")
+            raise ConfigError(f"--layout {example}" if example.startswith(given) else f"--layout {given}: {example}")
         out.reject(constraint, count, example)
 
-    heads = s.num_attention_heads
-    groups = heads if s.is_mla else s.num_query_groups
     tps = [fixed["tp"]] if "tp" in fixed else divisors(gpn)
     for tp in tps:
         if tp < 1 or tp > gpn:
             bad(("tp",), "TP within a node", f"tp={tp} exceeds the {gpn} GPUs of one NVLink node")
             continue
-        if heads % tp:
-            bad(("tp",), "heads % tp", f"num_attention_heads ({heads}) not divisible by tp={tp}")
-            continue
-        if groups % tp:
-            bad(("tp",), "query groups % tp", f"num_query_groups ({groups}) not divisible by tp={tp}")
+        why = attention_split_error(s, tp, key="")
+        if why:
+            bad(("tp",), "heads or query groups % tp", why)
             continue
         if w.split is not None:  # tp divides the rollout tasks whatever pp is: say so before the world's sizes
             why = rollout_replica_error(w.split.rollout_gpus, *w.split.replica(tp, fixed.get("pp", 1)), 1)
@@ -167,19 +164,21 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
         for sp in sps:
             if sp and tp == 1:
                 sp = False
-            if s.is_moe and tp > 1 and not sp:
-                bad(("tp", "sequence_parallel"), "MoE needs SP with TP", "MoE with tp > 1 needs sequence_parallel=true")
+            why = moe_sequence_parallel_error(s, tp, sp, key="")
+            if why:
+                bad(("tp", "sequence_parallel"), "MoE needs SP with TP", why)
                 continue
             for cp in cps:
-                if cp > 1 and w.mode in ("ppo", "rm"):  # their scalar head (megatron_rl.models.reward_model)
-                    bad(("cp",), "no CP with a value/reward head",
-                        f"cp={cp}: the {w.mode} trainer does not support context parallelism yet")
+                if cp < 1:
+                    bad(("cp",), "cp >= 1", f"cp={cp} must be a positive integer")
                     continue
-                if cp < 1 or w.seq_length % (2 * cp if cp > 1 else 1):
-                    bad(("cp",), "seq % (2*cp)", f"seq_length {w.seq_length} not divisible by 2*cp={2 * cp}")
+                why = sequence_error(w.seq_length, tp=tp, cp=cp, sp=sp, pads=w.mode != "pretrain", key="")
+                if why:
+                    bad(("tp", "cp"), "sequence % (2*cp, tp*cp with SP)", why)
                     continue
-                if sp and (w.seq_length // cp) % tp:
-                    bad(("tp", "cp"), "seq/cp % tp (SP)", f"seq_length/cp ({w.seq_length // cp}) not divisible by tp={tp}")
+                why = mla_error(s, tp=tp, cp=cp, sp=sp, transformer_engine=w.runtime.transformer_engine, key="")
+                if why:
+                    bad(("tp", "cp", "sequence_parallel"), "MLA without TE", why)
                     continue
                 if world % (tp * cp):
                     bad(("tp", "cp"), "world % (tp*cp*pp)", f"{gpus} not divisible by tp*cp={tp * cp}")
@@ -240,11 +239,14 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
     for first, last, emb, loss, vpp in splits:
         for ep in eps:
             out.considered += inner
-            if not s.is_moe and ep != 1:
-                bad(("ep",), "experts % ep", "ep > 1 needs an MoE model")
+            why = f"ep={ep} must be a positive integer" if ep < 1 else expert_split_error(s, ep, key="")
+            if why:
+                bad(("ep",), "experts % ep", why, inner)
                 continue
-            if s.is_moe and (ep < 1 or s.num_experts % ep):
-                bad(("ep",), "experts % ep", f"num_experts ({s.num_experts}) not divisible by ep={ep}", inner)
+            etp = 1 if ep > 1 else tp  # the planner's experts: split by ep alone, or following tp
+            why = mlp_split_error(s, tp, etp, key="")
+            if why:
+                bad(("tp", "ep"), "MLP sizes % tp", why, inner)
                 continue
             if (tp * cp * dp) % ep:
                 bad(("ep", "tp", "cp", "pp"), "ep | tp*cp*dp", f"ep={ep} does not divide tp*cp*dp={tp * cp * dp}", inner)
@@ -273,10 +275,9 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                     bad(("micro_batch_size", "tp", "cp", "pp"), "global batch % (dp*mbs)",
                         f"global batch {w.global_batch_size} not divisible by dp*mbs={dp * mbs}", len(modes))
                     continue
-                m = per_dp // mbs
-                if vpp > 1 and (m < pp or m % pp):
-                    bad(("vpp", "micro_batch_size", "tp", "cp", "pp"), "micro-batches % pp (VPP)",
-                        f"interleaving needs micro-batches ({m}) divisible by pp={pp}", len(modes))
+                why = microbatch_error(w.global_batch_size, micro_batch=mbs, dp=dp, pp=pp, vpp=vpp, key="")
+                if why:
+                    bad(("vpp", "micro_batch_size", "tp", "cp", "pp"), "micro-batches % pp (VPP)", why, len(modes))
                     continue
                 for mode in modes:
                     if mode not in RECOMPUTE_MODES:

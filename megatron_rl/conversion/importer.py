@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.parallel import attention_split_error, expert_split_error, mlp_split_error
 from megatron_rl.spec.model_shape import ModelShape
 
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
@@ -87,17 +88,11 @@ def check_layout(shape: ModelShape, tp: int, pp: int, ep: int) -> None:
     for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
-    if shape.num_attention_heads % tp or shape.num_query_groups % tp:
-        raise ConfigError(f"--tp {tp} must divide the attention heads ({shape.num_attention_heads}) and the "
-                          f"key/value heads ({shape.num_query_groups})")
-    if shape.ffn_hidden_size % tp or (shape.is_moe and shape.moe_ffn_hidden_size % tp):
-        raise ConfigError(f"--tp {tp} must divide the MLP size ({shape.ffn_hidden_size})")
-    if shape.moe_shared_expert_intermediate_size % tp:
-        raise ConfigError(f"--tp {tp} must divide the shared expert size ({shape.moe_shared_expert_intermediate_size})")
-    if ep > 1 and not shape.is_moe:
-        raise ConfigError(f"--ep {ep} needs an MoE model; {shape.name} is dense")
-    if shape.is_moe and shape.num_experts % ep:
-        raise ConfigError(f"--ep {ep} must divide the number of experts ({shape.num_experts})")
+    etp = 1 if ep > 1 else tp  # the experts' split as the job builds them (ParallelDims' default)
+    why = (attention_split_error(shape, tp, key="--") or mlp_split_error(shape, tp, etp, key="--")
+           or expert_split_error(shape, ep, key="--"))
+    if why is not None:
+        raise ConfigError(why)
     conversion_dims(shape, tp, pp, ep)  # a legal (possibly uneven) pipeline split
 
 

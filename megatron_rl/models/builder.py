@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron_rl.spec.config.schema import LoraConfig, attention_kernel
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.spec.parallel import ParallelDims
+from megatron_rl.spec.parallel import ParallelDims, mla_error
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -216,15 +216,11 @@ def mla_options(shape: ModelShape, dims: ParallelDims, *, transformer_engine: bo
     rank saw its own part of the sequence: so at TP > 1 the local spec needs sequence parallelism."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    local = not transformer_engine
-    if local:
+    if not transformer_engine:
         _mla_without_te()
-    if local and dims.tp > 1 and not dims.sp:
-        raise NotImplementedError(f"{shape.name}: multi-latent attention at tp={dims.tp} without Transformer "
-                                  "Engine needs parallel.sequence_parallel=true")
-    if local and dims.cp > 1:
-        raise NotImplementedError(f"{shape.name}: multi-latent attention with context parallelism needs "
-                                  "Transformer Engine (GPUs)")
+    why = mla_error(shape, tp=dims.tp, cp=dims.cp, sp=dims.sp, transformer_engine=transformer_engine)
+    if why is not None:
+        raise ConfigError(why)
     options = dict(q_lora_rank=shape.q_lora_rank or None, kv_lora_rank=shape.kv_lora_rank,
                    qk_head_dim=shape.qk_nope_head_dim, qk_pos_emb_head_dim=shape.qk_rope_head_dim,
                    v_head_dim=shape.v_head_dim, rotary_base=shape.rotary_base)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron_rl.spec.config.schema import ALGORITHMS
-from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.errors import ConfigError, as_yaml
 from megatron_rl.spec.model_shape import ModelShape
 
 
@@ -38,6 +38,8 @@ TRAINER_LIMITS: tuple[TrainerLimit, ...] = (
     TrainerLimit(key="cp", value=1, algorithms=("rm",),
                  reason="the reward model reads its reward at each sequence's last token, which context "
                         "parallelism would put on another rank"),
+    TrainerLimit(key="cp", value=1, algorithms=("ppo",),
+                 reason="PPO's critic (a value head at every position) does not support context parallelism yet"),
 )
 
 
@@ -69,8 +71,3 @@ def check_limits(values: Mapping[str, Any], limits: Mapping[str, tuple[Any, str]
         if key in values and values[key] != value:
             given, only = as_yaml(values[key]), as_yaml(value)
             raise ConfigError(f"parallel.{key}={given}: {reason}; set parallel.{key}={only}")
-
-
-def as_yaml(value: Any) -> str:
-    """A config value as written in YAML or a key=value override: true, null, 8."""
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

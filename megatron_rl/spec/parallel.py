@@ -20,7 +20,13 @@ This job's rule for split placement (``cluster.rollout_tasks`` = R > 0): the wor
 (world size - R), and the R rollout processes form R / (tp·pp) replicas at the training tp x pp (cp=1, ep=1), so R
 is a multiple of tp·pp and ep = 1 (``rollout_replica_error``).
 
-Test: ``.venv/bin/python -m pytest tests/test_parallel_dims.py tests/test_planner_megatron_rules.py -q``
+Every rule is written once, below, as a function that returns its one-line reason (None: legal), naming the keys
+with ``key`` ("parallel." in a config, "" in the planner's --layout, "--" for the converter's flags). The schema,
+ParallelDims, the launch check (``megatron_rl.spec.config.validate.check_layout``), the planner's search, the
+converter and the model builder call them; ``tests/test_layout_rules.py`` holds their verdicts against Megatron's.
+
+Test: ``.venv/bin/python -m pytest tests/test_parallel_dims.py tests/test_planner_megatron_rules.py
+tests/test_layout_rules.py -q``
 """
 
 from __future__ import annotations
@@ -80,10 +86,9 @@ class ParallelDims:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel.{key}={value!r} must be a positive integer")
-        if self.sp and self.tp == 1:
-            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
-        if self.vpp > 1 and self.pp == 1:
-            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
+        why = sequence_parallel_error(self.tp, self.sp) or interleave_error(self.pp, self.vpp)
+        if why is not None:
+            raise ConfigError(why)
         why = rollout_replica_error(self.rollout_tasks, self.rollout_tp or self.tp, self.rollout_pp or self.pp,
                                     self.ep)
         if why is not None:
@@ -128,8 +133,7 @@ class ParallelDims:
     def sequence_multiple(self) -> int:
         """Training sequence lengths must be multiples of this: 2*cp under context parallelism (Megatron's
         load-balanced chunks), and each CP rank's part a multiple of tp under sequence parallelism."""
-        multiple = 2 * self.cp if self.cp > 1 else 1
-        return math.lcm(multiple, self.tp * self.cp) if self.sp else multiple
+        return sequence_multiple(tp=self.tp, cp=self.cp, sp=self.sp)
 
     @property
     def uneven(self) -> bool:
@@ -156,31 +160,125 @@ class ParallelDims:
 
     def check_model(self, shape: Any) -> None:
         """Raise ConfigError naming the key when ``shape`` (a ModelShape) cannot be split this way."""
-        name = shape.name
-        if shape.num_attention_heads % self.tp:
-            raise ConfigError(f"parallel.tp={self.tp} does not divide the {shape.num_attention_heads} attention heads "
-                              f"of {name}; use a tp that divides {shape.num_attention_heads}")
-        if shape.num_query_groups % self.tp:
-            raise ConfigError(f"parallel.tp={self.tp} does not divide the {shape.num_query_groups} query groups "
-                              f"(KV heads) of {name}; use a tp that divides {shape.num_query_groups}")
-        if self.ep > 1 and not shape.is_moe:
-            raise ConfigError(f"parallel.ep={self.ep} but {name} has no experts; set parallel.ep=1")
-        if shape.is_moe and shape.num_experts % self.ep:
-            raise ConfigError(f"parallel.ep={self.ep} does not divide the {shape.num_experts} experts of {name}")
-        if shape.is_moe and self.etp not in (1, self.tp):
-            raise ConfigError(f"parallel.etp={self.etp}: use 1 (experts split by ep alone) or parallel.tp={self.tp}")
-        if shape.is_moe and self.etp == 1 and self.ep == 1 and self.tp > 1:
-            raise ConfigError(f"parallel.etp=1 with parallel.ep=1 at tp={self.tp}: experts whole on every TP rank "
-                              "without expert parallelism do not train like one process (measured on Megatron "
-                              "0.16.1); set parallel.etp=null (= tp) or raise parallel.ep")
-        if shape.is_moe and self.tp > 1 and not self.sp:
-            raise ConfigError("MoE models with parallel.tp > 1 need parallel.sequence_parallel=true (Megatron "
-                              "requires it)")
+        why = (attention_split_error(shape, self.tp) or mlp_split_error(shape, self.tp, self.etp)
+               or expert_split_error(shape, self.ep)
+               or expert_training_error(shape, tp=self.tp, ep=self.ep, etp=self.etp, sp=self.sp))
+        if why is not None:
+            raise ConfigError(why)
         why = split_error(shape.num_layers, self.pp, self.vpp, *self.split())
         if why is not None:
-            raise ConfigError(f"the pipeline split of {name}'s {shape.num_layers} layers over parallel.pp={self.pp}"
-                              f"{f' x vpp={self.vpp}' if self.vpp > 1 else ''} is not legal: {why}; change "
+            raise ConfigError(f"the pipeline split of {shape.name}'s {shape.num_layers} layers over parallel.pp="
+                              f"{self.pp}{f' x vpp={self.vpp}' if self.vpp > 1 else ''} is not legal: {why}; change "
                               f"parallel.{', '.join(SPLIT_KEYS[:2])} or the pipeline size")
+
+
+# ----------------------------------------------------------------------------------------------- the layout rules
+def sequence_parallel_error(tp: int, sp: bool, key: str = "parallel.") -> str | None:
+    """Sequence parallelism splits activations over the TP group, so it needs one."""
+    if sp and tp == 1:
+        return f"{key}sequence_parallel=true needs {key}tp > 1; set it false or raise tp"
+    return None
+
+
+def interleave_error(pp: int, vpp: int, key: str = "parallel.") -> str | None:
+    """Virtual pipeline stages interleave over pipeline ranks, so they need more than one."""
+    if vpp > 1 and pp == 1:
+        return f"{key}vpp={vpp} needs {key}pp > 1; set vpp to 1 (null) or raise pp"
+    return None
+
+
+def attention_split_error(shape: Any, tp: int, key: str = "parallel.") -> str | None:
+    """tp divides the attention heads and the query groups (MLA: one per head)."""
+    groups = shape.num_attention_heads if shape.is_mla else shape.num_query_groups
+    for count, what in ((shape.num_attention_heads, "attention heads"), (groups, "query groups (KV heads)")):
+        if count % tp:
+            return f"{key}tp={tp} does not divide the {count} {what} of {shape.name}; use a tp that divides {count}"
+    return None
+
+
+def mlp_split_error(shape: Any, tp: int, etp: int, key: str = "parallel.") -> str | None:
+    """tp divides the dense MLP and the shared experts, and etp the routed experts' MLP (row/column splits)."""
+    sizes = [(shape.ffn_hidden_size, "MLP size (ffn_hidden_size)", tp, "tp")]
+    if shape.is_moe:
+        sizes += [(shape.moe_ffn_hidden_size, "expert MLP size (moe_ffn_hidden_size)", etp, "etp"),
+                  (shape.moe_shared_expert_intermediate_size, "shared expert size", tp, "tp")]
+    for size, what, parts, name in sizes:
+        if size % parts:
+            return f"{key}{name}={parts} does not divide the {what} {size} of {shape.name}; use a {name} that divides it"
+    return None
+
+
+def expert_split_error(shape: Any, ep: int, key: str = "parallel.") -> str | None:
+    """ep > 1 needs routed experts, and divides them."""
+    if not shape.is_moe:
+        return f"{key}ep={ep} but {shape.name} has no experts; set {key}ep=1" if ep > 1 else None
+    if shape.num_experts % ep:
+        return f"{key}ep={ep} does not divide the {shape.num_experts} experts of {shape.name}"
+    return None
+
+
+def expert_training_error(shape: Any, *, tp: int, ep: int, etp: int, sp: bool, key: str = "parallel.") -> str | None:
+    """How MoE layers train: etp is 1 or tp (not 1 at ep = 1 and tp > 1), and tp > 1 needs sequence parallelism."""
+    if not shape.is_moe:
+        return None
+    if etp not in (1, tp):
+        return f"{key}etp={etp}: use 1 (experts split by ep alone) or {key}tp={tp}"
+    if etp == 1 and ep == 1 and tp > 1:
+        return (f"{key}etp=1 with {key}ep=1 at tp={tp}: experts whole on every TP rank without expert parallelism do "
+                f"not train like one process (measured on Megatron 0.16.1); set {key}etp to tp or raise {key}ep")
+    return moe_sequence_parallel_error(shape, tp, sp, key)
+
+
+def moe_sequence_parallel_error(shape: Any, tp: int, sp: bool, key: str = "parallel.") -> str | None:
+    """Megatron's MoE layers at tp > 1 need sequence parallelism."""
+    if shape.is_moe and tp > 1 and not sp:
+        return f"MoE models with {key}tp > 1 need {key}sequence_parallel=true (Megatron requires it)"
+    return None
+
+
+def sequence_multiple(*, tp: int, cp: int, sp: bool) -> int:
+    """What every training sequence length is a multiple of (see ``sequence_error``)."""
+    return math.lcm(2 * cp if cp > 1 else 1, tp * cp if sp else 1)
+
+
+def sequence_error(seq_length: int, *, tp: int, cp: int, sp: bool, pads: bool, key: str = "parallel.") -> str | None:
+    """A training sequence is a multiple of 2*cp (Megatron's load-balanced chunks) and, under sequence parallelism,
+    each CP rank's part a multiple of tp. ``pads``: the trainer rounds its lengths up to that multiple itself (every
+    trainer but pretrain, whose sequences are model.seq_length exactly), so any length runs."""
+    multiple = sequence_multiple(tp=tp, cp=cp, sp=sp)
+    if pads or seq_length % multiple == 0:
+        return None
+    return (f"model.seq_length={seq_length} is not a multiple of {multiple} ({key}tp={tp}, cp={cp}, "
+            f"sequence_parallel={str(sp).lower()}: Megatron splits each sequence into 2*cp chunks and, under sequence "
+            f"parallelism, each rank's part over tp); use a multiple of {multiple}")
+
+
+def microbatch_error(global_batch: int, *, micro_batch: int, dp: int, pp: int, vpp: int,
+                     key: str = "parallel.") -> str | None:
+    """The global batch splits into whole micro-batches per data-parallel rank; with interleaving (vpp > 1)
+    Megatron's schedule runs them in groups of pp, so their count is a multiple of pp."""
+    if global_batch % (micro_batch * dp):
+        return (f"algorithm.global_batch_size={global_batch} is not divisible by {key}micro_batch_size*dp = "
+                f"{micro_batch}*{dp}; make it a multiple of {micro_batch * dp}")
+    count = global_batch // (micro_batch * dp)
+    if vpp > 1 and count % pp:
+        return (f"{key}vpp={vpp}: interleaving needs the micro-batches per step ({count} = global_batch_size / "
+                f"(micro_batch_size*dp)) to be a multiple of pp={pp}; change the batch, micro_batch_size or vpp")
+    return None
+
+
+def mla_error(shape: Any, *, tp: int, cp: int, sp: bool, transformer_engine: bool, key: str = "parallel.") -> str | None:
+    """Multi-latent attention without Transformer Engine (Megatron's local spec): context parallelism needs TE's
+    attention, and at tp > 1 the latent norms' TP grad sum needs sequence parallelism."""
+    if not shape.is_mla or transformer_engine:
+        return None
+    if cp > 1:
+        return (f"{key}cp={cp}: {shape.name}'s multi-latent attention with context parallelism needs Transformer "
+                "Engine (GPUs, runtime.transformer_engine); set cp=1")
+    if tp > 1 and not sp:
+        return (f"{shape.name}: multi-latent attention at {key}tp={tp} without Transformer Engine needs "
+                f"{key}sequence_parallel=true")
+    return None
 
 
 def rollout_replica_error(rollout_tasks: int, tp: int, pp: int, ep: int) -> str | None:

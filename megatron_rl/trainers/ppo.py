@@ -31,7 +31,6 @@ import dataclasses
 import torch
 
 from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.algorithms.gae import clipped_value_loss, explained_variance, gae, token_rewards, whiten
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
@@ -72,9 +71,6 @@ class PpoRun(GrpoRun):
     """GrpoRun's generation, scoring, data, reference model and checkpoints, plus the critic and GAE."""
 
     def __init__(self, cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-        if cfg.parallel.cp > 1:
-            raise ConfigError(f"parallel.cp={cfg.parallel.cp}: PPO's critic does not support context parallelism "
-                              "yet; set parallel.cp=1")
         super().__init__(cfg, shape, ctx)
         loss_config = GRPOLossConfig.from_algorithm(self.algo, max_response_len=cfg.generation.max_new_tokens)
         self.kl_clamps = {"clamp": loss_config.kl_clamp, "log_ratio_clamp": loss_config.kl_log_ratio_clamp}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.parallel import interleave_error, sequence_parallel_error
 from megatron_rl.spec.rewards import check_reward_options
 
 EXECUTORS = ("auto", "local", "slurm")
@@ -203,10 +204,9 @@ class ParallelConfig:
         _one_of("parallel", "backend", self.backend, BACKENDS)
         if self.auto:
             return  # the planner picks the tp and pp these need; ParallelDims checks the layout it resolves
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it false or raise tp")
-        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
-            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=null or raise pp")
+        why = sequence_parallel_error(self.tp, self.sequence_parallel) or interleave_error(self.pp, self.vpp or 1)
+        if why is not None:
+            raise ConfigError(why)
 
 
 @dataclass(kw_only=True)

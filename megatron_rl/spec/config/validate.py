@@ -8,7 +8,7 @@ from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.limits import check_job_limits, check_limits, trainer_limits
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.spec.parallel import ParallelDims
+from megatron_rl.spec.parallel import ParallelDims, microbatch_error, mla_error, sequence_error
 
 
 def with_pipeline_split(cfg: JobConfig, shape: ModelShape) -> JobConfig:
@@ -30,25 +30,22 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     dims = ParallelDims.from_config(par, world_size=cfg.cluster.training_tasks, rollout_tasks=cfg.cluster.rollout_tasks)
     dims.check_model(shape)
     dp = dims.dp
-    gbs, mbs = cfg.algorithm.global_batch_size, par.micro_batch_size
-    if gbs % (mbs * dp):
-        raise ConfigError(f"algorithm.global_batch_size={gbs} is not divisible by parallel.micro_batch_size*dp = "
-                          f"{mbs}*{dp}; make it a multiple of {mbs * dp}")
+    transformer_engine = cfg.runtime.uses_transformer_engine(gpus=cfg.cluster.has_gpus)
+    seq = cfg.model.seq_length or shape.seq_length
+    why = (microbatch_error(cfg.algorithm.global_batch_size, micro_batch=par.micro_batch_size, dp=dp, pp=dims.pp,
+                            vpp=dims.vpp)
+           or sequence_error(seq, tp=dims.tp, cp=dims.cp, sp=dims.sp, pads=cfg.algorithm.name != "pretrain")
+           or mla_error(shape, tp=dims.tp, cp=dims.cp, sp=dims.sp, transformer_engine=transformer_engine))
+    if why is not None:
+        raise ConfigError(why)
     if cfg.algorithm.name == "grpo" and cfg.algorithm.rollout_size % dp:
         raise ConfigError(f"algorithm.prompts_per_step*group_size = {cfg.algorithm.rollout_size} is not divisible by "
                           f"the data-parallel size {dp}; make it a multiple of {dp}")
     if cfg.data.task is None and cfg.data.train_path is None:
         raise ConfigError("data.train_path and data.task are both null; give a JSONL file or a synthetic task")
-    seq = cfg.model.seq_length or shape.seq_length
     if seq > shape.max_position_embeddings:
         raise ConfigError(f"model.seq_length={seq} exceeds {shape.name}'s max_position_embeddings "
                           f"{shape.max_position_embeddings}")
-    multiple = dims.sequence_multiple
-    if cfg.algorithm.name == "pretrain" and seq % multiple:
-        raise ConfigError(f"model.seq_length={seq} is not a multiple of {multiple} (parallel.tp={dims.tp}, "
-                          f"cp={dims.cp}, sequence_parallel={str(dims.sp).lower()}: Megatron splits each sequence "
-                          f"into 2*cp chunks and, under sequence parallelism, each rank's part over tp); use a "
-                          f"multiple of {multiple}")
     if cfg.algorithm.router_replay and not shape.is_moe:
         raise ConfigError(f"algorithm.router_replay=true needs an MoE model and {shape.name} is dense; set it to false")
     check_runtime(cfg, dims, shape)
