@@ -1,13 +1,23 @@
-"""Fixtures shared by every test (helpers live in tests/helpers.py), and the no-process-left-behind check.
+"""Fixtures shared by every test (helpers live in tests/helpers.py), the slow marker, and the no-process-left-behind
+check.
 
 Every process a test starts inherits ``MEGATRON_RL_TEST_SESSION`` (set here, before any test runs). When the
 session ends, a process that still carries this session's marker outlived its test: the run fails and the
 leftovers are listed, then killed.
+
+Slow tests are found, not listed: a test is marked ``slow`` when its code, its fixtures or the module functions
+they call start a job (``starts_a_job``: launch.py without --dry-run/plan/status, torchrun, the converter's
+workers, the job entry point, the dev Slurm cluster). ``bash tests/run.sh -m "not slow"`` is the quick tier; in it a
+test that starts a job anyway fails, naming the command, so the finder cannot quietly miss one.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import subprocess
+import textwrap
 import time
 import uuid
 
@@ -24,6 +34,121 @@ os.environ[SESSION_MARKER] = uuid.uuid4().hex
 def launch():
     """Run `python launch.py ARGS` in a subprocess: launch(*args, timeout=, env=) -> CompletedProcess."""
     return run_launch
+
+
+QUICK_LAUNCH_ARGS = frozenset({"--dry-run", "plan", "status", "logs", "cancel", "--help", "-h"})
+"""An argument that makes launch.py start no job."""
+JOB_CALLS = frozenset({"torchrun_check", "run_worker", "import_hf_to_megatron", "verify_export"})
+"""Functions that start worker processes."""
+JOB_MODULES = frozenset({"torch.distributed.run", "megatron_rl.main", "megatron_rl.conversion.command"})
+"""``python -m MODULE`` starts a job."""
+JOB_PROGRAMS = frozenset({"sbatch", "srun", "torchrun"})
+JOB_FIXTURES = frozenset({"slurm_cluster"})
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _strings(node: ast.AST) -> list[str]:
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def _node_starts_a_job(node: ast.AST) -> bool:
+    """A call of launch.py (as run_launch, the launch fixture or a command list) without a no-job argument, of a
+    function that starts workers, or a command list running a job module or program."""
+    if isinstance(node, ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name in ("run_launch", "launch", "_launch"):
+            return not QUICK_LAUNCH_ARGS & set(_strings(node))
+        return name in JOB_CALLS
+    if isinstance(node, ast.List):
+        words = [n.value if isinstance(n, ast.Constant) else None for n in node.elts]
+        if any(a == "-m" and b in JOB_MODULES for a, b in zip(words, words[1:])) or (words and words[0] in JOB_PROGRAMS):
+            return True
+        launches = [w for w in _strings(node) if w.endswith("launch.py")]
+        return bool(launches) and not QUICK_LAUNCH_ARGS & set(_strings(node))
+    return False
+
+
+def _functions_reached(fn, module, seen: set) -> list:
+    """fn and the module-level functions of fn's own module (or ``module``) that it names, transitively."""
+    if fn in seen or not inspect.isfunction(fn):
+        return []
+    seen.add(fn)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return [(fn, None)]
+    found = [(fn, tree)]
+    namespace = {**vars(module), **fn.__globals__}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and inspect.isfunction(namespace.get(node.id)):
+            target = namespace[node.id]
+            if _is_test_code(target):
+                found += _functions_reached(target, module, seen)
+    return found
+
+
+def _is_test_code(fn) -> bool:
+    path = inspect.getsourcefile(fn) or ""
+    return os.path.abspath(path).startswith(TESTS_DIR)
+
+
+def _fixture_functions(item: pytest.Item) -> list:
+    """The functions of the fixtures the test asks for, and, when it asks for fixtures by name at run time
+    (``request.getfixturevalue``), of every fixture defined in its module."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    found = [defs[-1].func for defs in info.name2fixturedefs.values() if defs]
+    if "getfixturevalue" in inspect.getsource(item.function):
+        found += [d.func for d in item.session._fixturemanager._get_all_fixture_defs()
+                  if getattr(d.func, "__module__", None) == item.module.__name__]
+    return found
+
+
+def starts_a_job(item: pytest.Item) -> bool:
+    """Whether the test, its fixtures or what they call start a job (see the module docstring)."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    names = set(fixtures.names_closure) if fixtures else set()
+    if names & JOB_FIXTURES:
+        return True
+    functions = [item.function, *_fixture_functions(item)]
+    seen: set = set()
+    for fn in functions:
+        for _, tree in _functions_reached(fn, item.module, seen):
+            if tree is not None and any(_node_starts_a_job(n) for n in ast.walk(tree)):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if isinstance(item, pytest.Function) and not item.get_closest_marker("slow") and starts_a_job(item):
+            item.add_marker(pytest.mark.slow)
+
+
+def _is_job(args) -> bool:
+    """A command that starts a job itself (what launch.py starts in turn is judged by starts_a_job alone)."""
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    return (any(a == "-m" and b in JOB_MODULES for a, b in zip(argv, argv[1:]))
+            or bool(argv) and os.path.basename(argv[0]) in JOB_PROGRAMS)
+
+
+@pytest.fixture(autouse=True)
+def _quick_tests_start_no_job(request, monkeypatch):
+    """A test not marked slow that starts a job fails at once, naming the command."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def checked(self, args, *rest, **kwargs):
+        if _is_job(args):
+            pytest.fail(f"{request.node.nodeid} starts a job ({args!r}) but was not found slow: teach "
+                        "tests/conftest.py's starts_a_job to see it")
+        real(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked)
+    yield
 
 
 def _leftover_processes() -> list[psutil.Process]:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test command of the README (and of CI): install the project with its test extras into .venv, start the
-# dev Slurm cluster when this machine can (root + apt), run every test, and always stop the cluster again.
+# dev Slurm cluster when this machine can (root + apt), run every test, and always stop the cluster again. The 20
+# slowest tests are listed at the end.
 #
 #   bash tests/run.sh [pytest args...]
+#   bash tests/run.sh -m "not slow"      # the quick tier: no test that starts a job (tests/conftest.py finds them)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -12,6 +14,7 @@ PYTHON="${PYTHON:-python3}"
 
 export DEV_CLUSTER_DIR="${DEV_CLUSTER_DIR:-/tmp/megatron-rl-dev-cluster}"
 started_cluster=0
+case " $* " in *"not slow"*) SKIP_SLURM=1 ;; esac  # the quick tier starts no Slurm job
 if [ "${SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   trap 'if [ "$started_cluster" = 1 ]; then slurm/dev-cluster.sh down >/dev/null 2>&1 || true; fi' EXIT
   if ! slurm/dev-cluster.sh status >/dev/null 2>&1; then
@@ -25,4 +28,4 @@ else
   echo "tests/run.sh: not root or no apt-get (or SKIP_SLURM=1): Slurm tests will be skipped" >&2
 fi
 
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=20 "$@"
