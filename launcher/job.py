@@ -5,9 +5,8 @@ Everything here runs on the login node before anything queues, and never imports
 
 from __future__ import annotations
 
-import json
-
 import dataclasses
+import json
 import os
 import re
 import shutil

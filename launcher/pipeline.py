@@ -62,12 +62,12 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import OmegaConf
 
+from launcher.job import PreparedJob, prepare
+from launcher.runs.folder import MAIN_PHASES, STAGE_ORDER_FILE, RunFolder
 from megatron_rl.spec.config import JobConfig
 from megatron_rl.spec.config.loader import env_references, find_config, given_keys, load_config, read_text
 from megatron_rl.spec.errors import ConfigError, did_you_mean
-from launcher.job import PreparedJob, prepare
 from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
-from launcher.runs.folder import MAIN_PHASES, STAGE_ORDER_FILE, RunFolder
 from megatron_rl.spec.run_files import CONFIG_FILE
 
 STAGE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")

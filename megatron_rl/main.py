@@ -40,8 +40,8 @@ def run(config_path: str) -> int:
                     ".*full scope is deprecated.*", ".*is deprecated. Please use `torch.distributed.*",
                     ".*The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.*"):
         warnings.filterwarnings("ignore", message=pattern)
-    from megatron_rl.spec.parallel import ParallelDims
     from megatron_rl.runtime.distributed import initialize, read_dist_env, shutdown
+    from megatron_rl.spec.parallel import ParallelDims
     from megatron_rl.trainers.common import TrainerContext
 
     cfg = load_config(config_path)

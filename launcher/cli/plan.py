@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
     """The overrides that plan's flags (but --gpus) and key=value arguments stand for."""
-    from megatron_rl.spec.errors import as_yaml
     from launcher.planner import parse_layout
+    from megatron_rl.spec.errors import as_yaml
 
     flags = [f"{key}={getattr(args, name)}" for name, key in SHORTHANDS.items() if getattr(args, name) is not None]
     flags += [f"parallel.{key}={as_yaml(value)}" for key, value in parse_layout(args.layout or "").items()]
@@ -164,9 +164,9 @@ def calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the plan subcommand; returns the exit code."""
-    from megatron_rl.spec.config.loader import given_keys, load_config
     from launcher.job import load_shape, plan_job
     from launcher.planner import NoFeasibleLayout, layout_arg
+    from megatron_rl.spec.config.loader import given_keys, load_config
 
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     try:

@@ -39,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_rl.spec.config import load_config
-    from megatron_rl.spec.config.loader import env_references, given_keys
     from launcher.executors import get_executor
     from launcher.job import prepare
+    from megatron_rl.spec.config import load_config
+    from megatron_rl.spec.config.loader import env_references, given_keys
 
     args = build_parser().parse_intermixed_args(argv)
     unresolved = env_references(args.config, args.overrides)  # first: it refuses a secret in cluster.setup

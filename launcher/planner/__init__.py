@@ -17,18 +17,17 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from megatron_rl.spec.errors import ConfigError, did_you_mean
-from megatron_rl.spec.errors import as_yaml
-from megatron_rl.spec.limits import check_limits
-from megatron_rl.spec.model_shape import ModelShape
 from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
 from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement, Workload
-from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.moe_comm import check_runtime
 from launcher.planner.rl_step import RL_MODES, RolloutSuggestion, rollout, suggest_rollout_tasks
 from launcher.planner.search import SearchOutcome, search
+from megatron_rl.spec.config.schema import RECOMPUTE_MODES
+from megatron_rl.spec.errors import ConfigError, as_yaml, did_you_mean
+from megatron_rl.spec.limits import check_limits
+from megatron_rl.spec.model_shape import ModelShape
 
 __all__ = ["GPUS", "PLANNED_KEYS", "TIME_PARTS", "GpuSpec", "GrpoSizing", "Layout", "NoFeasibleLayout", "PlanResult",
            "RolloutSuggestion", "RunnerUp", "Runtime", "SplitPlacement", "evaluate", "layout_arg", "parse_layout",

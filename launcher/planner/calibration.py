@@ -16,11 +16,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.spec.model_shape import ModelShape
 from launcher.planner import Runtime, evaluate
 from launcher.planner.costs import GIB, Workload
 from launcher.planner.estimate import Layout
 from launcher.planner.rl_step import estimate
+from megatron_rl.spec.model_shape import ModelShape
 
 DEFAULT_ROWS = Path(__file__).resolve().parents[2] / "tests" / "data" / "published_layouts_calibration.json"
 

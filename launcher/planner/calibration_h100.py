@@ -17,9 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.planner import PlanResult, Runtime, costs, evaluate, moe_comm
 from megatron_rl.spec.model_shape import ModelShape, load_model_shape, shape_from_megatron_dict
-from launcher.planner import PlanResult, Runtime, evaluate
-from launcher.planner import costs, moe_comm
 
 ROWS_FILE = Path(__file__).resolve().parents[2] / "tests" / "data" / "published_h100_moe_cp.json"
 

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import Estimate, Layout
+from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 
 CHANGE_COST = {"tp": 3, "cp": 3, "ep": 3, "sequence_parallel": 3, "pp": 2, "vpp": 1, "micro_batch_size": 1,
                "recompute": 1, "recompute_num_layers": 1, "first_stage_layers": 1, "last_stage_layers": 1,

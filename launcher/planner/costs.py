@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.spec.model_shape import ModelShape
 from launcher.planner.gpus import GIB, GpuSpec
 from launcher.planner.moe_comm import IB_LATENCY_S, NVLINK_LATENCY_S, deepep_inter_share, ep_time_s
+from megatron_rl.spec.model_shape import ModelShape
 
 # ---- calibration constants (calibration.md says where each comes from) ----
 GEMM_HALF_WIDTH = 300.0

@@ -20,8 +20,16 @@ from megatron_rl.spec.parallel import virtual_stage_layers
 
 if TYPE_CHECKING:
     from launcher.planner.rl_step import SplitStep
-from launcher.planner.costs import (DP_BUCKET_BYTES, GIB, LAYER_PARTS, OVERLAP_CONTENTION, LayerCost, Workload,
-                                    add_parts, scale_parts)
+from launcher.planner.costs import (
+    DP_BUCKET_BYTES,
+    GIB,
+    LAYER_PARTS,
+    OVERLAP_CONTENTION,
+    LayerCost,
+    Workload,
+    add_parts,
+    scale_parts,
+)
 
 TRAINING_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all", "pp_p2p", "pp_bubble", "dp_comm",
                   "optimizer")

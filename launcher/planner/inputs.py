@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.spec.errors import ConfigError
 from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement
+from megatron_rl.spec.errors import ConfigError
 
 RL_ALGORITHMS = ("grpo", "ppo", "eval")
 """algorithm.name values that generate rollouts (plan with a GrpoSizing)."""

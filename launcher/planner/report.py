@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_rl.spec.errors import as_yaml
 from launcher.planner.costs import TCP_GB_S
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.rl_step import SUGGESTION_SLACK
+from megatron_rl.spec.errors import as_yaml
 
 if TYPE_CHECKING:
     from launcher.planner import PlanResult

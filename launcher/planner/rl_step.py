@@ -64,10 +64,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from megatron_rl.spec.parallel import uneven_splits
 from launcher.planner.costs import GIB, TCP_LATENCY_S, GrpoSizing, Workload, kv_cache_elements_per_token_per_layer
-from launcher.planner.estimate import (Estimate, Layout, RankGroup, TimeTerms, rank_groups, stage_params,
-                                       training_estimate)
+from launcher.planner.estimate import (
+    Estimate,
+    Layout,
+    RankGroup,
+    TimeTerms,
+    rank_groups,
+    stage_params,
+    training_estimate,
+)
+from megatron_rl.spec.parallel import uneven_splits
 
 RL_MODES = ("grpo", "ppo", "eval")
 """Modes with a rollout (GrpoSizing)."""

@@ -26,14 +26,23 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_rl.spec.errors import ConfigError, as_yaml
-from megatron_rl.spec.parallel import (attention_split_error, expert_split_error, microbatch_error, mla_error,
-                                       mlp_split_error, moe_sequence_parallel_error, rollout_replica_error,
-                                       sequence_error, split_error, uneven_splits)
 from launcher.planner.costs import GIB, Workload
-from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from launcher.planner.estimate import Estimate, Layout, rank_groups, stage_params
 from launcher.planner.rl_step import RL_MODES, estimate, generation_floor, rollout_memory_error
+from megatron_rl.spec.config.schema import RECOMPUTE_MODES
+from megatron_rl.spec.errors import ConfigError, as_yaml
+from megatron_rl.spec.parallel import (
+    attention_split_error,
+    expert_split_error,
+    microbatch_error,
+    mla_error,
+    mlp_split_error,
+    moe_sequence_parallel_error,
+    rollout_replica_error,
+    sequence_error,
+    split_error,
+    uneven_splits,
+)
 
 MAX_CP = 64
 MAX_MBS = 16

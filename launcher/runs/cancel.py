@@ -15,11 +15,11 @@ import signal
 import time
 from pathlib import Path
 
-from megatron_rl.spec.errors import ConfigError
 from launcher.lock import mark_cancelled
 from launcher.runs.folder import RunFolder, open_folder
 from launcher.runs.status import slurm_jobs
 from launcher.slurm.query import FINAL_STATES, have_tool, scancel
+from megatron_rl.spec.errors import ConfigError
 
 LOCAL_STOP_WAIT_S = 40.0
 """How long cancel waits for a local launcher to stop its ranks: they save a preemption checkpoint first, within

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from megatron_rl.spec.errors import ConfigError
 from launcher.runs.folder import RunFolder, open_run
+from megatron_rl.spec.errors import ConfigError
 
 FOLLOW_POLL_S = 0.5
 

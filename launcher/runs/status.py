@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from launcher.runs.folder import MAIN_PHASES, RunFolder, open_folder
-from megatron_rl.spec.run_files import MANIFEST_FILE
 from launcher.slurm.query import JobState, live_state, sacct_states
+from megatron_rl.spec.run_files import MANIFEST_FILE
 
 KEY_METRICS = ("reward_mean", "loss", "accuracy", "pass@1", "kl", "response_length", "reward_margin")
 """The metrics status shows, those the trainer logs (GRPO: reward, KL; RM/DPO: loss, accuracy; pretrain: loss)."""

@@ -24,16 +24,21 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from megatron_rl.spec.config.schema import ClusterConfig
-from megatron_rl.spec.errors import ConfigError
 from launcher.job import PreparedJob, check_env
 from launcher.lock import acquire
-from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
 from launcher.slurm.script import (
-    TrainScript, conversion_cluster, log_dir, render_convert_script, render_train_script, slurm_time_seconds,
+    TrainScript,
+    conversion_cluster,
+    log_dir,
+    render_convert_script,
+    render_train_script,
+    slurm_time_seconds,
 )
 from launcher.slurm.task import TrainTask
 from launcher.slurm.watch import Watch, wait_for_job
+from megatron_rl.spec.config.schema import ClusterConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
 
 SUBMIT_TOOLS = ("sbatch", "srun", "scontrol")
 WAIT_TOOLS = ("squeue", "sacct")

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Mapping, Optional
 
-from megatron_rl.spec.errors import ConfigError
 from launcher.lock import acquire
+from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.private import private_umask
 
 
@@ -35,9 +35,9 @@ def allocation_overrides(env: Mapping[str, str]) -> list[str]:
 def resolve(*, run_dir: str, algorithm: str, config: Optional[str], overrides: list[str],
             env: Mapping[str, str]) -> Path:
     """Load, check and write the config of this allocation; return the config.yaml path."""
+    from launcher.job import prepare
     from megatron_rl.spec.config import load_config
     from megatron_rl.spec.config.loader import env_references, given_keys
-    from launcher.job import prepare
 
     forced = [f"run.dir={Path(run_dir).expanduser().resolve()}", f"algorithm.name={algorithm}",
               "cluster.executor=slurm", *allocation_overrides(env)]

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from launcher.resources import templates_dir
 from megatron_rl.spec.config.schema import ClusterConfig
 from megatron_rl.spec.errors import ConfigError
-from launcher.resources import templates_dir
 
 TEMPLATE = "train.sbatch"
 PREEMPT_SIGNAL = "USR1"

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from megatron_rl.spec.config.schema import ClusterConfig
 from launcher.runs.logs import LogTail
-from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from launcher.slurm.query import FINAL_STATES, JobState, run_tool, sacct_state, squeue_state
 from launcher.slurm.task import FAILURE_MARK, PLACEMENT_MARK
+from megatron_rl.spec.config.schema import ClusterConfig
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 
 SQUEUE_FAILURE_LIMIT_S = 60.0
 SACCT_WAIT_S = 30.0

@@ -46,8 +46,13 @@ import dataclasses
 
 import torch
 
-from megatron_rl.spec.config.schema import (IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS,
-                                            AlgorithmConfig)
+from megatron_rl.spec.config.schema import (
+    IMPORTANCE_RATIOS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
+    AlgorithmConfig,
+)
 
 Number = int | float | torch.Tensor
 

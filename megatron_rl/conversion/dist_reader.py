@@ -34,7 +34,6 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from megatron_rl.spec.errors import ConfigError
 from megatron_rl.conversion.dcp_files import (
     DTYPE_ITEMSIZE,
     MetadataIndex,
@@ -44,6 +43,7 @@ from megatron_rl.conversion.dcp_files import (
     load_tensor_record,
 )
 from megatron_rl.conversion.names import MegatronRef, is_model_key, refs_in_stored_tensor
+from megatron_rl.spec.errors import ConfigError
 
 READ_BLOCK = 64 * 2**20
 

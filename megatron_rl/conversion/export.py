@@ -91,8 +91,8 @@ def _shape_from_dict(d: dict) -> ModelShape:
 def resolve_model_source(step_folder: Path, model: Union[None, str, Path, ModelShape, dict],
                          common: dict, hf_source: Optional[Path] = None) -> ModelSource:
     """Model description: explicit ``model`` > files stored in the checkpoint > ``extra["model"]`` of common.pt."""
-    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.conversion.names import hf_config_from_shape, shape_from_config
+    from megatron_rl.spec.model_shape import load_model_shape
 
     if isinstance(model, ModelShape):
         return ModelSource(shape=model, hf_config=hf_config_from_shape(model), tokenizer_dir=hf_source,

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.parallel import attention_split_error, expert_split_error, mlp_split_error
 from megatron_rl.spec.model_shape import ModelShape
+from megatron_rl.spec.parallel import attention_split_error, expert_split_error, mlp_split_error
 
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 

@@ -26,8 +26,15 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from megatron_rl.conversion.export import (adapted_weights, check_stored_tensors, hf_tensor_bytes, lora_settings,
-                                           prepare_output, publish, resolve_model_source)
+from megatron_rl.conversion.export import (
+    adapted_weights,
+    check_stored_tensors,
+    hf_tensor_bytes,
+    lora_settings,
+    prepare_output,
+    publish,
+    resolve_model_source,
+)
 from megatron_rl.spec.errors import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -43,7 +50,13 @@ def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, ba
     from safetensors.torch import save_file
 
     from megatron_rl.conversion.dist_reader import CheckpointReader
-    from megatron_rl.conversion.names import REWARD_HEAD_WEIGHT, adapter_refs, check_convertible, hf_row_sources, tensor_maps
+    from megatron_rl.conversion.names import (
+        REWARD_HEAD_WEIGHT,
+        adapter_refs,
+        check_convertible,
+        hf_row_sources,
+        tensor_maps,
+    )
 
     out = Path(out_dir).resolve()
     if out.exists() and not overwrite:

@@ -13,8 +13,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.conversion.names import TensorMap, is_model_key, parse_megatron_key, row_pieces, tensor_maps
+from megatron_rl.spec.model_shape import ModelShape
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_groups: int, head_dim: int) -> torch.Tensor:

@@ -19,9 +19,9 @@ import datetime
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.conversion.names import layout_world_size  # noqa: F401 (re-exported)
 from megatron_rl.models.norms import SequenceParallelTorchNorm  # noqa: F401 (re-exported; lives in models)
+from megatron_rl.spec.model_shape import ModelShape
 
 
 def init_parallel(tp: int, pp: int, ep: int, *, seed: int = 0) -> None:

@@ -35,9 +35,9 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from megatron_rl.conversion.names import TensorMap, megatron_shape, parse_megatron_key, tensor_maps
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.conversion.names import TensorMap, megatron_shape, parse_megatron_key, tensor_maps
 
 
 class HFShardReader:

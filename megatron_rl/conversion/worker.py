@@ -74,10 +74,10 @@ def run_import(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_random(task: dict[str, Any]) -> dict[str, Any]:
-    from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.conversion.export import model_metadata
     from megatron_rl.conversion.model_build import build_conversion_model
     from megatron_rl.runtime.checkpoint import save_checkpoint
+    from megatron_rl.spec.model_shape import load_model_shape
 
     shape = load_model_shape(task["model"])
     model = build_conversion_model(shape, tp=task["tp"], pp=task["pp"], ep=task["ep"], dtype=torch.float32,

@@ -43,11 +43,11 @@ import random
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data import synthetic
 from megatron_rl.data.chat import ChatFormat, Part, check_part, has_chat_template, plain_text
 from megatron_rl.data.records import FORMATS, RecordFile, read_records
 from megatron_rl.data.tokenizer import CharTokenizer
+from megatron_rl.spec.errors import ConfigError
 
 PREFERENCE_TASKS: tuple[str, ...] = tuple(f"prefer_{task}" for task in synthetic.TASKS)
 SYNTHETIC_TRAIN_PAIRS = 4096

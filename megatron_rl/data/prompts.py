@@ -25,9 +25,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data.chat import ChatFormat, check_messages
 from megatron_rl.data.records import FORMATS, RecordFile, read_records
+from megatron_rl.spec.errors import ConfigError
 
 SAMPLER_STATE_VERSION = 1
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.spec.errors import ConfigError
 from megatron_rl.data.chat import ChatFormat, Part, check_messages
 from megatron_rl.data.records import FORMATS, read_records
+from megatron_rl.spec.errors import ConfigError
 
 
 def read_sft_records(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",

@@ -29,9 +29,9 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.models.builder import ModelOptions, build_gpt_model
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.models.builder import ModelOptions, build_gpt_model
 
 HEAD_NAME = "rm_head"
 HEAD_KEYS = (f"{HEAD_NAME}.weight", f"{HEAD_NAME}.bias", f"{HEAD_NAME}._extra_state")
@@ -187,8 +187,8 @@ def load_reward_model_weights(path: str | Path, chunks: list) -> bool:
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.models.lora import adapters, is_adapter_key
     from megatron_rl.models import unwrap
+    from megatron_rl.models.lora import adapters, is_adapter_key
     from megatron_rl.runtime.checkpoint import checkpoint_tensor_keys, resolve_checkpoint
 
     try:

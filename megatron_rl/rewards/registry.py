@@ -32,8 +32,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from megatron_rl.spec.errors import ConfigError, did_you_mean
 from megatron_rl.rewards.verifiers import ExactMatchReward, FormatReward, MathAnswerReward, MathVerifyReward
+from megatron_rl.spec.errors import ConfigError, did_you_mean
 
 RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
 RewardFactory = Callable[..., RewardFn]

@@ -28,9 +28,6 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from megatron_rl.spec.config.schema import LoraConfig
-from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import SequenceEncoder
 from megatron_rl.data.tokenizer import load_tokenizer
@@ -44,6 +41,9 @@ from megatron_rl.models.reward_model import (
 )
 from megatron_rl.rewards.registry import register_reward, registered_rewards
 from megatron_rl.runtime.distributed import current_dims
+from megatron_rl.spec.config.schema import LoraConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 
 
 def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict, Optional[LoraConfig]]:

@@ -17,7 +17,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl.spec.errors import ConfigError
 from megatron_rl.rewards.extract import (
     MATH_TOLERANCE,
     extract_boxed,
@@ -28,6 +27,7 @@ from megatron_rl.rewards.extract import (
     parse_number,
     reference_answer_text,
 )
+from megatron_rl.spec.errors import ConfigError
 
 
 def _reference_number(answer: Any, reference_text: str) -> float | None:

@@ -37,13 +37,18 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_rl.spec.private import make_private_dir
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.placement import Placement, session_dir
-from megatron_rl.rollout.weight_sync import (BroadcastWeightPublisher, BroadcastWeightSubscriber, FileWeightPublisher,
-                                             FileWeightSubscriber, _write_atomically)
+from megatron_rl.rollout.weight_sync import (
+    BroadcastWeightPublisher,
+    BroadcastWeightSubscriber,
+    FileWeightPublisher,
+    FileWeightSubscriber,
+    _write_atomically,
+)
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.distributed import global_rank, read_dist_env
+from megatron_rl.spec.private import make_private_dir
 
 POLL_S = 0.02
 WORKER_WAIT_S = 24 * 3600

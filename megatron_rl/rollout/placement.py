@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from megatron_rl.spec.private import make_private_dir
 from megatron_rl.runtime.distributed import INIT_METHOD_ENV, JOB_RANK_ENV, DistEnv
+from megatron_rl.spec.private import make_private_dir
 
 ROLES = ("train", "rollout")
 ROLE_ENV = "MEGATRON_RL_ROLE"

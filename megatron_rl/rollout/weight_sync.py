@@ -51,9 +51,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_rl.spec.private import DIR_MODE, FILE_MODE, make_private_dir, write_private_text
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.runtime.checkpoint import _fault, fsync_path
+from megatron_rl.spec.private import DIR_MODE, FILE_MODE, make_private_dir, write_private_text
 
 VERSION_DIR = re.compile(r"^v(\d{8})$")
 TMP_PREFIX = ".tmp-"

@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, WeightBridge, WorkerChannel
 from megatron_rl.rollout.placement import Placement
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.model_shape import ModelShape
 
 
 def rollout_config(cfg: JobConfig, shape: ModelShape) -> JobConfig:

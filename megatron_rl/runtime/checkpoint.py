@@ -280,7 +280,6 @@ def layout_signature() -> dict[str, int]:
 def _rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
-
     from megatron.core import tensor_parallel
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -293,7 +292,6 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
     import torch
-
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
@@ -329,7 +327,6 @@ def _adapters_not_stored(folder: Path, model_sd: dict) -> set[str]:
 
 def _rng_sharded_object(state: Any):
     import torch
-
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -19,12 +19,17 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from megatron_rl.models.builder import (
+    ModelOptions,
+    build_model_chunks,
+    compute_dtype,
+    padded_vocab_size,
+    resolve_transformer_engine,
+)
+from megatron_rl.runtime.memory import peak_memory_of
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.spec.parallel import ParallelDims
-from megatron_rl.models.builder import (ModelOptions, build_model_chunks, compute_dtype, padded_vocab_size,
-                                        resolve_transformer_engine)
-from megatron_rl.runtime.memory import peak_memory_of
 
 # loss_fn(model_output, batch) -> (loss_sum, denominator as an int tensor, {name: (sum, count)})
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]

@@ -20,7 +20,6 @@ from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.run_files import METRICS_FILE, PREDICTION_FILE
 
 
-
 def prediction_record(plan, *, gpu_type: str) -> dict[str, Any]:
     """What prediction.json holds for a PlanResult of the job's layout."""
     summary = plan.to_dict()

@@ -19,14 +19,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.distributed import global_rank, on_rank_zero
 from megatron_rl.runtime.manifest import RunManifest
 from megatron_rl.runtime.memory import GIB, PHASES
 from megatron_rl.runtime.metrics import MetricsLogger
-
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 
 _stop_signal = {"received": False}
 

@@ -33,15 +33,15 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.algorithms.dpo import DPOLossConfig, dpo_pair_terms
 from megatron_rl.data.preferences import PreferenceData
 from megatron_rl.models.logprobs import vocab_parallel_logprobs
 from megatron_rl.models.reward_model import padded_length
 from megatron_rl.rollout.batch import sum_over_context_parallel, whole_sequence_lengths
 from megatron_rl.runtime.training import Engine, build_engine, forward_logprobs, gather_data_parallel, logits_forward
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers import pairs
 from megatron_rl.trainers.common import TrainerContext
 from megatron_rl.trainers.pretrain import lm_batch

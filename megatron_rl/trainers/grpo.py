@@ -26,21 +26,22 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.algorithms.advantages import group_advantages, groups_with_signal
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.generation import GenerationStopped
+from megatron_rl.rewards import overlong_penalty
 from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
-from megatron_rl.rewards import overlong_penalty
 from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice, logits_forward
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers.common import WARMUP_DONE, TrainerContext
+
 
 # ----------------------------------------------------------------------------------------------- the loop
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
@@ -352,8 +353,8 @@ def load_prompt_data(cfg: JobConfig, run_dir: Path, tokenizer):
     """(PromptDataset, SFT warm-up examples) from data.train_path (any format of megatron_rl.data.records, with
     the field mapping and chat format of cfg.data), or the synthetic data.task written under run.dir/data."""
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.data.synthetic import TASKS, write_synthetic_dataset
     from megatron_rl.data.sft import read_sft_records
+    from megatron_rl.data.synthetic import TASKS, write_synthetic_dataset
 
     if cfg.data.warmup_task is not None and cfg.data.warmup_task not in TASKS:
         raise ConfigError(f"data.warmup_task={cfg.data.warmup_task!r} is not a synthetic task ({', '.join(TASKS)}); "

@@ -38,13 +38,13 @@ from typing import Iterator
 
 import torch
 
-from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from megatron_rl.data.prompts import encode_prompt
 from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.rollout.worker import reshards
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, run_loop
 
 BUFFER_STATE = "rollout_buffer"

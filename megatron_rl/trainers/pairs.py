@@ -15,14 +15,14 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.models.reward_model import padded_length
 from megatron_rl.runtime.training import Engine, ForwardFn, LossFn, data_parallel_slice
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers.common import TrainerContext
 
 

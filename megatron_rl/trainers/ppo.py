@@ -30,15 +30,15 @@ import dataclasses
 
 import torch
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.algorithms.gae import clipped_value_loss, explained_variance, gae, token_rewards, whiten
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
+from megatron_rl.models import unwrap
 from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
 from megatron_rl.rollout.batch import REPORTS, make_grpo_loss
-from megatron_rl.models import unwrap
 from megatron_rl.runtime.phases import generation_phase, training_phase
 from megatron_rl.runtime.training import build_engine, data_parallel_share, logits_forward
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers.common import TrainerContext
 from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, combine_minibatches
 

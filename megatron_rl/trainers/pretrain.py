@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
 from megatron_rl.trainers.common import TrainerContext
 
 REPORTS = ("loss",)

@@ -25,9 +25,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.preferences import PreferenceData
 from megatron_rl.models.reward_model import (
     build_reward_model_chunks,
@@ -37,6 +34,9 @@ from megatron_rl.models.reward_model import (
     right_padded_batch,
 )
 from megatron_rl.runtime.training import Engine, build_engine
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers import pairs
 from megatron_rl.trainers.common import TrainerContext
 from megatron_rl.trainers.pairs import PairMicroBatcher, pair_order  # noqa: F401  (pair_order: rm's public name)

@@ -14,14 +14,14 @@ import random
 
 import torch
 
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.sft import encode_sft_example, read_sft_records
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
-from megatron_rl.trainers.pretrain import lm_batch, lm_loss
+from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.pretrain import lm_batch, lm_loss
 
 REPORTS = ("loss",)
 

@@ -15,7 +15,11 @@ from typing import Any, Optional, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
-    ConfigKeyError, GrammarParseError, InterpolationResolutionError, OmegaConfBaseException, ValidationError,
+    ConfigKeyError,
+    GrammarParseError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+    ValidationError,
 )
 
 from megatron_rl.spec.config.schema import JobConfig

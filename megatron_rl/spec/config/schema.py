@@ -8,8 +8,8 @@ checks that need the model shape or the world size live in ``megatron_rl.spec.co
 from __future__ import annotations
 
 import math
-import re
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
