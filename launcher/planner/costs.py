@@ -51,6 +51,9 @@ DP_BUCKET_BYTES = 160e6
 """Gradient bucket size in bytes (Megatron: 40M fp32 elements)."""
 GRAD_ACCUM_BYTES = 4
 """Megatron keeps fp32 main gradients for bf16 training (Runtime.main_grad_bytes)."""
+ADAM_BYTES_PER_PARAM = 12.0
+"""Optimizer state per parameter: fp32 master weights and Adam's two fp32 moments (sharded over the data-parallel
+ranks with the distributed optimizer)."""
 MEMORY_MARGIN = 0.05
 """Default safety margin: 5% of device memory (4.0 GiB of an H100's 79.6) left free beyond everything counted."""
 MOE_DROPLESS_IMBALANCE = 1.3
@@ -491,7 +494,7 @@ class Workload:
         weights = 2.0 + (1.0 if self.precision == "fp8" and not self.runtime.fp8_param_gather else 0.0)
         if self.mode == "eval":
             return weights, 0.0, 0.0
-        opt = 12.0 / shard if self.runtime.distributed_optimizer else 12.0
+        opt = ADAM_BYTES_PER_PARAM / shard if self.runtime.distributed_optimizer else ADAM_BYTES_PER_PARAM
         return weights, float(self.runtime.main_grad_bytes), opt
 
     # ---------- GRPO extras ----------

@@ -21,6 +21,7 @@ from megatron_rl.spec.parallel import virtual_stage_layers
 if TYPE_CHECKING:
     from launcher.planner.rl_step import SplitStep
 from launcher.planner.costs import (
+    ADAM_BYTES_PER_PARAM,
     DP_BUCKET_BYTES,
     GIB,
     LAYER_PARTS,
@@ -95,6 +96,11 @@ class Layout:
     def etp(self) -> int:
         """Expert tensor-parallel size: 1 under EP, else tp (ParallelDims' default, what the job runs)."""
         return 1 if self.ep > 1 else self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the GPUs of one pipeline stage, tp*cp*dp, over ep*etp (ParallelDims.edp)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     def split_name(self) -> str:
         """Short description of the pipeline split."""
@@ -425,10 +431,9 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
     p2p_bw = w.ib if L.tp * L.cp * L.dp >= gpn else w.nvlink
     p2p = (tokens * s.hidden_size * 2 / rep / p2p_bw + w.ib_latency) if L.pp > 1 else 0.0
     dp_shard = L.dp * L.cp
-    edp = L.tp * L.cp * L.dp // (L.ep * L.etp)
     wb, gb, _ = w.weight_bytes_per_param(1)
-    opt_ne = 12.0 / dp_shard if w.runtime.distributed_optimizer else 12.0
-    opt_ex = 12.0 / edp if w.runtime.distributed_optimizer else 12.0
+    opt_ne = ADAM_BYTES_PER_PARAM / dp_shard if w.runtime.distributed_optimizer else ADAM_BYTES_PER_PARAM
+    opt_ex = ADAM_BYTES_PER_PARAM / L.edp if w.runtime.distributed_optimizer else ADAM_BYTES_PER_PARAM
 
     worst = None
     t_max = t_sum = 0.0
@@ -480,7 +485,7 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
     t_dp = _dp_time(w, L, max_params, worst_fwd, worst_bwd)
     ne, ex = max_params
     shard_ne = ne / dp_shard if w.runtime.distributed_optimizer else ne
-    shard_ex = ex / edp if w.runtime.distributed_optimizer else ex
+    shard_ex = ex / L.edp if w.runtime.distributed_optimizer else ex
     t_opt = ((shard_ne + shard_ex) * 28 + (ne + ex) * 2) / w.hbm
     parts = {**_NO_MEMORY, **worst[2]}
     optimizer = parts["optimizer"]
@@ -522,9 +527,8 @@ def _dp_collectives(w: Workload, L: Layout, max_params: tuple[float, float]) -> 
     ne, ex = max_params
     gpn = w.gpu.gpus_per_node
     rs_frac = 1.0 if w.runtime.distributed_optimizer else 2.0
-    edp = L.tp * L.cp * L.dp // (L.ep * L.etp)
     out = []
-    for params, group, stride in ((ne, L.dp * L.cp, L.tp), (ex, edp, L.ep)):
+    for params, group, stride in ((ne, L.dp * L.cp, L.tp), (ex, L.edp, L.ep)):
         if group <= 1 or params <= 0:
             continue
         bw = w.nvlink if stride * group <= gpn else w.ib

@@ -64,7 +64,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from launcher.planner.costs import GIB, TCP_LATENCY_S, GrpoSizing, Workload, kv_cache_elements_per_token_per_layer
+from launcher.planner.costs import (
+    ADAM_BYTES_PER_PARAM,
+    GIB,
+    TCP_LATENCY_S,
+    GrpoSizing,
+    Workload,
+    kv_cache_elements_per_token_per_layer,
+)
 from launcher.planner.estimate import (
     Estimate,
     Layout,
@@ -261,8 +268,8 @@ def generation_floor(w: Workload, L: Layout) -> float:
         ne, ex = stage_params(w, gr, L)
         state = 0.0
         if w.mode != "eval" and not g.optimizer_offloaded_for_generation:
-            shard, edp = L.dp * L.cp, L.tp * L.cp * L.dp // (L.ep * L.etp)
-            opt = (12.0 / shard, 12.0 / edp) if w.runtime.distributed_optimizer else (12.0, 12.0)
+            adam, shards = ADAM_BYTES_PER_PARAM, (L.dp * L.cp, L.edp)
+            opt = tuple(adam / n for n in shards) if w.runtime.distributed_optimizer else (adam, adam)
             state = (ne + ex) * gb + ne * opt[0] + ex * opt[1]
         kv = w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows) if generates else 0.0
         buffers = _inference_buffers(w, L, r, gr, rows) if generates else 0.0

@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from launcher.planner.costs import GIB, Workload
+from launcher.planner.costs import ADAM_BYTES_PER_PARAM, GIB, Workload
 from launcher.planner.estimate import Estimate, Layout, rank_groups, stage_params
 from launcher.planner.rl_step import RL_MODES, estimate, generation_floor, rollout_memory_error
 from megatron_rl.spec.config.schema import RECOMPUTE_MODES
@@ -324,10 +324,9 @@ def _static_bytes(w: Workload, layout: Layout) -> float:
     groups = rank_groups(s.moe_layers, s.num_layers, layout.pp, layout.vpp, layout.first_stage_layers,
                          layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
     wb, gb, _ = w.weight_bytes_per_param(1)
-    opt = 12.0 if gb else 0.0  # eval holds no optimizer
+    opt = ADAM_BYTES_PER_PARAM if gb else 0.0  # eval holds no optimizer
     dist = w.runtime.distributed_optimizer
-    shard = layout.dp * layout.cp
-    edp = layout.tp * layout.cp * layout.dp // layout.ep
+    shard, edp = layout.dp * layout.cp, layout.edp
     worst = 0.0
     for gr in groups:
         ne, ex = stage_params(w, gr, layout)
