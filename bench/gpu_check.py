@@ -513,7 +513,7 @@ def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
         checks.append(compare_logprobs([len(p) for p in rollout.prompt_ids], rollout.response_ids,
                                        rollout.logprobs, reference))
         train, t_train = timed(lambda: run.train_on(rollout))
-        sampled = SampledBatch(drawn=rollout, kept=rollout, draws=1, generate_s=t_gen, score_s=t_score)
+        sampled = SampledBatch(drawn=rollout, kept=rollout, draws=1, sample_s=t_gen, score_s=t_score)
         metrics = run.step_metrics(sampled, train, t_train)
         steps.append({k: metrics[k] for k in (
             "time_generate_s", "time_score_s", "time_train_s", "step_time_s", "generate_tokens_per_s",

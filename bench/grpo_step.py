@@ -197,8 +197,8 @@ def ours_worker(conn, settings: BenchSettings) -> None:
         ctx.end_step(run.engine, step, metrics)
         t4 = time.perf_counter()
         rollout = sampled.drawn
-        other = t4 - t3 + (t2 - t0 - sampled.generate_s - sampled.score_s)
-        return {"total": t4 - t0, "generate": sampled.generate_s, "score": sampled.score_s, "train": t3 - t2,
+        other = t4 - t3 + (t2 - t0 - sampled.sample_s - sampled.score_s)
+        return {"total": t4 - t0, "generate": sampled.sample_s, "score": sampled.score_s, "train": t3 - t2,
                 "other": other, "prompts": rollout.prompts if step == 1 else None,
                 "response_tokens": sum(len(r) for r in rollout.response_ids),
                 "first_ratio": [metrics.get("first_ratio_min"), metrics.get("first_ratio_max")]}

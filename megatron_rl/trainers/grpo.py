@@ -74,8 +74,11 @@ class SampledBatch:
     """The completions trained on (with dynamic sampling, the groups with signal)."""
     draws: int
     """Rollout rounds it took."""
-    generate_s: float
+    sample_s: float
+    """Seconds the trainers spent getting the completions: generating them (colocated), or waiting for the rollout
+    workers' (split placement, whose own generation time comes with their samples)."""
     score_s: float
+    """Seconds spent scoring them."""
 
 
 class GrpoRun:
@@ -166,7 +169,7 @@ class GrpoRun:
         prompt sampler and the generation RNG go back to where the step began, and the run saves the state
         before it (step - 1) and exits for requeue, so a long rollout does not outlast Slurm's warning window."""
         group, wanted = self.algo.group_size, self.algo.prompts_per_step
-        drawn, kept, generate_s, score_s = [], [], 0.0, 0.0
+        drawn, kept, sample_s, score_s = [], [], 0.0, 0.0
         at_start = self.extra_state()
         while True:
             with self.ctx.timer() as t_generate:
@@ -179,7 +182,7 @@ class GrpoRun:
                     self.ctx.preempt_before(self.engine, step, what="its generation")
             with self.ctx.timer() as t_score:
                 self.score(rollout)
-            generate_s, score_s = generate_s + t_generate.seconds, score_s + t_score.seconds
+            sample_s, score_s = sample_s + t_generate.seconds, score_s + t_score.seconds
             drawn.append(rollout)
             if not self.algo.drop_zero_signal_groups:
                 kept.append(rollout)
@@ -191,7 +194,7 @@ class GrpoRun:
         batch = Rollout.concat(kept)
         return SampledBatch(drawn=Rollout.concat(drawn), kept=batch.select(list(range(min(len(batch.response_ids),
                                                                                           wanted * group)))),
-                            draws=len(drawn), generate_s=generate_s, score_s=score_s)
+                            draws=len(drawn), sample_s=sample_s, score_s=score_s)
 
     def generate(self, prompts: list, *, group: Optional[int] = None, seed: Optional[int] = None,
                  record_routes: Optional[bool] = None, stop_requested=None) -> Rollout:
@@ -292,7 +295,7 @@ class GrpoRun:
     # ------------------------------------------------------------------ metrics and end
     def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
         """Reward, accuracy and lengths of every completion drawn; training metrics; times and throughput."""
-        rollout, t_gen, t_score = batch.drawn, batch.generate_s, batch.score_s
+        rollout, t_gen, t_score = batch.drawn, batch.sample_s, batch.score_s
         rewards = rollout.rewards
         lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float32)
         correct = correct_answers(rollout)

@@ -135,7 +135,7 @@ class SplitGrpoRun(GrpoRun):
         with self.ctx.timer() as t_score:
             self.score(rollout)
         self.record_consumed(step, taken)
-        return SampledBatch(drawn=rollout, kept=rollout, draws=1, generate_s=t_wait.seconds, score_s=t_score.seconds)
+        return SampledBatch(drawn=rollout, kept=rollout, draws=1, sample_s=t_wait.seconds, score_s=t_score.seconds)
 
     def take(self, n: int) -> list[Sample]:
         """Rank 0: ``n`` samples within the staleness bound, moving the workers' samples into the buffer while it
@@ -222,7 +222,7 @@ class SplitGrpoRun(GrpoRun):
         metrics.update({
             "generator_idle_s": stats.get("generator_idle_s", 0.0),
             "time_generate_s": stats.get("generate_s", 0.0),  # the workers' seconds, beside the trainers' wait
-            "time_wait_s": batch.generate_s,
+            "time_wait_s": batch.sample_s,
             "generate_tokens_per_s": stats.get("generated_tokens", 0.0) / max(stats.get("generate_s", 0.0), 1e-9),
             "prompts_lost": float(lost), "prompts_repeated": float(self.repeated),
             **self.sync_metrics,
