@@ -69,7 +69,7 @@ def _node_starts_a_job(node: ast.AST) -> bool:
 
 
 def _functions_reached(fn, module, seen: set) -> list:
-    """fn and the module-level functions of fn's own module (or ``module``) that it names, transitively."""
+    """fn and the test-code functions (any module under tests/) that it names, transitively, with their syntax trees."""
     if fn in seen or not inspect.isfunction(fn):
         return []
     seen.add(fn)

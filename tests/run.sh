@@ -28,6 +28,6 @@ else
   echo "tests/run.sh: not root or no apt-get (or SKIP_SLURM=1): Slurm tests will be skipped" >&2
 fi
 
-# Two workers: the jobs of one test leave a core idle while they start, wait and write (tests/conftest.py groups
-# each module's tests, and the Slurm tests, on one worker).
+# Two workers (TEST_WORKERS=0: one process): the jobs of one test leave a core idle while they start, wait and
+# write (tests/conftest.py groups each module's tests, and the Slurm tests, on one worker).
 .venv/bin/python -m pytest -q --durations=20 -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
