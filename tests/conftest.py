@@ -124,9 +124,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if isinstance(item, pytest.Function) and not item.get_closest_marker("slow") and starts_a_job(item):
             item.add_marker(pytest.mark.slow)
-        # tests/run.sh runs two pytest-xdist workers (--dist loadgroup): a module's tests stay on one worker, so its
-        # module fixtures (shared launches) run once, and the Slurm tests share one, so the dev cluster runs one
-        # test's jobs at a time
+        # tests/run.sh runs pytest-xdist workers on 4 cores or more (--dist loadgroup): a module's tests stay on one
+        # worker, so its module fixtures (shared launches) run once, and the Slurm tests share one, so the dev
+        # cluster runs one test's jobs at a time
         group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 

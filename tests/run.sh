@@ -28,6 +28,8 @@ else
   echo "tests/run.sh: not root or no apt-get (or SKIP_SLURM=1): Slurm tests will be skipped" >&2
 fi
 
-# Two workers (TEST_WORKERS=0: one process): the jobs of one test leave a core idle while they start, wait and
-# write (tests/conftest.py groups each module's tests, and the Slurm tests, on one worker).
-.venv/bin/python -m pytest -q --durations=20 -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
+# One pytest-xdist worker per two cores, as a test's job runs two ranks (TEST_WORKERS=N to choose; 2 cores: one
+# process). tests/conftest.py keeps each module's tests, and all Slurm tests, on one worker.
+workers="${TEST_WORKERS:-$(( $(nproc) / 2 ))}"
+[ "$workers" -gt 1 ] || workers=0
+.venv/bin/python -m pytest -q --durations=20 -n "$workers" --dist loadgroup "$@"

@@ -17,9 +17,18 @@ SHORT_TIMEOUT_S = 2
 RANK_ZERO_WORK_S = 3 * SHORT_TIMEOUT_S
 
 initialize(job_dims(), seed=1, backend="gloo", timeout_s=SHORT_TIMEOUT_S)
-start = time.monotonic()
-on_rank_zero(lambda: time.sleep(RANK_ZERO_WORK_S))
-waited = time.monotonic() - start
+start = time.time()  # wall clock: the two processes of one machine compare their times
+work_ended = None
+
+
+def work() -> None:
+    global work_ended
+    time.sleep(RANK_ZERO_WORK_S)
+    work_ended = time.time()
+
+
+on_rank_zero(work)
+wait_ended = time.time()
 plain_barrier_timed_out = False
 try:
     if global_rank() == 0:
@@ -27,6 +36,6 @@ try:
     torch.distributed.barrier()
 except RuntimeError:
     plain_barrier_timed_out = True
-print(json.dumps({"rank": global_rank(), "waited_s": waited, "plain_barrier_timed_out": plain_barrier_timed_out}),
-      flush=True)
+print(json.dumps({"rank": global_rank(), "started": start, "work_ended": work_ended, "wait_ended": wait_ended,
+                  "plain_barrier_timed_out": plain_barrier_timed_out}), flush=True)
 sys.stdout.flush()
