@@ -19,6 +19,7 @@ from megatron_rl.spec.config.validate import check_layout, with_pipeline_split
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.limits import check_limits, trainer_limits
 from megatron_rl.spec.model_shape import ModelShape, load_model_shape
+from megatron_rl.spec.parallel import pads_sequences
 from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
 from megatron_rl.spec.run_files import CONFIG_FILE
 
@@ -152,7 +153,8 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
         return plan(shape, num_gpus=cfg.cluster.training_tasks, gpu_type=cfg.cluster.gpu_type,
                     seq_length=cfg.model.seq_length, global_batch_size=algo.global_batch_size,
                     mode=PLANNER_MODES[algo.name], precision=precision, grpo=grpo, top_k=top_k,
-                    runtime=runtime, fixed=fixed, limits=limits, split=split_placement(cfg))
+                    runtime=runtime, fixed=fixed, limits=limits, split=split_placement(cfg),
+                    pads_sequences=pads_sequences(algo.name))
     except NoFeasibleLayout:
         raise
     except ConfigError as exc:  # the search names held keys as --layout ones; here they are parallel.* keys

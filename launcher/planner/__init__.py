@@ -196,7 +196,7 @@ def parse_layout(text: str) -> dict:
 
 def _workload(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | None, global_batch_size: int,
               mode: str, precision: str, grpo: GrpoSizing | None, runtime: Runtime | None,
-              split: SplitPlacement | None = None) -> Workload:
+              split: SplitPlacement | None = None, pads_sequences: bool | None = None) -> Workload:
     gpu = get_gpu(gpu_type) if isinstance(gpu_type, str) else gpu_type
     if not isinstance(num_gpus, int) or num_gpus < 1:
         raise ConfigError(f"--gpus must be a positive integer, got {num_gpus!r}")
@@ -219,7 +219,8 @@ def _workload(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: in
     if split is not None:
         _check_split(split, mode)
     return Workload(shape=shape, gpu=gpu, num_gpus=num_gpus, seq_length=seq, global_batch_size=global_batch_size,
-                    mode=mode, precision=precision, runtime=runtime or Runtime(), grpo=grpo, split=split)
+                    mode=mode, precision=precision, runtime=runtime or Runtime(), grpo=grpo, split=split,
+                    pads_sequences=pads_sequences)
 
 
 def _check_split(split: SplitPlacement, mode: str) -> None:
@@ -338,12 +339,14 @@ def _nearest_fitting(w: Workload, kept: Mapping[str, Any], limits_held: Mapping[
 def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | None = None,
          global_batch_size: int, mode: str = "pretrain", precision: str = "bf16", grpo: GrpoSizing | None = None,
          top_k: int = 5, runtime: Runtime | None = None, fixed: Mapping[str, Any] | None = None,
-         limits: Mapping[str, tuple[Any, str]] | None = None, split: SplitPlacement | None = None) -> PlanResult:
+         limits: Mapping[str, tuple[Any, str]] | None = None, split: SplitPlacement | None = None,
+         pads_sequences: bool | None = None) -> PlanResult:
     """Search every legal layout and return the fastest that fits; NoFeasibleLayout (with the smallest GPU count
     that would fit) when none does. ``fixed``: layout keys (PLANNED_KEYS) the search keeps. ``limits``:
     key -> (value, why) for values the job can only run at (megatron_rl.spec.limits); held fixed like ``fixed``, which
     must agree with them, and reported by explain() and to_dict(). ``split``: separate rollout GPUs (rl_step.py);
-    ``num_gpus`` then counts the training GPUs alone, and the result suggests a rollout GPU count."""
+    ``num_gpus`` then counts the training GPUs alone, and the result suggests a rollout GPU count.
+    ``pads_sequences``: the job's trainer rounds its sequence lengths up itself (``Workload.pads_sequences``)."""
     limits = dict(limits or {})
     constraints = dict(fixed or {})
     check_limits(constraints, limits)
@@ -351,7 +354,7 @@ def plan(shape: ModelShape, *, num_gpus: int, gpu_type: str, seq_length: int | N
     check_runtime(runtime)
     w = _workload(shape, num_gpus=num_gpus, gpu_type=gpu_type, seq_length=seq_length,
                   global_batch_size=global_batch_size, mode=mode, precision=precision, grpo=grpo, runtime=runtime,
-                  split=split)
+                  split=split, pads_sequences=pads_sequences)
     start = time.perf_counter()
     outcome = search(w, {**limits_held, **constraints}, keep_all=False)
     elapsed = time.perf_counter() - start

@@ -222,8 +222,13 @@ class Workload:
     runtime: Runtime = field(default_factory=Runtime)
     grpo: GrpoSizing | None = None
     split: SplitPlacement | None = None
+    pads_sequences: bool | None = None
+    """The trainer rounds sequence lengths up to the layout's multiple (``megatron_rl.spec.parallel.pads_sequences``
+    of the job's algorithm: SFT does, though it plans as pretrain); None: every mode but pretrain."""
 
     def __post_init__(self):
+        if self.pads_sequences is None:
+            self.pads_sequences = self.mode != "pretrain"
         s = self.shape
         self.h, self.n, self.g, self.d = s.hidden_size, s.num_attention_heads, s.num_query_groups, s.kv_channels
         self.gated = 3 if s.gated_linear_unit else 2

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from megatron_rl.spec.parallel import virtual_stage_layers
+from megatron_rl.spec.parallel import default_etp, virtual_stage_layers
 
 if TYPE_CHECKING:
     from launcher.planner.rl_step import SplitStep
@@ -95,7 +95,7 @@ class Layout:
     @property
     def etp(self) -> int:
         """Expert tensor-parallel size: 1 under EP, else tp (ParallelDims' default, what the job runs)."""
-        return 1 if self.ep > 1 else self.tp
+        return default_etp(tp=self.tp, ep=self.ep)
 
     @property
     def edp(self) -> int:

@@ -33,6 +33,7 @@ from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from megatron_rl.spec.errors import ConfigError, as_yaml
 from megatron_rl.spec.parallel import (
     attention_split_error,
+    default_etp,
     expert_split_error,
     microbatch_error,
     mla_error,
@@ -181,7 +182,7 @@ def _search(w: Workload, fixed: dict, out: SearchOutcome, keep_all: bool, first_
                 if cp < 1:
                     bad(("cp",), "cp >= 1", f"cp={cp} must be a positive integer")
                     continue
-                why = sequence_error(w.seq_length, tp=tp, cp=cp, sp=sp, pads=w.mode != "pretrain", key="")
+                why = sequence_error(w.seq_length, tp=tp, cp=cp, sp=sp, pads=w.pads_sequences, key="")
                 if why:
                     bad(("tp", "cp"), "sequence % (2*cp, tp*cp with SP)", why)
                     continue
@@ -252,8 +253,7 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
             if why:
                 bad(("ep",), "experts % ep", why, inner)
                 continue
-            etp = 1 if ep > 1 else tp  # the planner's experts: split by ep alone, or following tp
-            why = mlp_split_error(s, tp, etp, key="")
+            why = mlp_split_error(s, tp, default_etp(tp=tp, ep=ep), key="")
             if why:
                 bad(("tp", "ep"), "MLP sizes % tp", why, inner)
                 continue

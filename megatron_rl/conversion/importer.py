@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.spec.parallel import attention_split_error, expert_split_error, mlp_split_error
+from megatron_rl.spec.parallel import attention_split_error, default_etp, expert_split_error, mlp_split_error
 
 IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
@@ -88,7 +88,7 @@ def check_layout(shape: ModelShape, tp: int, pp: int, ep: int) -> None:
     for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
-    etp = 1 if ep > 1 else tp  # the experts' split as the job builds them (ParallelDims' default)
+    etp = default_etp(tp=tp, ep=ep)  # the experts' split as the job builds them
     why = (attention_split_error(shape, tp, key="--") or mlp_split_error(shape, tp, etp, key="--")
            or expert_split_error(shape, ep, key="--"))
     if why is not None:

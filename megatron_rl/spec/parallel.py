@@ -59,7 +59,7 @@ class ParallelDims:
     ep: int = 1
     """Expert parallel."""
     etp: Optional[int] = None
-    """Expert tensor parallel; None takes 1 when ep > 1, else tp (experts split by EP alone or follow TP)."""
+    """Expert tensor parallel; None takes ``default_etp``."""
     sp: bool = False
     """Sequence parallelism (activations outside attention/MLP split over the TP group)."""
     first_stage_layers: Optional[int] = None
@@ -81,7 +81,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         if self.etp is None:
-            object.__setattr__(self, "etp", 1 if self.ep > 1 else self.tp)
+            object.__setattr__(self, "etp", default_etp(tp=self.tp, ep=self.ep))
         for key in ("world_size", "tp", "pp", "vpp", "cp", "ep", "etp"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
@@ -173,6 +173,18 @@ class ParallelDims:
 
 
 # ----------------------------------------------------------------------------------------------- the layout rules
+def default_etp(*, tp: int, ep: int) -> int:
+    """The expert tensor-parallel size when none is given: 1 under expert parallelism (experts split by ep alone),
+    else tp (experts follow the dense layers' split)."""
+    return 1 if ep > 1 else tp
+
+
+def pads_sequences(algorithm: str) -> bool:
+    """Whether the trainer of ``algorithm.name`` rounds its sequence lengths up to ``sequence_multiple`` itself:
+    every trainer but pretrain, whose sequences are model.seq_length exactly."""
+    return algorithm != "pretrain"
+
+
 def sequence_parallel_error(tp: int, sp: bool, key: str = "parallel.") -> str | None:
     """Sequence parallelism splits activations over the TP group, so it needs one."""
     if sp and tp == 1:
@@ -243,8 +255,8 @@ def sequence_multiple(*, tp: int, cp: int, sp: bool) -> int:
 
 def sequence_error(seq_length: int, *, tp: int, cp: int, sp: bool, pads: bool, key: str = "parallel.") -> str | None:
     """A training sequence is a multiple of 2*cp (Megatron's load-balanced chunks) and, under sequence parallelism,
-    each CP rank's part a multiple of tp. ``pads``: the trainer rounds its lengths up to that multiple itself (every
-    trainer but pretrain, whose sequences are model.seq_length exactly), so any length runs."""
+    each CP rank's part a multiple of tp. ``pads``: the trainer rounds its lengths up to that multiple itself
+    (``pads_sequences``), so any length runs."""
     multiple = sequence_multiple(tp=tp, cp=cp, sp=sp)
     if pads or seq_length % multiple == 0:
         return None

@@ -8,7 +8,7 @@ from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.limits import check_job_limits, check_limits, trainer_limits
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.spec.parallel import ParallelDims, microbatch_error, mla_error, sequence_error
+from megatron_rl.spec.parallel import ParallelDims, microbatch_error, mla_error, pads_sequences, sequence_error
 
 
 def with_pipeline_split(cfg: JobConfig, shape: ModelShape) -> JobConfig:
@@ -34,7 +34,7 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     seq = cfg.model.seq_length or shape.seq_length
     why = (microbatch_error(cfg.algorithm.global_batch_size, micro_batch=par.micro_batch_size, dp=dp, pp=dims.pp,
                             vpp=dims.vpp)
-           or sequence_error(seq, tp=dims.tp, cp=dims.cp, sp=dims.sp, pads=cfg.algorithm.name != "pretrain")
+           or sequence_error(seq, tp=dims.tp, cp=dims.cp, sp=dims.sp, pads=pads_sequences(cfg.algorithm.name))
            or mla_error(shape, tp=dims.tp, cp=dims.cp, sp=dims.sp, transformer_engine=transformer_engine))
     if why is not None:
         raise ConfigError(why)
