@@ -18,6 +18,10 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
 4. router replay (bench/router_replay.py): a 32-expert top-4 MoE rollout in the main dtype, generation log-probs
    against the training forward with free routing and with the recorded routes replayed; replay must not widen
    the log-ratio spread.
+4b. paged engine (megatron_rl/generation/engine.py): its tokens against the static engine's on this device
+   (greedy, sampled, and under a KV budget that evicts), and the paged attention kernels this device runs
+   (flash-attn's where installed; else the torch reference, and flash-attn stays unverified) against the torch
+   reference on random bf16 paged K/V with 256-token blocks.
 5. LoRA: adapters on this device's linears (TE's on a GPU with TE): zero-init equals the base, and the
    adapters' forward equals their merged weights.
 6. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
@@ -306,6 +310,75 @@ def attention_kernels_check(exact_yaml: str, device: torch.device) -> dict:
     diff = (logprobs["flash"] - logprobs["unfused"]).abs()
     return {"model": f"{shape.name}, fp32", "core_attention": modules, "max_abs_diff": float(diff.max()),
             "passed": bool(diff.max() < 1e-4)}
+
+
+def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
+    """The paged engine (megatron_rl/generation/engine.py) on this device, fp32: its tokens against the static
+    engine's at the same seed (greedy, sampled, and with a KV budget small enough to evict), and the paged
+    kernels this device runs (flash-attn's where installed, else the torch reference) against the reference on
+    random paged K/V in bf16 (fp32 on the CPU) with 256-token blocks, GQA, and rows mixing prefill and decode."""
+    from megatron_rl.spec.model_shape import load_model_shape
+    from megatron_rl.generation import generate
+    from megatron_rl.generation.paged_attention import kernels, reference_kvcache, reference_varlen
+    from megatron_rl.models.builder import ModelOptions, build_gpt_model
+
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        shape = load_model_shape(str(REPO_ROOT / exact_yaml))
+        model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7))
+        gen = torch.Generator().manual_seed(9)
+        prompts = [p for p in torch.randint(3, shape.vocab_size, (6, 7), generator=gen).tolist() for _ in range(4)]
+        runs = {}
+        for name, options in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=3))):
+            static = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, engine="static",
+                              **options)
+            paged = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, engine="paged",
+                             kv_block_tokens=256, **options)
+            small = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, engine="paged",
+                             kv_block_tokens=8, kv_memory_gib=12 * paged.kv_cache_bytes / len(prompts) / 32 / 2**30,
+                             **options)
+            runs[name] = {"tokens_equal": paged.tokens == static.tokens and small.tokens == static.tokens,
+                          "evictions": small.evictions, "kernels": paged.decode_attention,
+                          "logprob_max_abs_diff": max(abs(a - b) for x, y in zip(paged.logprobs, static.logprobs)
+                                                      for a, b in zip(x, y))}
+        del model
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+    chosen = kernels(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    block, heads, kv_heads, dim = 256, 8, 2, 64
+    q_lens, kv_lens = [300, 1, 1, 40], [300, 700, 12, 300]
+    gen = torch.Generator().manual_seed(4)
+    blocks = sum(-(-n // block) for n in kv_lens) + 2
+    k_cache = torch.randn(blocks, block, kv_heads, dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(blocks, block, kv_heads, dim, generator=gen).to(device, dtype)
+    order = torch.randperm(blocks, generator=gen).tolist()
+    table = torch.zeros(len(kv_lens), max(-(-n // block) for n in kv_lens), dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(kv_lens):
+        count = -(-n // block)
+        table[row, :count] = torch.tensor(order[used:used + count], dtype=torch.int32)
+        used += count
+    table = table.to(device)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(device, dtype)
+    cu_q = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.cumsum(torch.tensor(kv_lens), 0).tolist()], dtype=torch.int32, device=device)
+    ours = chosen.varlen(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(kv_lens), block_table=table).float()
+    ref = reference_varlen(q.float(), k_cache.float(), v_cache.float(), cu_q, cu_k, max(q_lens), max(kv_lens),
+                           block_table=table)
+    dq = torch.randn(len(kv_lens), 1, heads, dim, generator=gen).to(device, dtype)
+    seqlens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    ours_decode = chosen.kvcache(dq, k_cache, v_cache, cache_seqlens=seqlens, block_table=table).float()
+    ref_decode = reference_kvcache(dq.float(), k_cache.float(), v_cache.float(), cache_seqlens=seqlens,
+                                   block_table=table)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    varlen_diff, decode_diff = float((ours - ref).abs().max()), float((ours_decode - ref_decode).abs().max())
+    return {"engine": runs, "kernels": chosen.name, "kernel_dtype": str(dtype).removeprefix("torch."),
+            "varlen_max_abs_diff": varlen_diff, "kvcache_max_abs_diff": decode_diff,
+            "flash_attn_verified": chosen.name == "flash-attn",
+            "passed": all(r["tokens_equal"] for r in runs.values()) and runs["greedy"]["evictions"] > 0
+            and varlen_diff < tolerance and decode_diff < tolerance}
 
 
 def lora_check(exact_yaml: str, device: torch.device) -> dict:
@@ -767,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
             attempt("exactness_fp32", lambda: exactness_check(sizes.exact_model, device))
             attempt("moe", lambda: moe_check(run_dir, device))
             attempt("attention_kernels", lambda: attention_kernels_check(sizes.exact_model, device))
+            attempt("paged_engine", lambda: paged_engine_check(sizes.exact_model, device))
             attempt("lora", lambda: lora_check(sizes.exact_model, device))
             attempt("router_replay", lambda: router_replay_check(run_dir, sizes.dtype))
             shape = load_model_shape(str(REPO_ROOT / sizes.model))
@@ -836,6 +910,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "grpo_kv_cache_logprobs": flag("grpo", "kv_cache_vs_training_forward", "passed"),
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
         "attention_kernels_agree": flag("attention_kernels", "passed"),
+        "paged_engine_equals_static_engine": flag("paged_engine", "passed"),
         "lora_adapters_equal_merged_weights": flag("lora", "passed"),
         "gloo_staging_matches_reference": flag("gloo_staging", "passed"),
         "router_replay_narrows_ratio": flag("router_replay", "router_replay")

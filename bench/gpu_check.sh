@@ -43,7 +43,7 @@ GPU_TESTS=(
   "$G::test_top_k_1_and_temperature_0_are_greedy_and_never_pick_padded_rows"
   "$G::test_policy_logprobs_use_raw_logits_over_the_padded_vocabulary"
   "$G::test_same_generator_state_gives_the_same_tokens" "$G::test_sampling_params_are_checked"
-  "$G::test_host_offload_frees_storage_and_restores_values_and_views_exactly"
+  "$G::test_host_offload_frees_storage_and_restores_values_and_views_exactly" tests/test_paged_engine.py
 )
 
 if [ "$MODE" = prepare ]; then

@@ -32,8 +32,14 @@ def test_training_forwards_use_the_recorded_experts(tmp_path, layout):
     wanted = ranks[0]["recorded_positions"] * ranks[0]["recorded_slots"]
     assert (sum(checked) if split else min(checked)) == wanted > 80, (checked, wanted)
     for rank in ranks:
-        if layout != "pp2_ep2_dp2":  # there 2 parts of 4 rows per worker: below COMPACT_MIN_ROWS
-            assert rank["compactions"] >= 1  # finished rows left the decode batch: their routes were kept
+        # rows left the decode batch while others went on (their routes were kept): the static engine compacts
+        # (not at pp2_ep2_dp2: 2 parts of 4 rows per worker, below COMPACT_MIN_ROWS); the paged one, 2 rows at a
+        # time, admits rows as earlier ones finish
+        assert rank["engine"] == ("paged" if layout in ("tp2_ep2_sp", "cp2") else "static"), rank
+        if rank["engine"] == "paged":
+            assert rank["rows"] == 8 and rank["forward_passes"] >= 4 * 6, rank  # 4 rounds of 2 rows x 6 tokens
+        elif layout != "pp2_ep2_dp2":
+            assert rank["compactions"] >= 1
         assert rank["recorded_slots"] == (1 if layout.startswith("pp2") else 2)
         recording = rank["recording"]
         assert recording["mismatch"] == 0, recording

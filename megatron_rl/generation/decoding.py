@@ -290,7 +290,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                                stop_sequences=stop_sequences, seed=seed, device=device,
                                kv_memory_gib=kv_memory_gib, kv_block_tokens=kv_block_tokens,
                                max_concurrent=max_concurrent, share_prompts=share_prefill,
-                               stop_requested=stop_requested)
+                               record_routes=record_routes, stop_requested=stop_requested)
     output = _generate_static(models, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                               stop_token_ids=stop_token_ids, stop_sequences=stop_sequences, seed=seed,
@@ -329,7 +329,7 @@ def _generate_paged(chunks: list, prompts, *, kv_memory_gib: Optional[float], kv
         finish_reasons=[row.finish for row in rows], forward_passes=stats.steps, prefill_rows=stats.prefills,
         compactions=0, kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}",
         decode_path="modules", engine="paged", kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
-        kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions)
+        kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions, routes=stats.routes)
 
 
 def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,

@@ -24,8 +24,8 @@ keeps asking until no rank generates: the question is a collective over ranks wh
 steps. A yes raises ``GenerationStopped`` on every rank at the same question.
 
 Layouts: PP=1 (any TP, DP, CP and SP, which are switched off for the call as in the static engine), dense and MoE
-without an expert-parallel lockstep. PP > 1, expert-parallel lockstep, MLA and route recording run the static
-engine (``paged_unsupported`` says why).
+without an expert-parallel lockstep, with route recording (router replay). PP > 1, expert-parallel lockstep and
+MLA run the static engine (``paged_unsupported`` says why).
 
 Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 """
@@ -94,8 +94,6 @@ def paged_unsupported(chunks: list, *, record_routes: bool, lockstep) -> Optiona
         return "multi-latent attention"
     if lockstep.enabled:
         return "expert parallelism across rollout workers (lockstep)"
-    if record_routes:
-        return "router replay recording"
     if not attention_layers(chunks):
         return "no self-attention layer"
     return None
@@ -118,6 +116,8 @@ class PagedStats:
     steps: int
     """Forwards run."""
     kernels: str
+    routes: Optional[list] = None
+    """With ``record_routes``: per row, ``[positions, slots, topk]`` int16 on the CPU."""
 
 
 def _stop_hit(row: _Row, stop_ids: set, stop_sequences: list) -> bool:
@@ -133,11 +133,12 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                    params: SamplingParams, stop_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]],
                    seed: int, share: Callable[[Optional[StepChoice], int], StepChoice], device: torch.device,
                    kv_memory_bytes: Optional[int] = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                   max_concurrent: Optional[int] = None, share_prompts: bool = True,
+                   max_concurrent: Optional[int] = None, share_prompts: bool = True, record_routes: bool = False,
                    stop_requested: Optional[Callable[[bool], tuple]] = None) -> tuple[list, PagedStats]:
     """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``share(choice,
     rows)`` hands TP rank 0's choice to every TP rank; ``stop_requested(generating) -> (stop, anyone
-    generating)`` is the stop question (a collective)."""
+    generating)`` is the stop question (a collective). ``record_routes``: each row's expert routes go to
+    ``PagedStats.routes`` (``[positions, slots, topk]`` per row, the positions a training forward feeds)."""
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
@@ -169,6 +170,11 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     running: list = []
     stop_ids_set = set(stop_ids)
     stop_seqs = [list(s) for s in stop_sequences if len(s)]
+    recorder = None
+    if record_routes:
+        from megatron_rl.models.router_replay import RouteRecorder
+
+        recorder = RouteRecorder(chunks, batch=len(rows), total=longest, device=device)
     counters = {"admitted": 0, "evictions": 0, "prefills": 0, "peak_blocks": 0, "peak_held": 0, "steps": 0}
 
     def evict(victim: _Row) -> None:
@@ -248,6 +254,10 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                                    runtime_gather_output=True)[0]
                 counters["steps"] += 1
                 counters["prefills"] += sum(q > 1 for q in q_lens)
+                if recorder is not None:
+                    token_rows = torch.repeat_interleave(torch.tensor([row.index for row in feeders], device=device),
+                                                         torch.tensor(q_lens, device=device))
+                    recorder.take_tokens(token_rows, positions)
                 for row in feeders:
                     row.fed = len(row.tokens)
                 for unit in fresh:
@@ -263,6 +273,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                             pool.copy(lead.blocks[full], own[0], partial)
                             table[row.index, full] = own[0]
                         row.fed = len(lead.tokens)
+                    if recorder is not None:
+                        recorder.copy_prefix(lead.index, [row.index for row in unit.rows[1:]], len(lead.tokens))
                 taken = pool.taken
                 if taken > counters["peak_blocks"]:
                     counters["peak_blocks"], counters["peak_held"] = taken, held_tokens()
@@ -304,12 +316,15 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                 raise GenerationStopped(f"stopped after {counters['steps']} engine steps (this worker had finished)")
             if not anyone:
                 break
+        routes = None if recorder is None else recorder.rows([len(row.tokens) - 1 for row in rows])
     finally:
+        if recorder is not None:
+            recorder.close()
         pool.caches.clear()
         for chunk, flag in zip(chunks, was_training):
             chunk.train(flag)
     stats = PagedStats(pool_bytes=num_blocks * block_bytes, block_bytes=block_bytes, block_tokens=block_tokens,
                        peak_blocks=counters["peak_blocks"], peak_held_tokens=counters["peak_held"],
                        evictions=counters["evictions"], prefills=counters["prefills"], steps=counters["steps"],
-                       kernels=kernels.name)
+                       kernels=kernels.name, routes=routes)
     return rows, stats

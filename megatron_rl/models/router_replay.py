@@ -154,6 +154,23 @@ class RouteRecorder:
                 self.routes[rows, start:end, replay.slot] = per_row
             replay.clear_indices()
 
+    def take_tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a packed forward (the paged engine): fed token i belonged to batch row ``rows[i]`` at position
+        ``positions[i]``."""
+        for replay in self.replays:
+            parts = replay.recorded_parts  # each [tokens, topk], in the packed token order
+            per_token = torch.cat(parts).to(torch.int16)
+            if self.routes is None:
+                self.routes = torch.full((self.batch, self.total, self.slots, per_token.size(-1)), NO_ROUTE,
+                                         dtype=torch.int16, device=self.device)
+            self.routes[rows, positions, replay.slot] = per_token
+            replay.clear_indices()
+
+    def copy_prefix(self, source: int, targets: list[int], positions: int) -> None:
+        """Rows ``targets`` share row ``source``'s first ``positions`` positions (a prompt prefilled once)."""
+        if self.routes is not None and targets:
+            self.routes[targets, :positions] = self.routes[source, :positions]
+
     def rows(self, lengths: list[int]) -> list[torch.Tensor]:
         routes = self.routes.cpu()
         return [routes[i, :n].clone() for i, n in enumerate(lengths)]
