@@ -127,6 +127,8 @@ def test_uneven_split_is_chosen_by_the_launcher(job):
 
 
 # ------------------------------------------------------------------------------------------ generation checks
+NEW_TOKENS = 6
+"""tests/dist/gen_layouts.py's new tokens per completion."""
 GEN_LAYOUTS = {"cp2": ["--cp", "2"], "tp2_sp": ["--tp", "2", "--sp"],
                "moe_tp2_ep2_sp": ["--model", "tiny-cpu-moe", "--tp", "2", "--ep", "2", "--sp"],
                "moe_tp2_etp2_sp": ["--model", "tiny-cpu-moe", "--tp", "2", "--sp"],  # experts split by TP
@@ -143,17 +145,20 @@ def test_generation_logprobs_equal_training_forward_at_the_layout(tmp_path, layo
             run = rank[name]
             assert run["rows_checked"] == (8 if name != "grouped" else 8 * len(workers)), (name, run)
             assert run["max_logprob_diff"] < LOGPROB_TOL, (name, run)
-        # grouped prompts are prefilled once per distinct prompt; experts shared across workers: as many as the
-        # worker with the most (4)
-        own = 2 if rank["worker"] == 0 else 4
-        assert rank["grouped"]["prefill_rows"] == (4 if layout == "moe_ep2_dp2" else own), rank["grouped"]
+        # grouped prompts are prefilled once per distinct prompt (the paged engine at every one of these layouts)
+        assert rank["greedy"]["engine"] == rank["grouped"]["engine"] == "paged"
+        assert rank["grouped"]["prefill_rows"] == (2 if rank["worker"] == 0 else 4), rank["grouped"]
+        # the static engine on Megatron's unchanged attention path gives the paged engine's greedy tokens
+        assert rank["megatron_path"]["engine"] == "static"
         assert rank["megatron_path"]["tokens"] == rank["greedy"]["tokens"]
         assert rank["flags_after"] == rank["flags_before"]  # SP / CP back on for training
         assert rank["train_after_generation"]["finite"]
-    if layout == "moe_ep2_dp2":  # worker 1's prompts are shorter and longer: both run its 2..11+6 steps
-        assert ranks[0]["greedy"]["forward_passes"] == ranks[1]["greedy"]["forward_passes"] == 11 + 6 - 2
-    if layout == "cp2":  # no lockstep without experts: each worker decodes its own prompts
-        assert [r["greedy"]["forward_passes"] for r in ranks] == [9 + 6 - 3, 11 + 6 - 2]
+    # the paged engine prefills each prompt whole: one forward, then one per new token
+    assert all(r["greedy"]["forward_passes"] == NEW_TOKENS for r in ranks)
+    if layout == "moe_ep2_dp2":  # experts span the workers: they step together (the static engine pads to the
+        # busiest worker's prefill rows), and a worker whose rows stopped early keeps its peer company
+        assert ranks[0]["eos"]["forward_passes"] == ranks[1]["eos"]["forward_passes"]
+        assert ranks[0]["megatron_path"]["prefill_rows"] == ranks[1]["megatron_path"]["prefill_rows"]
 
 
 def test_loss_on_context_parallel_parts_equals_whole_sequences(tmp_path):

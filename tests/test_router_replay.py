@@ -35,9 +35,10 @@ def test_training_forwards_use_the_recorded_experts(tmp_path, layout):
         # rows left the decode batch while others went on (their routes were kept): the static engine compacts
         # (not at pp2_ep2_dp2: 2 parts of 4 rows per worker, below COMPACT_MIN_ROWS); the paged one, 2 rows at a
         # time, admits rows as earlier ones finish
-        assert rank["engine"] == ("paged" if layout in ("tp2_ep2_sp", "cp2") else "static"), rank
+        assert rank["engine"] == ("paged" if layout in ("tp2_ep2_sp", "cp2", "ep2_dp2") else "static"), rank
         if rank["engine"] == "paged":
-            assert rank["rows"] == 8 and rank["forward_passes"] >= 4 * 6, rank  # 4 rounds of 2 rows x 6 tokens
+            # 16 prompts over the rollout workers, 2 rows at a time, 6 new tokens each
+            assert rank["rows"] >= 8 and rank["forward_passes"] >= rank["rows"] // 2 * 6, rank
         elif layout != "pp2_ep2_dp2":
             assert rank["compactions"] >= 1
         assert rank["recorded_slots"] == (1 if layout.startswith("pp2") else 2)

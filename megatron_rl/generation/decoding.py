@@ -281,13 +281,13 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     seed = draw_seed(seed, generator)
     if engine not in (None, "paged", "static"):
         raise ValueError(f"engine must be 'paged' or 'static', got {engine!r}")
-    unsupported = paged_unsupported(chunks, record_routes=record_routes, lockstep=lockstep)
+    unsupported = paged_unsupported(chunks)
     if engine == "paged" and unsupported is not None:
         raise NotImplementedError(f"the paged engine does not run {unsupported} yet; use engine='static'")
     if engine is None and unsupported is None or engine == "paged":
         return _generate_paged(chunks, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens, params=params,
                                stop_ids=([eos_id] if eos_id is not None else []) + list(stop_token_ids),
-                               stop_sequences=stop_sequences, seed=seed, device=device,
+                               stop_sequences=stop_sequences, seed=seed, device=device, lockstep=lockstep,
                                kv_memory_gib=kv_memory_gib, kv_block_tokens=kv_block_tokens,
                                max_concurrent=max_concurrent, share_prompts=share_prefill,
                                record_routes=record_routes, stop_requested=stop_requested)

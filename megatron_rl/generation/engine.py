@@ -23,9 +23,11 @@ Stopping. With ``stop_requested``, the engine asks every ``STOP_POLL_STEPS`` ste
 keeps asking until no rank generates: the question is a collective over ranks whose rollouts end at different
 steps. A yes raises ``GenerationStopped`` on every rank at the same question.
 
-Layouts: PP=1 (any TP, DP, CP and SP, which are switched off for the call as in the static engine), dense and MoE
-without an expert-parallel lockstep, with route recording (router replay). PP > 1, expert-parallel lockstep and
-MLA run the static engine (``paged_unsupported`` says why).
+Layouts: PP=1 (any TP, DP, CP and SP, which are switched off for the call as in the static engine), dense and MoE,
+with route recording (router replay). When the experts span rollout workers (ep > tp with several workers), the
+workers step in lockstep: one all-reduce a step agrees on the most tokens any worker feeds and whether any still
+generates; a worker with fewer tokens (or none left) adds padding rows that attend within a scratch block, so every
+MoE forward exchanges equal token counts. PP > 1 and MLA run the static engine (``paged_unsupported`` says why).
 
 Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 """
@@ -83,7 +85,13 @@ class _Unit:
         return -(-fed_len // block_tokens) + (len(self.rows) - 1) * partial
 
 
-def paged_unsupported(chunks: list, *, record_routes: bool, lockstep) -> Optional[str]:
+def _padding_rows(tokens: int, block_tokens: int) -> list:
+    """Rows of at most ``block_tokens`` padding tokens each (they attend within the scratch block), ``tokens`` in
+    all: what a worker adds to a step so that every worker of an expert-parallel lockstep feeds as many."""
+    return [block_tokens] * (tokens // block_tokens) + ([tokens % block_tokens] if tokens % block_tokens else [])
+
+
+def paged_unsupported(chunks: list) -> Optional[str]:
     """Why the paged engine cannot run this call (None: it can); the static engine runs it then."""
     from megatron.core import parallel_state as ps
 
@@ -92,8 +100,6 @@ def paged_unsupported(chunks: list, *, record_routes: bool, lockstep) -> Optiona
         return "pipeline parallelism (PP or virtual PP > 1)"
     if getattr(config, "multi_latent_attention", False):
         return "multi-latent attention"
-    if lockstep.enabled:
-        return "expert parallelism across rollout workers (lockstep)"
     if not attention_layers(chunks):
         return "no self-attention layer"
     return None
@@ -132,13 +138,16 @@ def _stop_hit(row: _Row, stop_ids: set, stop_sequences: list) -> bool:
 def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
                    params: SamplingParams, stop_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]],
                    seed: int, share: Callable[[Optional[StepChoice], int], StepChoice], device: torch.device,
+                   lockstep,
                    kv_memory_bytes: Optional[int] = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                    max_concurrent: Optional[int] = None, share_prompts: bool = True, record_routes: bool = False,
                    stop_requested: Optional[Callable[[bool], tuple]] = None) -> tuple[list, PagedStats]:
     """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``share(choice,
     rows)`` hands TP rank 0's choice to every TP rank; ``stop_requested(generating) -> (stop, anyone
     generating)`` is the stop question (a collective). ``record_routes``: each row's expert routes go to
-    ``PagedStats.routes`` (``[positions, slots, topk]`` per row, the positions a training forward feeds)."""
+    ``PagedStats.routes`` (``[positions, slots, topk]`` per row, the positions a training forward feeds).
+    ``lockstep`` (layout.py ``Lockstep``): when the experts span rollout workers, every worker runs the same
+    forwards with the same token count (``_padding_rows``) until no worker generates."""
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
@@ -163,7 +172,10 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         waiting = deque(_Unit(rows=members) for members in groups.values())
     else:
         waiting = deque(_Unit(rows=[row]) for row in rows)
-    pool = BlockPool(layers, num_blocks=num_blocks, block_tokens=block_tokens, dtype=dtype, device=device)
+    pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens, dtype=dtype,
+                     device=device)
+    # an expert-parallel lockstep's padding tokens write to a block of their own, one past the budget
+    scratch = pool.reserve() if lockstep.enabled else None
     context = PagedContext(pool, max_sequence_length=longest, device=device)
     kernels = paged_kernels(device)
     table = torch.zeros((len(rows), blocks_of(longest)), dtype=torch.int32)
@@ -206,7 +218,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
             if max_concurrent is not None and running and len(running) + len(unit.rows) > max_concurrent:
                 break
             need = unit.blocks_needed(block_tokens)
-            if need > pool.num_blocks:  # a group too large for the whole pool: admit its members apart
+            if need > num_blocks:  # a group too large for the whole pool: admit its members apart
                 waiting.popleft()
                 waiting.extendleft(_Unit(rows=[row]) for row in reversed(unit.rows))
                 continue
@@ -235,21 +247,32 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         chunk.eval()
     try:
         with torch.inference_mode(), megatron_paged_attention(chunks, kernels):
-            while waiting or running:
-                for row in sorted(running, key=lambda r: r.admitted):
-                    if row in running and row.fed < len(row.tokens):
-                        grow(row, len(row.tokens))
-                fresh = admit()
-                if not running:
-                    raise RuntimeError("the KV pool could not admit any row")  # excluded by the sizes above
-                pending = {id(row) for unit in fresh for row in unit.rows[1:]}
-                feeders = [row for row in running if id(row) not in pending and row.fed < len(row.tokens)]
+            while True:
+                generating = bool(waiting or running)
+                fresh, feeders = [], []
+                if generating:
+                    for row in sorted(running, key=lambda r: r.admitted):
+                        if row in running and row.fed < len(row.tokens):
+                            grow(row, len(row.tokens))
+                    fresh = admit()
+                    if not running:
+                        raise RuntimeError("the KV pool could not admit any row")  # excluded by the sizes above
+                    pending = {id(row) for unit in fresh for row in unit.rows[1:]}
+                    feeders = [row for row in running if id(row) not in pending and row.fed < len(row.tokens)]
                 q_lens = [len(row.tokens) - row.fed for row in feeders]
                 kv_lens = [len(row.tokens) for row in feeders]
-                ids = torch.tensor([t for row in feeders for t in row.tokens[row.fed:]], dtype=torch.long,
-                                   device=device)
-                positions = context.set_step(q_lens=q_lens, kv_lens=kv_lens,
-                                             tables=table[[row.index for row in feeders]].to(device))
+                most, anyone = lockstep.step_shape(sum(q_lens), generating)
+                if not anyone:
+                    break
+                padding = _padding_rows(most - sum(q_lens), block_tokens)
+                ids = torch.tensor([t for row in feeders for t in row.tokens[row.fed:]] + [0] * sum(padding),
+                                   dtype=torch.long, device=device)
+                tables = table[[row.index for row in feeders]]
+                if padding:
+                    tables = torch.cat([tables, torch.full((len(padding), table.size(1)), scratch,
+                                                           dtype=table.dtype)])
+                positions = context.set_step(q_lens=q_lens + padding, kv_lens=kv_lens + padding,
+                                             tables=tables.to(device))
                 logits = chunks[0](ids.unsqueeze(0), positions.unsqueeze(0), None, inference_context=context,
                                    runtime_gather_output=True)[0]
                 counters["steps"] += 1
@@ -257,7 +280,9 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                 if recorder is not None:
                     token_rows = torch.repeat_interleave(torch.tensor([row.index for row in feeders], device=device),
                                                          torch.tensor(q_lens, device=device))
-                    recorder.take_tokens(token_rows, positions)
+                    recorder.take_tokens(token_rows, positions[:token_rows.numel()])
+                if not feeders:  # this worker only keeps the expert-parallel peers company
+                    continue
                 for row in feeders:
                     row.fed = len(row.tokens)
                 for unit in fresh:

@@ -174,6 +174,15 @@ class Lockstep:
         """The most rows still decoding on any worker (this worker's ``done`` [batch] bool); 0 ends the loop."""
         return self.max_over_workers(int((~done).sum()))
 
+    def step_shape(self, tokens: int, running: bool) -> tuple[int, bool]:
+        """(the most tokens any worker feeds this step, whether any worker still generates): one all-reduce.
+        Disabled: this worker's own."""
+        if not self.enabled:
+            return tokens, running
+        packed = torch.tensor([tokens, int(running)], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return int(packed[0]), bool(packed[1])
+
     def max_over_workers(self, value: int) -> int:
         """The largest ``value`` of the workers (this worker's own when disabled)."""
         if not self.enabled:

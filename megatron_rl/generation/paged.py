@@ -70,6 +70,7 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids first
         self.most_taken = 0
+        self.reserved = 0
 
     @staticmethod
     def block_bytes(layers: dict, *, block_tokens: int, dtype: torch.dtype) -> int:
@@ -83,7 +84,15 @@ class BlockPool:
 
     @property
     def taken(self) -> int:
-        return self.num_blocks - len(self.free)
+        """Blocks rows hold (reserved ones left out)."""
+        return self.num_blocks - len(self.free) - self.reserved
+
+    def reserve(self) -> int:
+        """The highest free block, kept out of the rows' reach for good (scratch space)."""
+        block = self.free.pop(0)
+        self.refs[block] = 1
+        self.reserved += 1
+        return block
 
     def take(self) -> Optional[int]:
         """A free block (reference count 1), or None when none is left."""

@@ -156,10 +156,10 @@ class RouteRecorder:
 
     def take_tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """After a packed forward (the paged engine): fed token i belonged to batch row ``rows[i]`` at position
-        ``positions[i]``."""
+        ``positions[i]`` (tokens past ``len(rows)`` were an expert-parallel lockstep's padding)."""
         for replay in self.replays:
             parts = replay.recorded_parts  # each [tokens, topk], in the packed token order
-            per_token = torch.cat(parts).to(torch.int16)
+            per_token = torch.cat(parts)[:rows.numel()].to(torch.int16)
             if self.routes is None:
                 self.routes = torch.full((self.batch, self.total, self.slots, per_token.size(-1)), NO_ROUTE,
                                          dtype=torch.int16, device=self.device)

@@ -148,7 +148,6 @@ def main() -> None:
     engine = build_engine(cfg, shape, total_steps=10)
     recomputing_engine = build_engine(config("full"), shape, total_steps=10)
     from megatron_rl.generation.engine import paged_unsupported
-    from megatron_rl.generation.layout import Lockstep
 
     chunks = [unwrap(c) for c in engine.chunks]
     train_step = progression_trainer(engine, micro_batch_size=1)
@@ -162,7 +161,7 @@ def main() -> None:
     prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     mine = data_parallel_share(prompts, with_context_parallel=True)
     # the paged engine (where it runs) admits 2 rows at a time: later rows join as earlier ones finish
-    paged = paged_unsupported(chunks, record_routes=True, lockstep=Lockstep(chunks, torch.device("cpu"))) is None
+    paged = paged_unsupported(chunks) is None
     out = generate(engine.chunks, mine, vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, temperature=1.0,
                    seed=3 + ps.get_data_parallel_rank(with_context_parallel=True), record_routes=True,
                    max_concurrent=2 if paged else None)
