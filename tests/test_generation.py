@@ -274,15 +274,17 @@ def test_shared_prefill_and_compaction_equal_the_static_path(request, layout):
         assert rank["shared_prefill"]["greedy_eos"]["stopped"] >= 4  # prompt 0's group stops at its 3rd token
 
 
-@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "moe_tp1"])
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
 def test_paged_engine_equals_the_static_engine(request, layout):
     """The paged engine (block pool, continuous admission, a GRPO group's prompt prefilled once and its full
     blocks shared) against the static engine on the same rows: the same tokens, finish reasons and log-probs,
     greedy, sampled with the same seed and with a stop token; with 4-token blocks unbounded, capped at 5 rows, and
     with budgets of 10 and 24 blocks (rows wait, are evicted and prefilled again); and the training forward's
-    log-probs."""
+    log-probs. Under PP2 x VPP2 the paged engine decodes in 2 parts whose steps overlap across the stages, each
+    with half of each budget."""
     for rank in request.getfixturevalue(layout):
         paged = rank["paged"]
+        parts = paged["parts"]
         for name in ("greedy", "sampled", "greedy_eos"):
             case = paged[name]
             assert case["vs_sequence_logprobs"] < LOGPROB_TOL, (name, case)
@@ -292,9 +294,9 @@ def test_paged_engine_equals_the_static_engine(request, layout):
                 assert run["tokens_equal"] and run["finish_reasons_equal"], (name, run_name, run)
                 assert run["logprob_diff"] < LOGPROB_TOL and run["sampling_logprob_diff"] < LOGPROB_TOL, (name, run)
             assert case["unbounded"]["evictions"] == 0 and case["unbounded"]["prefill_rows"] == paged["distinct_prompts"]
-            assert case["budget_10"]["peak_blocks"] <= 10 and case["budget_10"]["evictions"] > 0, (name, case)
-            assert case["budget_10"]["pool_bytes"] == 10 * case["block_bytes"]
-            assert case["budget_24"]["peak_blocks"] <= 24
+            assert case["budget_10"]["peak_blocks"] <= 10 * parts and case["budget_10"]["evictions"] > 0, (name, case)
+            assert case["budget_10"]["pool_bytes"] == 10 * parts * case["block_bytes"]
+            assert case["budget_24"]["peak_blocks"] <= 24 * parts
         assert paged["greedy_eos"]["static_stopped"] >= 4
 
 
@@ -330,7 +332,12 @@ def test_pipelined_decode_equals_stages_in_turn(pp2_vpp2):
     of one part fed whole (the stages in turn), greedy, sampled with the same seed, and with a stop token."""
     for rank in pp2_vpp2:
         runs = rank["pipelined"]
-        assert set(runs) == {f"{name}_{parts}" for name in ("greedy", "sampled", "greedy_eos") for parts in (1, 2, 3)}
+        names = {f"{name}_{parts}" for name in ("greedy", "sampled", "greedy_eos") for parts in (1, 2, 3)}
+        assert set(runs) == names | {f"paged_{name}" for name in names}
+        for name in names:  # the paged engine's parts (4-token blocks) against the static engine's stages in turn
+            paged = runs.pop(f"paged_{name}")
+            assert paged["tokens_equal"] and paged["finish_reasons_equal"], (name, paged)
+            assert paged["logprob_diff"] < LOGPROB_TOL and paged["sampling_logprob_diff"] < LOGPROB_TOL, (name, paged)
         for name, run in runs.items():
             assert run["tokens_equal"] and run["finish_reasons_equal"], (name, run)
             assert run["logprob_diff"] < LOGPROB_TOL and run["sampling_logprob_diff"] < LOGPROB_TOL, (name, run)
@@ -465,9 +472,9 @@ def _lean_worker(out: Path, tp: int) -> None:
         for mode, kwargs in ((f"{sampling}_{cache}", dict(sampling_kwargs, batch_major_cache=cache == "batch_major"))
                              for sampling, sampling_kwargs in LEAN_SAMPLING.items() for cache in LEAN_CACHES):
             lean = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=LEAN_NEW_TOKENS,
-                            **kwargs)
+                            engine="static", **kwargs)
             modules = generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
-                               max_new_tokens=LEAN_NEW_TOKENS, fast_decode=False, **kwargs)
+                               max_new_tokens=LEAN_NEW_TOKENS, fast_decode=False, engine="static", **kwargs)
             rows = [p + r for p, r in zip(prompts, lean.tokens)]
             width = max(len(r) for r in rows)
             full = sequence_logprobs(engine.chunks, torch.tensor([r + [0] * (width - len(r)) for r in rows]))

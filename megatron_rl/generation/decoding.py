@@ -289,6 +289,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                                stop_ids=([eos_id] if eos_id is not None else []) + list(stop_token_ids),
                                stop_sequences=stop_sequences, seed=seed, device=device, lockstep=lockstep,
                                kv_memory_gib=kv_memory_gib, kv_block_tokens=kv_block_tokens,
+                               pipeline_microbatches=pipeline_microbatches,
                                max_concurrent=max_concurrent, share_prompts=share_prefill,
                                record_routes=record_routes, stop_requested=stop_requested)
     output = _generate_static(models, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
@@ -314,13 +315,13 @@ def _finish_stop_questions(stop_requested: Optional[Callable[[bool], tuple]]) ->
 
 
 def _generate_paged(chunks: list, prompts, *, kv_memory_gib: Optional[float], kv_block_tokens: int,
-                    device: torch.device, **kwargs) -> GenerationOutput:
-    chain = StageChain(chunks, None, device=device)
+                    device: torch.device, pipeline_microbatches: Optional[int], **kwargs) -> GenerationOutput:
+    chain = StageChain(chunks, None, device=device, microbatches=pipeline_microbatches)
     with whole_sequences(chunks):
         try:
             rows, stats = generate_paged(chunks, prompts, block_tokens=kv_block_tokens, device=device,
                                          kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
-                                         share=chain.share, **kwargs)
+                                         chain=chain, **kwargs)
         finally:
             drop_inference_tensors_from_megatron_caches(chunks)
     return GenerationOutput(

@@ -23,11 +23,17 @@ Stopping. With ``stop_requested``, the engine asks every ``STOP_POLL_STEPS`` ste
 keeps asking until no rank generates: the question is a collective over ranks whose rollouts end at different
 steps. A yes raises ``GenerationStopped`` on every rank at the same question.
 
-Layouts: PP=1 (any TP, DP, CP and SP, which are switched off for the call as in the static engine), dense and MoE,
-with route recording (router replay). When the experts span rollout workers (ep > tp with several workers), the
+Pipeline parallelism. The rows decode in ``pipeline_microbatches`` parts (pp by default), each a ``_Part`` with its
+own share of the KV budget, and successive steps overlap across the stages as in pipeline.py's static
+``pipelined_decode``: a part's next step enters stage 0 as soon as its tokens are chosen, while the later stages
+work on the other parts (``_pipelined``). Every stage replays each part's admissions, evictions and choices in the
+same order, so every stage knows each forward's token count and its rows' blocks.
+
+Layouts: any TP, PP, virtual PP, DP, CP and SP (SP and CP are switched off for the call as in the static engine),
+dense and MoE, with route recording (router replay). When the experts span rollout workers (ep > tp with several workers), the
 workers step in lockstep: one all-reduce a step agrees on the most tokens any worker feeds and whether any still
 generates; a worker with fewer tokens (or none left) adds padding rows that attend within a scratch block, so every
-MoE forward exchanges equal token counts. PP > 1 and MLA run the static engine (``paged_unsupported`` says why).
+MoE forward exchanges equal token counts. MLA runs the static engine (``paged_unsupported`` says why).
 
 Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 """
@@ -93,11 +99,7 @@ def _padding_rows(tokens: int, block_tokens: int) -> list:
 
 def paged_unsupported(chunks: list) -> Optional[str]:
     """Why the paged engine cannot run this call (None: it can); the static engine runs it then."""
-    from megatron.core import parallel_state as ps
-
     config = chunks[0].config
-    if len(chunks) != 1 or ps.get_pipeline_model_parallel_world_size() != 1:
-        return "pipeline parallelism (PP or virtual PP > 1)"
     if getattr(config, "multi_latent_attention", False):
         return "multi-latent attention"
     if not attention_layers(chunks):
@@ -120,7 +122,7 @@ class PagedStats:
     prefills: int
     """Rows whose forward fed more than one token (prompts, and rows prefilled again after an eviction)."""
     steps: int
-    """Forwards run."""
+    """Forwards run (PP=1), or pipelined steps (PP > 1)."""
     kernels: str
     routes: Optional[list] = None
     """With ``record_routes``: per row, ``[positions, slots, topk]`` int16 on the CPU."""
@@ -135,19 +137,204 @@ def _stop_hit(row: _Row, stop_ids: set, stop_sequences: list) -> bool:
     return False
 
 
+class _Part:
+    """Rows that decode on their own, with their own block pool and context: the whole batch at PP=1, one of
+    ``pipeline_parts`` under PP. Every rank replays a part's events (admissions, evictions, choices) in the same
+    order, so every rank holds the same rows and feeds the same tokens."""
+
+    def __init__(self, units: list, *, layers: dict, num_blocks: int, block_tokens: int, dtype: torch.dtype,
+                 device: torch.device, rows: int, longest: int, lockstep, max_concurrent: Optional[int],
+                 counters: dict, recorder, stops: tuple) -> None:
+        self.block_tokens, self.num_blocks, self.device, self.lockstep = block_tokens, num_blocks, device, lockstep
+        self.pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens,
+                              dtype=dtype, device=device)
+        # an expert-parallel lockstep's padding tokens write to a block of their own, one past the budget
+        self.scratch = self.pool.reserve() if lockstep.enabled else None
+        self.context = PagedContext(self.pool, max_sequence_length=longest, device=device)
+        self.table = torch.zeros((rows, -(-longest // block_tokens)), dtype=torch.int32)
+        self.waiting, self.running = deque(units), []
+        self.max_concurrent, self.counters, self.recorder = max_concurrent, counters, recorder
+        self.stop_ids, self.stop_seqs = stops
+        self.peak_blocks, self.peak_held = 0, 0
+        self.live, self.in_flight, self.awaiting = True, False, False
+        self.fresh: list = []
+        self.feeders: list = []
+        self.sampled: list = []
+        self.source: list = []
+
+    # ------------------------------------------------------------------ memory
+    def _evict(self, victim: _Row) -> None:
+        self.pool.release(victim.blocks)
+        victim.blocks, victim.fed = [], 0
+        self.running.remove(victim)
+        self.waiting.appendleft(_Unit(rows=[victim]))
+        self.counters["evictions"] += 1
+
+    def _grow(self, row: _Row, length: int) -> None:
+        """Blocks for ``length`` positions of ``row``, evicting the newest rows (``row`` too, if need be) while
+        none is free."""
+        while len(row.blocks) * self.block_tokens < length:
+            block = self.pool.take()
+            if block is None:
+                victim = max(self.running, key=lambda r: r.admitted)
+                self._evict(victim)
+                if victim is row:
+                    return
+                continue
+            self.table[row.index, len(row.blocks)] = block
+            row.blocks.append(block)
+
+    def _admit(self) -> list:
+        fresh = []
+        while self.waiting:
+            unit = self.waiting[0]
+            if (self.max_concurrent is not None and self.running
+                    and len(self.running) + len(unit.rows) > self.max_concurrent):
+                break
+            need = unit.blocks_needed(self.block_tokens)
+            if need > self.num_blocks:  # a group too large for the whole pool: admit its members apart
+                self.waiting.popleft()
+                self.waiting.extendleft(_Unit(rows=[row]) for row in reversed(unit.rows))
+                continue
+            watermark = len(self.running) // 16
+            if len(self.pool.free) < need + (watermark if self.running else 0):
+                break
+            self.waiting.popleft()
+            lead, members = unit.rows[0], unit.rows[1:]
+            for row in unit.rows:
+                row.admitted = self.counters["admitted"]
+                self.counters["admitted"] += 1
+                self.running.append(row)
+            self._grow(lead, len(lead.tokens))
+            if len(lead.tokens) % self.block_tokens:
+                for row in members:
+                    self._grow(row, self.block_tokens)  # the copy of the lead's partial block, taken now
+            fresh.append(unit)
+        return fresh
+
+    # ------------------------------------------------------------------ a step
+    def prepare(self) -> bool:
+        """Give blocks to the rows that grow, admit waiting ones, and describe the next forward (``ids``,
+        ``positions``, the context's step). False when nothing is left to feed (on any worker of a lockstep)."""
+        generating = bool(self.waiting or self.running)
+        self.fresh, self.feeders = [], []
+        if generating:
+            for row in sorted(self.running, key=lambda r: r.admitted):
+                if row in self.running and row.fed < len(row.tokens):
+                    self._grow(row, len(row.tokens))
+            self.fresh = self._admit()
+            if not self.running:
+                raise RuntimeError("the KV pool could not admit any row")  # excluded by the sizes checked
+            pending = {id(row) for unit in self.fresh for row in unit.rows[1:]}
+            self.feeders = [row for row in self.running if id(row) not in pending and row.fed < len(row.tokens)]
+        q_lens = [len(row.tokens) - row.fed for row in self.feeders]
+        most, anyone = self.lockstep.step_shape(sum(q_lens), generating)
+        if not anyone:
+            return False
+        padding = _padding_rows(most - sum(q_lens), self.block_tokens)
+        self.q_lens = q_lens
+        self.ids = torch.tensor([t for row in self.feeders for t in row.tokens[row.fed:]] + [0] * sum(padding),
+                                dtype=torch.long, device=self.device)
+        tables = self.table[[row.index for row in self.feeders]]
+        if padding:
+            tables = torch.cat([tables, torch.full((len(padding), self.table.size(1)), self.scratch,
+                                                   dtype=self.table.dtype)])
+        self.positions = self.context.set_step(q_lens=q_lens + padding,
+                                               kv_lens=[len(row.tokens) for row in self.feeders] + padding,
+                                               tables=tables.to(self.device))
+        # every fed row samples one token; a group's completions sample from its lead's logits
+        self.sampled, self.source = [], []
+        by_lead = {id(unit.rows[0]): unit.rows for unit in self.fresh}
+        for i, row in enumerate(self.feeders):
+            for member in by_lead.get(id(row), [row]):
+                self.sampled.append(member)
+                self.source.append(i)
+        self.counters["forwards"] += 1
+        self.counters["prefills"] += sum(q > 1 for q in q_lens)
+        return True
+
+    def take_routes(self, chunk: Optional[int] = None) -> None:
+        """After a forward (of chunk ``chunk`` only, under virtual pipeline stages): the fed tokens' experts."""
+        if self.recorder is None:
+            return
+        token_rows = torch.repeat_interleave(torch.tensor([row.index for row in self.feeders], device=self.device),
+                                             torch.tensor(self.q_lens, device=self.device, dtype=torch.long))
+        self.recorder.take_tokens(token_rows, self.positions[:token_rows.numel()], chunk=chunk)
+
+    def choose(self, logits: torch.Tensor, *, seed: int, params: SamplingParams, vocab_size: int) -> StepChoice:
+        """The sampled rows' tokens from the last stage's logits ``[fed rows (+ padding rows), vocab]``."""
+        race = None
+        if not params.greedy:
+            race = position_draws(seed, torch.tensor([r.index for r in self.sampled], device=self.device),
+                                  torch.tensor([len(r.tokens) for r in self.sampled], device=self.device), vocab_size)
+        return choose_tokens(logits[self.source], vocab_size=vocab_size, params=params, race=race)
+
+    def record(self, choice: Optional[StepChoice]) -> None:
+        """After the forward: the fed rows' K/V are cached, a fresh group's completions take its prompt blocks;
+        then the sampled rows take ``choice`` (None when none sampled) and the finished ones return their blocks."""
+        pool, block_tokens = self.pool, self.block_tokens
+        for row in self.feeders:
+            row.fed = len(row.tokens)
+        for unit in self.fresh:
+            lead = unit.rows[0]
+            full, partial = divmod(len(lead.tokens), block_tokens)
+            for row in unit.rows[1:]:
+                for j, block in enumerate(lead.blocks[:full]):
+                    pool.share(block)
+                    self.table[row.index, j] = block
+                own = row.blocks
+                row.blocks = lead.blocks[:full] + own
+                if partial:
+                    pool.copy(lead.blocks[full], own[0], partial)
+                    self.table[row.index, full] = own[0]
+                row.fed = len(lead.tokens)
+            if self.recorder is not None:
+                self.recorder.copy_prefix(lead.index, [row.index for row in unit.rows[1:]], len(lead.tokens))
+        self.fresh = []
+        if pool.taken > self.peak_blocks:
+            shared = sum(r - 1 for r in pool.refs if r > 1) * block_tokens
+            self.peak_blocks, self.peak_held = pool.taken, sum(row.fed for row in self.running) - shared
+        if choice is None:
+            return
+        for row, token, lp, slp in zip(self.sampled, choice.tokens.tolist(), choice.policy_logprobs.tolist(),
+                                       choice.sampling_logprobs.tolist()):
+            row.tokens.append(token)
+            row.policy_lp.append(lp)
+            row.sampling_lp.append(slp)
+            if _stop_hit(row, self.stop_ids, self.stop_seqs):
+                row.finish = "stop"
+            elif len(row.tokens) >= row.max_len:
+                row.finish = "length"
+            if row.finish is not None:
+                pool.release(row.blocks)
+                row.blocks = []
+                self.running.remove(row)
+
+
+def _split_units(units: list, parts: int) -> list:
+    """Units over ``parts`` lists, each to the part with the fewest rows so far (the first on ties)."""
+    split: list = [[] for _ in range(parts)]
+    sizes = [0] * parts
+    for unit in units:
+        i = sizes.index(min(sizes))
+        split[i].append(unit)
+        sizes[i] += len(unit.rows)
+    return split
+
+
 def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
                    params: SamplingParams, stop_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]],
-                   seed: int, share: Callable[[Optional[StepChoice], int], StepChoice], device: torch.device,
-                   lockstep,
+                   seed: int, chain, device: torch.device, lockstep,
                    kv_memory_bytes: Optional[int] = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                    max_concurrent: Optional[int] = None, share_prompts: bool = True, record_routes: bool = False,
                    stop_requested: Optional[Callable[[bool], tuple]] = None) -> tuple[list, PagedStats]:
-    """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``share(choice,
-    rows)`` hands TP rank 0's choice to every TP rank; ``stop_requested(generating) -> (stop, anyone
-    generating)`` is the stop question (a collective). ``record_routes``: each row's expert routes go to
-    ``PagedStats.routes`` (``[positions, slots, topk]`` per row, the positions a training forward feeds).
-    ``lockstep`` (layout.py ``Lockstep``): when the experts span rollout workers, every worker runs the same
-    forwards with the same token count (``_padding_rows``) until no worker generates."""
+    """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``chain`` (a
+    pipeline.py ``StageChain``) runs forwards across pipeline stages and hands TP rank 0's choice to every rank;
+    ``stop_requested(generating) -> (stop, anyone generating)`` is the stop question (a collective).
+    ``record_routes``: each row's expert routes go to ``PagedStats.routes`` (``[positions, slots, topk]`` per row,
+    the positions a training forward feeds). ``lockstep`` (layout.py ``Lockstep``): when the experts span rollout
+    workers, every worker runs the same forwards with the same token count (``_padding_rows``) until no worker
+    generates. Under PP the rows decode in ``chain.microbatches`` parts, each with 1/parts of the KV budget."""
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
@@ -157,199 +344,123 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
             for i, p in enumerate(prompts)]
     blocks_of = lambda length: -(-length // block_tokens)  # noqa: E731
     longest = max(row.max_len for row in rows)
-    if kv_memory_bytes is None:
-        num_blocks = sum(blocks_of(row.max_len) for row in rows)
-    else:
-        num_blocks = int(kv_memory_bytes // block_bytes)
-        if num_blocks < blocks_of(longest):
-            raise ValueError(f"generation.kv_memory_gib={kv_memory_bytes / 2**30:.4g} holds {num_blocks} KV blocks of "
-                             f"{block_tokens} tokens; one completion of {longest} tokens needs {blocks_of(longest)}: "
-                             f"raise generation.kv_memory_gib")
     if share_prompts:
         groups: dict = {}
         for row in rows:
             groups.setdefault(tuple(row.tokens), []).append(row)
-        waiting = deque(_Unit(rows=members) for members in groups.values())
+        units = [_Unit(rows=members) for members in groups.values()]
     else:
-        waiting = deque(_Unit(rows=[row]) for row in rows)
-    pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens, dtype=dtype,
-                     device=device)
-    # an expert-parallel lockstep's padding tokens write to a block of their own, one past the budget
-    scratch = pool.reserve() if lockstep.enabled else None
-    context = PagedContext(pool, max_sequence_length=longest, device=device)
-    kernels = paged_kernels(device)
-    table = torch.zeros((len(rows), blocks_of(longest)), dtype=torch.int32)
-    running: list = []
-    stop_ids_set = set(stop_ids)
-    stop_seqs = [list(s) for s in stop_sequences if len(s)]
+        units = [_Unit(rows=[row]) for row in rows]
+    # under PP the rows decode in parts; an expert-parallel lockstep wants as many parts on every worker
+    count = 1 if chain.pp_size == 1 else chain.microbatches if lockstep.enabled \
+        else max(1, min(chain.microbatches, len(units)))
+    split = _split_units(units, count)
+    if kv_memory_bytes is None:
+        budgets = [sum(blocks_of(row.max_len) for unit in part for row in unit.rows) for part in split]
+    else:
+        budgets = [int(kv_memory_bytes // count // block_bytes)] * count
+        if budgets[0] < blocks_of(longest):
+            raise ValueError(f"generation.kv_memory_gib={kv_memory_bytes / 2**30:.4g} holds {budgets[0]} KV blocks of "
+                             f"{block_tokens} tokens" + (f" per pipeline part ({count})" if count > 1 else "") +
+                             f"; one completion of {longest} tokens needs {blocks_of(longest)}: "
+                             f"raise generation.kv_memory_gib")
     recorder = None
     if record_routes:
         from megatron_rl.models.router_replay import RouteRecorder
 
         recorder = RouteRecorder(chunks, batch=len(rows), total=longest, device=device)
-    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "peak_blocks": 0, "peak_held": 0, "steps": 0}
+    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "forwards": 0}
+    stops = (set(stop_ids), [list(s) for s in stop_sequences if len(s)])
+    parts = [_Part(units_of_part, layers=layers, num_blocks=budget, block_tokens=block_tokens, dtype=dtype,
+                   device=device, rows=len(rows), longest=longest, lockstep=lockstep, max_concurrent=max_concurrent,
+                   counters=counters, recorder=recorder, stops=stops)
+             for units_of_part, budget in zip(split, budgets)]
+    kernels = paged_kernels(device)
+    choose = dict(seed=seed, params=params, vocab_size=vocab_size)
+    steps = 0
 
-    def evict(victim: _Row) -> None:
-        pool.release(victim.blocks)
-        victim.blocks, victim.fed = [], 0
-        running.remove(victim)
-        waiting.appendleft(_Unit(rows=[victim]))
-        counters["evictions"] += 1
-
-    def grow(row: _Row, length: int) -> bool:
-        """Blocks for ``length`` positions of ``row``, evicting the newest rows when none is free; False when
-        ``row`` itself had to go."""
-        while len(row.blocks) * block_tokens < length:
-            block = pool.take()
-            if block is None:
-                victim = max(running, key=lambda r: r.admitted)
-                evict(victim)
-                if victim is row:
-                    return False
-                continue
-            table[row.index, len(row.blocks)] = block
-            row.blocks.append(block)
-        return True
-
-    def admit() -> list:
-        fresh = []
-        while waiting:
-            unit = waiting[0]
-            if max_concurrent is not None and running and len(running) + len(unit.rows) > max_concurrent:
-                break
-            need = unit.blocks_needed(block_tokens)
-            if need > num_blocks:  # a group too large for the whole pool: admit its members apart
-                waiting.popleft()
-                waiting.extendleft(_Unit(rows=[row]) for row in reversed(unit.rows))
-                continue
-            watermark = len(running) // 16
-            if len(pool.free) < need + (watermark if running else 0):
-                break
-            waiting.popleft()
-            lead, members = unit.rows[0], unit.rows[1:]
-            for row in unit.rows:
-                row.admitted = counters["admitted"]
-                counters["admitted"] += 1
-                running.append(row)
-            grow(lead, len(lead.tokens))
-            if len(lead.tokens) % block_tokens:
-                for row in members:
-                    grow(row, block_tokens)  # the copy of the lead's partial block, taken now
-            fresh.append(unit)
-        return fresh
-
-    def held_tokens() -> int:
-        shared = sum(r - 1 for r in pool.refs if r > 1) * block_tokens
-        return sum(row.fed for row in running) - shared
+    def poll() -> None:
+        if stop_requested is not None and steps % STOP_POLL_STEPS == 0 and stop_requested(True)[0]:
+            raise GenerationStopped(f"stopped after {steps} engine steps")
 
     was_training = [chunk.training for chunk in chunks]
     for chunk in chunks:
         chunk.eval()
     try:
         with torch.inference_mode(), megatron_paged_attention(chunks, kernels):
-            while True:
-                generating = bool(waiting or running)
-                fresh, feeders = [], []
-                if generating:
-                    for row in sorted(running, key=lambda r: r.admitted):
-                        if row in running and row.fed < len(row.tokens):
-                            grow(row, len(row.tokens))
-                    fresh = admit()
-                    if not running:
-                        raise RuntimeError("the KV pool could not admit any row")  # excluded by the sizes above
-                    pending = {id(row) for unit in fresh for row in unit.rows[1:]}
-                    feeders = [row for row in running if id(row) not in pending and row.fed < len(row.tokens)]
-                q_lens = [len(row.tokens) - row.fed for row in feeders]
-                kv_lens = [len(row.tokens) for row in feeders]
-                most, anyone = lockstep.step_shape(sum(q_lens), generating)
-                if not anyone:
-                    break
-                padding = _padding_rows(most - sum(q_lens), block_tokens)
-                ids = torch.tensor([t for row in feeders for t in row.tokens[row.fed:]] + [0] * sum(padding),
-                                   dtype=torch.long, device=device)
-                tables = table[[row.index for row in feeders]]
-                if padding:
-                    tables = torch.cat([tables, torch.full((len(padding), table.size(1)), scratch,
-                                                           dtype=table.dtype)])
-                positions = context.set_step(q_lens=q_lens + padding, kv_lens=kv_lens + padding,
-                                             tables=tables.to(device))
-                logits = chunks[0](ids.unsqueeze(0), positions.unsqueeze(0), None, inference_context=context,
-                                   runtime_gather_output=True)[0]
-                counters["steps"] += 1
-                counters["prefills"] += sum(q > 1 for q in q_lens)
-                if recorder is not None:
-                    token_rows = torch.repeat_interleave(torch.tensor([row.index for row in feeders], device=device),
-                                                         torch.tensor(q_lens, device=device))
-                    recorder.take_tokens(token_rows, positions[:token_rows.numel()])
-                if not feeders:  # this worker only keeps the expert-parallel peers company
-                    continue
-                for row in feeders:
-                    row.fed = len(row.tokens)
-                for unit in fresh:
-                    lead = unit.rows[0]
-                    full, partial = divmod(len(lead.tokens), block_tokens)
-                    for row in unit.rows[1:]:
-                        for j, block in enumerate(lead.blocks[:full]):
-                            pool.share(block)
-                            table[row.index, j] = block
-                        own = row.blocks
-                        row.blocks = lead.blocks[:full] + own
-                        if partial:
-                            pool.copy(lead.blocks[full], own[0], partial)
-                            table[row.index, full] = own[0]
-                        row.fed = len(lead.tokens)
-                    if recorder is not None:
-                        recorder.copy_prefix(lead.index, [row.index for row in unit.rows[1:]], len(lead.tokens))
-                taken = pool.taken
-                if taken > counters["peak_blocks"]:
-                    counters["peak_blocks"], counters["peak_held"] = taken, held_tokens()
-                # every fed row samples one token; a group's completions sample from its lead's logits
-                sampled, source = [], []
-                by_lead = {id(unit.rows[0]): unit.rows for unit in fresh}
-                for i, row in enumerate(feeders):
-                    for member in by_lead.get(id(row), [row]):
-                        sampled.append(member)
-                        source.append(i)
-                race = None
-                if not params.greedy:
-                    race = position_draws(seed, torch.tensor([r.index for r in sampled], device=device),
-                                          torch.tensor([len(r.tokens) for r in sampled], device=device), vocab_size)
-                local = None if logits is None else choose_tokens(logits[source], vocab_size=vocab_size,
-                                                                  params=params, race=race)
-                choice = share(local, len(sampled))
-                tokens = choice.tokens.tolist()
-                policy = choice.policy_logprobs.tolist()
-                sampling = choice.sampling_logprobs.tolist()
-                for row, token, lp, slp in zip(sampled, tokens, policy, sampling):
-                    row.tokens.append(token)
-                    row.policy_lp.append(lp)
-                    row.sampling_lp.append(slp)
-                    if _stop_hit(row, stop_ids_set, stop_seqs):
-                        row.finish = "stop"
-                    elif len(row.tokens) >= row.max_len:
-                        row.finish = "length"
-                    if row.finish is not None:
-                        pool.release(row.blocks)
-                        row.blocks = []
-                        running.remove(row)
-                if stop_requested is not None and counters["steps"] % STOP_POLL_STEPS == 0:
-                    if stop_requested(True)[0]:
-                        raise GenerationStopped(f"stopped after {counters['steps']} engine steps")
+            if chain.pp_size == 1:
+                part = parts[0]
+                while part.prepare():
+                    logits = chunks[0](part.ids.unsqueeze(0), part.positions.unsqueeze(0), None,
+                                       inference_context=part.context, runtime_gather_output=True)[0]
+                    part.take_routes()
+                    part.record(chain.share(part.choose(logits, **choose), len(part.sampled))
+                                if part.sampled else None)
+                    steps += 1
+                    poll()
+            else:
+                steps = _pipelined(chain, parts, choose=choose, poll=poll)
         while stop_requested is not None:
             stop, anyone = stop_requested(False)
             if stop:
-                raise GenerationStopped(f"stopped after {counters['steps']} engine steps (this worker had finished)")
+                raise GenerationStopped(f"stopped after {steps} engine steps (this worker had finished)")
             if not anyone:
                 break
         routes = None if recorder is None else recorder.rows([len(row.tokens) - 1 for row in rows])
     finally:
         if recorder is not None:
             recorder.close()
-        pool.caches.clear()
+        for part in parts:
+            part.pool.caches.clear()
         for chunk, flag in zip(chunks, was_training):
             chunk.train(flag)
-    stats = PagedStats(pool_bytes=num_blocks * block_bytes, block_bytes=block_bytes, block_tokens=block_tokens,
-                       peak_blocks=counters["peak_blocks"], peak_held_tokens=counters["peak_held"],
-                       evictions=counters["evictions"], prefills=counters["prefills"], steps=counters["steps"],
+    stats = PagedStats(pool_bytes=sum(budgets) * block_bytes, block_bytes=block_bytes, block_tokens=block_tokens,
+                       peak_blocks=sum(part.peak_blocks for part in parts),
+                       peak_held_tokens=sum(part.peak_held for part in parts), evictions=counters["evictions"],
+                       prefills=counters["prefills"], steps=counters["forwards"] if count == 1 else steps,
                        kernels=kernels.name, routes=routes)
     return rows, stats
+
+
+def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None]) -> int:
+    """Steps of ``parts`` decoding on their own across the pipeline stages, successive steps overlapping (as
+    pipeline.py's ``pipelined_decode``): every rank walks (step, virtual stage, part); a part's step enters stage
+    0's first virtual stage once its previous choice is known there (the last stage sends each choice to every
+    stage). Returns the steps run."""
+    virtual = len(chain.chunks)
+    steps, sends = 0, []
+    try:
+        while True:
+            earlier, sends = sends, []
+            fed_any = False
+            for v in range(virtual):
+                for part in parts:
+                    if v == 0:
+                        if part.awaiting:
+                            part.record(chain.receive_choice(len(part.sampled)))
+                            part.awaiting = False
+                        part.in_flight = part.live and part.prepare()
+                        part.live = part.in_flight
+                    if not part.in_flight:
+                        continue
+                    fed_any = True
+                    logits = chain.chunk_forward(v, part.ids.unsqueeze(0), part.positions.unsqueeze(0), sends,
+                                                 context=part.context, last_position=False)
+                    part.take_routes(chunk=v)
+                    if v < virtual - 1:
+                        continue
+                    if not part.sampled:
+                        part.record(None)
+                    elif chain.is_last_stage:
+                        part.record(chain.send_choice(part.choose(logits, **choose), sends))
+                    else:
+                        part.awaiting = True
+            for handle, _ in earlier:  # received by now: every rank has moved past the previous step
+                handle.wait()
+            if not fed_any:
+                return steps
+            steps += 1
+            poll()
+    finally:
+        for handle, _ in sends:
+            handle.wait()

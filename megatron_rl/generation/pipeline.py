@@ -108,22 +108,25 @@ class StageChain:
                 handle.wait()
         return torch.cat(outputs) if self.is_last_stage else None
 
-    def chunk_forward(self, v: int, tokens: torch.Tensor, positions: torch.Tensor,
-                      sends: list) -> Optional[torch.Tensor]:
+    def chunk_forward(self, v: int, tokens: torch.Tensor, positions: torch.Tensor, sends: list, *,
+                      context=None, last_position: bool = True) -> Optional[torch.Tensor]:
         """Virtual stage ``v`` of this rank on these rows: receive its input, run it, send its output on.
-        Returns the last fed position's logits after the model's last virtual stage, else None."""
+        Returns, after the model's last virtual stage, the last fed position's logits (``last_position``; else
+        the logits as the model returns them, ``[rows, vocab]`` for the paged engine's packed rows), else None.
+        ``context``: the inference context of this forward (default the chain's)."""
         model = self.chunks[v]
         if v > 0 or self.pp_rank > 0:
             hidden = torch.empty((tokens.size(1), tokens.size(0), self.hidden_size),
                                  dtype=self.pipeline_dtype, device=self.device)
             torch.distributed.recv(hidden, src=self.prev_rank, group=self.recv_group)
             model.set_input_tensor(hidden)
-        output = model(tokens, positions, None, inference_context=self.context, runtime_gather_output=True)
+        output = model(tokens, positions, None, inference_context=self.context if context is None else context,
+                       runtime_gather_output=True)
         if v < len(self.chunks) - 1 or not self.is_last_stage:
             sent = output.contiguous()  # kept alive until the send completes
             sends.append((torch.distributed.isend(sent, dst=self.next_rank, group=self.send_group), sent))
             return None
-        return output[:, -1]
+        return output[:, -1] if last_position else output[0]
 
     def share(self, choice: Optional[StepChoice], batch: int) -> StepChoice:
         """The last stage's TP-rank-0 choice, on every TP and PP rank."""

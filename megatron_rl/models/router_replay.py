@@ -154,10 +154,11 @@ class RouteRecorder:
                 self.routes[rows, start:end, replay.slot] = per_row
             replay.clear_indices()
 
-    def take_tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+    def take_tokens(self, rows: torch.Tensor, positions: torch.Tensor, *, chunk: Optional[int] = None) -> None:
         """After a packed forward (the paged engine): fed token i belonged to batch row ``rows[i]`` at position
-        ``positions[i]`` (tokens past ``len(rows)`` were an expert-parallel lockstep's padding)."""
-        for replay in self.replays:
+        ``positions[i]`` (tokens past ``len(rows)`` were an expert-parallel lockstep's padding); ``chunk``: only
+        that chunk (virtual stage) of this rank ran."""
+        for replay in self.replays if chunk is None else self.chunk_replays[chunk]:
             parts = replay.recorded_parts  # each [tokens, topk], in the packed token order
             per_token = torch.cat(parts)[:rows.numel()].to(torch.int16)
             if self.routes is None:

@@ -259,11 +259,18 @@ def main() -> None:
         for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5)),
                              ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
             static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
-                              compact=False, pipeline_microbatches=1, **kwargs)
+                              compact=False, pipeline_microbatches=1, engine="static", **kwargs)
             for parts in (1, 2, 3):
+                paged = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
+                                 pipeline_microbatches=parts, kv_block_tokens=4, engine="paged", **kwargs)
+                result["pipelined"][f"paged_{name}_{parts}"] = {
+                    "tokens_equal": paged.tokens == static.tokens,
+                    "finish_reasons_equal": paged.finish_reasons == static.finish_reasons,
+                    "logprob_diff": max_abs_diff(paged.logprobs, static.logprobs),
+                    "sampling_logprob_diff": max_abs_diff(paged.sampling_logprobs, static.sampling_logprobs)}
                 started = time.perf_counter()
                 run = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
-                               pipeline_microbatches=parts, **kwargs)
+                               pipeline_microbatches=parts, engine="static", **kwargs)
                 result["pipelined"][f"{name}_{parts}"] = {
                     "seconds": time.perf_counter() - started, "compactions": run.compactions,
                     "forward_passes": [run.forward_passes, static.forward_passes],
@@ -284,8 +291,9 @@ def main() -> None:
     # The paged engine (engine.py) against the static one on the GRPO groups above: greedy, sampled (the same seed)
     # and with a stop token; with 4-token blocks, unbounded, capped at 5 rows, and with KV budgets so small that
     # rows wait and are evicted and prefilled again (the tokens must not move); the training forward's log-probs.
-    if args.pp == 1:
-        result["paged"] = {}
+    if True:
+        parts = args.pp  # under PP the paged engine decodes in pp parts, each with its share of the budget
+        result["paged"] = {"parts": parts}
         for name, kwargs in (("greedy", dict(temperature=0.0)),
                              ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)),
                              ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
@@ -299,7 +307,7 @@ def main() -> None:
             for blocks in (10, 24):
                 runs[f"budget_{blocks}"] = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
                                                     engine="paged", kv_block_tokens=4,
-                                                    kv_memory_gib=blocks * block_bytes / 2**30, **kwargs)
+                                                    kv_memory_gib=blocks * parts * block_bytes / 2**30, **kwargs)
             full = sequence_logprobs(chunks, padded(grouped, unbounded.tokens))
             result["paged"][name] = {
                 "block_bytes": block_bytes, "static_stopped": static.finish_reasons.count("stop"),
