@@ -29,7 +29,7 @@ the same tokens, then times the contenders alternately (ours, theirs, ...), ``--
 
 * ``ours``: ``generate`` as the trainers call it (the paged engine, megatron_rl/generation/engine.py);
 * ``ours_static``: ``engine="static"``, the engine the paged one replaces (one ``[rows, longest]`` cache, shared
-  prefill, compaction, lean decode);
+  prefill, compaction; its CPU-only lean decode step is gone, so it now runs Megatron's modules too);
 * ``transformers``: ``generate`` with the KV cache.
 
 Both run in one process on the same number of torch threads (default 1: both sides are bound by per-op Python

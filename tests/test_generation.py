@@ -2,18 +2,18 @@
 
 Run: ``.venv/bin/python -m pytest tests/test_generation.py -q`` (about 100 s on 2 cores).
 
-The lean decode step (lean_decode.py) is checked by this file's own ``--lean-worker`` mode under torchrun
-(TP=1 and TP=2): for model variants (GQA, QKV bias + QK-norm, MHA + bias linears + tied embeddings, LayerNorm +
-GeLU without gating), parameters perturbed so that zero-initialised biases and unit norm weights matter, and
-prompts of lengths 3..9 batched together, greedy and sampled (same seed), each with Megatron's sequence-major KV
-cache and with the batch-major one (attention.py), the lean path must give the same tokens as the module path and
-log-probs within 1e-5 of it and of the training forward (``sequence_logprobs``).
+Model variants are checked by this file's own ``--variants-worker`` mode under torchrun (TP=1 and TP=2): for
+GQA, QKV bias + QK-norm, MHA + bias linears + tied embeddings and LayerNorm + GeLU without gating, parameters
+perturbed so that zero-initialised biases and unit norm weights matter, and prompts of lengths 3..9 batched
+together, greedy and sampled (same seed), the paged engine must give the static engine's tokens and log-probs
+within 1e-5 of it and of the training forward (``sequence_logprobs``).
 
 The distributed cases start ``tests/dist/gen_check.py`` in their own torchrun (Megatron's parallel state is
 process-global): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2,
 PP=2 with 2 virtual stages on a 4-layer variant, and the tiny Qwen3-MoE-like model (QK norm, 4 experts). The
 TP=1 and PP=2 runs train layers built with SDPA attention (runtime.attention=auto: flash), TP=2 and MoE with
-Megatron's unfused DotProductAttention, which generation swaps to SDPA (generation/attention.py).
+Megatron's unfused DotProductAttention; the paged engine attends by its own kernels (paged_attention.py), the
+static engine by the layers' own core attention.
 Each compares its KV-cache generation with independent references computed in the same process:
 step-by-step recomputation without a cache (PP=1 runs), one training-style forward of the final sequences
 through Megatron's schedule (all runs), ``sequence_logprobs``, the model's own loss, and generation with
@@ -36,7 +36,6 @@ import torch
 from megatron_rl.runtime.phases import HostOffload
 from helpers import torchrun_check
 from megatron_rl.spec.ports import free_port
-from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS
 from megatron_rl.generation.sampling import SamplingParams, StepDraws, choose_tokens, sampling_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -230,17 +229,6 @@ def test_kv_cache_generation_equals_recomputation(request, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
-def test_fast_attention_paths_equal_megatrons_own(request, layout):
-    """SDPA core attention, RoPE-once decoding (attention.py) and, where it applies, the lean decode step
-    (lean_decode.py) vs Megatron's unchanged decode path."""
-    for rank in request.getfixturevalue(layout):
-        assert rank["static_greedy"]["decode_attention"] == "sdpa+rope-once"
-        assert rank["megatron_path"]["decode_attention"] == "megatron"
-        assert rank["megatron_path"]["tokens"] == rank["static_greedy"]["tokens"]
-        assert rank["megatron_path"]["logprob_diff"] < LOGPROB_TOL
-
-
-@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
 def test_generation_logprobs_equal_training_forward(request, layout):
     """What makes the colocated GRPO ratio 1: log-probs of generation == training forward, greedy and sampled."""
     for rank in request.getfixturevalue(layout):
@@ -298,21 +286,6 @@ def test_paged_engine_equals_the_static_engine(request, layout):
             assert case["budget_10"]["pool_bytes"] == 10 * parts * case["block_bytes"]
             assert case["budget_24"]["peak_blocks"] <= 24 * parts
         assert paged["greedy_eos"]["static_stopped"] >= 4
-
-
-@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
-def test_batch_major_cache_equals_megatrons_sequence_major_cache(request, layout):
-    """Long decodes (BATCH_MAJOR_MIN_NEW_TOKENS) keep the KV cache batch-major and attend by two GEMMs per query
-    group: the tokens, finish reasons and log-probs of Megatron's sequence-major cache with SDPA (greedy with a
-    stop token, so rows are compacted; sampled with the same seed), and the training forward's log-probs."""
-    for rank in request.getfixturevalue(layout):
-        for name, run in rank["cache_layout"].items():
-            assert run["decode_attention"] == ["sdpa+rope-once+batch-major", "sdpa+rope-once"], (name, run)
-            assert run["tokens_equal"] and run["finish_reasons_equal"], (name, run)
-            assert run["logprob_diff"] < LOGPROB_TOL and run["sampling_logprob_diff"] < LOGPROB_TOL, (name, run)
-            assert run["vs_sequence_logprobs"] < LOGPROB_TOL, (name, run)
-        assert rank["cache_layout"]["sampled"]["longest"] == BATCH_MAJOR_MIN_NEW_TOKENS
-        assert rank["cache_layout"]["greedy_eos"]["compactions"] >= 1
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
@@ -426,25 +399,24 @@ def test_clear_errors(tp2):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Lean decode step: this file's own worker under torchrun (python tests/test_generation.py --lean-worker ...).
+# Model variants: this file's own worker under torchrun (python tests/test_generation.py --variants-worker ...).
 
-LEAN_VARIANTS = {
+VARIANTS = {
     "gqa": {},
     "qkv_bias_qk_norm": {"add_qkv_bias": True, "qk_layernorm": True},
     "mha_bias_tied": {"num_query_groups": 4, "add_bias_linear": True, "tie_embeddings": True},
     "layernorm_gelu": {"normalization": "LayerNorm", "gated_linear_unit": False, "activation": "gelu"},
 }
-LEAN_PROMPT_LENGTHS = (5, 9, 3, 7, 9, 4)
-LEAN_NEW_TOKENS = 8
-LEAN_SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=20, top_p=0.9, seed=11)}
-LEAN_CACHES = ("sequence_major", "batch_major")
+VARIANT_PROMPT_LENGTHS = (5, 9, 3, 7, 9, 4)
+VARIANT_NEW_TOKENS = 8
+VARIANT_SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=20, top_p=0.9, seed=11)}
 
 
 def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
-def _lean_worker(out: Path, tp: int) -> None:
+def _variants_worker(out: Path, tp: int) -> None:
     import dataclasses
 
     torch.set_num_threads(1)
@@ -459,9 +431,9 @@ def _lean_worker(out: Path, tp: int) -> None:
     initialize(job_dims(tp=tp), seed=cfg.run.seed)
     base = load_model_shape("tiny-cpu")
     gen = torch.Generator().manual_seed(99)
-    prompts = [torch.randint(3, base.vocab_size, (n,), generator=gen).tolist() for n in LEAN_PROMPT_LENGTHS]
+    prompts = [torch.randint(3, base.vocab_size, (n,), generator=gen).tolist() for n in VARIANT_PROMPT_LENGTHS]
     results = {}
-    for name, overrides in LEAN_VARIANTS.items():
+    for name, overrides in VARIANTS.items():
         shape = dataclasses.replace(base, **overrides)
         engine = build_engine(cfg, shape, total_steps=1)
         noise = torch.Generator().manual_seed(7)  # same draws on every TP rank: replicated tensors stay equal
@@ -469,35 +441,31 @@ def _lean_worker(out: Path, tp: int) -> None:
             for param in engine.chunks[0].parameters():
                 param.add_(torch.randn(param.shape, generator=noise) * 0.1)
         variant = {}
-        for mode, kwargs in ((f"{sampling}_{cache}", dict(sampling_kwargs, batch_major_cache=cache == "batch_major"))
-                             for sampling, sampling_kwargs in LEAN_SAMPLING.items() for cache in LEAN_CACHES):
-            lean = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=LEAN_NEW_TOKENS,
-                            engine="static", **kwargs)
-            modules = generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
-                               max_new_tokens=LEAN_NEW_TOKENS, fast_decode=False, engine="static", **kwargs)
-            rows = [p + r for p, r in zip(prompts, lean.tokens)]
+        for mode, kwargs in VARIANT_SAMPLING.items():
+            paged = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=VARIANT_NEW_TOKENS,
+                             kv_block_tokens=4, **kwargs)
+            static = generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
+                              max_new_tokens=VARIANT_NEW_TOKENS, engine="static", **kwargs)
+            rows = [p + r for p, r in zip(prompts, paged.tokens)]
             width = max(len(r) for r in rows)
             full = sequence_logprobs(engine.chunks, torch.tensor([r + [0] * (width - len(r)) for r in rows]))
             training = [full[b, len(p) - 1:len(p) - 1 + n].tolist()
-                        for b, (p, n) in enumerate(zip(prompts, lean.lengths))]
+                        for b, (p, n) in enumerate(zip(prompts, paged.lengths))]
             variant[mode] = {
-                "paths": [lean.decode_path, modules.decode_path], "tokens": lean.tokens,
-                "attention": [lean.decode_attention, modules.decode_attention],
-                "tokens_equal": lean.tokens == modules.tokens, "lengths": lean.lengths,
-                "forward_passes": [lean.forward_passes, modules.forward_passes],
-                "vs_modules": _max_abs_diff(lean.logprobs, modules.logprobs),
-                "sampling_vs_modules": _max_abs_diff(lean.sampling_logprobs, modules.sampling_logprobs),
-                "vs_training_forward": _max_abs_diff(lean.logprobs, training),
-                "kv_cache_bytes": [lean.kv_cache_bytes, modules.kv_cache_bytes]}
+                "engines": [paged.engine, static.engine], "tokens": paged.tokens,
+                "tokens_equal": paged.tokens == static.tokens, "lengths": paged.lengths,
+                "vs_static": _max_abs_diff(paged.logprobs, static.logprobs),
+                "sampling_vs_static": _max_abs_diff(paged.sampling_logprobs, static.sampling_logprobs),
+                "vs_training_forward": _max_abs_diff(paged.logprobs, training)}
         results[name] = variant
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps({"tp": tp, "variants": results}))
     torch.distributed.barrier()
 
 
-def _lean_run(out: Path, tp: int) -> list[dict]:
+def _variants_run(out: Path, tp: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-           str(free_port()), str(Path(__file__).resolve()), "--lean-worker", "--tp", str(tp), "--out", str(out)]
+           str(free_port()), str(Path(__file__).resolve()), "--variants-worker", "--tp", str(tp), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -505,36 +473,31 @@ def _lean_run(out: Path, tp: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def lean_runs(tmp_path_factory):
-    return {tp: _lean_run(tmp_path_factory.mktemp(f"lean_tp{tp}"), tp) for tp in (1, 2)}
+def variant_runs(tmp_path_factory):
+    return {tp: _variants_run(tmp_path_factory.mktemp(f"variants_tp{tp}"), tp) for tp in (1, 2)}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("variant", list(LEAN_VARIANTS))
-def test_lean_decode_equals_module_path_and_training_forward(lean_runs, tp, variant):
-    for rank in lean_runs[tp]:
-        for sampling in LEAN_SAMPLING:
-            for cache in LEAN_CACHES:
-                mode = f"{sampling}_{cache}"
-                run = rank["variants"][variant][mode]
-                assert run["attention"] == ["sdpa+rope-once" + ("+batch-major" if cache == "batch_major" else "")] * 2
-                assert run["paths"] == ["lean", "modules"]
-                assert run["tokens_equal"], (variant, mode)
-                assert run["vs_modules"] < LOGPROB_TOL and run["sampling_vs_modules"] < LOGPROB_TOL
-                assert run["vs_training_forward"] < LOGPROB_TOL
-                assert run["lengths"] == [LEAN_NEW_TOKENS] * len(LEAN_PROMPT_LENGTHS)
-                assert run["forward_passes"][0] == run["forward_passes"][1] == 9 + LEAN_NEW_TOKENS - 3
-                assert run["kv_cache_bytes"][0] == run["kv_cache_bytes"][1] > 0
-            # the cache layout changes where the numbers are kept, not the maths
-            assert rank["variants"][variant][f"{sampling}_batch_major"]["tokens"] == \
-                rank["variants"][variant][f"{sampling}_sequence_major"]["tokens"], (variant, sampling)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_model_variants_generate_as_the_training_forward_scores(variant_runs, tp, variant):
+    """GQA, QKV bias + QK norm, MHA + bias linears + tied embeddings, LayerNorm + GeLU without gating, parameters
+    perturbed so that zero biases and unit norms matter, prompts of lengths 3..9 batched: the paged engine gives
+    the static engine's tokens, log-probs within 1e-5 of it and of the training forward, greedy and sampled."""
+    for rank in variant_runs[tp]:
+        for mode in VARIANT_SAMPLING:
+            run = rank["variants"][variant][mode]
+            assert run["engines"] == ["paged", "static"]
+            assert run["tokens_equal"], (variant, mode)
+            assert run["vs_static"] < LOGPROB_TOL and run["sampling_vs_static"] < LOGPROB_TOL
+            assert run["vs_training_forward"] < LOGPROB_TOL
+            assert run["lengths"] == [VARIANT_NEW_TOKENS] * len(VARIANT_PROMPT_LENGTHS)
 
 
-@pytest.mark.parametrize("variant", list(LEAN_VARIANTS))
-def test_lean_decode_tp2_ranks_agree(lean_runs, variant):
-    """Both TP=2 ranks return the same tokens (vocab-gathered logits, shared generator, TP-rank-0 broadcast).
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_model_variants_tp2_ranks_agree(variant_runs, variant):
+    """Both TP=2 ranks return the same tokens (vocab-gathered logits, the same draws, TP-rank-0 broadcast).
     TP=2 is not compared with TP=1 here: the parameter perturbation is drawn per shard."""
-    a, b = (rank["variants"][variant] for rank in lean_runs[2])
+    a, b = (rank["variants"][variant] for rank in variant_runs[2])
     for mode in a:
         assert a[mode]["tokens"] == b[mode]["tokens"], mode
 
@@ -543,8 +506,8 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lean-worker", action="store_true", required=True)
+    parser.add_argument("--variants-worker", action="store_true", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     cli = parser.parse_args()
-    _lean_worker(cli.out, cli.tp)
+    _variants_worker(cli.out, cli.tp)

@@ -1,7 +1,9 @@
-"""Colocated generation: decode with the training model's own modules and Megatron's static KV cache.
+"""Colocated generation: ``generate``, and the static engine that MLA models still run.
 
 ``generate(models, prompts, vocab_size=..., max_new_tokens=...)`` runs on the very ``GPTModel`` objects the
-trainer optimises (DDP wrappers are looked through): no weight copy, no second engine.
+trainer optimises (DDP wrappers are looked through): no weight copy. It runs the paged engine (engine.py: a block
+pool, continuous admission) wherever ``paged_unsupported`` allows, which is every layout but multi-latent
+attention; the rest of this module is the static engine, below, which those run (``engine="static"`` forces it).
 
 Layout. Sequences are left-aligned in one ``[batch, longest prompt + max_new_tokens]`` buffer, at the same
 positions as in the training forward of ``prompt + response`` (right padding, positions from 0). The batch's
@@ -28,14 +30,6 @@ live rows' cache rows move to the front and later steps feed only them (rows.py)
 made for the whole batch and indexed (``StepDraws``), so tokens, log-probs and finish reasons are those of the
 static batch. On a GPU the host looks at the finished rows every few steps and compacts to bucketed row counts.
 
-Why not Megatron's dynamic engine. ``DynamicInferenceContext`` (paged KV cache, requests joining and leaving,
-CUDA graphs per batch bucket) is what continuous batching wants, but it allocates on ``torch.cuda`` at
-construction and its attention needs the flash-decode kernels, so it cannot run, or be tested, on the CPU path
-that CI runs; its ``TextGenerationController`` and static engine decode a fixed batch, as this loop did before
-compaction. This module keeps Megatron's static context and the training modules (no weight copy) and adds the
-compaction, shared prefill and pipelined decode itself. CUDA-graph capture of the decode step is not done: the
-lean step's shapes are static per row bucket, but capturing it needs a device to verify it on.
-
 Parallelism.
 * TP: logits are gathered over the vocabulary (``runtime_gather_output``), every TP rank draws with the same
   generator, and the chosen tokens are also broadcast from TP rank 0 so that the ranks cannot drift apart.
@@ -54,16 +48,12 @@ Parallelism.
   replica's rows are done (layout.py ``Lockstep``; under PP per part); rows that finished early just stop
   growing.
 
-Speed. Decoding runs under ``torch.inference_mode``. Megatron keeps a few tensors made during a forward
-(rotary tables in an ``lru_cache``, the attention scratch buffer); inference tensors left there would break
-the next backward pass (e.g. Transformer Engine's fused RoPE saves the cached table), so those caches are
-emptied on the way out. While generating, the local spec's core attention runs as one SDPA call and decode
-steps rotate only the new token's query and key (Megatron's flash-decode hook), see attention.py;
-``fast_attention=False`` keeps Megatron's path unchanged. After the prefill, decode steps of dense local-spec
-models at PP=1 (any TP) skip the modules altogether: ``LeanDecoder`` (lean_decode.py) computes the same maths
-from the same parameters and cache, without the per-module Python overhead (``fast_decode=False``, or
-``fast_attention=False``, keeps the module path; ``GenerationOutput.decode_path`` says which ran). Dropout is
-off (modules in eval mode, restored afterwards).
+Speed. Decoding runs under ``torch.inference_mode`` through Megatron's modules (the CPU-only lean decode step,
+SDPA swap, RoPE-once and batch-major cache were removed with the paged engine: the GPU path never ran them).
+Megatron keeps a few tensors made during a forward (rotary tables in an ``lru_cache``, the attention scratch
+buffer); inference tensors left there would break the next backward pass (e.g. Transformer Engine's fused RoPE
+saves the cached table), so those caches are emptied on the way out. Dropout is off (modules in eval mode,
+restored afterwards).
 
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
 """
@@ -76,10 +66,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS, RopeOnceDecode, sdpa_core_attention
 from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, GenerationStopped, generate_paged, paged_unsupported
 from megatron_rl.generation.layout import Lockstep, whole_sequences
-from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsupported
 from megatron_rl.generation.pipeline import StageChain, pipelined_decode
 from megatron_rl.generation.rows import DecodeRows, Feed, Stops, copy_cache_rows, stop_check_interval
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, StepDraws, choose_tokens, draw_seed
@@ -111,10 +99,8 @@ class GenerationOutput:
     kv_cache_bytes: int
     """Bytes the KV cache held on this rank; released before ``generate`` returned."""
     decode_attention: str
-    """Attention path used: "megatron" (unchanged modules) or "+"-joined fast paths: "sdpa", "rope-once",
-    "batch-major" (the cache layout, attention.py)."""
-    decode_path: str
-    """How decode steps ran: "lean" (``LeanDecoder`` on the parameters) or "modules" (``GPTModel.forward``)."""
+    """Attention that ran: "paged-flash-attn" or "paged-torch" (the paged engine's kernels, paged_attention.py),
+    or "megatron" (the static engine: Megatron's own core attention on its static cache)."""
     engine: str = "static"
     """Which engine ran: "paged" (engine.py: block pool, continuous admission) or "static" (this module)."""
     kv_block_tokens: int = 0
@@ -223,7 +209,7 @@ def _joined(waves: list[GenerationOutput]) -> GenerationOutput:
         lengths=rows("lengths"), finish_reasons=rows("finish_reasons"),
         forward_passes=sum(w.forward_passes for w in waves), kv_cache_bytes=max(w.kv_cache_bytes for w in waves),
         prefill_rows=sum(w.prefill_rows for w in waves), compactions=sum(w.compactions for w in waves),
-        decode_attention=waves[0].decode_attention, decode_path=waves[0].decode_path,
+        decode_attention=waves[0].decode_attention,
         routes=None if waves[0].routes is None else rows("routes"))
 
 
@@ -231,10 +217,9 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None,
              stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[Sequence[int]] = (),
              seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             pad_id: int = 0, fast_attention: bool = True, fast_decode: bool = True,
-             record_routes: bool = False, share_prefill: bool = True, compact: bool = True,
+             pad_id: int = 0, record_routes: bool = False, share_prefill: bool = True, compact: bool = True,
              max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None,
-             batch_major_cache: Optional[bool] = None, first_row: int = 0,
+             first_row: int = 0,
              engine: Optional[str] = None, kv_memory_gib: Optional[float] = None,
              kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
              stop_requested: Optional[Callable[[bool], tuple]] = None) -> GenerationOutput:
@@ -244,9 +229,6 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     after ``eos_id``, any of ``stop_token_ids`` or any of ``stop_sequences`` (kept in the response), or after
     ``max_new_tokens``. Sampling draws from ``generator`` or, if None, a fresh one seeded with ``seed`` (0
     when None); pass the same seed on every TP/PP rank of a replica (``data_parallel_seed`` makes one).
-    ``fast_attention=False`` keeps Megatron's attention path unchanged (see attention.py) and implies
-    ``fast_decode=False``; ``fast_decode=False`` runs every decode step through the modules instead of
-    ``LeanDecoder`` (which is also skipped, silently, for layouts it does not reproduce: PP > 1, MoE, TE, ...).
     ``record_routes``: also return each sequence's expert routes (``GenerationOutput.routes``; an MoE model
     built with router replay). ``share_prefill``: rows whose prefilled prefix is the same (a GRPO group's
     completions of one prompt) are prefilled once and the cache rows copied (``shared_prefill_rows``); False
@@ -256,8 +238,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     the same cap); ``stop_requested`` is asked before every wave after the first (every rank asks at the same
     points, so it may be a collective) and a yes raises ``GenerationStopped``. ``pipeline_microbatches`` (default
     pp): under PP, the parts the rows decode in, each on its own, so that the stages work at once (pipeline.py);
-    1 runs the stages one after another. ``batch_major_cache``: the KV cache layout of the layers attending by
-    SDPA (attention.py); None: batch-major for decodes of ``BATCH_MAJOR_MIN_NEW_TOKENS`` or more new tokens.
+    1 runs the stages one after another. ``engine``: "paged" or "static" (None: paged unless
+    ``paged_unsupported``); ``kv_memory_gib`` / ``kv_block_tokens``: the paged engine's KV budget and block size.
     Returns on every rank of the model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -295,10 +277,9 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     output = _generate_static(models, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                               stop_token_ids=stop_token_ids, stop_sequences=stop_sequences, seed=seed,
-                              pad_id=pad_id, fast_attention=fast_attention, fast_decode=fast_decode,
-                              record_routes=record_routes, share_prefill=share_prefill, compact=compact,
+                              pad_id=pad_id, record_routes=record_routes, share_prefill=share_prefill, compact=compact,
                               max_concurrent=max_concurrent, pipeline_microbatches=pipeline_microbatches,
-                              batch_major_cache=batch_major_cache, first_row=first_row,
+                              first_row=first_row,
                               stop_requested=stop_requested)
     _finish_stop_questions(stop_requested)
     return output
@@ -328,17 +309,16 @@ def _generate_paged(chunks: list, prompts, *, kv_memory_gib: Optional[float], kv
         tokens=[row.tokens[row.prompt_len:] for row in rows], logprobs=[row.policy_lp for row in rows],
         sampling_logprobs=[row.sampling_lp for row in rows], lengths=[len(row.tokens) - row.prompt_len for row in rows],
         finish_reasons=[row.finish for row in rows], forward_passes=stats.steps, prefill_rows=stats.prefills,
-        compactions=0, kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}",
-        decode_path="modules", engine="paged", kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
+        compactions=0, kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}", engine="paged", kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
         kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions, routes=stats.routes)
 
 
 def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
                      temperature: float, top_k: int, top_p: float, eos_id: Optional[int],
                      stop_token_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]], seed: int, pad_id: int,
-                     fast_attention: bool, fast_decode: bool, record_routes: bool, share_prefill: bool,
+                     record_routes: bool, share_prefill: bool,
                      compact: bool, max_concurrent: Optional[int], pipeline_microbatches: Optional[int],
-                     batch_major_cache: Optional[bool], first_row: int,
+                     first_row: int,
                      stop_requested: Optional[Callable[[bool], tuple]]) -> GenerationOutput:
     """The static engine: one ``[rows, longest prompt + max_new_tokens]`` cache (module docstring)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -358,10 +338,10 @@ def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: in
             waves.append(_generate_static(models, prompts[i:i + max_concurrent], vocab_size=vocab_size,
                                   max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   eos_id=eos_id, stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
-                                  seed=seed, first_row=first_row + i, pad_id=pad_id, fast_attention=fast_attention,
-                                  fast_decode=fast_decode, record_routes=record_routes, share_prefill=share_prefill,
+                                  seed=seed, first_row=first_row + i, pad_id=pad_id,
+                                  record_routes=record_routes, share_prefill=share_prefill,
                                   compact=compact, pipeline_microbatches=pipeline_microbatches,
-                                  batch_major_cache=batch_major_cache, max_concurrent=None, stop_requested=None))
+                                  max_concurrent=None, stop_requested=None))
         return _joined(waves)
 
     rows = DecodeRows.new(prompts, total=total, max_new_tokens=max_new_tokens, pad_id=pad_id, device=device,
@@ -374,15 +354,12 @@ def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: in
     for chunk in chunks:
         chunk.eval()
     cache = _KVCache(batch, total)
-    if batch_major_cache is None:
-        batch_major_cache = max_new_tokens >= BATCH_MAJOR_MIN_NEW_TOKENS
     if record_routes:
         from megatron_rl.models.router_replay import RouteRecorder
     recorder = RouteRecorder(chunks, batch=batch, total=total, device=device) if record_routes else None
     sources, expand = shared_prefill_rows(tokens[:, :shortest], lockstep) if share_prefill else (None, None)
     forwards, compactions = 0, 0
     check_every = stop_check_interval(device)
-    lean, used_lean = None, False
     draws = None if params.greedy else StepDraws(seed, batch=batch, vocab_size=vocab_size, device=device,
                                                  first_row=first_row)
 
@@ -391,18 +368,13 @@ def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: in
                              race=None if draws is None else draws.at(t, batch_rows))
 
     try:
-        fast = chunks if fast_attention else []
-        with whole_sequences(chunks), torch.inference_mode(), \
-                sdpa_core_attention(fast, batch_major_cache=batch_major_cache) as (swapped, batch_major), \
-                cache as context, RopeOnceDecode(fast, context) as rope_once:
+        with whole_sequences(chunks), torch.inference_mode(), cache as context:
             chain = StageChain(chunks, context, device=device, microbatches=pipeline_microbatches)
             fed_from = 0
             feed = Feed(rows=rows)
             for t in range(shortest, total):
                 fed = slice(None) if feed.active is None else feed.active
-                if lean is not None:
-                    logits = lean.step(tokens[fed, t - 1], t - 1)
-                elif forwards == 0 and sources is not None:
+                if forwards == 0 and sources is not None:
                     logits = chain.forward(tokens[sources, :t], positions[sources, :t])
                     copy_cache_rows(context, expand, positions=t)
                     logits = None if logits is None else logits[expand]
@@ -413,10 +385,6 @@ def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: in
                 context.sequence_len_offset += t - fed_from
                 if forwards == 0:
                     context.enable_decode_mode()
-                    rope_once.begin()
-                    if fast_decode and rope_once.enabled and lean_decode_unsupported(chunks) is None:
-                        lean = LeanDecoder(chunks[0], context, batch=batch)
-                        used_lean = True
                 forwards += 1
                 fed_from = t
                 local = None if logits is None else choose(logits, feed.active, t)
@@ -434,7 +402,6 @@ def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: in
                 if not feed.live:
                     break
     finally:
-        lean = None
         if recorder is not None:
             recorder.close()
         drop_inference_tensors_from_megatron_caches(chunks)
@@ -444,7 +411,5 @@ def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: in
     return GenerationOutput(
         **rows.responses(), forward_passes=forwards, kv_cache_bytes=cache.nbytes,
         prefill_rows=batch if sources is None else int(sources.numel()), compactions=compactions,
-        decode_attention="+".join(name for name, used in (("sdpa", swapped > 0), ("rope-once", rope_once.enabled),
-                                                          ("batch-major", batch_major > 0)) if used) or "megatron",
-        decode_path="lean" if used_lean else "modules",
+        decode_attention="megatron",
         routes=None if recorder is None else recorder.rows([e - 1 for e in rows.end.tolist()]))

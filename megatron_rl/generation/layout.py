@@ -10,7 +10,7 @@ forward pass splits its work does. Two splits make no sense for a decode step (o
   own ``sequence_parallel`` attribute (all-gather before / reduce-scatter after the matmul, instead of the
   plain TP copy / all-reduce), and the embedding's ``reduce_scatter_embeddings`` flags (``LanguageModelEmbedding``
   and its ``VocabParallelEmbedding``). The norms are plain torch norms under SP (their weights are only tagged
-  for the gradient all-reduce), and the lean decode step (lean_decode.py) reads nothing of SP. The MoE token
+  for the gradient all-reduce). The MoE token
   dispatchers gather over their TP x EP group whatever SP says: without SP every TP rank holds the same tokens,
   the gather holds each token once per TP rank, and the reduce-scatter still hands each rank the full expert
   output of its own copy (each copy is summed over distinct experts or expert-TP shards, never twice).

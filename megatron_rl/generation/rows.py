@@ -23,7 +23,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.attention import is_batch_major
 from megatron_rl.generation.sampling import StepChoice
 
 
@@ -118,12 +117,7 @@ def copy_cache_rows(context, expand: torch.Tensor, *, positions: int, offset: in
     batch = expand.numel()
     for memory in context.key_value_memory_dict.values():
         for tensor in memory:
-            if is_batch_major(tensor):  # select in the storage's own order
-                rows_first = tensor.permute(1, 2, 0, 3)
-                rows_first[offset:offset + batch, :, :positions] = \
-                    rows_first[offset:, :, :positions].index_select(0, expand)
-            else:
-                tensor[:positions, offset:offset + batch] = tensor[:positions, offset:].index_select(1, expand)
+            tensor[:positions, offset:offset + batch] = tensor[:positions, offset:].index_select(1, expand)
 
 
 @dataclass(kw_only=True)

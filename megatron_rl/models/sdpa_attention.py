@@ -5,8 +5,7 @@ softmax(q k^T * scale) v, grouped keys and values), without the s x s scores kep
 On GPUs without TE, torch picks its flash or memory-efficient kernel; on the CPU its flash kernel. Megatron's
 ``DotProductAttention`` materialises grouped keys per query head, runs ``baddbmm`` and a masked softmax, and
 stores the scores; this module keeps only the output and the log-sum-exp, which is what the planner's
-``flash_attention`` memory and time assume. Generation uses the same ``sdpa_context`` on the unfused modules
-(``megatron_rl.generation.attention``).
+``flash_attention`` memory and time assume.
 
 It covers what ``eligible`` accepts (vanilla softmax, no sliding window, no query-key layer scaling, no
 packed sequences or attention bias); at cp > 1, ``SDPACPAttention`` is ``CPDotProductAttention`` (keys and

@@ -168,10 +168,6 @@ def main() -> None:
     result["static_greedy"] = {"tokens": static.tokens, "forward_passes": static.forward_passes,
                                "kv_cache_bytes": static.kv_cache_bytes, "decode_attention": static.decode_attention,
                                "logprob_diff": max_abs_diff(greedy.logprobs, static.logprobs)}
-    plain = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
-                     fast_attention=False, engine="static")
-    result["megatron_path"] = {"tokens": plain.tokens, "decode_attention": plain.decode_attention,
-                               "logprob_diff": max_abs_diff(static.logprobs, plain.logprobs)}
 
     argmax_tokens, full_lp = full_forward_reference(chunks, prompts, greedy.tokens, vocab)
     result["full_forward_argmax"] = argmax_tokens
@@ -227,29 +223,6 @@ def main() -> None:
             "sampling_logprob_diff": max_abs_diff(shared.sampling_logprobs, static.sampling_logprobs),
             "vs_sequence_logprobs": max_abs_diff(shared.logprobs, response_slice(full, grouped, shared.lengths)),
             "forward_passes": [shared.forward_passes, static.forward_passes]}
-
-    # KV cache layout: a decode of BATCH_MAJOR_MIN_NEW_TOKENS (the batch-major cache, two-GEMM decode attention)
-    # against the same with Megatron's sequence-major cache (SDPA), on the groups above (shared prefill; a stop
-    # token so that rows end at mixed lengths and are compacted), greedy and sampled with the same seed.
-    from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS
-
-    result["cache_layout"] = {}
-    for name, kwargs in (("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2])),
-                         ("sampled", dict(temperature=1.0, seed=5))):
-        batch_major = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=BATCH_MAJOR_MIN_NEW_TOKENS,
-                               engine="static", **kwargs)
-        sequence_major = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=BATCH_MAJOR_MIN_NEW_TOKENS,
-                                  batch_major_cache=False, engine="static", **kwargs)
-        full = sequence_logprobs(chunks, padded(grouped, batch_major.tokens))
-        result["cache_layout"][name] = {
-            "decode_attention": [batch_major.decode_attention, sequence_major.decode_attention],
-            "compactions": batch_major.compactions, "longest": max(batch_major.lengths),
-            "tokens_equal": batch_major.tokens == sequence_major.tokens,
-            "finish_reasons_equal": batch_major.finish_reasons == sequence_major.finish_reasons,
-            "logprob_diff": max_abs_diff(batch_major.logprobs, sequence_major.logprobs),
-            "sampling_logprob_diff": max_abs_diff(batch_major.sampling_logprobs, sequence_major.sampling_logprobs),
-            "vs_sequence_logprobs": max_abs_diff(batch_major.logprobs,
-                                                 response_slice(full, grouped, batch_major.lengths))}
 
     # Pipelined decode: the rows in 1, 2 or 3 parts, each decoding on its own so that successive steps overlap
     # across the stages (3 parts of 16 rows: uneven), with shared prefill and compaction per part, against one

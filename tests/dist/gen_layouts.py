@@ -85,8 +85,8 @@ def main() -> None:
     runs = {"greedy": dict(temperature=0.0),
             "sampled": dict(temperature=1.0, seed=11 + result["worker"]),
             "eos": dict(temperature=1.0, seed=5 + result["worker"], eos_id=mine[0][-1]),
-            # the static engine with Megatron's own attention and modules, against the paged engine's greedy
-            "megatron_path": dict(temperature=0.0, fast_attention=False, engine="static")}
+            # the static engine (Megatron's own attention on a static cache) against the paged engine's greedy
+            "megatron_path": dict(temperature=0.0, engine="static")}
     multiple = engine.sequence_multiple
     # GRPO-style groups: worker 0 has 2 distinct prompts, worker 1 has 4 (8 rows each); an EP lockstep makes both
     # prefill 4 rows, otherwise each prefills its own distinct ones
@@ -106,7 +106,7 @@ def main() -> None:
         diff = max((abs(full[b, len(p) - 1 + i].item() - x) for b, (p, t, lp) in enumerate(every)
                     for i, x in enumerate(lp)), default=0.0)
         result[name] = {"tokens": out.tokens, "lengths": out.lengths, "finish_reasons": out.finish_reasons,
-                        "forward_passes": out.forward_passes, "decode_path": out.decode_path,
+                        "forward_passes": out.forward_passes,
                         "decode_attention": out.decode_attention, "max_logprob_diff": diff,
                         "prefill_rows": out.prefill_rows, "engine": out.engine,
                         "rows_checked": len(every)}
