@@ -134,8 +134,8 @@ def test_step_draws_asked_by_row_subsets_follow_the_tempered_softmax():
     temperature, batch, steps = 0.7, 128, 200
     params = SamplingParams(temperature=temperature)
     expected = softmax([x / temperature for x in LOGITS[:REAL_VOCAB].tolist()])
-    whole = StepDraws(torch.Generator().manual_seed(3), batch=batch, vocab_size=REAL_VOCAB, device=torch.device("cpu"))
-    parts = StepDraws(torch.Generator().manual_seed(3), batch=batch, vocab_size=REAL_VOCAB, device=torch.device("cpu"))
+    whole = StepDraws(3, batch=batch, vocab_size=REAL_VOCAB, device=torch.device("cpu"))
+    parts = StepDraws(3, batch=batch, vocab_size=REAL_VOCAB, device=torch.device("cpu"))
     order = torch.randperm(batch, generator=torch.Generator().manual_seed(4))
     drawn = []
     for t in range(steps):
@@ -234,9 +234,9 @@ def test_fast_attention_paths_equal_megatrons_own(request, layout):
     """SDPA core attention, RoPE-once decoding (attention.py) and, where it applies, the lean decode step
     (lean_decode.py) vs Megatron's unchanged decode path."""
     for rank in request.getfixturevalue(layout):
-        assert rank["greedy"]["decode_attention"] == "sdpa+rope-once"
+        assert rank["static_greedy"]["decode_attention"] == "sdpa+rope-once"
         assert rank["megatron_path"]["decode_attention"] == "megatron"
-        assert rank["megatron_path"]["tokens"] == rank["greedy"]["tokens"]
+        assert rank["megatron_path"]["tokens"] == rank["static_greedy"]["tokens"]
         assert rank["megatron_path"]["logprob_diff"] < LOGPROB_TOL
 
 
@@ -272,6 +272,30 @@ def test_shared_prefill_and_compaction_equal_the_static_path(request, layout):
             assert run["forward_passes"][0] == run["forward_passes"][1]
             assert run["compactions"][0] >= 1 and run["compactions"][1] == 0, (name, run)
         assert rank["shared_prefill"]["greedy_eos"]["stopped"] >= 4  # prompt 0's group stops at its 3rd token
+
+
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "moe_tp1"])
+def test_paged_engine_equals_the_static_engine(request, layout):
+    """The paged engine (block pool, continuous admission, a GRPO group's prompt prefilled once and its full
+    blocks shared) against the static engine on the same rows: the same tokens, finish reasons and log-probs,
+    greedy, sampled with the same seed and with a stop token; with 4-token blocks unbounded, capped at 5 rows, and
+    with budgets of 10 and 24 blocks (rows wait, are evicted and prefilled again); and the training forward's
+    log-probs."""
+    for rank in request.getfixturevalue(layout):
+        paged = rank["paged"]
+        for name in ("greedy", "sampled", "greedy_eos"):
+            case = paged[name]
+            assert case["vs_sequence_logprobs"] < LOGPROB_TOL, (name, case)
+            for run_name in ("unbounded", "capped", "budget_10", "budget_24"):
+                run = case[run_name]
+                assert run["engine"] == "paged"
+                assert run["tokens_equal"] and run["finish_reasons_equal"], (name, run_name, run)
+                assert run["logprob_diff"] < LOGPROB_TOL and run["sampling_logprob_diff"] < LOGPROB_TOL, (name, run)
+            assert case["unbounded"]["evictions"] == 0 and case["unbounded"]["prefill_rows"] == paged["distinct_prompts"]
+            assert case["budget_10"]["peak_blocks"] <= 10 and case["budget_10"]["evictions"] > 0, (name, case)
+            assert case["budget_10"]["pool_bytes"] == 10 * case["block_bytes"]
+            assert case["budget_24"]["peak_blocks"] <= 24
+        assert paged["greedy_eos"]["static_stopped"] >= 4
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])
@@ -356,8 +380,13 @@ def test_kv_cache_is_sized_as_expected_and_released(tp1_dp2):
     ``generate`` raises if any cache tensor is still referenced when it returns."""
     for rank in tp1_dp2:
         longest, batch = max(len(p) for p in rank["prompts"]), len(rank["prompts"])
-        assert rank["greedy"]["kv_cache_bytes"] == 2 * 2 * (longest + 8) * batch * 2 * 16 * 4
-        assert rank["greedy"]["forward_passes"] == longest + 8 - min(len(p) for p in rank["prompts"])
+        assert rank["static_greedy"]["kv_cache_bytes"] == 2 * 2 * (longest + 8) * batch * 2 * 16 * 4
+        assert rank["static_greedy"]["forward_passes"] == longest + 8 - min(len(p) for p in rank["prompts"])
+        # the paged engine's pool, unbounded: one 256-token block per row (every row fits in one), same per-block
+        # layout; one forward per token
+        assert rank["greedy"]["engine"] == "paged"
+        assert rank["greedy"]["kv_cache_bytes"] == 2 * 2 * 256 * batch * 2 * 16 * 4
+        assert rank["greedy"]["forward_passes"] == 8
 
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2", "moe_tp1"])

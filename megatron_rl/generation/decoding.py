@@ -77,11 +77,12 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_rl.generation.attention import BATCH_MAJOR_MIN_NEW_TOKENS, RopeOnceDecode, sdpa_core_attention
+from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, GenerationStopped, generate_paged, paged_unsupported
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.lean_decode import LeanDecoder, lean_decode_unsupported
 from megatron_rl.generation.pipeline import StageChain, pipelined_decode
 from megatron_rl.generation.rows import DecodeRows, Feed, Stops, copy_cache_rows, stop_check_interval
-from megatron_rl.generation.sampling import SamplingParams, StepChoice, StepDraws, choose_tokens
+from megatron_rl.generation.sampling import SamplingParams, StepChoice, StepDraws, choose_tokens, draw_seed
 from megatron_rl.models import unwrap
 
 
@@ -114,6 +115,16 @@ class GenerationOutput:
     "batch-major" (the cache layout, attention.py)."""
     decode_path: str
     """How decode steps ran: "lean" (``LeanDecoder`` on the parameters) or "modules" (``GPTModel.forward``)."""
+    engine: str = "static"
+    """Which engine ran: "paged" (engine.py: block pool, continuous admission) or "static" (this module)."""
+    kv_block_tokens: int = 0
+    """Paged engine: tokens per KV block."""
+    kv_peak_blocks: int = 0
+    """Paged engine: the most KV blocks rows held at once."""
+    kv_peak_held_tokens: int = 0
+    """Paged engine: the K/V positions those blocks held then (blocks shared by a group counted once)."""
+    evictions: int = 0
+    """Paged engine: rows evicted for want of blocks (and prefilled again later)."""
     routes: Optional[list[torch.Tensor]] = None
     """With ``record_routes``: per prompt, the experts every MoE layer of this rank's chunks routed each position
     of prompt + response to, but the last (the positions a training forward feeds), as ``[positions, slots,
@@ -204,10 +215,6 @@ def shared_prefill_rows(prefix: torch.Tensor,
     return sources, expand
 
 
-class GenerationStopped(Exception):
-    """``generate``'s ``stop_requested`` said yes between two waves: the rollout is abandoned."""
-
-
 def _joined(waves: list[GenerationOutput]) -> GenerationOutput:
     """One output of consecutive waves of prompts, in prompt order."""
     rows = lambda name: [row for wave in waves for row in getattr(wave, name)]  # noqa: E731
@@ -227,8 +234,10 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              pad_id: int = 0, fast_attention: bool = True, fast_decode: bool = True,
              record_routes: bool = False, share_prefill: bool = True, compact: bool = True,
              max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None,
-             batch_major_cache: Optional[bool] = None,
-             stop_requested: Optional[Callable[[], bool]] = None) -> GenerationOutput:
+             batch_major_cache: Optional[bool] = None, first_row: int = 0,
+             engine: Optional[str] = None, kv_memory_gib: Optional[float] = None,
+             kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+             stop_requested: Optional[Callable[[bool], tuple]] = None) -> GenerationOutput:
     """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
@@ -261,7 +270,6 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     device = next(chunks[0].parameters()).device
     lockstep = Lockstep(chunks, device)
     batch = len(prompts)
-    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     shortest, longest = lockstep.shape(batch, min(len(p) for p in prompts), max(len(p) for p in prompts))
     total = longest + max_new_tokens
     max_positions = getattr(chunks[0], "max_sequence_length", None)
@@ -270,23 +278,89 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                          f"model's max_position_embeddings ({max_positions})")
     if any(t >= vocab_size or t < 0 for p in prompts for t in p):
         raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-    if generator is None and not params.greedy:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(0 if seed is None else seed)
+    seed = draw_seed(seed, generator)
+    if engine not in (None, "paged", "static"):
+        raise ValueError(f"engine must be 'paged' or 'static', got {engine!r}")
+    unsupported = paged_unsupported(chunks, record_routes=record_routes, lockstep=lockstep)
+    if engine == "paged" and unsupported is not None:
+        raise NotImplementedError(f"the paged engine does not run {unsupported} yet; use engine='static'")
+    if engine is None and unsupported is None or engine == "paged":
+        return _generate_paged(chunks, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens, params=params,
+                               stop_ids=([eos_id] if eos_id is not None else []) + list(stop_token_ids),
+                               stop_sequences=stop_sequences, seed=seed, device=device,
+                               kv_memory_gib=kv_memory_gib, kv_block_tokens=kv_block_tokens,
+                               max_concurrent=max_concurrent, share_prompts=share_prefill,
+                               stop_requested=stop_requested)
+    output = _generate_static(models, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+                              stop_token_ids=stop_token_ids, stop_sequences=stop_sequences, seed=seed,
+                              pad_id=pad_id, fast_attention=fast_attention, fast_decode=fast_decode,
+                              record_routes=record_routes, share_prefill=share_prefill, compact=compact,
+                              max_concurrent=max_concurrent, pipeline_microbatches=pipeline_microbatches,
+                              batch_major_cache=batch_major_cache, first_row=first_row,
+                              stop_requested=stop_requested)
+    _finish_stop_questions(stop_requested)
+    return output
+
+
+def _finish_stop_questions(stop_requested: Optional[Callable[[bool], tuple]]) -> None:
+    """Keep answering the stop question (a collective) until no rank generates; raise on a stop."""
+    while stop_requested is not None:
+        stop, anyone = stop_requested(False)
+        if stop:
+            raise GenerationStopped("stopped after this worker's rollout ended")
+        if not anyone:
+            return
+
+
+def _generate_paged(chunks: list, prompts, *, kv_memory_gib: Optional[float], kv_block_tokens: int,
+                    device: torch.device, **kwargs) -> GenerationOutput:
+    chain = StageChain(chunks, None, device=device)
+    with whole_sequences(chunks):
+        try:
+            rows, stats = generate_paged(chunks, prompts, block_tokens=kv_block_tokens, device=device,
+                                         kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
+                                         share=chain.share, **kwargs)
+        finally:
+            drop_inference_tensors_from_megatron_caches(chunks)
+    return GenerationOutput(
+        tokens=[row.tokens[row.prompt_len:] for row in rows], logprobs=[row.policy_lp for row in rows],
+        sampling_logprobs=[row.sampling_lp for row in rows], lengths=[len(row.tokens) - row.prompt_len for row in rows],
+        finish_reasons=[row.finish for row in rows], forward_passes=stats.steps, prefill_rows=stats.prefills,
+        compactions=0, kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}",
+        decode_path="modules", engine="paged", kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
+        kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions)
+
+
+def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
+                     temperature: float, top_k: int, top_p: float, eos_id: Optional[int],
+                     stop_token_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]], seed: int, pad_id: int,
+                     fast_attention: bool, fast_decode: bool, record_routes: bool, share_prefill: bool,
+                     compact: bool, max_concurrent: Optional[int], pipeline_microbatches: Optional[int],
+                     batch_major_cache: Optional[bool], first_row: int,
+                     stop_requested: Optional[Callable[[bool], tuple]]) -> GenerationOutput:
+    """The static engine: one ``[rows, longest prompt + max_new_tokens]`` cache (module docstring)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    chunks = model_chunks(models)
+    device = next(chunks[0].parameters()).device
+    lockstep = Lockstep(chunks, device)
+    batch = len(prompts)
+    shortest, longest = lockstep.shape(batch, min(len(p) for p in prompts), max(len(p) for p in prompts))
+    total = longest + max_new_tokens
     if max_concurrent is not None and len(prompts) > max_concurrent:
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         waves = []
         for i in range(0, len(prompts), max_concurrent):
-            if waves and stop_requested is not None and stop_requested():
+            if waves and stop_requested is not None and stop_requested(True)[0]:
                 raise GenerationStopped(f"stopped after {len(waves)} of {-(-len(prompts) // max_concurrent)} waves")
-            waves.append(generate(models, prompts[i:i + max_concurrent], vocab_size=vocab_size,
+            waves.append(_generate_static(models, prompts[i:i + max_concurrent], vocab_size=vocab_size,
                                   max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   eos_id=eos_id, stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
-                                  generator=generator, pad_id=pad_id, fast_attention=fast_attention,
+                                  seed=seed, first_row=first_row + i, pad_id=pad_id, fast_attention=fast_attention,
                                   fast_decode=fast_decode, record_routes=record_routes, share_prefill=share_prefill,
                                   compact=compact, pipeline_microbatches=pipeline_microbatches,
-                                  batch_major_cache=batch_major_cache))
+                                  batch_major_cache=batch_major_cache, max_concurrent=None, stop_requested=None))
         return _joined(waves)
 
     rows = DecodeRows.new(prompts, total=total, max_new_tokens=max_new_tokens, pad_id=pad_id, device=device,
@@ -308,7 +382,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     forwards, compactions = 0, 0
     check_every = stop_check_interval(device)
     lean, used_lean = None, False
-    draws = None if params.greedy else StepDraws(generator, batch=batch, vocab_size=vocab_size, device=device)
+    draws = None if params.greedy else StepDraws(seed, batch=batch, vocab_size=vocab_size, device=device,
+                                                 first_row=first_row)
 
     def choose(logits: torch.Tensor, batch_rows: Optional[torch.Tensor], t: int) -> StepChoice:
         return choose_tokens(logits, vocab_size=vocab_size, params=params,

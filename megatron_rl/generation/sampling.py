@@ -89,26 +89,56 @@ class StepChoice:
                           sampling_logprobs=place(self.sampling_logprobs))
 
 
-class StepDraws:
-    """The exponential race of each decode step, drawn once for the whole batch and indexed by the rows that ask:
-    each row's draws are the same whatever rows are still decoding (finished ones compacted away) and whatever
-    part of the batch asks first (pipeline parts decode on their own). Steps must be asked for in order."""
+_MASK32 = 0xFFFFFFFF
 
-    def __init__(self, generator: Optional[torch.Generator], *, batch: int, vocab_size: int,
-                 device: torch.device) -> None:
-        self.generator, self.shape, self.device = generator, (batch, vocab_size), device
-        self.step: Optional[int] = None
-        self.race: Optional[torch.Tensor] = None
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values below 2**32; the
+    multipliers are below 2**31, so no product leaves int64 and CPUs and GPUs compute the same bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _MASK32
+    return x ^ (x >> 16)
+
+
+def position_draws(seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The exponential race ``[len(rows), vocab_size]`` of request ``rows[i]`` writing position ``positions[i]``:
+    counter-based (a hash of seed, request, position and token id), so a row's draws do not depend on which other
+    rows share its batch, in what order rows are admitted, on eviction and re-prefill, or on the device."""
+    device = rows.device
+    key = _hash32(torch.tensor([seed & _MASK32], dtype=torch.long, device=device)
+                  ^ _hash32(torch.tensor([(seed >> 32) & _MASK32], dtype=torch.long, device=device)))
+    key = _hash32(key ^ (rows.long() & _MASK32))
+    key = _hash32(key ^ (positions.long() & _MASK32))
+    tokens = _hash32((torch.arange(vocab_size, dtype=torch.long, device=device) + 0x9E3779B9) & _MASK32)
+    bits = _hash32(key.unsqueeze(-1) ^ tokens.unsqueeze(0))
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), exact in float32
+    return -torch.log(uniform)
+
+
+class StepDraws:
+    """The exponential race of each decode step for the rows that ask (``position_draws`` of the batch rows at
+    position t): each row's draws are the same whatever rows are still decoding (finished ones compacted away) and
+    whatever part of the batch asks first (pipeline parts decode on their own)."""
+
+    def __init__(self, seed: int, *, batch: int, vocab_size: int, device: torch.device, first_row: int = 0) -> None:
+        self.seed, self.batch, self.vocab_size, self.device = seed, batch, vocab_size, device
+        self.first_row = first_row
+        """The request index of batch row 0 (a wave of ``max_concurrent`` prompts starts later in the call)."""
 
     def at(self, t: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Step ``t``'s draws ``[batch, vocab_size]``, or those of batch rows ``rows``."""
-        if t != self.step:
-            if self.step is not None and t < self.step:
-                raise RuntimeError(f"draws of step {t} asked for after step {self.step}")
-            self.race = torch.empty(self.shape, dtype=torch.float32, device=self.device).exponential_(
-                generator=self.generator)
-            self.step = t
-        return self.race if rows is None else self.race[rows]
+        if rows is None:
+            rows = torch.arange(self.batch, device=self.device)
+        return position_draws(self.seed, rows + self.first_row, torch.full_like(rows, t), self.vocab_size)
+
+
+def draw_seed(seed: Optional[int], generator: Optional[torch.Generator]) -> int:
+    """The seed of one generation call's draws: the next 62 bits of ``generator``, else ``seed`` (0 when None)."""
+    if generator is not None:
+        return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    return 0 if seed is None else int(seed)
 
 
 def choose_tokens(logits: torch.Tensor, *, vocab_size: int, params: SamplingParams,

@@ -28,10 +28,11 @@ RULE_VERIFIERS = ("exact", "math", "math_verify")
 
 def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group: int, seed: int,
                    record_routes: bool, seq_multiple: int,
-                   stop_requested: Optional[Callable[[], bool]] = None) -> Rollout:
+                   stop_requested: Optional[Callable[[bool], tuple]] = None) -> Rollout:
     """``group`` completions of each prompt record (prompt-major) from the model ``chunks``, sampled with the
     generation settings of ``cfg``; every rank gets the whole rollout. Call it inside a generation phase.
-    ``stop_requested``: asked between generation.max_concurrent waves (``GenerationStopped`` on a yes)."""
+    ``stop_requested(generating) -> (stop, anyone generating)``: the engines' stop question, a collective
+    (``GenerationStopped`` on a yes; megatron_rl/generation/engine.py)."""
     from megatron_rl.generation import data_parallel_seed, generate
 
     texts = [p.prompt for p in prompts for _ in range(group)]
@@ -43,7 +44,8 @@ def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group:
         max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
         eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in gen.stop],
         vocab_size=min(tokenizer.vocab_size, shape.vocab_size), seed=data_parallel_seed(seed),
-        record_routes=record_routes, max_concurrent=gen.max_concurrent, stop_requested=stop_requested)
+        record_routes=record_routes, max_concurrent=gen.max_concurrent, kv_memory_gib=gen.kv_memory_gib,
+        kv_block_tokens=gen.kv_block_tokens, stop_requested=stop_requested)
     routes = out.routes or [None] * len(out.tokens)
     sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length", route)
                                     for tokens, lp, reason, route in zip(out.tokens, out.logprobs,

@@ -205,6 +205,12 @@ class TrainerContext:
         collective: every rank calls it at the same point."""
         return self._agree(self._stop_requested(phase, step))[0]
 
+    def stop_while_generating(self, phase: str, step: int, generating: bool) -> tuple[bool, bool]:
+        """(whether any rank was asked to stop, whether any rank still generates): the generation engines' stop
+        question (megatron_rl/generation/engine.py), asked by rollouts that end at different steps. A collective."""
+        stop, anyone = self._agree(self._stop_requested(phase, step), generating)
+        return stop, anyone
+
     def preempt(self, engine, step: int, *, what: str) -> None:
         """Save checkpoint ``step`` (its extra state tells where inside the run it stopped) and exit for requeue."""
         self.save(engine, step)

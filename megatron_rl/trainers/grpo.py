@@ -165,7 +165,7 @@ class GrpoRun:
         """prompts_per_step prompts x group_size completions, generated and scored. With drop_zero_signal_groups
         (DAPO dynamic sampling) groups whose rewards are all equal are dropped and more prompts are drawn until
         prompts_per_step groups have signal, at most max_sampling_draws rounds. A stop request that arrives while
-        step ``step`` generates is taken between generation.max_concurrent waves: the step is abandoned, the
+        step ``step`` generates is taken within STOP_POLL_STEPS engine steps: the step is abandoned, the
         prompt sampler and the generation RNG go back to where the step began, and the run saves the state
         before it (step - 1) and exits for requeue, so a long rollout does not outlast Slurm's warning window."""
         group, wanted = self.algo.group_size, self.algo.prompts_per_step
@@ -175,7 +175,8 @@ class GrpoRun:
             with self.ctx.timer() as t_generate:
                 try:
                     rollout = self.generate(self.sampler.next_batch(),
-                                            stop_requested=lambda: self.ctx.stop_in_phase("generate", step))
+                                            stop_requested=lambda generating: self.ctx.stop_while_generating(
+                                                "generate", step, generating))
                 except GenerationStopped:
                     self.sampler.load_state_dict(at_start["sampler"])
                     self.generator.set_state(at_start["generator"])

@@ -163,10 +163,15 @@ def main() -> None:
     result["greedy"] = {"tokens": greedy.tokens, "logprobs": greedy.logprobs, "lengths": greedy.lengths,
                         "finish_reasons": greedy.finish_reasons, "forward_passes": greedy.forward_passes,
                         "kv_cache_bytes": greedy.kv_cache_bytes, "decode_attention": greedy.decode_attention}
+    result["greedy"]["engine"] = greedy.engine
+    static = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, engine="static")
+    result["static_greedy"] = {"tokens": static.tokens, "forward_passes": static.forward_passes,
+                               "kv_cache_bytes": static.kv_cache_bytes, "decode_attention": static.decode_attention,
+                               "logprob_diff": max_abs_diff(greedy.logprobs, static.logprobs)}
     plain = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
-                     fast_attention=False)
+                     fast_attention=False, engine="static")
     result["megatron_path"] = {"tokens": plain.tokens, "decode_attention": plain.decode_attention,
-                               "logprob_diff": max_abs_diff(greedy.logprobs, plain.logprobs)}
+                               "logprob_diff": max_abs_diff(static.logprobs, plain.logprobs)}
 
     argmax_tokens, full_lp = full_forward_reference(chunks, prompts, greedy.tokens, vocab)
     result["full_forward_argmax"] = argmax_tokens
@@ -208,9 +213,9 @@ def main() -> None:
     result["shared_prefill"] = {}
     for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5)),
                          ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
-        shared = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, **kwargs)
+        shared = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="static", **kwargs)
         static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
-                          compact=False, **kwargs)
+                          compact=False, engine="static", **kwargs)
         full = sequence_logprobs(chunks, padded(grouped, shared.tokens))
         result["shared_prefill"][name] = {
             "rows": len(grouped), "prefill_rows": shared.prefill_rows, "unshared_prefill_rows": static.prefill_rows,
@@ -231,9 +236,10 @@ def main() -> None:
     result["cache_layout"] = {}
     for name, kwargs in (("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2])),
                          ("sampled", dict(temperature=1.0, seed=5))):
-        batch_major = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=BATCH_MAJOR_MIN_NEW_TOKENS, **kwargs)
+        batch_major = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=BATCH_MAJOR_MIN_NEW_TOKENS,
+                               engine="static", **kwargs)
         sequence_major = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=BATCH_MAJOR_MIN_NEW_TOKENS,
-                                  batch_major_cache=False, **kwargs)
+                                  batch_major_cache=False, engine="static", **kwargs)
         full = sequence_logprobs(chunks, padded(grouped, batch_major.tokens))
         result["cache_layout"][name] = {
             "decode_attention": [batch_major.decode_attention, sequence_major.decode_attention],
@@ -268,11 +274,45 @@ def main() -> None:
                     "sampling_logprob_diff": max_abs_diff(run.sampling_logprobs, static.sampling_logprobs)}
 
     # generation.max_concurrent: the same rows in waves of 8 (the KV cache sized for 8 rows).
-    waves = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, max_concurrent=8)
-    whole = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    waves = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, max_concurrent=8,
+                     engine="static")
+    whole = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, engine="static")
     result["waves"] = {"rows": len(grouped), "tokens_equal": waves.tokens == whole.tokens,
                        "logprob_diff": max_abs_diff(waves.logprobs, whole.logprobs),
                        "kv_cache_bytes": [waves.kv_cache_bytes, whole.kv_cache_bytes]}
+
+    # The paged engine (engine.py) against the static one on the GRPO groups above: greedy, sampled (the same seed)
+    # and with a stop token; with 4-token blocks, unbounded, capped at 5 rows, and with KV budgets so small that
+    # rows wait and are evicted and prefilled again (the tokens must not move); the training forward's log-probs.
+    if args.pp == 1:
+        result["paged"] = {}
+        for name, kwargs in (("greedy", dict(temperature=0.0)),
+                             ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)),
+                             ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
+            static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="static", **kwargs)
+            unbounded = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="paged",
+                                 kv_block_tokens=4, **kwargs)
+            block_bytes = unbounded.kv_cache_bytes // sum(-(-(len(p) + NEW_TOKENS) // 4) for p in grouped)
+            runs = {"unbounded": unbounded,
+                    "capped": generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="paged",
+                                       kv_block_tokens=4, max_concurrent=5, **kwargs)}
+            for blocks in (10, 24):
+                runs[f"budget_{blocks}"] = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
+                                                    engine="paged", kv_block_tokens=4,
+                                                    kv_memory_gib=blocks * block_bytes / 2**30, **kwargs)
+            full = sequence_logprobs(chunks, padded(grouped, unbounded.tokens))
+            result["paged"][name] = {
+                "block_bytes": block_bytes, "static_stopped": static.finish_reasons.count("stop"),
+                "vs_sequence_logprobs": max_abs_diff(unbounded.logprobs, response_slice(full, grouped,
+                                                                                        unbounded.lengths)),
+                **{run_name: {"tokens_equal": run.tokens == static.tokens,
+                              "finish_reasons_equal": run.finish_reasons == static.finish_reasons,
+                              "logprob_diff": max_abs_diff(run.logprobs, static.logprobs),
+                              "sampling_logprob_diff": max_abs_diff(run.sampling_logprobs, static.sampling_logprobs),
+                              "engine": run.engine, "evictions": run.evictions, "prefill_rows": run.prefill_rows,
+                              "peak_blocks": run.kv_peak_blocks, "pool_bytes": run.kv_cache_bytes}
+                   for run_name, run in runs.items()}}
+        result["paged"]["distinct_prompts"] = len({tuple(p) for p in grouped})
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]

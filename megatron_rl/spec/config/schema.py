@@ -624,13 +624,23 @@ class GenerationConfig:
     """Move optimizer state and grads to host memory while generating (frees GPU memory for the KV cache; on
     CPU it runs the same code for nothing)."""
     max_concurrent: Optional[int] = None
-    """Most completions a rollout worker decodes at once: its share of the rollout is generated in waves of this
-    many, which bounds the KV cache (the planner counts this cap); null: the whole share at once."""
+    """Most completions a rollout worker decodes at once (an optional cap; the KV memory is the limit). The
+    static engine, which PP > 1, expert-parallel lockstep, MLA and router replay still run, generates in waves of
+    this many; null: no cap."""
+    kv_memory_gib: Optional[float] = None
+    """KV-cache memory per rank for the paged engine's block pool (GiB). Completions are admitted as blocks free
+    up; one that cannot grow is evicted and prefilled again later, never cut. null: enough blocks for every
+    completion at its longest (nothing waits)."""
+    kv_block_tokens: int = 256
+    """Tokens per KV block. flash-attn's paged kernels need a multiple of 256 on GPUs; CPU runs may use less."""
 
     def __post_init__(self) -> None:
         _positive("generation", max_new_tokens=self.max_new_tokens)
         if self.max_concurrent is not None:
             _positive("generation", max_concurrent=self.max_concurrent)
+        if self.kv_memory_gib is not None:
+            _positive("generation", kv_memory_gib=self.kv_memory_gib)
+        _positive("generation", kv_block_tokens=self.kv_block_tokens)
         _non_negative("generation", temperature=self.temperature, top_k=self.top_k)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"generation.top_p={self.top_p} must be in (0, 1]")

@@ -1,0 +1,244 @@
+"""The paged KV cache: a pool of fixed-size blocks, and the per-step context Megatron's attention reads it through.
+
+``BlockPool`` holds, for every attention layer of this rank, K and V as ``[num_blocks, block_tokens, kv_heads,
+head_dim]`` (the layout flash-attn's paged kernels take). Blocks are handed to rows as their tokens are written and
+returned when a row ends; a block is reference counted, so a GRPO group's completions hold their prompt's full
+blocks once (only the last, partial block is copied per completion).
+
+``PagedContext`` is one forward's view of it, in the interface Megatron Core 0.16.1's attention calls for dynamic
+batching (``Attention._adjust_key_value_for_inference`` and ``flash_decode_and_prefill``): the forward feeds the
+rows' new tokens packed into one sequence (``[1, tokens]``), each token's K/V goes to its row's block and offset
+(``append_key_value_cache``), RoPE rotates each token at its own position (``apply_rotary_emb_query/key``; the cache
+holds rotated keys), attention reads the rows' blocks through their block tables (paged_attention.py), and only
+each row's last token reaches the output layer (``last_token_logits``). ``megatron_paged_attention(chunks, kernels)``
+points Megatron's attention at the kernels for the duration and gives every layer its global layer number as the
+cache key (Megatron's own offset refuses virtual pipeline stages).
+
+MLA keeps the static engine for now: Megatron's dynamic MLA path caches the latent only with ``cache_mla_latents``
+(Transformer Engine and FlashMLA, not allowed while training).
+
+Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_rl.generation.paged_attention import PagedKernels
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's K/V storage shape on this rank."""
+
+    kv_heads: int
+    head_dim: int
+
+
+def attention_layers(chunks: list) -> dict:
+    """``{global layer number: LayerCache}`` of the self-attention modules of ``chunks`` (this rank's layers)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    found = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, SelfAttention):
+                found[module.layer_number] = LayerCache(kv_heads=module.num_query_groups_per_partition,
+                                                        head_dim=module.hidden_size_per_attention_head)
+    return found
+
+
+class BlockPool:
+    """Fixed-size KV blocks for every layer of this rank, a free list and reference counts."""
+
+    def __init__(self, layers: dict, *, num_blocks: int, block_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV block pool needs at least one block, got {num_blocks}")
+        self.block_tokens = block_tokens
+        self.num_blocks = num_blocks
+        self.caches = {number: (torch.zeros(num_blocks, block_tokens, layer.kv_heads, layer.head_dim, dtype=dtype,
+                                            device=device),
+                                torch.zeros(num_blocks, block_tokens, layer.kv_heads, layer.head_dim, dtype=dtype,
+                                            device=device))
+                       for number, layer in layers.items()}
+        self.refs = [0] * num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids first
+        self.most_taken = 0
+
+    @staticmethod
+    def block_bytes(layers: dict, *, block_tokens: int, dtype: torch.dtype) -> int:
+        """Bytes one block holds over all ``layers`` (K and V)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * block_tokens * layer.kv_heads * layer.head_dim * size for layer in layers.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.caches.values() for t in pair)
+
+    @property
+    def taken(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def take(self) -> Optional[int]:
+        """A free block (reference count 1), or None when none is left."""
+        if not self.free:
+            return None
+        block = self.free.pop()
+        self.refs[block] = 1
+        self.most_taken = max(self.most_taken, self.taken)
+        return block
+
+    def share(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def release(self, blocks: list) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+            elif self.refs[block] < 0:
+                raise RuntimeError(f"KV block {block} released more often than it was taken")
+
+    def copy(self, source: int, target: int, tokens: int) -> None:
+        """The first ``tokens`` positions of block ``source`` into block ``target``, in every layer."""
+        for pair in self.caches.values():
+            for cache in pair:
+                cache[target, :tokens] = cache[source, :tokens]
+
+
+class PagedContext:
+    """One forward's rows over a ``BlockPool``, in the interface of Megatron's dynamic inference context.
+
+    ``set_step`` describes the forward: per row the new tokens it feeds (``q_lens``), its length once they are
+    written (``kv_lens``) and its block table; the tokens are packed row after row."""
+
+    materialize_only_last_token_logits = True
+    use_flashinfer_fused_rope = False
+
+    def __init__(self, pool: BlockPool, *, max_sequence_length: int, device: torch.device) -> None:
+        self.pool = pool
+        self.max_sequence_length = max_sequence_length
+        self.device = device
+        self.padding_slice = slice(0, 0)
+
+    # --- what the engine sets before a forward
+    def set_step(self, *, q_lens: list, kv_lens: list, tables: torch.Tensor) -> torch.Tensor:
+        """Describe the next forward; returns the position of every fed token ``[tokens]``."""
+        device = self.device
+        q = torch.tensor(q_lens, dtype=torch.int32, device=device)
+        k = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        self._cu_q = torch.cat([zero, torch.cumsum(q, 0, dtype=torch.int32)])
+        self._cu_k = torch.cat([zero, torch.cumsum(k, 0, dtype=torch.int32)])
+        self._k_lens = k
+        self._max_q, self._max_k = max(q_lens), max(kv_lens)
+        self._decode_only = self._max_q == 1
+        self._table = tables
+        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q.long())
+        offsets = torch.arange(int(self._cu_q[-1]), device=device) - self._cu_q[:-1].long()[rows]
+        positions = (k - q).long()[rows] + offsets
+        bt = self.pool.block_tokens
+        self._positions = positions
+        self._slot_block = tables[rows, positions // bt].long()
+        self._slot_offset = positions % bt
+        self._last = self._cu_q[1:].long() - 1
+        return positions
+
+    # --- Megatron's dynamic-context interface (megatron/core/transformer/attention.py, models/gpt/gpt_model.py)
+    def is_static_batching(self) -> bool:
+        return False
+
+    def is_dynamic_batching(self) -> bool:
+        return True
+
+    def is_decode_only(self) -> bool:
+        return self._decode_only
+
+    def using_cuda_graph_this_step(self) -> bool:
+        return False
+
+    def cu_query_lengths(self):
+        return self._cu_q, self._max_q
+
+    def cu_kv_lengths(self):
+        return self._cu_k, self._k_lens, self._max_k
+
+    def append_key_value_cache(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``key``/``value`` ``[tokens, 1, kv_heads, dim]`` into the rows' blocks."""
+        k_cache, v_cache = self.pool.caches[layer_number]
+        k_cache[self._slot_block, self._slot_offset] = key.squeeze(1).to(k_cache.dtype)
+        v_cache[self._slot_block, self._slot_offset] = value.squeeze(1).to(v_cache.dtype)
+
+    def key_value_cache(self, layer_number: int):
+        k_cache, v_cache = self.pool.caches[layer_number]
+        return k_cache, v_cache, self._table
+
+    def _rotated(self, tensor: torch.Tensor, table: torch.Tensor, config) -> torch.Tensor:
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+            _yarn_get_concentration_factor_from_config,
+        )
+
+        return apply_rotary_pos_emb(tensor, table[self._positions], config=config,
+                                    mscale=_yarn_get_concentration_factor_from_config(config))
+
+    def apply_rotary_emb_query(self, query, query_emb, config, cu_seqlens_q=None, cp_group=None, mscale=1.0):
+        return self._rotated(query, query_emb, config)
+
+    def apply_rotary_emb_key(self, key, key_emb, config, cp_group=None, mscale=1.0):
+        return self._rotated(key, key_emb, config)
+
+    def last_token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[1, tokens, h]`` -> each row's last token ``[rows, h]``."""
+        return hidden.squeeze(0)[self._last]
+
+    # the static-batching counters Megatron's base context offers (no-ops for dynamic batching)
+    def increment_sequence_len_offset(self, increment: int) -> None:
+        pass
+
+    def increment_batch_size_offset(self, increment: int) -> None:
+        pass
+
+    def reset_batch_size_offset(self) -> None:
+        pass
+
+
+def _merge_heads(tensor: torch.Tensor, pattern: str) -> torch.Tensor:
+    """The one einops ``rearrange`` Megatron's dynamic attention calls (einops is not a dependency)."""
+    if pattern.replace(" ", "") != "sbhd->sb(hd)":
+        raise NotImplementedError(f"rearrange {pattern!r}")
+    return tensor.flatten(-2)
+
+
+@contextlib.contextmanager
+def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[None]:
+    """For the duration, Megatron's attention modules of ``chunks`` run dynamic batching on ``kernels`` and key
+    their caches by global layer number (``_get_pp_layer_offset_for_inference`` 0: Megatron's own refuses virtual
+    pipeline stages). Restored on exit."""
+    from megatron.core.transformer import attention as megatron_attention
+    from megatron.core.transformer.attention import Attention
+
+    names = {"flash_attn_varlen_func": kernels.varlen, "flash_attn_with_kvcache": kernels.kvcache,
+             "HAVE_FA3": False, "is_fa_min_version": lambda *args, **kwargs: True, "rearrange": _merge_heads}
+    saved = {name: getattr(megatron_attention, name) for name in names}
+    patched = []
+    try:
+        for name, value in names.items():
+            setattr(megatron_attention, name, value)
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, Attention) and "_get_pp_layer_offset_for_inference" not in module.__dict__:
+                    module._get_pp_layer_offset_for_inference = types.MethodType(lambda self: 0, module)
+                    patched.append(module)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(megatron_attention, name, value)
+        for module in patched:
+            del module._get_pp_layer_offset_for_inference

@@ -1,0 +1,173 @@
+"""Attention over a paged KV cache: flash-attn's two kernels on GPUs, a torch reference with their semantics on CPUs.
+
+The paged cache of one layer is ``[num_blocks, block_size, kv_heads, head_dim]`` for K and for V; a row's keys lie
+in the blocks its ``block_table`` row lists (int32, in order). Causality is bottom-right aligned: query i of a row
+with Lq queries and Lk keys sees keys ``0 .. Lk - Lq + i``. GQA repeats each KV head over ``heads / kv_heads``
+query heads. The two entry points take flash-attn's signatures, as Megatron's ``Attention.flash_decode_and_prefill``
+calls them:
+
+* ``varlen_attention`` (prefill and mixed steps; flash-attn's ``flash_attn_varlen_func``): ``q`` ``[tokens, heads,
+  dim]`` packed row after row, ``cu_seqlens_q`` / ``cu_seqlens_k`` ``[rows + 1]`` int32 cumulative lengths; tokens
+  past ``cu_seqlens_q[-1]`` belong to no row and come back as zeros.
+* ``kvcache_attention`` (decode steps; ``flash_attn_with_kvcache``): ``q`` ``[rows, 1, heads, dim]``,
+  ``cache_seqlens`` ``[rows]`` int32 keys per row (the new token's included: the cache is appended first); rows with
+  no keys are padding and come back as zeros.
+
+``kernels(device)`` picks the implementation: flash-attn's when it is installed and the tensors are on a GPU, else
+the torch reference (``gather`` each row's blocks, keep its keys, one SDPA call with the bottom-right mask). Both
+go through ``check_paged`` first, which refuses what the GPU kernels refuse (block sizes that are not a multiple of
+256 when flash-attn runs, head sizes above 256 or not a multiple of 8, KV heads that do not divide the query
+heads, tables that are not int32), so CI refuses what a GPU would; the reference's one extension is dtype: it runs
+fp32, which CPU tests use and flash-attn does not.
+
+Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q -k attention``; on a GPU, ``bench/gpu_check.sh``
+runs flash-attn's kernels against this reference where flash-attn is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+FLASH_BLOCK_MULTIPLE = 256
+"""flash-attn 2's paged KV needs ``block_size % 256 == 0``."""
+
+
+class PagedKernels(NamedTuple):
+    """The two attention kernels of one implementation (``kernels``), with flash-attn's signatures."""
+
+    varlen: Callable
+    kvcache: Callable
+    name: str
+    """"flash-attn" or "torch" (the reference)."""
+
+
+def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, *,
+                flash: bool) -> None:
+    """Raise ``ValueError`` for what flash-attn's paged kernels refuse (``flash``: also the block size)."""
+    heads, dim = q.shape[-2], q.shape[-1]
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"paged K/V caches must be [blocks, block_size, kv_heads, dim], got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    kv_heads = k_cache.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads do not divide {heads} query heads")
+    if dim > 256 or dim % 8:
+        raise ValueError(f"head size {dim} is not supported by the paged kernels (at most 256, a multiple of 8)")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+    if flash and k_cache.shape[1] % FLASH_BLOCK_MULTIPLE:
+        raise ValueError(f"flash-attn's paged KV cache needs a block size that is a multiple of "
+                         f"{FLASH_BLOCK_MULTIPLE}, got {k_cache.shape[1]} (generation.kv_block_tokens)")
+
+
+def _gathered(cache: torch.Tensor, block_table: torch.Tensor, keys: int) -> torch.Tensor:
+    """``[rows, keys, kv_heads, dim]``: each row's first ``keys`` cached positions (unused table entries may hold
+    any block id: the positions past a row's length are masked)."""
+    blocks = -(-keys // cache.shape[1])
+    table = block_table[:, :blocks].clamp_min(0).long()
+    rows = cache[table]  # [rows, blocks, block_size, kv_heads, dim]
+    return rows.flatten(1, 2)[:, :keys]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Tensor, k_lens: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """``q`` ``[rows, max_q, heads, dim]`` against ``k``/``v`` ``[rows, max_k, kv_heads, dim]`` with the
+    bottom-right causal mask per row; query slots past a row's ``q_lens`` attend to key 0 (their output is
+    dropped by the caller)."""
+    max_q, max_k = q.shape[1], k.shape[1]
+    qi = torch.arange(max_q, device=q.device).view(1, max_q, 1)
+    kj = torch.arange(max_k, device=q.device).view(1, 1, max_k)
+    limit = (k_lens - q_lens).view(-1, 1, 1) + qi  # the last key query i may see
+    mask = (kj <= limit) & (kj < k_lens.view(-1, 1, 1))
+    mask = mask | (kj == 0)  # no fully masked softmax (padding queries, rows without keys: dropped later)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask.unsqueeze(1), scale=scale,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def reference_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: Optional[float] = None, causal: bool = True,
+                     block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``flash_attn_varlen_func`` over a paged cache, in torch: ``q`` ``[tokens, heads, dim]`` -> same shape."""
+    if not causal or block_table is None:
+        raise ValueError("the paged reference implements causal attention over a block_table only")
+    check_paged(q, k_cache, v_cache, block_table, flash=False)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    rows = q_lens.numel()
+    out = torch.zeros_like(q)
+    if rows == 0 or max_seqlen_q == 0:
+        return out
+    starts = cu_seqlens_q[:-1].long()
+    slot = torch.arange(max_seqlen_q, device=q.device)
+    valid = slot.view(1, -1) < q_lens.view(-1, 1)  # [rows, max_q]
+    index = (starts.view(-1, 1) + slot.view(1, -1)).clamp_max(q.shape[0] - 1)
+    queries = q[index]  # [rows, max_q, heads, dim]
+    keys = _gathered(k_cache, block_table[:rows], max_seqlen_k)
+    values = _gathered(v_cache, block_table[:rows], max_seqlen_k)
+    attended = _attend(queries, keys, values, q_lens, k_lens, scale)
+    out[index[valid]] = attended[valid].to(out.dtype)
+    return out
+
+
+def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cache_seqlens: torch.Tensor, causal: bool = True, block_table: Optional[torch.Tensor] = None,
+                      softmax_scale: Optional[float] = None, num_splits: int = 0, **unused) -> torch.Tensor:
+    """``flash_attn_with_kvcache`` over a paged cache (no new K/V passed: the cache is appended first), in torch:
+    ``q`` ``[rows, q_len, heads, dim]`` -> same shape."""
+    if unused.get("k") is not None or unused.get("v") is not None:
+        raise ValueError("the paged reference reads the cache only; append K/V before calling it")
+    if block_table is None:
+        raise ValueError("the paged reference needs a block_table")
+    check_paged(q, k_cache, v_cache, block_table, flash=False)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    k_lens = cache_seqlens.long()
+    rows, q_len = q.shape[0], q.shape[1]
+    longest = int(k_lens.max()) if rows else 0
+    if rows == 0 or longest == 0:
+        return torch.zeros_like(q)
+    keys = _gathered(k_cache, block_table[:rows], longest)
+    values = _gathered(v_cache, block_table[:rows], longest)
+    q_lens = torch.full_like(k_lens, q_len)
+    out = _attend(q, keys, values, q_lens, k_lens, scale).to(q.dtype)
+    return out.masked_fill((k_lens == 0).view(-1, 1, 1, 1), 0.0)
+
+
+def _flash_kernels() -> Optional[PagedKernels]:
+    try:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    except ImportError:
+        return None
+
+    def varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+               causal=True, block_table=None):
+        check_paged(q, k_cache, v_cache, block_table, flash=True)
+        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=softmax_scale, causal=causal, block_table=block_table)
+
+    def kvcache(q, k_cache, v_cache, cache_seqlens, causal=True, block_table=None, softmax_scale=None,
+                num_splits=0, **kwargs):
+        check_paged(q, k_cache, v_cache, block_table, flash=True)
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=causal,
+                                       block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
+                                       **kwargs)
+
+    return PagedKernels(varlen=varlen, kvcache=kvcache, name="flash-attn")
+
+
+REFERENCE = PagedKernels(varlen=reference_varlen, kvcache=reference_kvcache, name="torch")
+
+
+def kernels(device: torch.device) -> PagedKernels:
+    """flash-attn's kernels on a GPU where flash-attn is installed, else the torch reference."""
+    if device.type == "cuda":
+        found = _flash_kernels()
+        if found is not None:
+            return found
+    return REFERENCE

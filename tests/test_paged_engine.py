@@ -1,0 +1,178 @@
+"""The paged engine's pieces in process: the paged attention reference against dense causal attention, what it
+refuses, the block pool's reference counts, and the counter-based sampling draws.
+
+The engine itself runs on real Megatron models under torchrun in tests/test_generation.py
+(``test_paged_engine_equals_the_static_engine``: TP1 x DP2, TP2, MoE; greedy, sampled, stop tokens, caps and
+budgets small enough to evict).
+
+Run: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.generation.paged import BlockPool, LayerCache
+from megatron_rl.generation.paged_attention import check_paged, reference_kvcache, reference_varlen
+from megatron_rl.generation.sampling import position_draws
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One row: ``q`` [Lq, H, D] against ``k``/``v`` [Lk, Hk, D], query i seeing keys 0 .. Lk - Lq + i (by hand,
+    with the KV heads repeated)."""
+    lq, lk = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM)
+    allowed = torch.arange(lk).view(1, -1) <= (lk - lq + torch.arange(lq)).view(-1, 1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def _paged_rows(kv_lens: list[int], seed: int = 0):
+    """Random K/V for rows of ``kv_lens`` keys, scattered over shuffled blocks of a pool; returns (k_cache,
+    v_cache, block_table, per-row dense K, per-row dense V)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // BLOCK) for n in kv_lens]
+    total = sum(blocks) + 3
+    order = torch.randperm(total, generator=gen).tolist()
+    k_cache = torch.randn(total, BLOCK, KV_HEADS, DIM, generator=gen)  # unused slots hold noise, never read
+    v_cache = torch.randn(total, BLOCK, KV_HEADS, DIM, generator=gen)
+    table = torch.zeros(len(kv_lens), max(blocks), dtype=torch.int32)
+    dense_k, dense_v, used = [], [], 0
+    for row, n in enumerate(kv_lens):
+        ids = order[used:used + blocks[row]]
+        used += blocks[row]
+        table[row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        dense_k.append(k_cache[ids].flatten(0, 1)[:n])
+        dense_v.append(v_cache[ids].flatten(0, 1)[:n])
+    return k_cache, v_cache, table, dense_k, dense_v
+
+
+def test_varlen_reference_equals_dense_causal_attention_on_mixed_rows():
+    """A mixed step: a prompt prefill (q = k), a re-prefill spanning blocks, decode rows (q = 1) and a chunk
+    (q < k): each row's output equals dense attention with the bottom-right causal mask; tokens past the last
+    row's queries come back as zeros."""
+    q_lens, kv_lens = [7, 1, 3, 1, 9], [7, 5, 10, 1, 9]
+    k_cache, v_cache, table, dense_k, dense_v = _paged_rows(kv_lens)
+    tokens = sum(q_lens) + 2  # two padding tokens at the end
+    q = torch.randn(tokens, HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    cu_q = torch.tensor([0] + list(torch.cumsum(torch.tensor(q_lens), 0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.cumsum(torch.tensor(kv_lens), 0)), dtype=torch.int32)
+    out = reference_varlen(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(kv_lens), block_table=table)
+    for row, (start, stop) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
+        torch.testing.assert_close(out[start:stop], _dense(q[start:stop], dense_k[row], dense_v[row]),
+                                   rtol=1e-5, atol=1e-5)
+    assert (out[sum(q_lens):] == 0).all()
+
+
+def test_kvcache_reference_equals_dense_attention_and_zeroes_padding_rows():
+    kv_lens = [5, 12, 1, 0, 8]
+    k_cache, v_cache, table, dense_k, dense_v = _paged_rows([max(n, 1) for n in kv_lens], seed=2)
+    q = torch.randn(len(kv_lens), 1, HEADS, DIM, generator=torch.Generator().manual_seed(3))
+    out = reference_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(kv_lens, dtype=torch.int32),
+                            block_table=table)
+    for row, n in enumerate(kv_lens):
+        if n == 0:
+            assert (out[row] == 0).all()
+        else:
+            torch.testing.assert_close(out[row], _dense(q[row], dense_k[row][:n], dense_v[row][:n]),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_agrees_with_sdpa_for_one_full_prompt():
+    """Independent of the hand-written dense attention: torch's own causal SDPA on one contiguous row."""
+    k_cache, v_cache, table, dense_k, dense_v = _paged_rows([11], seed=4)
+    q = torch.randn(11, HEADS, DIM, generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0, 11], dtype=torch.int32)
+    out = reference_varlen(q, k_cache, v_cache, cu, cu, 11, 11, block_table=table)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), dense_k[0].transpose(0, 1),
+                                              dense_v[0].transpose(0, 1), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("block", "multiple of 256"),
+    ("head_dim", "head size 260"),
+    ("groups", "3 KV heads do not divide 4 query heads"),
+    ("table", "int32"),
+])
+def test_what_the_gpu_kernels_refuse_is_refused(case, message):
+    q = torch.zeros(2, HEADS, DIM)
+    cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    flash = False
+    if case == "block":
+        flash = True
+    elif case == "head_dim":
+        q, cache = torch.zeros(2, HEADS, 260), torch.zeros(4, BLOCK, KV_HEADS, 260)
+    elif case == "groups":
+        cache = torch.zeros(4, BLOCK, 3, DIM)
+    else:
+        table = table.long()
+    with pytest.raises(ValueError, match=message):
+        check_paged(q, cache, cache, table, flash=flash)
+    check_paged(torch.zeros(2, HEADS, DIM), torch.zeros(4, 256, KV_HEADS, DIM), torch.zeros(4, 256, KV_HEADS, DIM),
+                torch.zeros(1, 2, dtype=torch.int32), flash=True)  # what flash-attn takes passes
+
+
+def test_block_pool_counts_references_and_frees_shared_blocks_last():
+    layers = {1: LayerCache(kv_heads=KV_HEADS, head_dim=DIM), 3: LayerCache(kv_heads=KV_HEADS, head_dim=DIM)}
+    pool = BlockPool(layers, num_blocks=3, block_tokens=BLOCK, dtype=torch.float32, device=torch.device("cpu"))
+    assert pool.nbytes == 3 * BlockPool.block_bytes(layers, block_tokens=BLOCK, dtype=torch.float32)
+    a, b, c = pool.take(), pool.take(), pool.take()
+    assert (a, b, c) == (0, 1, 2) and pool.take() is None and pool.most_taken == 3
+    pool.caches[3][0][a, :2] = 5.0
+    pool.copy(a, c, 2)
+    assert (pool.caches[3][0][c, :2] == 5.0).all() and (pool.caches[3][0][c, 2:] == 0).all()
+    pool.share(a)  # a second completion of the prompt holds block a
+    pool.release([a, b])
+    assert pool.taken == 2 and pool.take() == b
+    pool.release([a])
+    assert pool.take() == a
+    pool.release([a, b, c])
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([a])
+
+
+def test_position_draws_do_not_depend_on_the_batch_around_a_row():
+    rows, positions = torch.tensor([0, 5, 9, 5]), torch.tensor([3, 3, 3, 4])
+    together = position_draws(11, rows, positions, 50)
+    alone = torch.cat([position_draws(11, rows[i:i + 1], positions[i:i + 1], 50) for i in range(4)])
+    assert torch.equal(together, alone)
+    assert not torch.equal(together[1], together[3])  # same request, next position: new draws
+    assert not torch.equal(together, position_draws(12, rows, positions, 50))  # another seed
+    assert not torch.equal(position_draws(2**40 + 11, rows, positions, 50), together)  # the seed's high bits count
+
+
+def test_position_draws_are_exponential():
+    """Mean 1 and P(E > 1) = e^-1 within 5 standard errors over 200,000 draws."""
+    draws = position_draws(3, torch.arange(400), torch.full((400,), 7), 500).flatten()
+    n = draws.numel()
+    assert abs(float(draws.mean()) - 1.0) < 5 / math.sqrt(n)
+    tail = float((draws > 1.0).float().mean())
+    assert abs(tail - math.exp(-1)) < 5 * math.sqrt(math.exp(-1) * (1 - math.exp(-1)) / n)
+    assert float(draws.min()) > 0
+
+
+def test_sampling_with_position_draws_follows_the_tempered_softmax():
+    """choose_tokens on position_draws races (the paged engine's sampling): token frequencies within 5 standard
+    deviations of softmax(logits / T) over 40,000 rows; padded vocabulary rows never drawn."""
+    from megatron_rl.generation.sampling import SamplingParams, choose_tokens
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 9.0, 9.0])
+    n, real, temperature = 40000, 6, 0.7
+    race = position_draws(21, torch.arange(n), torch.full((n,), 4), real)
+    tokens = choose_tokens(logits.expand(n, -1), vocab_size=real, params=SamplingParams(temperature=temperature),
+                           race=race).tokens
+    expected = torch.softmax(logits[:real] / temperature, dim=-1).tolist()
+    counts = torch.bincount(tokens, minlength=len(logits)).tolist()
+    assert counts[real:] == [0, 0]
+    for token, p in enumerate(expected):
+        assert abs(counts[token] / n - p) < 5 * math.sqrt(p * (1 - p) / n), (token, counts[token] / n, p)
