@@ -9,6 +9,7 @@ local executor does.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -253,32 +254,58 @@ def test_sigkill_during_the_retention_delete_resumes(launch, tmp_path, whole):
     assert not [name for name in _names(ckpts) if name.startswith(".")]
 
 
-def test_resume_false_into_an_old_folder_keeps_its_own_save_as_latest(launch, tmp_path, whole):
-    """The old run left steps 2 and 4; a resume=false run saves step 2 with keep_last=1: its own step 2
-    stays as `latest` (the old step 4 goes), and resuming continues this run."""
-    run_dir = tmp_path / "run"
-    _launch(launch, run_dir, "checkpoint.save_interval=2", "checkpoint.keep_last=5", "run.seed=7",
+@pytest.fixture(scope="module")
+def new_run_in_an_old_folder(tmp_path_factory):
+    """An old run (seed 7) stopped after step 4 with saves at steps 2 and 4; then a resume=false run (the default
+    seed, keep_last=1) into the same folder, stopped after its own step 2. Shared by the resume=false test and
+    the killed re-save test, each of which continues a copy of the folder. Returns the folder and what was seen
+    on the way: the old step 4's owner, the checkpoint names after the old run, the second run's exit code and
+    output."""
+    from helpers import run_launch
+
+    run_dir = tmp_path_factory.mktemp("old_folder") / "run"
+    _launch(run_launch, run_dir, "checkpoint.save_interval=2", "checkpoint.keep_last=5", "run.seed=7",
             env={"MEGATRON_RL_STOP_AFTER_STEP": "4"}, expect=3)
     ckpts = run_dir / "checkpoints"
-    old_owner = ckpt.checkpoint_owner(ckpts / "step_00000004")
-    assert old_owner and _names(ckpts) == ["latest", "step_00000002", "step_00000004"]
+    old = {"owner": ckpt.checkpoint_owner(ckpts / "step_00000004"), "names": _names(ckpts)}
     rc, out = _job(run_dir, {"MEGATRON_RL_STOP_AFTER_STEP": "2"}, **{"checkpoint.resume": False, "run.seed": 1234,
                                                                     "checkpoint.keep_last": 1})
+    return run_dir, old, rc, out
+
+
+def _copy_run(src, dst):
+    """A copy of the run folder ``src`` at ``dst`` whose config names ``dst`` as run.dir (the folder moved)."""
+    shutil.copytree(src, dst, symlinks=True)
+    path = dst / "config.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["run"]["dir"] = str(dst)
+    path.write_text(yaml.safe_dump(cfg))
+    return dst
+
+
+def test_resume_false_into_an_old_folder_keeps_its_own_save_as_latest(tmp_path, whole, new_run_in_an_old_folder):
+    """The old run left steps 2 and 4; a resume=false run saves step 2 with keep_last=1: its own step 2
+    stays as `latest` (the old step 4 goes), and resuming continues this run."""
+    folder, old, rc, out = new_run_in_an_old_folder
+    assert old["owner"] and old["names"] == ["latest", "step_00000002", "step_00000004"]
     assert rc == 3, out[-3000:]
+    ckpts = folder / "checkpoints"
     assert _latest(ckpts) == "step_00000002" and _names(ckpts) == ["latest", "step_00000002"]
-    assert ckpt.checkpoint_owner(ckpts / "step_00000002") not in (None, old_owner)
+    assert ckpt.checkpoint_owner(ckpts / "step_00000002") not in (None, old["owner"])
+    run_dir = _copy_run(folder, tmp_path / "run")
     rc, out = _job(run_dir, **{"checkpoint.resume": True})
     assert rc == 0, out[-3000:]
     assert "step_00000002 (step 2" in out
     assert _stable(read_metrics(run_dir)) == whole
 
 
-def test_sigkill_during_a_resave_resumes_from_the_old_copy(launch, tmp_path, whole):
+def test_sigkill_during_a_resave_resumes_from_the_old_copy(tmp_path, whole, new_run_in_an_old_folder):
     """A resume=false run re-saves step 2 and is killed between moving the old step 2 aside and publishing
-    the new one: the next start puts the old copy back and resumes from it."""
-    run_dir = tmp_path / "run"
-    _launch(launch, run_dir, "checkpoint.keep_last=1", env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
+    the new one: the next start puts the old copy back and resumes from it. (The folder is a copy of the one
+    the resume=false test continues: its step 2 is `latest`, keep_last=1.)"""
+    run_dir = _copy_run(new_run_in_an_old_folder[0], tmp_path / "run")
     ckpts = run_dir / "checkpoints"
+    assert _latest(ckpts) == "step_00000002" and _names(ckpts) == ["latest", "step_00000002"]
     rc, out = _job(run_dir, {"MEGATRON_RL_STOP_AFTER_STEP": "2", "MEGATRON_RL_FAULT": "kill-during-resave:2"},
                    **{"checkpoint.resume": False})
     assert rc == -9, out[-3000:]

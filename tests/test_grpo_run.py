@@ -25,18 +25,37 @@ def _grpo(launch, run_dir, *extra, env=None, expect=0):
 _stable = without_measurements
 
 
-def test_first_minibatch_ratio_is_one_and_metrics_are_complete(launch, tmp_path):
-    """Colocated generation log-probs equal the training forward's: the first importance ratio is exactly ~1.
-    Every step logs its phases' times and peak memory, and the run ends with the planner's prediction (written
-    at launch) beside what it measured, which `plan --calibrate` reports again."""
-    result = launch(*SHORT, f"run.dir={tmp_path / 'run'}")
+WHOLE = ["algorithm.kl_coef=0.05", "generation.max_concurrent=4"]
+"""The settings of the uninterrupted run and of its preempted copy: the KL brings the reference model in, and
+generation.max_concurrent=4 makes 2 generation waves per worker (a stop can come between them)."""
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """One uninterrupted run shared by the metrics test and the preemption test (its reference): it also parks
+    optimizer state and grads in host memory while it generates (generation.offload_optimizer, as the 70B config
+    does) and evaluates every 2 steps. Returns (launch.py's result, run folder)."""
+    from helpers import run_launch
+
+    run_dir = tmp_path_factory.mktemp("grpo") / "whole"
+    result = run_launch(*SHORT, f"run.dir={run_dir}", *WHOLE, "generation.offload_optimizer=true",
+                        "data.eval_interval=2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, run_dir
+
+
+def test_first_minibatch_ratio_is_one_and_metrics_are_complete(launch, whole):
+    """Colocated generation log-probs equal the training forward's: the first importance ratio is exactly ~1
+    (here with the optimizer offloaded while generating, in 2 waves). Every step logs its phases' times and peak
+    memory, and the run ends with the planner's prediction (written at launch) beside what it measured, which
+    `plan --calibrate` reports again."""
+    result, run_dir = whole
     assert "planner vs this run (4 steps): step time " in result.stdout
     assert "measured on cpu, planned for h100-80gb: not comparable" in result.stdout
-    calibrated = launch("plan", "--calibrate", str(tmp_path / "run"), "--json")
+    calibrated = launch("plan", "--calibrate", str(run_dir), "--json")
     assert calibrated.returncode == 0, calibrated.stderr
     report = json.loads(calibrated.stdout)
-    metrics = [m for m in read_metrics(tmp_path / "run") if m.get("phase") is None]
+    metrics = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     assert report["steps"] == 4 and report["step_time_s"]["measured"] == statistics.median(
         m["step_time_s"] for m in metrics)
     assert report["peak_memory_gib"]["measured"] == max(max(m["peak_memory_generate_gib"], m["peak_memory_train_gib"])
@@ -64,36 +83,35 @@ def test_tp2_matches_tp1(launch, tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
 
 
-def test_preempted_grpo_resumes_exactly(launch, tmp_path):
+def test_preempted_grpo_resumes_exactly(launch, tmp_path, whole):
     """Save-and-exit inside the SFT warm-up (after its step 3 of 5), resume, save-and-exit after GRPO step 2,
     resume, a stop between the generation waves of step 4 (generation.max_concurrent=4: 2 waves per worker; the
     step is abandoned and step 3 saved), resume: every metric, warm-up lines included and each logged once,
-    equals an uninterrupted run's.
+    equals the uninterrupted run's (the shared ``whole`` run).
 
     The uninterrupted run also parks optimizer state and grads in host memory while it generates
     (generation.offload_optimizer, as the 70B config does), so this also shows that the offload is exact."""
-    waves = "generation.max_concurrent=4"
-    whole = _grpo(launch, tmp_path / "whole", "algorithm.kl_coef=0.05", "generation.offload_optimizer=true",
-                  "data.eval_interval=2", waves)
-    evals = [m for m in read_metrics(tmp_path / "whole") if m.get("phase") == "eval"]
+    _, whole_dir = whole
+    whole = [m for m in read_metrics(whole_dir) if m.get("phase") is None]
+    evals = [m for m in read_metrics(whole_dir) if m.get("phase") == "eval"]
     assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["pass_at_1"] <= 1 for m in evals)
     assert evals[0]["prompts"] > 0  # the synthetic task's held-out problems
     run_dir = tmp_path / "split"
-    first = launch(*SHORT, f"run.dir={run_dir}", "algorithm.kl_coef=0.05", waves,
+    first = launch(*SHORT, f"run.dir={run_dir}", *WHOLE,
                    env={"MEGATRON_RL_STOP_AFTER_STEP": "sft:3"})
     assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
     assert "preemption requested: saved SFT warm-up step 3 of 5" in first.stdout
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
-    _grpo(launch, run_dir, "algorithm.kl_coef=0.05", waves, env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
-    stopped = launch(*SHORT, f"run.dir={run_dir}", "algorithm.kl_coef=0.05", waves,
+    _grpo(launch, run_dir, *WHOLE, env={"MEGATRON_RL_STOP_AFTER_STEP": "2"}, expect=3)
+    stopped = launch(*SHORT, f"run.dir={run_dir}", *WHOLE,
                      env={"MEGATRON_RL_STOP_AFTER_STEP": "generate:4"})
     assert stopped.returncode == 3, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "preemption requested during step 4: stopped its generation, saved step 3" in stopped.stdout
     assert [m["step"] for m in read_metrics(run_dir) if m.get("phase") is None] == [1, 2, 3]
-    resumed = _grpo(launch, run_dir, "algorithm.kl_coef=0.05", waves)
+    resumed = _grpo(launch, run_dir, *WHOLE)
     assert _stable(resumed) == _stable(whole)  # the evaluations of `whole` changed none of its training steps
     not_eval = lambda run: [m for m in read_metrics(run) if m.get("phase") != "eval"]  # noqa: E731
-    assert _stable(not_eval(run_dir)) == _stable(not_eval(tmp_path / "whole"))  # warm-up lines too
+    assert _stable(not_eval(run_dir)) == _stable(not_eval(whole_dir))  # warm-up lines too
     assert all(m["kl"] >= 0 for m in whole)  # k3 is non-negative; the reference model is in play
     audit = check_run_manifest(run_dir, statuses=["preempted"] * 3 + ["completed"])  # 3 stops, one record
     synthetic = {Path(e["path"]).name: e for e in audit["inputs"] if e["key"] == "data.synthetic"}

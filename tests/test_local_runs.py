@@ -24,16 +24,25 @@ def _run(launch, run_dir, *extra, env=None):
     return read_metrics(run_dir)
 
 
+WHOLE = ["run.steps=5"]
+"""The step count of the shared uninterrupted run and of every run compared with it step by step."""
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
+    """One uninterrupted 5-step run at TP=PP=1 (DP=2), shared by the layout comparisons and by the preemption and
+    killed-save tests as their uninterrupted run. It saves with checkpoint.save_interval=auto and no warning
+    window, whose rule saves the first step (to measure a save) and then waits 10 save durations, and at the end
+    (keep_last=10 keeps every save); saves change no metric."""
     from helpers import run_launch
     run_dir = tmp_path_factory.mktemp("tp1")
-    return _run(run_launch, run_dir, "parallel.tp=1", "parallel.pp=1"), run_dir
+    return _run(run_launch, run_dir, "parallel.tp=1", "parallel.pp=1", *WHOLE, "checkpoint.save_at_end=true",
+                "checkpoint.save_interval=auto", "cluster.signal_delay_s=0", "checkpoint.keep_last=10"), run_dir
 
 
 def test_metrics_are_logged_per_step(baseline):
     metrics, _ = baseline
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert all(m["loss"] > 0 and m["grad_norm"] > 0 for m in metrics)
     assert metrics[0]["loss"] == pytest.approx(4.85, abs=0.1)  # ln(128): a fresh model is near-uniform
     assert metrics[-1]["loss"] < metrics[0]["loss"]
@@ -48,7 +57,7 @@ def test_model_parallel_matches_data_parallel(launch, tmp_path, baseline, layout
     partial (block) recompute of 1 of the 2 layers, and Megatron's unfused attention against the baseline's SDPA
     (runtime.attention=auto: flash)."""
     reference, _ = baseline
-    metrics = _run(launch, tmp_path / "run", *layout)
+    metrics = _run(launch, tmp_path / "run", *WHOLE, *layout)
     for ref, got in zip(reference, metrics, strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], abs=2e-5), (ref, got)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
@@ -58,7 +67,8 @@ def test_overlapped_grad_reduce_equals_the_reduce_after_backward(launch, tmp_pat
     """runtime.overlap_grad_reduce (on in the baseline: DP=2, 2 micro-batches per rank, so the first runs under
     no_sync) reduces the same buckets during the backward pass: the same metrics, bit for bit."""
     reference, _ = baseline
-    metrics = _run(launch, tmp_path / "run", "parallel.tp=1", "parallel.pp=1", "runtime.overlap_grad_reduce=false")
+    metrics = _run(launch, tmp_path / "run", *WHOLE, "parallel.tp=1", "parallel.pp=1",
+                   "runtime.overlap_grad_reduce=false")
     assert without_measurements(metrics) == without_measurements(reference)
 
 
@@ -110,20 +120,16 @@ def test_cpu_redirections_are_all_reviewed(baseline):
     assert sorted(set(counts) - KNOWN_SITES) == []
 
 
-def test_preempted_run_resumes_with_identical_metrics(launch, tmp_path):
-    """Stop after step 2 (the preemption path: save, exit 3), rerun: metrics equal an uninterrupted run.
-
-    The uninterrupted run saves with checkpoint.save_interval=auto and no warning window, whose rule saves the
-    first step (to measure a save) and then waits 10 save durations; saves change no metric."""
-    whole_dir = tmp_path / "whole"
-    whole = _run(launch, whole_dir, "run.steps=5", "checkpoint.save_at_end=true", "checkpoint.save_interval=auto",
-                 "cluster.signal_delay_s=0", "checkpoint.keep_last=10")
+def test_preempted_run_resumes_with_identical_metrics(launch, tmp_path, baseline):
+    """Stop after step 2 (the preemption path: save, exit 3), rerun: metrics equal the uninterrupted run's (the
+    shared baseline, which saved with checkpoint.save_interval=auto: saves change no metric)."""
+    whole, whole_dir = baseline
     assert (whole_dir / "checkpoints" / "step_00000001").is_dir()
     run_dir = tmp_path / "interrupted"
-    first = launch(*PRETRAIN, f"run.dir={run_dir}", "run.steps=5", env={"MEGATRON_RL_STOP_AFTER_STEP": "2"})
+    first = launch(*PRETRAIN, f"run.dir={run_dir}", *WHOLE, env={"MEGATRON_RL_STOP_AFTER_STEP": "2"})
     assert first.returncode == 3, first.stdout[-2000:] + first.stderr[-2000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    resumed = _run(launch, run_dir, "run.steps=5")
+    resumed = _run(launch, run_dir, *WHOLE)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
     assert without_measurements(whole) == without_measurements(resumed)
     audit = check_run_manifest(whole_dir, statuses=["completed"])  # every save listed: keep_last=10 kept them all
@@ -134,12 +140,13 @@ def test_preempted_run_resumes_with_identical_metrics(launch, tmp_path):
     assert [(c["step"], c["attempt"]) for c in audit["checkpoints"]][:1] == [(2, 1)]
 
 
-def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(launch, tmp_path):
+def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(launch, tmp_path, baseline):
     """Every rank is SIGKILLed after writing step 4's files but before publishing them: the half-written save
-    must not count, the rerun resumes from step 2 and ends where an uninterrupted run ends."""
-    whole = _run(launch, tmp_path / "whole", "run.steps=6")
+    must not count, the rerun resumes from step 2 and ends where the uninterrupted run (the shared baseline)
+    ends. The last step (5) is not saved (checkpoint.save_at_end=false): step 4 is the rerun's only save."""
+    whole, _ = baseline
     run_dir = tmp_path / "killed"
-    args = (*PRETRAIN, f"run.dir={run_dir}", "run.steps=6", "checkpoint.save_interval=2", "checkpoint.keep_last=5")
+    args = (*PRETRAIN, f"run.dir={run_dir}", *WHOLE, "checkpoint.save_interval=2", "checkpoint.keep_last=5")
     killed = launch(*args, env={"MEGATRON_RL_FAULT": "kill-during-save:4"})
     assert killed.returncode != 0
     ckpts = run_dir / "checkpoints"
@@ -154,13 +161,14 @@ def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(lau
     assert [(c["step"], c["attempt"]) for c in audit["checkpoints"]] == [(2, 1), (4, 2)]  # no half-written 4
 
 
-def test_tp2_pp2_checkpoint_resumes_at_tp1_with_the_same_loss(launch, tmp_path):
-    """Save at TP=2 x PP=2 (4 processes), resume at TP=1 on one process: the next losses match a TP=1 run."""
-    reference = _run(launch, tmp_path / "tp1", "run.steps=5", "cluster.tasks_per_node=1")
+def test_tp2_pp2_checkpoint_resumes_at_tp1_with_the_same_loss(launch, tmp_path, baseline):
+    """Save at TP=2 x PP=2 (4 processes), resume at TP=1 on one process: the next losses match a TP=1 run's (the
+    shared baseline, same global batch)."""
+    reference, _ = baseline
     run_dir = tmp_path / "resharded"
     _run(launch, run_dir, "run.steps=3", "parallel.tp=2", "parallel.pp=2", "cluster.tasks_per_node=4",
          "checkpoint.save_at_end=true")
-    resumed = _run(launch, run_dir, "run.steps=5", "cluster.tasks_per_node=1")
+    resumed = _run(launch, run_dir, *WHOLE, "cluster.tasks_per_node=1")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
     for ref, got in zip(reference[3:], resumed[3:], strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], abs=1e-4), (ref, got)
