@@ -381,6 +381,55 @@ def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
             and varlen_diff < tolerance and decode_diff < tolerance}
 
 
+def packing_check(exact_yaml: str, device: torch.device) -> dict:
+    """Packed against padded training-forward log-probs on this device, fp32 (megatron_rl/rollout/packing.py):
+    24 rows of 4..40 tokens, padded to the longest in one micro-batch against packed into micro-batches of at most
+    64 tokens. The packed attention is what this install's layers take: a block-diagonal mask for Megatron's
+    local or SDPA attention, THD (``PackedSeqParams``) for Transformer Engine's, which runs only where TE is
+    installed (an NGC container)."""
+    import random
+
+    from megatron_rl.models.builder import ModelOptions, build_gpt_model
+    from megatron_rl.rollout.batch import collate_rollout
+    from megatron_rl.rollout.packing import pack_minibatch, pack_rows, row_tokens
+    from megatron_rl.runtime.training import forward_logprobs
+    from megatron_rl.spec.model_shape import load_model_shape
+
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        shape = load_model_shape(str(REPO_ROOT / exact_yaml))
+        opts = ModelOptions(dtype=torch.float32, init_seed=7)
+        model = build_gpt_model(shape, opts)
+        rng = random.Random(4)
+        rows = []
+        for _ in range(24):
+            prompt = [rng.randrange(3, shape.vocab_size) for _ in range(rng.randint(3, 8))]
+            response = [rng.randrange(3, shape.vocab_size) for _ in range(rng.choice([1, 3, 8, 32]))]
+            rows.append({"prompt_ids": prompt, "response_ids": response, "logprobs": [0.0] * len(response),
+                         "advantage": 0.0})
+        lengths = [row_tokens(r) for r in rows]
+        padded = collate_rollout(rows, seq_length=max(lengths), pad_id=0)
+        packed, figures = pack_minibatch(rows, dp=1, dp_rank=0, token_budget=64, multiple=1, count_multiple=1,
+                                         pad_id=0, transformer_engine=opts.transformer_engine)
+        (bins,), _ = pack_rows(lengths, dp=1, token_budget=64)
+        reference = forward_logprobs([model], [padded], seq_length=max(lengths))[0]
+        got = forward_logprobs([model], packed, seq_length=packed[0]["tokens"].shape[1])
+        diff = 0.0
+        for indices, batch, values in zip(bins, packed, got):
+            for j, i in enumerate(indices):
+                width = lengths[i]
+                mask = batch["loss_mask"][j, :width].bool()
+                diff = max(diff, float((values[j, :width][mask] - reference[i, :width][mask]).abs().max()))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+    return {"model": f"{shape.name}, fp32", "rows": len(rows), "micro_batches": len(packed),
+            "packed_length": int(packed[0]["tokens"].shape[1]), "transformer_engine": opts.transformer_engine,
+            "train_tokens_per_real_token": figures["train_tokens"] / figures["real_tokens"],
+            "padded_tokens_per_real_token": len(rows) * max(lengths) / sum(lengths),
+            "max_abs_diff": diff, "passed": diff < 1e-4}
+
+
 def lora_check(exact_yaml: str, device: torch.device) -> dict:
     """model.lora on this device's layers (Transformer Engine's linears, LayerNorm-fused ones included, on a GPU
     with TE), fp32: zero-initialised adapters leave the base's log-probs unchanged, and with random B the
@@ -477,24 +526,20 @@ def training_mfu(engine, shape, sizes: CheckSizes, gpu_type: str) -> dict:
     workload = Workload(shape=shape, gpu=gpu, num_gpus=1, seq_length=sizes.mfu_seq,
                         global_batch_size=sizes.mfu_global_batch)
     flops_per_token = workload.model_flops_per_token()
-    saved_mbs, engine.micro_batch_size = engine.micro_batch_size, sizes.mfu_micro_batch
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    try:
-        with training_phase(engine):
-            for step in range(sizes.mfu_warmup_steps + sizes.mfu_steps):
-                rows = progression_batch(seed=11, step=step, batch_size=sizes.mfu_global_batch,
-                                         seq_length=sizes.mfu_seq, vocab_size=shape.vocab_size)
-                micro = [collate_lm(rows[i:i + sizes.mfu_micro_batch])
-                         for i in range(0, sizes.mfu_global_batch, sizes.mfu_micro_batch)]
-                metrics, seconds = timed(lambda: engine.train_step(micro, lm_loss, seq_length=sizes.mfu_seq,
-                                                                   report_names=("loss",)))
-                losses.append(metrics["loss"])
-                if step >= sizes.mfu_warmup_steps:
-                    times.append(seconds)
-    finally:
-        engine.micro_batch_size = saved_mbs
+    with training_phase(engine):
+        for step in range(sizes.mfu_warmup_steps + sizes.mfu_steps):
+            rows = progression_batch(seed=11, step=step, batch_size=sizes.mfu_global_batch,
+                                     seq_length=sizes.mfu_seq, vocab_size=shape.vocab_size)
+            micro = [collate_lm(rows[i:i + sizes.mfu_micro_batch])
+                     for i in range(0, sizes.mfu_global_batch, sizes.mfu_micro_batch)]
+            metrics, seconds = timed(lambda: engine.train_step(micro, lm_loss, seq_length=sizes.mfu_seq,
+                                                               report_names=("loss",)))
+            losses.append(metrics["loss"])
+            if step >= sizes.mfu_warmup_steps:
+                times.append(seconds)
     step_s = statistics.median(times)
     tokens = sizes.mfu_global_batch * sizes.mfu_seq
     achieved = flops_per_token * tokens / step_s
@@ -841,6 +886,7 @@ def main(argv: list[str] | None = None) -> int:
             attempt("moe", lambda: moe_check(run_dir, device))
             attempt("attention_kernels", lambda: attention_kernels_check(sizes.exact_model, device))
             attempt("paged_engine", lambda: paged_engine_check(sizes.exact_model, device))
+            attempt("packing", lambda: packing_check(sizes.exact_model, device))
             attempt("lora", lambda: lora_check(sizes.exact_model, device))
             attempt("router_replay", lambda: router_replay_check(run_dir, sizes.dtype))
             shape = load_model_shape(str(REPO_ROOT / sizes.model))
@@ -911,6 +957,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
         "attention_kernels_agree": flag("attention_kernels", "passed"),
         "paged_engine_equals_static_engine": flag("paged_engine", "passed"),
+        "packed_logprobs_equal_padded": flag("packing", "passed"),
         "lora_adapters_equal_merged_weights": flag("lora", "passed"),
         "gloo_staging_matches_reference": flag("gloo_staging", "passed"),
         "router_replay_narrows_ratio": flag("router_replay", "router_replay")

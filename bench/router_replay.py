@@ -67,7 +67,7 @@ def ratio_spread(engine, shape, *, prompts: int, prompt_len: int, new_tokens: in
     same = (recorded_maps == free_maps).all(dim=-1)
     result["route_flip_fraction"] = float((~same & known).sum() / known.sum())
     for name, batch in (("free_routing", free), ("router_replay", replayed)):
-        logp = forward_logprobs(engine.chunks, [batch], seq_length=seq_length, micro_batch_size=len(rows))[0]
+        logp = forward_logprobs(engine.chunks, [batch], seq_length=seq_length)[0]
         log_ratio = (logp.float().cpu()[mask.cpu()] - generated.float().cpu())
         result[name] = {"log_ratio_std": float(log_ratio.std()), "log_ratio_max_abs": float(log_ratio.abs().max()),
                         "outside_clip_fraction": float(((log_ratio.exp() - 1).abs() > 0.2).float().mean())}
@@ -92,7 +92,7 @@ def _free_routing_maps(engine, batch: dict, seq_length: int) -> torch.Tensor:
                     maps[router.router_replay.slot] = output[1].detach().view(seq_length, b, -1).transpose(0, 1).cpu()
                 handles.append(module.register_forward_hook(keep))
     try:
-        forward_logprobs(engine.chunks, [batch], seq_length=seq_length, micro_batch_size=b)
+        forward_logprobs(engine.chunks, [batch], seq_length=seq_length)
     finally:
         for handle in handles:
             handle.remove()

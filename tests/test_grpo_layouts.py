@@ -8,6 +8,8 @@ Every case runs in its own processes, started through launch.py.
   job do (same prompts split, same per-worker seeds), so the CP2 job must reproduce the DP2 job, with a
   sequence-mean loss whose per-sequence lengths cross the CP ranks.
 * Everywhere: the first mini-batch's importance ratio is 1 (generation log-probs = the training forward's).
+* The MoE TP2·EP2·SP (with router replay), PP2 and DP2 runs pack their rows (parallel.micro_batch_tokens), their
+  references do not: the losses above hold for packed against padded micro-batches.
 * tests/dist/gen_layouts.py: generation log-probs vs the training forward at the layout, with rollout workers
   whose prompt lengths differ (EP across DP replicas must decode in lockstep); tests/dist/grpo_loss_cp.py: the
   trainer's loss on CP parts of sequences = the pure loss of the whole sequences, value and gradient.
@@ -38,15 +40,18 @@ def _grpo(run_dir, *extra) -> list[dict]:
     return [m for m in read_metrics(run_dir) if m.get("phase") is None]
 
 
+PACKED = ["parallel.micro_batch_tokens=40"]
+"""Sequence packing (megatron_rl/rollout/packing.py): each layout run is packed, its reference padded."""
+
 RUNS = {  # name: overrides; FIVE_LAYERS is the 5-layer tiny-cpu variant
     # router replay on in both MoE runs: after a rollout's first optimizer step the replayed routes are the
     # sampling policy's, no longer the current one's, so a run with replay is compared with a run with replay
     "moe_1proc": [*MOE, "cluster.tasks_per_node=1", "algorithm.router_replay=true"],
     "moe_tp2_ep2_sp": [*MOE, "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
-                       "algorithm.router_replay=true"],
+                       "algorithm.router_replay=true", *PACKED],
     "pp1_5layers": ["FIVE_LAYERS", "cluster.tasks_per_node=1"],
-    "pp2_5layers": ["FIVE_LAYERS", "parallel.pp=2"],
-    "dp2_seq_mean": SEQ_MEAN,
+    "pp2_5layers": ["FIVE_LAYERS", "parallel.pp=2", *PACKED],
+    "dp2_seq_mean": [*SEQ_MEAN, *PACKED],
     "cp2_seq_mean": [*SEQ_MEAN, "parallel.cp=2"],
 }
 
@@ -88,6 +93,7 @@ def test_first_minibatch_ratio_is_one(job, name):
         assert abs(m["first_ratio_min"] - 1) < RATIO_TOL and abs(m["first_ratio_max"] - 1) < RATIO_TOL, m
         assert m["minibatches"] == 2  # the whole rollout (16 completions) trained, in mini-batches of 8
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+        assert m["train_tokens_per_real_token"] >= 1.0
 
 
 @pytest.mark.parametrize("layout, reference", [("moe_tp2_ep2_sp", "moe_1proc"), ("pp2_5layers", "pp1_5layers"),

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import check_run_manifest, read_metrics, without_measurements
 
-from megatron_rl.runtime.cpu_compat import KNOWN_SITES
+from megatron_rl.runtime.cpu_compat import EAGER_FUSIONS, KNOWN_SITES
 
 PRETRAIN = ["cluster.executor=local", "algorithm.name=pretrain", "run.steps=4", "algorithm.global_batch_size=4",
             "parallel.micro_batch_size=1",
@@ -118,6 +118,7 @@ def test_cpu_redirections_are_all_reviewed(baseline):
         counts.update(json.loads(path.read_text()))
     assert counts, "the CPU redirection recorded nothing: is it still applied?"
     assert sorted(set(counts) - KNOWN_SITES) == []
+    assert counts.get(EAGER_FUSIONS, 0) > 0, "Megatron was imported before cpu_compat.apply(): its fusions compile"
 
 
 def test_preempted_run_resumes_with_identical_metrics(launch, tmp_path, baseline):

@@ -69,9 +69,10 @@ def test_parse_layout():
     every = ("tp=8,pp=16,vpp=1,cp=1,ep=1,etp=1,micro_batch_size=1,recompute=none,sequence_parallel=false,"
              "first_stage_layers=7,last_stage_layers=7,account_for_embedding=false,account_for_loss=false,"
              "recompute_num_layers=2")
-    # not layout keys: the search's switches and the rollout replicas' sizes (split placement's own input)
+    # not layout keys: the search's switches, the rollout replicas' sizes (split placement's own input) and
+    # packing (a rollout input: GrpoSizing.packed)
     assert set(parse_layout(every)) == set(ParallelConfig.__dataclass_fields__) - {
-        "auto", "distributed_optimizer", "backend", "timeout_s", "rollout_tp", "rollout_pp"}
+        "auto", "distributed_optimizer", "backend", "timeout_s", "rollout_tp", "rollout_pp", "micro_batch_tokens"}
     assert set(Layout.__dataclass_fields__) - {"dp"} == set(parse_layout(every)) - {"etp"}
     with pytest.raises(ConfigError, match="unknown field 'dp'"):
         parse_layout("dp=4")

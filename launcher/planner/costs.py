@@ -166,6 +166,9 @@ class GrpoSizing:
     optimizer_offloaded_for_generation: bool = False
     """True when optimizer state and grads wait in host memory while generating (generation.offload_optimizer):
     with the KV cache released for training, the cache also reuses their memory; the copies cost host-link time."""
+    packed: bool = False
+    """The training and log-prob forwards pack rows by tokens (parallel.micro_batch_tokens): they compute the
+    rows' own tokens (plus PACKING_SLACK), not every row padded to the longest."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,4 +93,5 @@ def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_leng
                       reference_model=algo.kl_coef > 0 and getattr(cfg.model, "lora", None) is None,  # LoRA: the base
                       recompute_old_logprobs=recomputes_old_logprobs(cfg, shape, runtime), epochs=algo.epochs,
                       reward_model=bool(algo.reward_model), kv_cache_released_for_training=True,
-                      optimizer_offloaded_for_generation=gen.offload_optimizer and not cfg.cluster.rollout_tasks)
+                      optimizer_offloaded_for_generation=gen.offload_optimizer and not cfg.cluster.rollout_tasks,
+                      packed=cfg.parallel.micro_batch_tokens is not None)

@@ -16,7 +16,8 @@ An RL step (megatron_rl/trainers/grpo.py) is, in order:
   (algorithm.recompute_old_logprobs), the reference when algorithm.kl_coef > 0, and the colocated reward model's
   scoring forward;
 * epochs x rollout / global_batch_size optimizer steps, each exactly ``plan --mode pretrain``'s step at the
-  rollout's padded length (prompt + max response: the trainer pads every row to the longest);
+  rollout's padded length (prompt + max response: the trainer pads every row to the longest), or, with
+  parallel.micro_batch_tokens (packed rows), at the mean row's length (``PACKING_SLACK``);
 * the phase switches: the KV cache allocated per wave, and with generation.offload_optimizer the optimizer state
   copied to host memory and back over the host link (grads are freed and come back as zeros, no copy). There is no
   weight refit: generation runs on the training weights.
@@ -91,6 +92,12 @@ kernel launches of ~7 us each. An assumption, not fitted: no measured GPU decode
 COMPACTION_SLACK = 7 / 6
 """Rows fed over rows alive: compaction runs once at most 3/4 of the fed rows live (worth_compacting), so between
 compactions the fed rows are 1 to 4/3 of the live ones, 7/6 on average."""
+PACKING_SLACK = 1.05
+"""Packed training (parallel.micro_batch_tokens) computes this many tokens per token of the rows: the padding that
+fills micro-batches up to one length (megatron_rl/rollout/packing.py; tests/test_packing.py measures <= 1.01 on a
+long tail of 64 rows). Packed training is planned as padded training at the mean row's length, so a micro-batch of
+mbs rows stands for a packed one of mbs x train_seq tokens, and attention is costed at the mean length (an
+underestimate for long tails: each row's attention grows with its own length squared)."""
 SAMPLING_BYTES_PER_LOGIT = 10
 """Per live row and vocabulary entry: bf16 gathered logits, fp32 probabilities and fp32 sampling scratch."""
 
@@ -112,7 +119,8 @@ class Rollout:
     concurrency: int
     """Rows decoded at once per generation rank; 0 = all of its share."""
     train_seq: int
-    """Padded training length of the rollout: prompt + response, at most the model's sequence length."""
+    """Padded training length of the rollout: prompt + response, at most the model's sequence length. Packed
+    (GrpoSizing.packed): the mean row, prompt + mean response, times PACKING_SLACK."""
     minibatches: int
     """Optimizer mini-batches of global_batch_size sequences per rollout."""
     steps: int
@@ -134,9 +142,10 @@ def _rollout(w: Workload) -> Rollout:
     sequences, prompt, response, concurrency = w.grpo_sizes()
     mean = g.mean_response_length if g.mean_response_length is not None else response / 2
     minibatches = max(1, sequences // w.global_batch_size)
+    train_seq = (math.ceil((prompt + mean) * PACKING_SLACK) if g.packed else prompt + response)
     return Rollout(sequences=sequences, prompt=prompt, response=response, mean_response=float(mean),
                    group=max(1, g.samples_per_prompt), concurrency=concurrency,
-                   train_seq=min(w.seq_length, prompt + response), minibatches=minibatches,
+                   train_seq=min(w.seq_length, train_seq), minibatches=minibatches,
                    steps=0 if w.mode == "eval" else g.epochs * minibatches)
 
 

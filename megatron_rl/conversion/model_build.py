@@ -26,12 +26,11 @@ from megatron_rl.spec.model_shape import ModelShape
 
 def init_parallel(tp: int, pp: int, ep: int, *, seed: int = 0) -> None:
     """Start gloo (once) and (re)initialise Megatron's parallel state for this layout."""
-    from megatron.core import parallel_state, tensor_parallel
-
     from megatron_rl.runtime import cpu_compat
     from megatron_rl.runtime.distributed import read_dist_env
 
-    cpu_compat.apply()
+    cpu_compat.apply()  # before Megatron's first import
+    from megatron.core import parallel_state, tensor_parallel
     env = read_dist_env()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend="gloo", init_method=f"tcp://{env.master_addr}:{env.master_port}",

@@ -167,6 +167,11 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        # Interleaved at pp=2 a rank's previous and next stage are one peer: batched p2p posts the gradient to
+        # "prev" before the activation to "next", the peer receives them in posting order, and the two swap once
+        # the schedule sends both at once (the ratio of a GRPO step is then not 1). Megatron-LM turns batching off
+        # under interleaving too.
+        batch_p2p_comm=dims.vpp <= 1,
         context_parallel_size=dims.cp, sequence_parallel=dims.sp,
         num_layers_in_first_pipeline_stage=dims.first_stage_layers,
         num_layers_in_last_pipeline_stage=dims.last_stage_layers,

@@ -18,6 +18,7 @@ import torch
 
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
 from megatron_rl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_rl.models.packed_sequences import as_rows
 
 REPORTS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_min", "ratio_max")
 OFF_POLICY_REPORTS = ("behav_weight_mean", "behav_capped_fraction", "behav_weight_max")
@@ -133,14 +134,15 @@ def rollout_rows(rollout: Rollout, *, mask_truncated: bool = False) -> list[dict
 
 def make_grpo_loss(config: GRPOLossConfig):
     """The loss function handed to ``Engine.train_step``: ``grpo_loss`` of one micro-batch as (sum, denominator,
-    reports). The denominator is the micro-batch's token count (token-mean) or sequence count (the other modes);
+    reports), on padded or packed micro-batches (``megatron_rl.rollout.packing``). The denominator is the
+    micro-batch's token count (token-mean) or sequence count (the other modes);
     Megatron sums both over micro-batches and data-parallel(-with-CP) ranks, so the step's loss is the global
     one. Under context parallelism the batch holds this CP rank's chunks: see the module docstring."""
 
     def loss_fn(logits: torch.Tensor, batch: dict):
         mask = batch["loss_mask"]
-        entropy = vocab_parallel_entropy(logits)  # before the cross entropy, which works in place
-        logp = vocab_parallel_logprobs(logits, batch["labels"])
+        entropy = as_rows(vocab_parallel_entropy(logits), batch)  # before the cross entropy, which works in place
+        logp = as_rows(vocab_parallel_logprobs(logits, batch["labels"]), batch)
         seq_lengths, counts_sequences = whole_sequence_lengths(mask)
         loss_sum, metrics = grpo_loss(logp, batch["old_logp"], batch["advantages"], mask, config=config,
                                       ref_logp=batch.get("ref_logp"), entropy=entropy,

@@ -10,7 +10,11 @@ GPU runs never import this module's effects. What it does:
   that Megatron's optimizer asserts on. These are thin wrappers on a handful of functions, not a
   ``TorchFunctionMode``: a mode intercepts every op and cost ~60% of a tiny model's training step here;
 * Megatron's RNG tracker saves and restores the CPU generator instead of a CUDA one;
-* MoE routing without Transformer Engine gets ``te_general_gemm = None`` (0.16.1 leaves it undefined).
+* MoE routing without Transformer Engine gets ``te_general_gemm = None`` (0.16.1 leaves it undefined);
+* Megatron's fusion functions (``@jit_fuser``) stay plain functions: applied before Megatron's first import,
+  ``apply()`` imports it with ``torch.compile`` as the identity. Megatron wraps them in ``torch.compile`` at
+  import, which imports TorchInductor: ~2 s of CPU in every process here, for functions the CPU runs with the
+  same ops uncompiled.
 
 Every redirection is counted per call site (``file:function`` inside megatron). ``KNOWN_SITES`` lists the
 sites someone has looked at; ``unreviewed_sites()`` names any other, so a Megatron upgrade that adds CUDA-only
@@ -29,11 +33,13 @@ from typing import Any
 import torch
 
 # Seen redirected (tests and the default jobs) with megatron-core 0.16.1 on CPU and reviewed: each only
-# places a buffer, a mask, an RNG state or a norm/step scalar; on the CPU that is the right place.
+# places a buffer, a mask, an RNG state or a norm/step scalar; on the CPU that is the right place. Besides,
+# core/jit.py:jit_fuser counts the fusion functions left uncompiled (EAGER_FUSIONS).
 KNOWN_SITES = frozenset({
     "core/dist_checkpointing/strategies/filesystem_async.py:preload_tensors",
     "core/dist_checkpointing/strategies/state_dict_saver.py:save_state_dict_async_finalize",
     "core/distributed/param_and_grad_buffer.py:__init__",
+    "core/jit.py:jit_fuser",
     "core/models/common/embeddings/rotary_pos_embedding.py:get_emb",
     "core/models/gpt/gpt_model.py:_preprocess",
     "core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32",
@@ -56,6 +62,9 @@ KNOWN_SITES = frozenset({
     "core/utils.py:get_tensor",
     "core/utils.py:local_multi_tensor_l2_norm",
 })
+
+EAGER_FUSIONS = "core/jit.py:jit_fuser"
+"""The count of Megatron functions left uncompiled: none means Megatron was imported before ``apply()``."""
 
 _redirects: collections.Counter[str] = collections.Counter()
 _applied = False
@@ -251,12 +260,29 @@ def _patch_megatron() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _import_megatron_with_eager_fusions() -> None:
+    if "megatron.core" in sys.modules:  # imported already: its fusions are compiled functions, which also work
+        return
+    def eager(model=None, **options):
+        _redirects[EAGER_FUSIONS] += 1
+        return model if model is not None else (lambda fn: fn)
+
+    compile_ = torch.compile
+    torch.compile = eager
+    try:
+        import megatron.core  # noqa: F401  (megatron.core.jit binds jit_fuser = torch.compile once, here)
+    finally:
+        torch.compile = compile_
+
+
 def apply() -> bool:
-    """Install the CPU redirections once per process, only when CUDA is absent. Returns whether active."""
+    """Install the CPU redirections once per process, only when CUDA is absent. Returns whether active.
+    Call it before anything imports Megatron (see the module docstring)."""
     global _applied
     if torch.cuda.is_available():
         return False
     if not _applied:
+        _import_megatron_with_eager_fusions()
         _patch_torch_cuda()
         _patch_tensor_methods()
         _patch_megatron()

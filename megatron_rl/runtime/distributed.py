@@ -99,8 +99,6 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
     """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers.
 
     ``timeout_s`` bounds every collective (``parallel.timeout_s``): a rank waits that long for the others."""
-    from megatron.core import parallel_state, tensor_parallel
-
     from megatron_rl.runtime import cpu_compat, gloo_staging
 
     dist_env = read_dist_env()
@@ -108,7 +106,8 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
         raise RuntimeError(f"the layout is for {dims.world_size} processes but {dist_env.world_size} were started")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        cpu_compat.apply()
+        cpu_compat.apply()  # before Megatron's first import
+    from megatron.core import parallel_state, tensor_parallel
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"
     if on_gpu:

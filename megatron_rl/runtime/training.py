@@ -39,13 +39,25 @@ ForwardFn = Callable[[Any, dict], torch.Tensor]
 
 def lm_forward(model, batch: dict) -> torch.Tensor:
     """GPTModel forward: per-token cross entropy when the batch has labels, else (vocab-parallel) logits."""
-    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"))
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"),
+                 **_packing(batch))
 
 
 def logits_forward(model, batch: dict) -> torch.Tensor:
     """Vocab-parallel logits [batch, seq, vocab/tp], even when the batch has labels (for losses that need
     log-probs and entropy rather than Megatron's cross entropy)."""
-    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **_packing(batch))
+
+
+def _packing(batch: dict) -> dict:
+    """A packed micro-batch's sequence boundaries for Transformer Engine (``megatron_rl.models.packed_sequences``)."""
+    return {"packed_seq_params": batch["packed_seq_params"]} if "packed_seq_params" in batch else {}
+
+
+def rows_per_microbatch(microbatches: list[dict]) -> int:
+    """The micro-batch size Megatron's schedule sizes its pipeline messages by: rows of a padded micro-batch,
+    1 for a packed one (its rows are one sequence of T tokens)."""
+    return microbatches[0]["tokens"].shape[0]
 
 
 def logprob_collector(sink: list):
@@ -55,9 +67,10 @@ def logprob_collector(sink: list):
     """
     from megatron_rl.models.cp_attention import gather_from_cp
     from megatron_rl.models.logprobs import vocab_parallel_logprobs
+    from megatron_rl.models.packed_sequences import as_rows
 
     def loss_fn(logits: torch.Tensor, batch: dict):
-        logprobs = vocab_parallel_logprobs(logits, batch["labels"]).detach().float()
+        logprobs = as_rows(vocab_parallel_logprobs(logits, batch["labels"]).detach().float(), batch)
         sink.append(gather_from_cp(logprobs, seq_dim=1))  # whole sequences again under context parallelism
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
         return zero, torch.ones((), dtype=torch.int, device=logits.device), {}
@@ -65,9 +78,9 @@ def logprob_collector(sink: list):
     return loss_fn
 
 
-def forward_logprobs(chunks: list, microbatches: list[dict], *, seq_length: int,
-                     micro_batch_size: int) -> list[torch.Tensor]:
-    """Per-token log-probs [mbs, seq_length] of each micro-batch's ``labels`` under ``chunks``: a forward-only
+def forward_logprobs(chunks: list, microbatches: list[dict], *, seq_length: int) -> list[torch.Tensor]:
+    """Per-token log-probs [mbs, seq_length] of each micro-batch's ``labels`` under ``chunks`` (a packed
+    micro-batch's as [rows, L]: ``megatron_rl.models.packed_sequences.as_rows``): a forward-only
     pass through Megatron's schedule (so TP/PP/VPP apply), in eval mode, without gradients. The log-probs are
     Megatron's vocab-parallel cross entropy over the padded vocabulary, exactly as in the training loss.
 
@@ -86,8 +99,8 @@ def forward_logprobs(chunks: list, microbatches: list[dict], *, seq_length: int,
             get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, loss_fn=logprob_collector(sink), forward_fn=logits_forward),
                 data_iterator=_data_iterators(chunks, microbatches), model=chunks,
-                num_microbatches=len(microbatches), seq_length=seq_length, micro_batch_size=micro_batch_size,
-                forward_only=True)
+                num_microbatches=len(microbatches), seq_length=seq_length,
+                micro_batch_size=rows_per_microbatch(microbatches), forward_only=True)
     finally:
         for chunk, mode in zip(chunks, was_training):
             chunk.train(mode)
@@ -117,7 +130,7 @@ def sequence_logprobs(chunks, tokens: torch.Tensor, *, micro_batch_size: Optiona
     positions = torch.arange(seq - 1, device=device).unsqueeze(0).expand(batch, -1)
     microbatches = [{"tokens": tokens[i:i + mbs, :-1], "position_ids": positions[i:i + mbs],
                      "labels": tokens[i:i + mbs, 1:]} for i in range(0, batch, mbs)]
-    logprobs = forward_logprobs(chunks, microbatches, seq_length=seq - 1, micro_batch_size=mbs)
+    logprobs = forward_logprobs(chunks, microbatches, seq_length=seq - 1)
     result = torch.empty((batch, seq - 1), dtype=torch.float32, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         torch.cat(logprobs, dim=0, out=result)
@@ -148,7 +161,6 @@ class Engine:
     chunks: list
     optimizer: Any
     scheduler: Any
-    micro_batch_size: int
     make_optimizer: Callable[[list], tuple[Any, Any]]
     step: int = 0
     peak_memory: dict[str, int] = field(default_factory=dict)
@@ -180,7 +192,7 @@ class Engine:
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
                 data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
                 num_microbatches=len(microbatches), seq_length=seq_length,
-                micro_batch_size=self.micro_batch_size, forward_only=False)
+                micro_batch_size=rows_per_microbatch(microbatches), forward_only=False)
             _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step += 1
@@ -201,7 +213,7 @@ class Engine:
                 forward_step_func=partial(_forward_step, loss_fn=loss_fn, forward_fn=forward_fn),
                 data_iterator=_data_iterators(self.chunks, microbatches), model=self.chunks,
                 num_microbatches=len(microbatches), seq_length=seq_length,
-                micro_batch_size=self.micro_batch_size, forward_only=True)
+                micro_batch_size=rows_per_microbatch(microbatches), forward_only=True)
         return reduce_reports(reports, report_names)
 
     def reference_model(self, folder: Path) -> list:
@@ -241,7 +253,7 @@ class Engine:
         self._store_logprobs(self.chunks, microbatches, "old_logp", seq_length=seq_length)
 
     def _store_logprobs(self, chunks: list, microbatches: list[dict], key: str, *, seq_length: int) -> None:
-        logprobs = forward_logprobs(chunks, microbatches, seq_length=seq_length, micro_batch_size=self.micro_batch_size)
+        logprobs = forward_logprobs(chunks, microbatches, seq_length=seq_length)
         for batch, values in zip(microbatches, logprobs):
             batch[key] = values
 
@@ -409,7 +421,7 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
 
         fraction = trainable_fraction(wrapped)
     return Engine(shape=shape, opts=opts, chunks=wrapped, optimizer=optimizer, scheduler=scheduler,
-                  micro_batch_size=cfg.parallel.micro_batch_size, make_optimizer=make_optimizer,
+                  make_optimizer=make_optimizer,
                   trainable_fraction=fraction if opts.lora is not None else None)
 
 

@@ -279,6 +279,26 @@ def microbatch_error(global_batch: int, *, micro_batch: int, dp: int, pp: int, v
     return None
 
 
+PACKING_ALGORITHMS = ("grpo",)
+"""The trainers whose training and log-prob forwards pack rows (parallel.micro_batch_tokens)."""
+
+
+def packing_error(micro_batch_tokens: int | None, *, algorithm: str, cp: int, key: str = "parallel.") -> str | None:
+    """Sequence packing runs in the GRPO trainer only, and not under context parallelism: Megatron splits a packed
+    (THD) batch over CP ranks only inside Transformer Engine's attention, with per-sequence load balancing that
+    this project's CP slicing does not do."""
+    if micro_batch_tokens is None:
+        return None
+    if algorithm not in PACKING_ALGORITHMS:
+        return (f"{key}micro_batch_tokens={micro_batch_tokens}: algorithm.name={algorithm} does not pack its rows "
+                f"(only {', '.join(PACKING_ALGORITHMS)} does); set micro_batch_tokens=null")
+    if cp > 1:
+        return (f"{key}micro_batch_tokens={micro_batch_tokens} with {key}cp={cp}: packed rows are not split over "
+                "context-parallel ranks (Megatron does that only inside Transformer Engine's THD attention); set "
+                "cp=1 or micro_batch_tokens=null")
+    return None
+
+
 def mla_error(shape: Any, *, tp: int, cp: int, sp: bool, transformer_engine: bool, key: str = "parallel.") -> str | None:
     """Multi-latent attention without Transformer Engine (Megatron's local spec): context parallelism needs TE's
     attention, and at tp > 1 the latent norms' TP grad sum needs sequence parallelism."""

@@ -149,8 +149,7 @@ def reference_sums(engine: Engine, batcher: DPOPairBatcher, data: PreferenceData
     for low in range(0, len(data), window):
         indices = list(range(low, min(low + window, len(data))))
         batches, seq_length = batcher.micro_batches(data, indices, pad_to=pad_to)
-        logprobs = forward_logprobs(engine.chunks, batches, seq_length=seq_length,
-                                    micro_batch_size=engine.micro_batch_size)
+        logprobs = forward_logprobs(engine.chunks, batches, seq_length=seq_length)
         mine = torch.zeros(len(batches) * batcher.micro_batch_size, 2, dtype=torch.float32,
                            device=batches[0]["tokens"].device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -187,7 +186,6 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     max_length = pairs.preference_max_length(cfg, shape)
     encoder, train_data, eval_data = pairs.load_pairs(cfg, shape, max_length=max_length, response_starts=True)
     engine = build_engine(cfg, shape)
-    engine.micro_batch_size = 2 * cfg.parallel.micro_batch_size  # sequences per micro-batch: chosen + rejected
     batcher = DPOPairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length, multiple=engine.sequence_multiple)
     start = ctx.resume(engine)
     train_data, eval_data = with_reference(ctx, engine, batcher, start=start, splits=[train_data, eval_data])

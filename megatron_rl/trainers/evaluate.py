@@ -114,7 +114,6 @@ def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext
         raise ConfigError("evaluating a reward model needs held-out preference pairs: set data.eval_path, or a "
                           "synthetic prefer_* data.task")
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
-    engine.micro_batch_size = 2 * cfg.parallel.micro_batch_size
     load_reward_model_weights(cfg.model.init_from, engine.chunks)
     batcher = rm.PairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)
     algo = cfg.algorithm

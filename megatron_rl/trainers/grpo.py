@@ -33,6 +33,7 @@ from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
 from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
+from megatron_rl.rollout.packing import pack_minibatch, row_tokens
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
@@ -250,36 +251,57 @@ class GrpoRun:
         minibatches = self.minibatches(rollout)
         if not minibatches:
             return {"skipped_minibatches": 1.0}
-        seq_length = rollout.seq_length
         totals: dict[str, list[float]] = {}
         with training_phase(self.engine):
-            self.old_and_reference_logprobs(minibatches, seq_length=seq_length)
+            self.old_and_reference_logprobs(minibatches)
             for epoch in range(1, self.algo.epochs + 1):
                 for batches in minibatches:
                     self.record_policy_step(totals, epoch, self.engine.train_step(
-                        batches, self.loss_fn, seq_length=seq_length, report_names=self.report_names,
+                        batches, self.loss_fn, seq_length=forward_length(batches), report_names=self.report_names,
                         forward_fn=logits_forward))
-        return combine_minibatches(totals)
+        return {**combine_minibatches(totals), "train_tokens_per_real_token": self.packing.ratio()}
 
     def minibatches(self, rollout: Rollout) -> list[list[dict]]:
         """This DP rank's micro-batches of each mini-batch of global_batch_size completions (a rollout's remainder
-        short of a whole mini-batch is left out)."""
+        short of a whole mini-batch is left out): micro_batch_size rows padded to the rollout's longest, or with
+        parallel.micro_batch_tokens rows packed by tokens (megatron_rl/rollout/packing.py). ``self.packing``
+        counts the tokens they compute against the rows' own."""
         rows = rollout_rows(rollout, mask_truncated=self.algo.mask_truncated)
         gbs = self.algo.global_batch_size
         usable = len(rows) - len(rows) % gbs
-        return [[collate_rollout(mb, seq_length=rollout.seq_length, pad_id=self.tokenizer.pad_id)
-                 for mb in data_parallel_slice(rows[start:start + gbs],
-                                               micro_batch_size=self.cfg.parallel.micro_batch_size)]
-                for start in range(0, usable, gbs)]
+        self.packing = PackingFigures()
+        minibatches = []
+        for start in range(0, usable, gbs):
+            share = rows[start:start + gbs]
+            if self.cfg.parallel.micro_batch_tokens is None:
+                batches = [collate_rollout(mb, seq_length=rollout.seq_length, pad_id=self.tokenizer.pad_id)
+                           for mb in data_parallel_slice(share, micro_batch_size=self.cfg.parallel.micro_batch_size)]
+                self.packing.add(train_tokens=len(share) * rollout.seq_length,
+                                 real_tokens=sum(row_tokens(row) for row in share))
+            else:
+                batches, figures = self.pack(share)
+                self.packing.add(**figures)
+            minibatches.append(batches)
+        return minibatches
 
-    def old_and_reference_logprobs(self, minibatches: list[list[dict]], *, seq_length: int) -> None:
+    def pack(self, rows: list[dict]) -> tuple[list[dict], dict]:
+        """This DP rank's packed micro-batches of one mini-batch (parallel.micro_batch_tokens)."""
+        from megatron.core import parallel_state as ps
+
+        dims = self.engine.opts.dims
+        return pack_minibatch(rows, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                              token_budget=self.cfg.parallel.micro_batch_tokens, multiple=self.engine.sequence_multiple,
+                              count_multiple=dims.pp if dims.vpp > 1 else 1, pad_id=self.tokenizer.pad_id,
+                              transformer_engine=self.engine.opts.transformer_engine)
+
+    def old_and_reference_logprobs(self, minibatches: list[list[dict]]) -> None:
         """The old policy's log-probs (when recomputed) and the reference's, from the weights that sampled the
         rollout: call before its first optimizer step."""
         for batches in minibatches:
             if self.recompute_old_logprobs:
-                self.engine.recompute_old_logprobs(batches, seq_length=seq_length)
+                self.engine.recompute_old_logprobs(batches, seq_length=forward_length(batches))
             if self.reference is not None:
-                self.engine.reference_logprobs(self.reference, batches, seq_length=seq_length)
+                self.engine.reference_logprobs(self.reference, batches, seq_length=forward_length(batches))
 
     def record_policy_step(self, totals: dict[str, list[float]], epoch: int, metrics: dict[str, float]) -> None:
         """Add one policy optimizer step's metrics to ``totals``: the first step's ratio range, and per-epoch
@@ -329,6 +351,27 @@ class GrpoRun:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+@dataclasses.dataclass
+class PackingFigures:
+    """Tokens the training forwards compute (padding included) and tokens of the rows, over a step's mini-batches."""
+
+    train_tokens: float = 0.0
+    real_tokens: float = 0.0
+
+    def add(self, *, train_tokens: float, real_tokens: float) -> None:
+        self.train_tokens += train_tokens
+        self.real_tokens += real_tokens
+
+    def ratio(self) -> float:
+        """train_tokens_per_real_token: 1.0 is no padding at all."""
+        return self.train_tokens / max(self.real_tokens, 1.0)
+
+
+def forward_length(batches: list[dict]) -> int:
+    """The sequence length Megatron's schedule runs a mini-batch's micro-batches at (padded or packed: all alike)."""
+    return batches[0]["tokens"].shape[1]
+
+
 def wants_recomputed_old_logprobs(cfg: JobConfig, shape: ModelShape, engine: Engine) -> bool:
     """algorithm.recompute_old_logprobs, with auto resolved: recompute whenever generation's kernels may differ
     from training's (bf16 or fp16 numerics, Transformer Engine layers, MoE routing)."""

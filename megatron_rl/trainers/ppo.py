@@ -57,7 +57,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
             minibatches = run.minibatches(batch.kept)
             seq_length = batch.kept.seq_length
             with training_phase(run.engine), training_phase(run.critic):
-                run.old_and_reference_logprobs(minibatches, seq_length=seq_length)
+                run.old_and_reference_logprobs(minibatches)
                 rollout_metrics = run.advantages(minibatches, seq_length=seq_length)  # values, GAE, whitening
                 train_metrics = run.update(minibatches, seq_length=seq_length,
                                            train_policy=step > run.algo.critic_warmup_steps)

@@ -125,7 +125,6 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     max_length = pairs.preference_max_length(cfg, shape)
     encoder, train_data, eval_data = pairs.load_pairs(cfg, shape, max_length=max_length)
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
-    engine.micro_batch_size = 2 * cfg.parallel.micro_batch_size  # sequences per micro-batch: chosen + rejected
     metadata = reward_model_metadata(cfg, shape, max_length=max_length)
     ctx.extra_state = lambda: {"reward_model": metadata}
     batcher = PairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)

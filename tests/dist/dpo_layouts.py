@@ -39,7 +39,6 @@ def run_layout(model: str, sizes: dict) -> dict:
                              *(f"parallel.{key}={value}" for key, value in sizes.items())])
     shape = load_model_shape(model)
     engine = build_engine(cfg, shape)
-    engine.micro_batch_size = 2 * cfg.parallel.micro_batch_size
     records = synthetic_preference_records("prefer_last_digit", split="train", num_pairs=PAIRS, seed=3)
     data = tokenize_pairs(records, SequenceEncoder(CharTokenizer()), max_length=32, truncation="truncate",
                           vocab_size=shape.vocab_size, name="fixed", response_starts=True)

@@ -98,7 +98,6 @@ def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
                              "algorithm.global_batch_size=4", "parallel.micro_batch_size=1", "optimizer.lr=1e-3",
                              "algorithm.rm_centering_coef=0.01"])
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
-    engine.micro_batch_size = 2
     assert load_reward_model_weights(rm_dir, engine.chunks)
     tok = CharTokenizer()
     seqs = [tok.encode(p + c, add_bos=True) for p, c in zip(PROMPTS, COMPLETIONS)]

@@ -177,7 +177,7 @@ def main() -> None:
     free_batch = {key: whole[key] for key in ("tokens", "labels", "position_ids")}
 
     probe = RouterProbe(chunks, tp_rank, tp)
-    forward_logprobs(engine.chunks, [free_batch], seq_length=seq_length, micro_batch_size=len(rows))
+    forward_logprobs(engine.chunks, [free_batch], seq_length=seq_length)
     result["recording"] = compare(probe, probe.calls, full_tokens, recorded)
     result["recorded_slots"] = int(recorded[0].size(1))
     result["recorded_positions"] = sum(int(route.size(0)) for route in recorded)
@@ -193,10 +193,10 @@ def main() -> None:
             if isinstance(module, TopKRouter):
                 module.weight.data += 0.5 * torch.randn(module.weight.shape, generator=noise)
     probe.calls.clear()
-    forward_logprobs(engine.chunks, [free_batch], seq_length=seq_length, micro_batch_size=len(rows))
+    forward_logprobs(engine.chunks, [free_batch], seq_length=seq_length)
     result["perturbed_free"] = compare(probe, probe.calls, full_tokens, recorded)
     probe.calls.clear()
-    forward_logprobs(engine.chunks, [whole], seq_length=seq_length, micro_batch_size=len(rows))
+    forward_logprobs(engine.chunks, [whole], seq_length=seq_length)
     result["replayed"] = compare(probe, probe.calls, full_tokens, recorded)
     probe.remove()
 

@@ -171,6 +171,11 @@ class ParallelConfig:
     """Even split only: count the output layer and loss as one layer (the last stage gets one fewer)."""
     micro_batch_size: int = 32
     """Sequences per micro-batch."""
+    micro_batch_tokens: Optional[int] = None
+    """GRPO: pack the training and log-prob forwards' rows into micro-batches of at most this many tokens, each
+    row attending only to itself (sequence packing: no padding to the longest row; megatron_rl/rollout/packing.py),
+    instead of micro_batch_size rows padded to the longest. A row longer than this gets a micro-batch of its
+    own. null: padded micro-batches."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full."""
     recompute_num_layers: Optional[int] = None
@@ -193,7 +198,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive("parallel", tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep, etp=self.etp,
-                  micro_batch_size=self.micro_batch_size, first_stage_layers=self.first_stage_layers,
+                  micro_batch_size=self.micro_batch_size, micro_batch_tokens=self.micro_batch_tokens,
+                  first_stage_layers=self.first_stage_layers,
                   last_stage_layers=self.last_stage_layers, timeout_s=self.timeout_s,
                   recompute_num_layers=self.recompute_num_layers, rollout_tp=self.rollout_tp,
                   rollout_pp=self.rollout_pp)
@@ -825,10 +831,6 @@ class JobConfig:
             raise ConfigError(
                 f"cluster.nodes={self.cluster.nodes} with cluster.executor=local; local runs use one node "
                 "(set cluster.nodes=1 or cluster.executor=slurm)")
-        if self.algorithm.global_batch_size % self.parallel.micro_batch_size:
-            raise ConfigError(
-                f"parallel.micro_batch_size={self.parallel.micro_batch_size} does not divide "
-                f"algorithm.global_batch_size={self.algorithm.global_batch_size}")
         self._check_runtime()
         self._check_rollout_placement()
         overlong = self.algorithm.overlong

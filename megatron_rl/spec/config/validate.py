@@ -8,7 +8,14 @@ from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.limits import check_job_limits, check_limits, trainer_limits
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.spec.parallel import ParallelDims, microbatch_error, mla_error, pads_sequences, sequence_error
+from megatron_rl.spec.parallel import (
+    ParallelDims,
+    microbatch_error,
+    mla_error,
+    packing_error,
+    pads_sequences,
+    sequence_error,
+)
 
 
 def with_pipeline_split(cfg: JobConfig, shape: ModelShape) -> JobConfig:
@@ -32,10 +39,12 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     dp = dims.dp
     transformer_engine = cfg.runtime.uses_transformer_engine(gpus=cfg.cluster.has_gpus)
     seq = cfg.model.seq_length or shape.seq_length
-    why = (microbatch_error(cfg.algorithm.global_batch_size, micro_batch=par.micro_batch_size, dp=dp, pp=dims.pp,
-                            vpp=dims.vpp)
+    packs = par.micro_batch_tokens is not None  # micro-batches of tokens, any number of rows (rollout/packing.py)
+    why = ((None if packs else microbatch_error(cfg.algorithm.global_batch_size, micro_batch=par.micro_batch_size,
+                                                dp=dp, pp=dims.pp, vpp=dims.vpp))
            or sequence_error(seq, tp=dims.tp, cp=dims.cp, sp=dims.sp, pads=pads_sequences(cfg.algorithm.name))
-           or mla_error(shape, tp=dims.tp, cp=dims.cp, sp=dims.sp, transformer_engine=transformer_engine))
+           or mla_error(shape, tp=dims.tp, cp=dims.cp, sp=dims.sp, transformer_engine=transformer_engine)
+           or packing_error(par.micro_batch_tokens, algorithm=cfg.algorithm.name, cp=dims.cp))
     if why is not None:
         raise ConfigError(why)
     if cfg.algorithm.name == "grpo" and cfg.algorithm.rollout_size % dp:

@@ -1,0 +1,121 @@
+"""Packed against padded GRPO micro-batches on one rank layout (torchrun, gloo, CPU): two engines with the same
+weights, one fed micro_batch_size rows padded to the longest, the other the rows packed by tokens
+(megatron_rl/rollout/packing.py). Each rank writes the largest log-prob difference per row (the old-log-prob
+pass), the two optimizer steps' loss and grad norm, and the largest parameter difference after them.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist/packing_check.py --tp 2 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+
+import torch
+
+
+def rollout_rows(count: int, *, vocab: int, seed: int) -> list[dict]:
+    """Rows of uneven prompt and response lengths (a long tail), ids ``id`` 0..count-1."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
+        response = [rng.randrange(3, vocab) for _ in range(rng.choice([1, 2, 3, 5, 8, 21]))]
+        rows.append({"id": i, "prompt_ids": prompt, "response_ids": response,
+                     "logprobs": [-rng.uniform(0.5, 4.0) for _ in response], "advantage": rng.uniform(-1.5, 1.5),
+                     "in_loss": i % 7 != 3})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--budget", type=int, default=40)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from megatron.core import parallel_state as ps
+
+    from dist_common import write_rank_result
+    from megatron_rl.algorithms.policy_loss import GRPOLossConfig
+    from megatron_rl.models import unwrap
+    from megatron_rl.rollout.batch import collate_rollout, make_grpo_loss
+    from megatron_rl.rollout.packing import pack_minibatch, pack_rows, row_tokens
+    from megatron_rl.runtime.distributed import initialize, job_dims
+    from megatron_rl.runtime.training import build_engine, data_parallel_slice, logits_forward
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
+
+    cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp or 'null'}",
+                                 "algorithm.global_batch_size=24", "algorithm.prompts_per_step=6", "algorithm.group_size=4", "parallel.micro_batch_size=4", "run.seed=5",
+                                 "optimizer.lr=0.01", "algorithm.kl_coef=0", "algorithm.loss_aggregation=seq-mean-token-mean"])
+    initialize(job_dims(tp=args.tp, pp=args.pp, vpp=args.vpp or 1), seed=cfg.run.seed)
+    shape = load_model_shape("tiny-cpu")
+    if args.layers:
+        shape = dataclasses.replace(shape, num_layers=args.layers)
+    padded_engine = build_engine(cfg, shape, total_steps=4)
+    packed_engine = build_engine(cfg, shape, total_steps=4)
+    for a, b in zip(padded_engine.chunks, packed_engine.chunks):
+        unwrap(b).load_state_dict(unwrap(a).state_dict())
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = rollout_rows(cfg.algorithm.global_batch_size, vocab=shape.vocab_size, seed=3)
+    multiple = padded_engine.sequence_multiple
+    longest = max(row_tokens(r) for r in rows)
+    seq_length = -(-longest // multiple) * multiple
+    padded_ids = [[r["id"] for r in mb] for mb in data_parallel_slice(rows, micro_batch_size=4)]
+    padded = [collate_rollout(mb, seq_length=seq_length, pad_id=0)
+              for mb in data_parallel_slice(rows, micro_batch_size=4)]
+    count_multiple = args.pp if (args.vpp or 1) > 1 else 1
+    packed, figures = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=args.budget, multiple=multiple,
+                                     count_multiple=count_multiple, pad_id=0, transformer_engine=False)
+    per_rank, packed_length = pack_rows([row_tokens(r) for r in rows], dp=dp, token_budget=args.budget,
+                                        multiple=multiple, count_multiple=count_multiple)
+    packed_ids = [[i if i >= 0 else None for i in b] for b in per_rank[dp_rank]]
+
+    padded_engine.recompute_old_logprobs(padded, seq_length=seq_length)
+    packed_engine.recompute_old_logprobs(packed, seq_length=packed_length)
+    result = {"dp": dp, "dp_rank": dp_rank, "microbatches": len(packed), "packed_length": packed_length,
+              "figures": figures, "rows_compared": 0, "max_logprob_diff": 0.0}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        logp_of = {}
+        for ids, batch in zip(padded_ids, padded):
+            for j, i in enumerate(ids):
+                logp_of[i] = (batch["old_logp"][j], batch["loss_mask"][j])
+        packed_here = set()
+        for ids, batch in zip(packed_ids, packed):
+            for j, i in enumerate(ids):
+                if i is None:
+                    continue
+                packed_here.add(i)
+                mask = batch["loss_mask"][j]
+                width = mask.shape[0]
+                ref, ref_mask = logp_of.get(i, (None, None)) if dp == 1 else (None, None)
+                if ref is None:
+                    continue
+                assert torch.equal(ref_mask[:width], mask) and ref_mask[width:].sum() == 0
+                diff = float(((batch["old_logp"][j] - ref[:width]).abs() * mask).max())
+                result["max_logprob_diff"] = max(result["max_logprob_diff"], diff)
+                result["rows_compared"] += 1
+
+    loss_fn = make_grpo_loss(GRPOLossConfig.from_algorithm(cfg.algorithm, max_response_len=32))
+    steps = []
+    for _ in range(2):
+        a = padded_engine.train_step(padded, loss_fn, seq_length=seq_length, report_names=("loss", "pg_loss", "ratio_min", "ratio_max"),
+                                     forward_fn=logits_forward)
+        b = packed_engine.train_step(packed, loss_fn, seq_length=packed_length, report_names=("loss", "pg_loss", "ratio_min", "ratio_max"),
+                                     forward_fn=logits_forward)
+        steps.append({"padded": a, "packed": b})
+    result["steps"] = steps
+    result["max_param_diff"] = max(float((p - q).abs().max()) for a, b in zip(padded_engine.chunks, packed_engine.chunks)
+                                   for p, q in zip(unwrap(a).parameters(), unwrap(b).parameters()))
+    write_rank_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
