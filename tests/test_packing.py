@@ -71,6 +71,12 @@ def test_a_rank_with_fewer_rows_than_micro_batches_gets_a_copy_outside_the_loss(
     assert figures == {"train_tokens": 400.0, "real_tokens": 300.0}
 
 
+def test_a_rank_without_rows_runs_a_copy_outside_the_loss():
+    """Fewer rows than data-parallel ranks (a packed job needs no global batch divisible by dp)."""
+    per_rank, packed = pack_rows([30, 20, 10], dp=4, token_budget=64)
+    assert per_rank == [[[0]], [[1]], [[2]], [[-3]]] and packed == 30
+
+
 def _rows(seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []

@@ -50,7 +50,9 @@ def pack_rows(lengths: list[int], *, dp: int, token_budget: int, multiple: int =
     for rows, bins in zip(ranks, first_fit):
         # the fewest micro-batches first fit needs, then the rows spread evenly over that many (longest first,
         # to the lightest), whichever leaves the fullest one lighter: T follows the fullest of all
-        candidates = (_to_count(bins, lengths, count), _to_count(_spread(rows, lengths, count), lengths, count))
+        spare = min(rows or range(len(lengths)), key=lambda i: (lengths[i], i))  # a rank without rows copies one
+        candidates = (_to_count(bins, lengths, count, spare),
+                      _to_count(_spread(rows, lengths, count), lengths, count, spare))
         bins_per_rank.append(min(candidates, key=lambda c: max(load(b) for b in c)))
     fullest = max(load(b) for bins in bins_per_rank for b in bins)
     return bins_per_rank, -(-fullest // multiple) * multiple
@@ -86,18 +88,15 @@ def _first_fit_decreasing(rows: list[int], lengths: list[int], capacity: int) ->
     return bins
 
 
-def _to_count(bins: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:
+def _to_count(bins: list[list[int]], lengths: list[int], count: int, spare: int) -> list[list[int]]:
     bins = [list(b) for b in bins]
     while len(bins) < count:
         splittable = [b for b in bins if len(b) > 1]
         if splittable:
             fullest = max(splittable, key=lambda b: sum(lengths[i] for i in b))
             bins.append([fullest.pop()])
-        else:  # fewer rows than micro-batches: a copy of the shortest row, kept out of the loss
-            shortest = min((i for b in bins for i in b), key=lambda i: lengths[i], default=None)
-            if shortest is None:
-                raise ValueError("a data-parallel rank has no rows to pack")
-            bins.append([-1 - shortest])
+        else:  # fewer rows than micro-batches: a copy of the rank's shortest row, kept out of the loss
+            bins.append([-1 - spare])
     return bins
 
 

@@ -108,6 +108,8 @@ class GrpoRun:
         self.warmup_done = 0
         self.recompute_old_logprobs = wants_recomputed_old_logprobs(cfg, shape, self.engine)
         self.report_names = REPORTS
+        self.packing = PackingFigures()
+        """The last rollout's training tokens against its rows' own (``minibatches``)."""
         ctx.extra_state = self.extra_state
 
     # ------------------------------------------------------------------ state
