@@ -19,7 +19,7 @@ from megatron_rl.spec.config.validate import check_layout, with_pipeline_split
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.limits import check_limits, trainer_limits
 from megatron_rl.spec.model_shape import ModelShape, load_model_shape
-from megatron_rl.spec.parallel import pads_sequences
+from megatron_rl.spec.parallel import PACKING_CP_REASON, pads_sequences
 from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
 from megatron_rl.spec.run_files import CONFIG_FILE
 
@@ -134,6 +134,8 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
 
     algo, par = cfg.algorithm, cfg.parallel
     limits = trainer_limits(shape, algo.name)
+    if par.micro_batch_tokens is not None:
+        limits = {**limits, "cp": (1, PACKING_CP_REASON)}
     given_parallel = {key.removeprefix("parallel.") for key in given if key.startswith("parallel.")}
     check_limits({key: getattr(par, key) for key in given_parallel}, limits)
     if shape.is_moe and "etp" in given_parallel:
@@ -216,6 +218,17 @@ def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset(),
     check_run_dir(run_dir)
     if first_start:
         check_fresh_start(cfg)
-    return PreparedJob(cfg=cfg, shape=shape, executor=executor, run_dir=run_dir, data_parallel_size=dp,
-                       plan=result, prediction=result or evaluate_layout(cfg, shape),
-                       unresolved=dict(unresolved or {}))
+    prediction = result or evaluate_layout(cfg, shape)
+    return PreparedJob(cfg=with_planned_kv_memory(cfg, prediction), shape=shape, executor=executor, run_dir=run_dir,
+                       data_parallel_size=dp, plan=result, prediction=prediction, unresolved=dict(unresolved or {}))
+
+
+def with_planned_kv_memory(cfg: JobConfig, prediction) -> JobConfig:
+    """cfg with the KV memory the planner chose for its layout (``PlanResult.kv_pool``) written where the config
+    leaves it null on a GPU job: generation.kv_memory_gib, or generation.max_concurrent for an MLA model, which
+    the static engine runs in waves. Unchanged when the user gave it, on CPU jobs and outside the RL trainers."""
+    pool = prediction.kv_pool if prediction is not None else None
+    if pool is None or pool.source != "chosen":
+        return cfg
+    key = pool.key.removeprefix("generation.")
+    return dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, **{key: pool.value}))

@@ -31,10 +31,6 @@ KIMI_K2 = Path(__file__).parent / "data" / "kimi-k2-config.json"
 """A Kimi-K2-shaped HF config.json (DeepSeek-V3 architecture, 1.03T parameters, 32.9B active)."""
 H200 = ["model.name=llama-3.1-405b", "cluster.gpu_type=h200-141gb", "cluster.gpus_per_node=8",
         "cluster.tasks_per_node=8"]
-DEEPSEEK_CAP = ["generation.max_concurrent=32"]
-"""DeepSeek-V3 on 256 H200 decoding all 128 rows per rank at once needs 116 GiB of KV cache per GPU: with the
-planner's 5% safety margin no layout fits, so the job built from the 70B config caps the rows decoded at once,
-as configs/grpo_deepseek_v3.yaml does."""
 JOBS = {
     "grpo-llama70b-8-nodes": ("grpo_llama70b", []),
     "grpo-llama405b-32-nodes-h200": ("grpo_llama70b", [*H200, "cluster.nodes=32"]),
@@ -42,13 +38,13 @@ JOBS = {
     "grpo-qwen3-235b-16-nodes-h200": ("grpo_llama70b", [*H200, "model.name=qwen3-235b-a22b", "cluster.nodes=16"]),
     "rm-qwen3-235b-16-nodes-h200": ("grpo_llama70b", [*H200, "model.name=qwen3-235b-a22b", "cluster.nodes=16",
                                                       "algorithm.name=rm"]),
-    "grpo-deepseek-v3-32-nodes-h200": ("grpo_llama70b", [*H200, "model.name=deepseek-v3", "cluster.nodes=32",
-                                                         *DEEPSEEK_CAP]),
+    "grpo-deepseek-v3-32-nodes-h200": ("grpo_llama70b", [*H200, "model.name=deepseek-v3", "cluster.nodes=32"]),
     "grpo-kimi-k2-shaped-64-nodes-h200": ("grpo_llama70b", [*H200, f"model.name={KIMI_K2}", "cluster.nodes=64"]),
     "grpo-shipped-llama405b": ("grpo_llama405b", []),
     "grpo-shipped-qwen3-235b": ("grpo_qwen3_235b", []),
     "rm-shipped-qwen3-235b": ("rm_qwen3_235b", []),
     "grpo-shipped-deepseek-v3": ("grpo_deepseek_v3", []),
+    "grpo-shipped-llama8b": ("grpo_llama8b", []),
     "pretrain-llama70b-4-nodes": ("grpo_llama70b", ["algorithm.name=pretrain", "cluster.nodes=4"]),
     "sft-llama70b-4-nodes-given-pp8": ("grpo_llama70b", ["algorithm.name=sft", "cluster.nodes=4", "parallel.pp=8"]),
     "rm-tiny": ("rm_tiny", ["parallel.auto=true"]),
@@ -97,6 +93,7 @@ def test_the_grpo_sizing_comes_from_the_config(capsys):
     assert planned["workload"]["grpo"] == {"rollout_batch_size": 128 * 16, "max_prompt_length": 4096 // 4,
                                            "max_response_length": 2048, "mean_response_length": 1024.0,
                                            "samples_per_prompt": 16, "generation_concurrency": None,
+                                           "kv_memory_gib": None, "kv_block_tokens": 256,
                                            "reference_model": True, "recompute_old_logprobs": True,
                                            "reward_model": False, "train_seq_length": 1024 + 2048,
                                            "optimizer_steps": 128 * 16 // 512,
@@ -122,8 +119,8 @@ def test_keys_that_need_other_sizes_are_completed_by_the_planner(capsys, tmp_pat
 
 
 def test_generation_max_concurrent_bounds_the_planned_kv_cache(capsys):
-    """generation.max_concurrent reaches the planner, which sizes the KV cache for that many sequences per rollout
-    worker (the runtime generates in waves of that many), not for the worker's whole share of the rollout."""
+    """generation.max_concurrent reaches the planner, which sizes the KV pool it picks for that many sequences at
+    once per rollout worker, not for the worker's whole share of the rollout."""
     whole = _plan(capsys, "--config", "grpo_llama70b")
     held = [f"parallel.{key}={whole['layout'][key]}" for key in ("tp", "pp", "vpp", "cp", "ep")]
     capped = _plan(capsys, "--config", "grpo_llama70b", "generation.max_concurrent=16", *held)
@@ -134,6 +131,63 @@ def test_generation_max_concurrent_bounds_the_planned_kv_cache(capsys):
     assert capped["layout"] == whole["layout"]
     ratio = capped["memory_gib"]["kv_cache_generating"] / whole["memory_gib"]["kv_cache_generating"]
     assert ratio == pytest.approx(16 / per_worker, rel=1e-2)  # GiB rounded to 3 decimals
+
+
+def _dry_run_generation(capsys, tmp_path, config: str | None, overrides: list[str]) -> dict:
+    args = [*_config_args(config), *overrides, *PATHS, f"run.dir={tmp_path / 'run'}", "--dry-run"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    return yaml.safe_load(out.split("# resolved config\n", 1)[1].split("\n# layout chosen", 1)[0])["generation"]
+
+
+NEMO_RL_8B = ["model.name=llama-3.1-8b", "cluster.nodes=2", "generation.max_new_tokens=3584",
+              "generation.mean_new_tokens=1060"]
+"""The rollout issue's Llama-3.1-8B job from the 70B config: NeMo RL's 16 H100, 128 prompts x 16, prompts of 1,024
+and responses up to 3,584 tokens, 1,060 on average."""
+
+
+@pytest.mark.parametrize("config, overrides", [("grpo_llama8b", []), ("grpo_llama70b", NEMO_RL_8B)],
+                         ids=["shipped", "issue"])
+def test_llama8b_grpo_at_nemo_rls_setting_plans_on_16_h100_with_the_kv_pool_it_picks(capsys, tmp_path, config,
+                                                                                      overrides):
+    """The KV pool follows the tokens the rows hold, so the job fits on NeMo RL's 16 H100 without a hand cap;
+    launch writes the pool the plan shows into generation.kv_memory_gib. The cache the old engine allocated
+    (every completion at its longest) does not fit there."""
+    planned = _plan(capsys, "--config", config, *overrides)
+    assert planned["fits"] and planned["workload"]["gpus"] == 16
+    pool = planned["kv_pool"]
+    assert pool["source"] == "chosen" and pool["engine"] == "paged" and pool["key"] == "generation.kv_memory_gib"
+    assert pool["gib"] == pytest.approx(planned["memory_gib"]["kv_cache_generating"], abs=0.01)
+    share = 2048 / (planned["layout"]["dp"] * planned["layout"]["cp"])
+    assert pool["rows_at_once"] == share  # every row of the rank decodes at once
+    launched = _dry_run_generation(capsys, tmp_path, config, overrides)
+    assert launched["kv_memory_gib"] == pool["gib"]
+    every_row = share * (1024 + launched["max_new_tokens"]) * 32 * 2 * 8 * 128 * 2 / 2**30 / planned["layout"]["tp"]
+    assert every_row > 2 * pool["gib"]
+    assert cli.main(["plan", "--config", config, *overrides, f"generation.kv_memory_gib={every_row:.2f}",
+                     *(f"parallel.{k}={planned['layout'][k]}" for k in ("tp", "pp", "cp"))]) == 3
+    assert "no layout" in capsys.readouterr().err
+
+
+def test_deepseek_v3_plans_without_a_cap_and_launch_writes_the_rows_of_a_wave(capsys, tmp_path):
+    """MLA still runs the static engine (waves of generation.max_concurrent rows, each cached at its longest): for
+    the shipped DeepSeek-V3 config, which sets no cap, the planner picks the rows of a wave and launch writes them;
+    a given cap is kept."""
+    planned = _plan(capsys, "--config", "grpo_deepseek_v3")
+    pool = planned["kv_pool"]
+    assert pool["engine"] == "static" and pool["source"] == "chosen" and pool["key"] == "generation.max_concurrent"
+    assert _dry_run_generation(capsys, tmp_path, "grpo_deepseek_v3", [])["max_concurrent"] == pool["value"] >= 1
+    capped = _plan(capsys, "--config", "grpo_deepseek_v3", "generation.max_concurrent=4")["kv_pool"]
+    assert (capped["source"], capped["value"]) == ("given", 4)
+    assert _dry_run_generation(capsys, tmp_path, "grpo_deepseek_v3",
+                               ["generation.max_concurrent=4"])["max_concurrent"] == 4
+
+
+def test_a_cpu_job_keeps_the_engines_default_pool(capsys, tmp_path):
+    """On CPU jobs the GPU memory model does not apply: nothing is written, and the plan says so."""
+    planned = _plan(capsys, "parallel.auto=true")
+    assert planned["kv_pool"]["source"] == "every row"
+    assert _dry_run_generation(capsys, tmp_path, None, ["parallel.auto=true"])["kv_memory_gib"] is None
 
 
 @pytest.mark.parametrize("where", ["command line", "yaml file", "--layout"])

@@ -208,7 +208,7 @@ def test_ppo_generation_has_the_critics_offloaded_optimizer_state_to_spare_too()
     KV cache that training must make room for is what exceeds the activations and both models' state."""
     sizing = GrpoSizing(rollout_batch_size=2048, max_prompt_length=1024, max_response_length=8192,
                         samples_per_prompt=16, kv_cache_released_for_training=True,
-                        optimizer_offloaded_for_generation=True)
+                        optimizer_offloaded_for_generation=True, plans_kv_memory=False)  # one pool for both
     lay = "tp=8,pp=2,vpp=1,cp=1,mbs=1,recompute=full"
     grpo = evaluate(LLAMA, lay, mode="grpo", grpo=sizing, **KW).estimate
     ppo = evaluate(LLAMA, lay, mode="ppo", grpo=sizing, **KW).estimate

@@ -15,9 +15,9 @@ from launcher.planner import GrpoSizing, evaluate, layout_arg
 from launcher.planner.costs import HBM_EFFICIENCY, IB_LATENCY_S, LINK_EFFICIENCY, NVLINK_LATENCY_S, Workload
 from launcher.planner.estimate import RL_PARTS, TRAINING_PARTS, Layout
 from launcher.planner.gpus import get_gpu
-from launcher.planner.rl_step import (COMPACTION_SLACK, DECODE_LAYER_OVERHEAD_S, SAMPLING_BYTES_PER_LOGIT,
-                                      _pipelined, _pipelined_decode_step, _stages,
-                                      generation_time, rollout)
+from launcher.planner.rl_step import (COMPACTION_SLACK, DECODE_LAYER_OVERHEAD_S, KV_HEADROOM,
+                                      SAMPLING_BYTES_PER_LOGIT, _pipelined, _pipelined_decode_step, _stages,
+                                      generation_time, kv_pool, rollout)
 
 H100 = "h100-80gb"
 SIZING = dict(rollout_batch_size=2048, max_prompt_length=1024, max_response_length=2048, samples_per_prompt=16,
@@ -62,7 +62,7 @@ def test_the_70b_grpo_breakdown_sums_to_the_step_and_its_training_part_is_plan_m
 def test_the_printed_plan_states_the_rollout_the_runtime_and_both_mfus(capsys):
     assert cli(["plan", "--config", "grpo_llama70b", "--mean-response-len", "512"]) == 0
     text = capsys.readouterr().out
-    assert "mean response 512 (--mean-response-len)" in text and "4 optimizer steps at 3072 tokens" in text
+    assert "mean response 512 (--mean-response-len" in text and "4 optimizer steps at 3072 tokens" in text
     assert "in training (its FLOPs over its time)" in text and "over the whole step" in text
     assert "generation decode" in text and "phase switches (KV, offload)" in text
     assert "Runtime     Transformer Engine, flash attention, TP overlap off" in text
@@ -139,7 +139,8 @@ def test_decode_is_the_max_of_memory_compute_and_the_launch_floor_plus_tp_all_re
     w = Workload(shape=shape, gpu=get_gpu(H100), num_gpus=8, seq_length=4096, global_batch_size=64, mode="grpo",
                  grpo=GrpoSizing(**{**SIZING, "rollout_batch_size": 64, "samples_per_prompt": 8}))
     lay = Layout(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
-    prefill, decode, kv_wave, waves = generation_time(w, lay, rollout(w))
+    prefill, decode = generation_time(w, lay, rollout(w))
+    pool = kv_pool(w, lay)
     hbm = 3.35e12 * HBM_EFFICIENCY
     fed = 64 * COMPACTION_SLACK * 1024 / 2048  # compaction: rows fed follow the rows alive
     context = 1024 + 2 / 3 * 1024  # mean context of a fed row (lengths spread evenly up to twice the mean)
@@ -150,21 +151,24 @@ def test_decode_is_the_max_of_memory_compute_and_the_launch_floor_plus_tp_all_re
     floor = 80 * DECODE_LAYER_OVERHEAD_S
     all_reduces = 80 * 2 * (2 * NVLINK_LATENCY_S + fed * 8192 * 2 * 2 * 7 / 8 / (450e9 * LINK_EFFICIENCY))
     sampling = fed * shape.vocab_size * SAMPLING_BYTES_PER_LOGIT / hbm + 2 * NVLINK_LATENCY_S
-    assert waves == 1 and decode == pytest.approx(2048 * (max(memory, compute, floor) + all_reduces + sampling),
-                                                  rel=1e-9)
-    assert kv_wave == pytest.approx(64 * 3072 * 80 * 256 * 2, rel=1e-9)  # the static cache, rows x longest length
+    # the pool holds every row at once (no row waits): its share of the group's prompt, 1.25 x the mean response
+    # and half a 256-token block each
+    assert pool.source == "chosen" and pool.rows == 64
+    assert pool.tokens == pytest.approx(64 * (1024 / 8 + KV_HEADROOM * 1024 + 128), rel=1e-12)
+    assert decode == pytest.approx(2048 * (max(memory, compute, floor) + all_reduces + sampling), rel=1e-9)
     # prefill: 64 / 8 distinct prompts of 1024 tokens, compute-bound
     assert prefill < decode / 20
 
 
-def test_a_longer_mean_response_costs_decode_and_concurrency_makes_waves():
+def test_a_longer_mean_response_costs_decode_and_a_concurrency_cap_costs_time_and_memory():
     base = _grpo("tp=8,pp=1,cp=1,mbs=1,recompute=full")
     longer = _grpo("tp=8,pp=1,cp=1,mbs=1,recompute=full", mean_response_length=1900)
     assert longer.breakdown_s["generation_decode"] > base.breakdown_s["generation_decode"]
     assert longer.breakdown_s["compute"] == base.breakdown_s["compute"]  # training runs at the padded length
-    waves = _grpo("tp=8,pp=1,cp=1,mbs=1,recompute=full", generation_concurrency=64)  # 256 rows per rank: 4 waves
-    assert waves.kv_cache_generating == pytest.approx(base.kv_cache_generating / 4, rel=1e-9)
-    assert waves.breakdown_s["generation_decode"] > base.breakdown_s["generation_decode"]
+    capped = _grpo("tp=8,pp=1,cp=1,mbs=1,recompute=full", generation_concurrency=64)  # of 256 rows per rank
+    assert capped.kv_pool.rows == 64 and base.kv_pool.rows == 256
+    assert capped.kv_cache_generating == pytest.approx(base.kv_cache_generating / 4, rel=1e-9)
+    assert capped.breakdown_s["generation_decode"] > base.breakdown_s["generation_decode"]
 
 
 def test_pp_decodes_slower_than_the_same_gpus_without_it():
@@ -193,8 +197,9 @@ def test_the_optimizer_offload_crosses_pcie_twice():
     lay = "tp=8,pp=1,cp=1,mbs=1,recompute=full"
     on, off = _grpo(lay), _grpo(lay, optimizer_offloaded_for_generation=False)
     pcie = 64e9 * LINK_EFFICIENCY  # H100 SXM: PCIe Gen5 x16
+    hbm = 3.35e12 * HBM_EFFICIENCY  # and each pool zeroed once
     assert on.breakdown_s["phase_switch"] - off.breakdown_s["phase_switch"] == pytest.approx(
-        2 * on.optimizer / pcie, rel=1e-9)
+        2 * on.optimizer / pcie + (on.kv_pool.budget - off.kv_pool.budget) / hbm, rel=1e-9)
 
 
 def test_a_colocated_reward_model_counts_its_weights_and_a_scoring_pass():

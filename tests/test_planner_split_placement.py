@@ -1,6 +1,6 @@
 """The planner's split placement (cluster.rollout_tasks) and gloo collectives on GPUs, torch-free and fast:
 
-- a rollout GPU holds its bf16 weight shard and the KV cache of generation.max_concurrent rows, nothing else;
+- a rollout GPU holds its bf16 weight shard and a KV pool for generation.max_concurrent rows, nothing else;
 - the trainer GPUs hold no KV cache, and the step is trainer + generation (max_staleness=0) or the longer of the
   two (max_staleness > 0), with the weight sync on the trainer's side;
 - the layouts are searched over the training processes, with rollout_tasks a multiple of tp*pp and ep=1, and the
@@ -28,7 +28,7 @@ from launcher.planner import GrpoSizing, NoFeasibleLayout, Runtime, SplitPlaceme
 from launcher.planner.costs import IB_LATENCY_S, LINK_EFFICIENCY, TCP_GB_S, TCP_LATENCY_S, Workload
 from launcher.planner.estimate import Layout
 from launcher.planner.gpus import GIB, get_gpu
-from launcher.planner.rl_step import estimate, rollout_estimate, suggest_rollout_tasks, weight_sync_s
+from launcher.planner.rl_step import KV_HEADROOM, estimate, rollout_estimate, suggest_rollout_tasks, weight_sync_s
 
 LLAMA70B = load_model_shape("llama-3.3-70b")
 ROLLOUT = GrpoSizing(rollout_batch_size=256, max_prompt_length=512, max_response_length=1024, samples_per_prompt=8,
@@ -49,14 +49,20 @@ def _config(*overrides: str):
 
 # ---- memory ----
 
-def test_a_rollout_gpu_holds_its_weight_shard_and_the_kv_cache_of_max_concurrent_rows():
+POOL_TOKENS = 32 * (512 / 8 + KV_HEADROOM * 512 + 256 / 2)
+"""The pool the planner picks for 32 rows at once (generation.max_concurrent): each row's share of its group's prompt,
+KV_HEADROOM x the mean response (half the longest) and half a block."""
+
+
+def test_a_rollout_gpu_holds_its_weight_shard_and_a_kv_pool_for_max_concurrent_rows():
     w = _workload(SplitPlacement(rollout_gpus=16))
     gpu = rollout_estimate(w, TP8)
     # 16 rollout GPUs / (tp 8 x pp 1) = 2 replicas of 128 sequences each, decoded 32 at a time
     assert gpu.weights == LLAMA70B.num_params() * 2 / 8  # bf16, no gradients or optimizer state
     assert (gpu.gradients, gpu.optimizer, gpu.activations, gpu.reference_model) == (0, 0, 0, 0)
     kv_per_token_layer = 2 * (8 // 8) * 128 * 2  # K and V of one query group per TP rank, kv_channels 128, bf16
-    assert gpu.kv_cache == 32 * (512 + 1024) * 80 * kv_per_token_layer == 2_013_265_920
+    assert gpu.kv_pool.rows == 32 and gpu.kv_pool.source == "chosen"
+    assert gpu.kv_cache == pytest.approx(POOL_TOKENS * 80 * kv_per_token_layer, rel=1e-12)
     logits = 32 * LLAMA70B.vocab_size * 10  # the live rows' logits and sampling tensors
     assert gpu.inference_buffers > logits
     base = gpu.weights + gpu.kv_cache + gpu.inference_buffers
@@ -67,14 +73,15 @@ def test_a_rollout_gpu_holds_its_weight_shard_and_the_kv_cache_of_max_concurrent
 def test_rollout_replicas_at_their_own_tp_and_pp_are_sized_at_those():
     """parallel.rollout_tp / rollout_pp: 16 rollout GPUs at tp 4 x pp 2 beside a TP8 training layout are 2
     replicas; a GPU holds 1/8 of the layers' weights split over tp 4 x pp 2 (the fullest stage: half the layers)
-    and the KV cache of its stage's 40 layers at tp 4 (2 query groups per rank), for 32 rows."""
+    and the KV pool of its stage's 40 layers at tp 4 (2 query groups per rank), for 32 rows."""
     w = _workload(SplitPlacement(rollout_gpus=16, rollout_tp=4, rollout_pp=2))
     gpu = rollout_estimate(w, TP8)
     assert (gpu.layout.tp, gpu.layout.pp, gpu.layout.dp) == (4, 2, 2)
     same = rollout_estimate(_workload(SplitPlacement(rollout_gpus=16)), TP8)
     assert (same.layout.tp, same.layout.pp, same.layout.dp) == (8, 1, 2)
     kv_per_token_layer = 2 * (8 // 4) * 128 * 2
-    assert gpu.kv_cache == 32 * (512 + 1024) * 40 * kv_per_token_layer == same.kv_cache
+    assert gpu.kv_cache == pytest.approx(POOL_TOKENS * 40 * kv_per_token_layer, rel=1e-12)
+    assert gpu.kv_cache == pytest.approx(same.kv_cache, rel=1e-12)
     assert 0.45 * LLAMA70B.num_params() * 2 / 4 < gpu.weights < 0.6 * LLAMA70B.num_params() * 2 / 4
     assert rollout_replica_error(12, *SplitPlacement(rollout_gpus=12, rollout_tp=4, rollout_pp=2).replica(8, 1), 1) \
         .startswith("cluster.rollout_tasks=12 is not a multiple of the rollout replica's tp*pp = 4*2 = 8")
@@ -90,12 +97,13 @@ def test_the_trainer_gpus_hold_no_kv_cache_with_split_placement():
 
 
 def test_a_rollout_gpu_that_overflows_is_refused_with_the_reason():
-    everything = dataclasses.replace(ROLLOUT, rollout_batch_size=4096, generation_concurrency=None)
+    """A pool the planner picks fits by construction (it fills what memory leaves); a given one may not."""
+    everything = dataclasses.replace(ROLLOUT, rollout_batch_size=4096, generation_concurrency=None, kv_memory_gib=70)
     with pytest.raises(NoFeasibleLayout) as info:
         plan(LLAMA70B, num_gpus=32, gpu_type="h100-80gb", seq_length=4096, global_batch_size=512, mode="grpo",
              grpo=everything, split=SplitPlacement(rollout_gpus=8))
     text = str(info.value)
-    assert "\n" not in text and "rollout GPU memory" in text and "lower generation.max_concurrent" in text
+    assert "\n" not in text and "rollout GPU memory" in text and "lower generation.kv_memory_gib" in text
     assert "32 x h100-80gb training GPUs (+ 8 rollout)" in text
 
 

@@ -22,7 +22,7 @@ from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement, Workload
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.moe_comm import check_runtime
-from launcher.planner.rl_step import RL_MODES, RolloutSuggestion, rollout, suggest_rollout_tasks
+from launcher.planner.rl_step import RL_MODES, KvPool, RolloutSuggestion, generation_pool, rollout, suggest_rollout_tasks
 from launcher.planner.search import SearchOutcome, search
 from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from megatron_rl.spec.errors import ConfigError, as_yaml, did_you_mean
@@ -100,6 +100,11 @@ class PlanResult:
         return self.estimate.fits
 
     @property
+    def kv_pool(self) -> KvPool | None:
+        """RL modes: the paged engine's KV pool per generating GPU (the rollout GPUs' with split placement)."""
+        return generation_pool(self.estimate)
+
+    @property
     def predicted(self) -> dict[str, float]:
         """step_time_s, mfu (fraction of the bf16 peak), tokens_per_s_per_gpu."""
         e = self.estimate
@@ -147,6 +152,9 @@ def _summary(e: Estimate) -> dict:
            "time_breakdown_s": {k: round(v, 6) for k, v in e.breakdown_s.items()}}
     if e.split is not None:
         out["split"] = e.split.to_dict()
+    pool = generation_pool(e)
+    if pool is not None:
+        out["kv_pool"] = pool.to_dict()
     return out
 
 
@@ -244,6 +252,7 @@ def _describe(w: Workload) -> dict:
         out["grpo"] = {"rollout_batch_size": r.sequences, "max_prompt_length": r.prompt,
                        "max_response_length": r.response, "mean_response_length": r.mean_response,
                        "samples_per_prompt": r.group, "generation_concurrency": r.concurrency or None,
+                       "kv_memory_gib": g.kv_memory_gib, "kv_block_tokens": g.kv_block_tokens,
                        "reference_model": g.reference_model and w.mode != "eval",
                        "recompute_old_logprobs": g.recompute_old_logprobs and w.mode != "eval",
                        "reward_model": g.reward_model, "train_seq_length": r.train_seq,

@@ -144,11 +144,20 @@ class GrpoSizing:
     """Longest response in tokens; None = sequence length minus prompt length."""
     mean_response_length: int | None = None
     """Mean response length in tokens (step time depends on it); None = half of max_response_length. Lengths are
-    taken as spread evenly up to twice the mean (capped at the max), and some row of every wave reaches the max."""
+    taken as spread evenly up to twice the mean (capped at the max), and some row reaches the max."""
     samples_per_prompt: int = 1
     """Completions per prompt (algorithm.group_size): a group's shared prompt is prefilled once."""
     generation_concurrency: int | None = None
-    """Sequences decoded at once per generation data-parallel rank; None = all of its rollouts."""
+    """Cap on the sequences decoded at once per generation data-parallel rank (generation.max_concurrent); None =
+    no cap (the KV budget is the limit)."""
+    kv_memory_gib: float | None = None
+    """The paged engine's KV pool per GPU (generation.kv_memory_gib); None = the planner picks it per layout
+    (``plans_kv_memory``) or, when it does not, the engine's own default: every row at its longest."""
+    plans_kv_memory: bool = True
+    """With kv_memory_gib None: the planner picks the pool per layout (rl_step.kv_pool), as launch.py writes it
+    into generation.kv_memory_gib under parallel.auto; False: the engine's default, every row at its longest."""
+    kv_block_tokens: int = 256
+    """Tokens per KV block (generation.kv_block_tokens): a row holds half a block of rounding on average."""
     reference_model: bool = True
     """Keep a frozen bf16 reference model on the GPUs for the KL term (algorithm.kl_coef > 0)."""
     recompute_old_logprobs: bool = True
@@ -166,9 +175,15 @@ class GrpoSizing:
     optimizer_offloaded_for_generation: bool = False
     """True when optimizer state and grads wait in host memory while generating (generation.offload_optimizer):
     with the KV cache released for training, the cache also reuses their memory; the copies cost host-link time."""
-    packed: bool = False
-    """The training and log-prob forwards pack rows by tokens (parallel.micro_batch_tokens): they compute the
-    rows' own tokens (plus PACKING_SLACK), not every row padded to the longest."""
+    micro_batch_tokens: int | None = None
+    """parallel.micro_batch_tokens: the training and log-prob forwards pack rows into micro-batches of this many
+    tokens, computing the rows' own tokens (plus PACKING_SLACK), not every row padded to the longest; None =
+    padded."""
+
+    @property
+    def packed(self) -> bool:
+        """Whether the rows are packed (micro_batch_tokens set)."""
+        return self.micro_batch_tokens is not None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 from megatron_rl.spec.parallel import default_etp, virtual_stage_layers
 
 if TYPE_CHECKING:
-    from launcher.planner.rl_step import SplitStep
+    from launcher.planner.rl_step import KvPool, SplitStep
 from launcher.planner.costs import (
     ADAM_BYTES_PER_PARAM,
     DP_BUCKET_BYTES,
@@ -242,8 +242,8 @@ class Estimate:
     reference_model: float
     """Frozen bf16 reference model bytes (0 otherwise)."""
     kv_cache_generating: float
-    """RL: the whole KV cache while generating, on the same GPU (``kv_cache`` is what it adds to the training
-    phase's peak); sized for generation.max_concurrent sequences when that is set."""
+    """RL: the whole KV pool while generating, on this GPU (``kv_cache`` is what it adds to the training phase's
+    peak): ``kv_pool``'s tokens on this rank's layers."""
     overhead: float
     """Runtime reserve: fixed overhead plus fragmentation."""
     capacity: float
@@ -277,6 +277,9 @@ class Estimate:
     """Split placement: the rollout GPUs' memory and generation time, the trainer's time and the weight sync, and
     how they make step_time_s (rl_step.py); None when generation is colocated. The other fields are the trainer
     GPUs'."""
+    kv_pool: KvPool | None = None
+    """RL modes, colocated: the paged engine's KV pool per GPU and the rows it decodes at once (rl_step.kv_pool;
+    with split placement, ``split.rollout_gpu.kv_pool``)."""
 
     @property
     def total(self) -> float:

@@ -74,24 +74,27 @@ def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:
 
 
 def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_length: int | None = None) -> GrpoSizing:
-    """The GrpoSizing of an RL job: rollout size, response length (generation.max_new_tokens) and mean length,
-    group size, concurrency, reference model (kl_coef > 0), old log-prob recompute, epochs, colocated reward model,
+    """The GrpoSizing of an RL job: rollout size, response length (generation.max_new_tokens) and mean length
+    (``mean_response_length``, else generation.mean_new_tokens), group size, the engine's KV pool
+    (generation.kv_memory_gib, kv_block_tokens, max_concurrent; picked by the planner on GPU jobs when null),
+    reference model (kl_coef > 0), old log-prob recompute, epochs, colocated reward model,
     KV cache released for training and optimizer offload (generation.offload_optimizer; never with rollout tasks, where
     the trainer does not generate)."""
     algo, gen = cfg.algorithm, cfg.generation
-    if algo.name == "eval":  # held-out batches of prompts_per_step prompts x eval.samples, no reference or training
-        return GrpoSizing(rollout_batch_size=algo.prompts_per_step * cfg.eval.samples,
-                          max_response_length=gen.max_new_tokens, mean_response_length=mean_response_length,
-                          samples_per_prompt=cfg.eval.samples, generation_concurrency=gen.max_concurrent,
-                          reference_model=False, recompute_old_logprobs=False, epochs=1, reward_model=False)
     if mean_response_length is not None and not 1 <= mean_response_length <= gen.max_new_tokens:
         raise ConfigError(f"--mean-response-len {mean_response_length}: give a length from 1 to the longest response "
                           f"(generation.max_new_tokens={gen.max_new_tokens})")
-    return GrpoSizing(rollout_batch_size=algo.rollout_size, max_response_length=gen.max_new_tokens,
-                      mean_response_length=mean_response_length, samples_per_prompt=algo.group_size,
-                      generation_concurrency=gen.max_concurrent,
+    mean = mean_response_length if mean_response_length is not None else gen.mean_new_tokens
+    engine = dict(max_response_length=gen.max_new_tokens, mean_response_length=mean,
+                  generation_concurrency=gen.max_concurrent, kv_memory_gib=gen.kv_memory_gib,
+                  kv_block_tokens=gen.kv_block_tokens, plans_kv_memory=cfg.cluster.has_gpus)
+    if algo.name == "eval":  # held-out batches of prompts_per_step prompts x eval.samples, no reference or training
+        return GrpoSizing(rollout_batch_size=algo.prompts_per_step * cfg.eval.samples,
+                          samples_per_prompt=cfg.eval.samples, reference_model=False, recompute_old_logprobs=False,
+                          epochs=1, reward_model=False, **engine)
+    return GrpoSizing(rollout_batch_size=algo.rollout_size, samples_per_prompt=algo.group_size, **engine,
                       reference_model=algo.kl_coef > 0 and getattr(cfg.model, "lora", None) is None,  # LoRA: the base
                       recompute_old_logprobs=recomputes_old_logprobs(cfg, shape, runtime), epochs=algo.epochs,
                       reward_model=bool(algo.reward_model), kv_cache_released_for_training=True,
                       optimizer_offloaded_for_generation=gen.offload_optimizer and not cfg.cluster.rollout_tasks,
-                      packed=cfg.parallel.micro_batch_tokens is not None)
+                      micro_batch_tokens=cfg.parallel.micro_batch_tokens)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from launcher.planner.costs import TCP_GB_S
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
-from launcher.planner.rl_step import SUGGESTION_SLACK
+from launcher.planner.rl_step import SUGGESTION_SLACK, generation_pool
 from megatron_rl.spec.errors import as_yaml
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ def _grpo_line(grpo: dict | None) -> list[str]:
     concurrency = grpo["generation_concurrency"]
     return [f"Rollout     {grpo['rollout_batch_size']} sequences ({grpo['samples_per_prompt']} per prompt) of "
             f"{grpo['max_prompt_length']} + up to {grpo['max_response_length']} tokens, mean response "
-            f"{grpo['mean_response_length']:g} (--mean-response-len), "
-            + (f"{concurrency} decoded at once per rank" if concurrency else "all decoded at once"),
+            f"{grpo['mean_response_length']:g} (--mean-response-len or generation.mean_new_tokens)"
+            + (f", at most {concurrency} decoded at once per rank (generation.max_concurrent)" if concurrency else ""),
             f"            {grpo['optimizer_steps']} optimizer steps at {grpo['train_seq_length']} tokens"
             + "".join(f", {x}" for x in extras)]
 
@@ -109,6 +109,29 @@ def split_lines(result: PlanResult) -> list[str]:
                      f"this layout: generation {hint.generation_s:.4g} s vs training {hint.trainer_s:.4g} s "
                      f"(the config keeps {sp.rollout_gpus})")
     return lines
+
+
+POOL_SOURCES = {"given": "given",
+                "chosen": "chosen: what memory leaves while generating, up to what the rows need",
+                "every row": "every row at its longest, the engine's default on CPU jobs"}
+
+
+def kv_pool_lines(result: PlanResult) -> list[str]:
+    """The KV memory per generating GPU, the key that sets it and where its value comes from, and the rows it
+    decodes at once."""
+    pool, w = generation_pool(result.estimate), result.workload
+    if pool is None:
+        return []
+    e = result.estimate.split.rollout_gpu if result.estimate.split else result.estimate
+    share = w["grpo"]["rollout_batch_size"] / (e.layout.dp * e.layout.cp)
+    where = f"per {'rollout ' if result.estimate.split else ''}GPU"
+    if pool.engine == "static":
+        return ["", f"KV cache    {pool.budget / 1024**3:.2f} GiB {where}: the static engine (MLA) decodes the "
+                    f"{share:,.0f} rows per rank in waves of {pool.rows:,.0f}, each cached at its longest "
+                    f"({pool.key}={pool.value}, {POOL_SOURCES[pool.source]})"]
+    return ["", f"KV pool     {pool.gib:.2f} GiB {where} ({pool.key}, {POOL_SOURCES[pool.source]}): "
+                f"{pool.tokens:,.0f} tokens, {pool.rows:,.0f} of the {share:,.0f} rows per rank decode at once "
+                f"(continuous admission)"]
 
 
 def margin_text(e: Estimate) -> str:
@@ -182,6 +205,7 @@ def explain(result: PlanResult) -> str:
     verdict = "fits" if e.fits else "DOES NOT FIT"
     lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}, {margin_text(e)}")
     lines += split_lines(result)
+    lines += kv_pool_lines(result)
     lines += ["", *predicted_lines(e, rl="grpo" in w)]
     lines += ["", *time_lines(e)]
     if result.runner_up is not None:

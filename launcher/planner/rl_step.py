@@ -2,12 +2,14 @@
 
 An RL step (megatron_rl/trainers/grpo.py) is, in order:
 
-* generation (megatron_rl/generation/decoding.py) on every data-parallel x context-parallel rank for its share of
-  the rollout, in waves of generation.max_concurrent rows: one prefill of each GRPO group's shared prompt
-  (compute-bound, at the training GEMM efficiency), then decode steps up to the longest row of the wave, each
-  bounded by max(HBM read of the weights and KV cache, the live rows' compute, a per-layer launch floor) plus two
-  latency-bound TP all-reduces per layer and an EP dispatch + combine per MoE layer. Finished rows leave the
-  batch (compaction), so the rows fed average COMPACTION_SLACK x mean / max of the wave. Under PP the rows decode
+* generation (megatron_rl/generation/engine.py, the paged engine) on every data-parallel x context-parallel rank
+  for its share of the rollout. Its KV pool (``kv_pool``: generation.kv_memory_gib, or the planner's pick: what the
+  layout's memory leaves while generating, up to what the share needs) sets how many rows decode at once; a
+  finished row's place goes to the next waiting one (continuous admission), so the batch stays full until the
+  queue drains, then the last rows finish over up to the longest response (``generation_time``). Each GRPO
+  group's prompt is prefilled once (compute-bound, at the training GEMM efficiency); each decode step is bounded
+  by max(HBM read of the weights and the KV the fed rows hold, their compute, a per-layer launch floor) plus two
+  latency-bound TP all-reduces per layer and an EP dispatch + combine per MoE layer. Under PP the rows decode
   in M = pp parts on their own (megatron_rl/generation/pipeline.py ``pipelined_decode``), successive steps
   overlapping across the stages: a step is vpp x max(pp, M) virtual-stage forwards of one part, each paying a
   send/recv hop. The prefill is one forward through ``StageChain.forward`` in M parts, which overlap only in the
@@ -18,7 +20,7 @@ An RL step (megatron_rl/trainers/grpo.py) is, in order:
 * epochs x rollout / global_batch_size optimizer steps, each exactly ``plan --mode pretrain``'s step at the
   rollout's padded length (prompt + max response: the trainer pads every row to the longest), or, with
   parallel.micro_batch_tokens (packed rows), at the mean row's length (``PACKING_SLACK``);
-* the phase switches: the KV cache allocated per wave, and with generation.offload_optimizer the optimizer state
+* the phase switches: the KV pool allocated (zeroed) once, and with generation.offload_optimizer the optimizer state
   copied to host memory and back over the host link (grads are freed and come back as zeros, no copy). There is no
   weight refit: generation runs on the training weights.
 
@@ -39,8 +41,8 @@ The trainer GPUs run the training layout (``parallel.*``) over world - R process
 rollout GPUs form R / (tp*pp) replicas at the training layout's tp x pp and pipeline split (vpp included), or at
 parallel.rollout_tp x rollout_pp (``SplitPlacement.replica``), cp=1 and ep=1
 (``megatron_rl.spec.parallel.rollout_replica_error``; megatron_rl/rollout/worker.py's ``rollout_config``). A rollout GPU
-holds its bf16 weight shard (no gradients or optimizer state) and the KV cache of generation.max_concurrent rows
-(its whole share when that is null); its memory and generation time are ``plan --mode eval``'s of the rollout on
+holds its bf16 weight shard (no gradients or optimizer state) and its KV pool (``kv_pool``, picked for the rollout
+GPU when generation.kv_memory_gib is null); its memory and generation time are ``plan --mode eval``'s of the rollout on
 those GPUs, i.e. rl_step's generation model (``rollout_estimate``).
 
 One step, per version of the policy:
@@ -111,13 +113,14 @@ class Rollout:
     prompt: int
     """Prompt tokens (every prompt at GrpoSizing.max_prompt_length)."""
     response: int
-    """Longest response (generation.max_new_tokens): decode steps per wave."""
+    """Longest response (generation.max_new_tokens): the decode steps of the last rows."""
     mean_response: float
     """Mean response tokens."""
     group: int
     """Completions sharing one prompt (prefilled once)."""
     concurrency: int
-    """Rows decoded at once per generation rank; 0 = all of its share."""
+    """Cap on the rows decoded at once per generation rank (generation.max_concurrent); 0 = none (the KV pool is
+    the limit)."""
     train_seq: int
     """Padded training length of the rollout: prompt + response, at most the model's sequence length. Packed
     (GrpoSizing.packed): the mean row, prompt + mean response, times PACKING_SLACK."""
@@ -147,6 +150,14 @@ def _rollout(w: Workload) -> Rollout:
                    group=max(1, g.samples_per_prompt), concurrency=concurrency,
                    train_seq=min(w.seq_length, train_seq), minibatches=minibatches,
                    steps=0 if w.mode == "eval" else g.epochs * minibatches)
+
+
+def packed_micro_batch(w: Workload, rows_per_rank: int) -> int:
+    """The micro-batch size a packed job (parallel.micro_batch_tokens) is planned at: the rows one micro-batch of
+    that many tokens holds at the packed training length, as the largest divisor of a data-parallel rank's rows
+    that is no more (at least 1). The job itself packs by tokens and ignores parallel.micro_batch_size."""
+    fits = max(1, (w.grpo or GrpoSizing()).micro_batch_tokens // rollout(w).train_seq)
+    return max(b for b in range(1, min(fits, rows_per_rank) + 1) if rows_per_rank % b == 0)
 
 
 def training_workload(w: Workload) -> Workload:
@@ -190,11 +201,11 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
         key = ("generation", layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.dp,
                layout.first_stage_layers, layout.last_stage_layers, layout.account_for_embedding,
                layout.account_for_loss)
-        prefill, decode, kv_wave, waves = w._cached(key, lambda: generation_time(w, layout, r))
+        prefill, decode = w._cached(key, lambda: generation_time(w, layout, r))
         offloads = g.optimizer_offloaded_for_generation and w.mode != "eval"
         offload = 2 * optimizer_bytes / w.host_link if offloads else 0.0
         rl_parts = {**trainer_parts, "generation_prefill": prefill, "generation_decode": decode,
-                    "phase_switch": waves * kv_wave / w.hbm + offload}
+                    "phase_switch": _pool_allocations(w, layout) * kv_pool(w, layout).budget / w.hbm + offload}
         total = train_time + sum(rl_parts.values())
     else:
         split = split_step(w, layout, trainer_s=train_time + sum(trainer_parts.values()))
@@ -210,7 +221,8 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
     return {"step_time_s": total, "time_terms": terms._replace(steps=r.steps, rl_parts=rl_parts),
             "mfu": (train_flops + other + gen_flops) / (total * gpus * w.bf16_peak),
             "training_mfu": train_flops / (train_time * w.num_gpus * w.bf16_peak) if train_time else 0.0,
-            "tokens_per_s_per_gpu": tokens / total / gpus, "split": split}
+            "tokens_per_s_per_gpu": tokens / total / gpus, "split": split,
+            "kv_pool": kv_pool(w, layout) if w.split is None else None}
 
 
 def _forward_pass_s(t: TimeTerms, step: dict[str, float]) -> float:
@@ -234,13 +246,9 @@ def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex:
     out["reward_model"] = bf16 if g.reward_model else 0.0
     if w.split is not None:  # the trainer GPUs do not generate (split.rollout_estimate sizes the rollout GPUs)
         return out
-    key = ("generation memory", gr, L.tp, L.ep, L.dp * L.cp, L.pp > 1)
-    made = w._cost_cache.get(key)
-    if made is None:
-        rows = _rows_per_wave(w, L, r)
-        made = w._cost_cache[key] = (w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows),
-                                     _inference_buffers(w, L, r, gr, rows))
-    kv, buffers = made
+    pool = kv_pool(w, L)
+    kv = pool.tokens * (gr.dense_layers + gr.moe_layers) * _kv_token_layer_bytes(w, L)
+    buffers = _inference_buffers(w, L, r, gr, pool.rows)
     out["kv_cache_generating"] = kv
     if w.mode == "eval":
         out.update(gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=kv, inference_buffers=buffers)
@@ -261,47 +269,176 @@ def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex:
 
 def generation_floor(w: Workload, L: Layout) -> float:
     """Bytes the fullest rank holds while generating, before overhead, whatever the micro-batch and recompute: weights,
-    frozen models, grads + optimizer unless offloaded, KV cache and inference buffers (none of the last two on the
+    frozen models, grads + optimizer unless offloaded, the KV pool and inference buffers (none of the last two on the
     trainer GPUs of split placement, which do not generate). A lower bound of the estimate's total, so the search
     may skip a layout's variants when it alone overflows."""
-    g = w.grpo or GrpoSizing()
     r = rollout(w)
     generates = w.split is None
-    groups = rank_groups(w.shape.moe_layers, w.shape.num_layers, L.pp, L.vpp, L.first_stage_layers,
-                         L.last_stage_layers, L.account_for_embedding, L.account_for_loss)
-    wb, gb, _ = w.weight_bytes_per_param(1)
-    rows = _rows_per_wave(w, L, r)
-    frozen = 2.0 * ((g.reference_model and w.mode != "eval") + g.reward_model)
+    pool = kv_pool(w, L) if generates else None
     worst = 0.0
-    for gr in groups:
-        ne, ex = stage_params(w, gr, L)
-        state = 0.0
-        if w.mode != "eval" and not g.optimizer_offloaded_for_generation:
-            adam, shards = ADAM_BYTES_PER_PARAM, (L.dp * L.cp, L.edp)
-            opt = tuple(adam / n for n in shards) if w.runtime.distributed_optimizer else (adam, adam)
-            state = (ne + ex) * gb + ne * opt[0] + ex * opt[1]
-        kv = w.kv_cache_bytes(L.tp, gr.dense_layers + gr.moe_layers, rows) if generates else 0.0
-        buffers = _inference_buffers(w, L, r, gr, rows) if generates else 0.0
-        worst = max(worst, (ne + ex) * (wb + frozen) + state + kv + buffers)
+    for gr in _groups(w, L):
+        held = _generation_resident(w, L, gr)
+        if pool is not None:
+            held += (pool.tokens * (gr.dense_layers + gr.moe_layers) * _kv_token_layer_bytes(w, L)
+                     + _inference_buffers(w, L, r, gr, pool.rows))
+        worst = max(worst, held)
     return worst
 
 
-def _rows_per_wave(w: Workload, L: Layout, r: Rollout) -> float:
-    """Rows one generation rank (a DP x CP rank) decodes at once."""
+KV_HEADROOM = 1.25
+"""A pool the planner picks holds at most every row of a rank's share (or generation.max_concurrent of them) at
+once: each with its prompt (shared by the group), this many times the mean response, and half a block of rounding.
+Rows longer than the mean then seldom wait, and more memory would buy nothing."""
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """The paged engine's KV pool on the generation ranks of one layout (megatron_rl/generation/engine.py)."""
+
+    budget: float
+    """Bytes per GPU on the pipeline rank with the most layers: generation.kv_memory_gib. Every pipeline rank holds
+    as many blocks (the engine agrees on the fewest), of fewer bytes where it has fewer layers."""
+    tokens: float
+    """Tokens the pool holds."""
+    rows: float
+    """Rows decoding at once while rows wait: the batch that continuous admission keeps full."""
+    source: str
+    """given (generation.kv_memory_gib), chosen (the planner's pick: what the layout's memory leaves while
+    generating, up to what the rank's share needs, KV_HEADROOM), or every row (the engine's default without a
+    budget: each row's blocks at its longest)."""
+    engine: str
+    """paged, or static for MLA models (decoding.py's static engine, until MLA runs paged): waves of ``rows`` rows
+    (generation.max_concurrent: given, or chosen as the most whose cache at the longest length fits), each wave's
+    cache allocated at the longest length."""
+
+    @property
+    def key(self) -> str:
+        """The generation key that sets this pool (and that launch.py writes when the planner chose it)."""
+        return "generation.kv_memory_gib" if self.engine == "paged" else "generation.max_concurrent"
+
+    @property
+    def value(self) -> float | int:
+        """Its value: ``gib`` for the paged engine, the rows of a wave for the static one."""
+        return self.gib if self.engine == "paged" else int(self.rows)
+
+    @property
+    def gib(self) -> float:
+        """The budget in GiB, rounded down to the hundredth that launch.py writes into generation.kv_memory_gib."""
+        return math.floor(self.budget / GIB * 100) / 100
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (GiB, tokens, rows)."""
+        return {"gib": self.gib, "source": self.source, "engine": self.engine, "tokens": round(self.tokens),
+                "rows_at_once": round(self.rows, 1), "key": self.key, "value": self.value}
+
+
+def generation_pool(e: Estimate) -> KvPool | None:
+    """The KV pool of the GPUs that generate in ``e``: its own, or with split placement the rollout GPUs'."""
+    return e.split.rollout_gpu.kv_pool if e.split is not None else e.kv_pool
+
+
+def kv_pool(w: Workload, L: Layout) -> KvPool:
+    """The KV pool of ``L``'s generation ranks and the rows it decodes at once (made once per layout)."""
+    key = ("kv pool", L.tp, L.pp, L.vpp, L.cp, L.ep, L.dp, L.first_stage_layers, L.last_stage_layers,
+           L.account_for_embedding, L.account_for_loss)
+    return w._cached(key, lambda: _kv_pool(w, L))
+
+
+def _kv_pool(w: Workload, L: Layout) -> KvPool:
+    g = w.grpo or GrpoSizing()
+    r = rollout(w)
     share = r.sequences / (L.dp * L.cp)
-    return min(share, r.concurrency) if r.concurrency else share
+    per_token_layer = _kv_token_layer_bytes(w, L)
+    groups = _groups(w, L)
+    most = max(gr.dense_layers + gr.moe_layers for gr in groups)
+    plans = g.plans_kv_memory and (w.mode == "eval" or g.kv_cache_released_for_training)
+    if w.shape.is_mla:  # the static engine: waves of max_concurrent rows, each cached at its longest
+        whole = r.prompt + r.response
+        if r.concurrency:
+            rows, source = float(min(share, r.concurrency)), "given"
+        elif plans:
+            room = min(_room_tokens(w, L, r, gr, whole, per_token_layer) for gr in groups)
+            most_rows = max(1, min(share, math.floor(room / whole)))
+            rows, source = float(math.ceil(share / math.ceil(share / most_rows))), "chosen"  # waves evened out
+        else:
+            rows, source = share, "every row"
+        return KvPool(budget=rows * whole * most * per_token_layer, tokens=rows * whole, rows=rows, source=source,
+                      engine="static")
+    held = _held_per_row(w, r)
+    if g.kv_memory_gib is not None:
+        tokens, source = g.kv_memory_gib * GIB / (most * per_token_layer), "given"
+    elif not plans:
+        tokens, source = share * (r.prompt + r.response), "every row"
+    else:
+        at_once = min(share, r.concurrency or math.inf)
+        needed = at_once * (r.prompt / r.group + min(r.response, KV_HEADROOM * r.mean_response)
+                            + g.kv_block_tokens / 2)
+        room = min(_room_tokens(w, L, r, gr, held, per_token_layer) for gr in groups)
+        least = L.pp * (r.prompt + r.response)  # one row at its longest in each pipeline part: the engine's floor
+        tokens, source = max(least, min(needed, room)), "chosen"
+    rows = min(share, r.concurrency or math.inf)
+    if source != "every row":  # every row has its blocks from the start; otherwise the pool sets how many decode
+        rows = max(1.0, min(rows, tokens / held))
+    return KvPool(budget=tokens * most * per_token_layer, tokens=tokens, rows=rows, source=source, engine="paged")
 
 
-def _inference_buffers(w: Workload, L: Layout, r: Rollout, gr: RankGroup, rows: float) -> float:
-    """Generation buffers: the last stage's gathered logits and sampling tensors for the live rows, and every
-    stage's prefill working set (one layer's activations for the wave's distinct prompts, no autograd; SP is off
-    while generating)."""
+def _held_per_row(w: Workload, r: Rollout) -> float:
+    """KV tokens a decoding row holds on average while rows wait: its share of the group's prompt, half a block of
+    rounding, and the response so far. A row of length n holds n/2 on average over the n steps it decodes, so a
+    slot holds E[n^2] / (2 E[n]) = 2/3 of the mean for lengths spread evenly up to twice the mean."""
+    g = w.grpo or GrpoSizing()
+    return r.prompt / r.group + g.kv_block_tokens / 2 + min(r.response, 2 * r.mean_response / 3)
+
+
+def _room_tokens(w: Workload, L: Layout, r: Rollout, gr: RankGroup, held: float, per_token_layer: float) -> float:
+    """Pool tokens that fit beside what rank group ``gr`` holds while generating: the usable memory less the
+    overhead and fragmentation, less the resident models and state, shared by the KV (its layers per token) and
+    the inference buffers of the rows the pool lets decode at once (per row, 1 / ``held`` of a token)."""
+    usable = w.gpu.memory_gib * GIB * (1.0 - w.runtime.memory_margin)
+    room = (usable - w.runtime.overhead_gib * GIB) / (1.0 + w.runtime.fragmentation) - _generation_resident(w, L, gr)
+    per_row = _inference_buffers(w, L, r, gr, 1.0, linear=True)
+    return max(0.0, room) / ((gr.dense_layers + gr.moe_layers) * per_token_layer + per_row / held)
+
+
+def _generation_resident(w: Workload, L: Layout, gr: RankGroup) -> float:
+    """Bytes rank group ``gr`` holds while generating besides the KV pool and buffers: bf16 weights (PPO: the
+    critic's too), the frozen reference and reward models, and the trained models' grads and optimizer state
+    unless they wait in host memory (generation.offload_optimizer)."""
+    g = w.grpo or GrpoSizing()
+    ne, ex = stage_params(w, gr, L)
+    wb, gb, _ = w.weight_bytes_per_param(1)
+    models = 2 if w.mode == "ppo" else 1
+    frozen = 2.0 * ((g.reference_model and w.mode != "eval") + g.reward_model)
+    held = (ne + ex) * (models * wb + frozen)
+    if w.mode != "eval" and not g.optimizer_offloaded_for_generation:
+        shards = (L.dp * L.cp, L.edp)
+        opt = tuple(ADAM_BYTES_PER_PARAM / n for n in shards) if w.runtime.distributed_optimizer else \
+            (ADAM_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM)
+        held += models * w.runtime.trainable_fraction * ((ne + ex) * gb + ne * opt[0] + ex * opt[1])
+    return held
+
+
+def _groups(w: Workload, L: Layout) -> tuple:
+    return rank_groups(w.shape.moe_layers, w.shape.num_layers, L.pp, L.vpp, L.first_stage_layers,
+                       L.last_stage_layers, L.account_for_embedding, L.account_for_loss)
+
+
+def _kv_token_layer_bytes(w: Workload, L: Layout) -> float:
+    """KV bytes of one token on one layer of a TP rank."""
+    return kv_cache_elements_per_token_per_layer(w.shape, L.tp) * (w.grpo or GrpoSizing()).kv_cache_bytes
+
+
+def _inference_buffers(w: Workload, L: Layout, r: Rollout, gr: RankGroup, rows: float, *,
+                       linear: bool = False) -> float:
+    """Generation buffers for ``rows`` rows decoding at once: the last stage's gathered logits and sampling tensors,
+    and every stage's prefill working set (one layer's activations for their groups' prompts, prefilled together
+    when admitted at once; no autograd; SP is off while generating). ``linear``: without the floor of one prompt."""
     kind = "moe" if w.shape.is_moe else "dense"
     per_token = w._cached(("prefill act", L.tp, L.ep),
                           lambda: sum(training_workload(w)._act_terms(kind, L.tp, False, L.ep).values()))
-    prefill_tokens = max(1.0, rows / r.group) * r.prompt
+    prompts = rows / r.group if linear else max(1.0, rows / r.group)
     logits = rows * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT if gr.last else 0.0
-    return logits + prefill_tokens * per_token
+    return logits + prompts * r.prompt * per_token
 
 
 @dataclass(frozen=True)
@@ -327,23 +464,48 @@ def _stages(w: Workload, L: Layout) -> list[_Stage]:
     return out
 
 
-def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float, float, int]:
-    """(prefill seconds, decode seconds, KV cache bytes of one wave per GPU, waves) of one rollout."""
+def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one rollout under continuous admission (kv_pool): while rows wait, the
+    pool's ``rows`` decode at once and a finished row's place goes to the next, for share x mean / rows - mean
+    steps; then the last rows drain over up to the longest response, the rows fed falling as they finish (as
+    without waiting rows: COMPACTION_SLACK x mean / max of them on average). A fed row reads its prompt and 2/3 of
+    the mean response of KV a step (``_held_per_row``). Each group's prompt is prefilled once, with the groups
+    admitted together: share / rows prefill forwards of rows / group prompts. MLA models run the static engine:
+    share / rows waves, each decoding to the longest response with its group caches copied from the prompt's."""
     share = r.sequences / (L.dp * L.cp)
-    waves = math.ceil(share / r.concurrency) if r.concurrency else 1
-    rows = share / waves
+    pool = kv_pool(w, L)
+    rows = min(share, pool.rows)
     stages = _stages(w, L)
-    fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
     context = r.prompt + min(r.response, 2 * r.mean_response / 3)
-    decode_step = _pipelined_decode_step(w, L, stages, fed, lambda st, n: _decode_part(w, L, st, n, context))
-    decode_step += fed * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT / w.hbm + 2 * w.nvlink_latency
-    distinct = max(1.0, rows / r.group)
-    prefill = _pipelined(w, L, stages, distinct, lambda st, n: _prefill_part(w, L, st, n * r.prompt, r.prompt))
-    per_token_layer = kv_cache_elements_per_token_per_layer(w.shape, L.tp) * (w.grpo or GrpoSizing()).kv_cache_bytes
-    layers = max(st.layers for st in stages)
-    copy = 2 * rows * r.prompt * layers * per_token_layer / w.hbm  # shared prefill: cache rows copied to the group
-    kv_wave = rows * (r.prompt + r.response) * layers * per_token_layer
-    return waves * (prefill + copy), waves * r.response * decode_step, kv_wave, waves
+
+    def step(fed: float) -> float:
+        t = _pipelined_decode_step(w, L, stages, fed, lambda st, n: _decode_part(w, L, st, n, context))
+        return t + fed * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT / w.hbm + 2 * w.nvlink_latency
+
+    def prefill_of(prompts: float) -> float:
+        return _pipelined(w, L, stages, prompts, lambda st, n: _prefill_part(w, L, st, n * r.prompt, r.prompt))
+
+    if pool.engine == "static":  # waves; each decodes to the longest response, its group caches copied from a prompt
+        waves = _static_waves(w, L)
+        rows = share / waves
+        fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
+        copy = 2 * rows * r.prompt * max(st.layers for st in stages) * _kv_token_layer_bytes(w, L) / w.hbm
+        return waves * (prefill_of(max(1.0, rows / r.group)) + copy), waves * r.response * step(fed)
+
+    full_steps = max(0.0, share * r.mean_response / rows - r.mean_response)
+    tail_fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
+    decode = full_steps * step(rows) + r.response * step(tail_fed)
+    return share / rows * prefill_of(max(1.0, rows / r.group)), decode
+
+
+def _pool_allocations(w: Workload, L: Layout) -> int:
+    """Times a rollout allocates (zeroes) its KV pool: once, or once a wave on the static engine."""
+    return _static_waves(w, L) if kv_pool(w, L).engine == "static" else 1
+
+
+def _static_waves(w: Workload, L: Layout) -> int:
+    """Waves of the static engine (MLA) on one generation rank."""
+    return math.ceil(rollout(w).sequences / (L.dp * L.cp) / kv_pool(w, L).rows - 1e-9)
 
 
 def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
@@ -595,7 +757,8 @@ def rollout_memory_error(w: Workload, layout: Layout) -> str | None:
     tp, pp = w.split.replica(layout.tp, layout.pp)
     return (f"a rollout GPU (tp={tp} x pp={pp} replica, {replicas_of(w, layout)} replicas) needs "
             f"{mem['total']:.1f} GiB of {e.usable / GIB:.1f} (bf16 weights {mem['weights']:.1f}, KV cache "
-            f"{mem['kv_cache']:.1f}); lower generation.max_concurrent, or use more rollout tasks or a larger tp*pp")
+            f"{mem['kv_cache']:.1f}); lower generation.kv_memory_gib (or leave it null for the planner to pick), or use more "
+            f"rollout tasks or a larger tp*pp")
 
 
 def suggest_rollout_tasks(w: Workload, chosen: Estimate) -> RolloutSuggestion | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from launcher.planner.costs import ADAM_BYTES_PER_PARAM, GIB, Workload
 from launcher.planner.estimate import Estimate, Layout, rank_groups, stage_params
-from launcher.planner.rl_step import RL_MODES, estimate, generation_floor, rollout_memory_error
+from launcher.planner.rl_step import RL_MODES, estimate, generation_floor, packed_micro_batch, rollout_memory_error
 from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from megatron_rl.spec.errors import ConfigError, as_yaml
 from megatron_rl.spec.parallel import (
@@ -218,7 +218,8 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
         bad(("tp", "cp", "pp"), "global batch % dp", f"global batch {w.global_batch_size} not divisible by dp={dp}")
         return
     per_dp = w.global_batch_size // dp
-    mbss = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else [
+    mbss = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else \
+        [packed_micro_batch(w, per_dp)] if w.mode in RL_MODES and w.grpo is not None and w.grpo.packed else [
         b for b in divisors(per_dp) if b <= MAX_MBS]
     modes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_MODES)
     partial = fixed.get("recompute_num_layers")

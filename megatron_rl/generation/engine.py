@@ -6,8 +6,9 @@ prefilled feeds its whole prompt (or, after an eviction, prompt and response so 
 token; attention runs flash-attn's varlen kernel on mixed steps and its KV-cache kernel on decode-only steps (or
 their torch reference, paged_attention.py). Every row then samples one token at its own position.
 
-Memory. The pool has ``kv_memory_bytes`` of blocks (``generation.kv_memory_gib``), or, when that is None, enough
-for every row at its longest (nothing is ever evicted). A row takes a block when its tokens reach it and returns
+Memory. The pool has ``kv_memory_bytes`` of blocks (``generation.kv_memory_gib``; under PP every stage takes as
+many blocks as the stage with the most layers gets, so all stages admit and evict the same rows), or, when that is
+None, enough for every row at its longest (nothing is ever evicted). A row takes a block when its tokens reach it and returns
 its blocks when it ends, and the next waiting prompt is admitted at once (no waves). A group of completions of the
 same prompt is admitted together: its prompt is prefilled once, the full prompt blocks are shared (reference
 counted) and only the last, partial block is copied per completion. When a decoding row needs a block and none is
@@ -358,7 +359,12 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     if kv_memory_bytes is None:
         budgets = [sum(blocks_of(row.max_len) for unit in part for row in unit.rows) for part in split]
     else:
-        budgets = [int(kv_memory_bytes // count // block_bytes)] * count
+        blocks = int(kv_memory_bytes // count // block_bytes)
+        if chain.pp_size > 1:  # stages with fewer layers get as many blocks as the fullest: they admit the same rows
+            fewest = torch.tensor([blocks], dtype=torch.long, device=device)
+            torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN, group=chain.pp_group)
+            blocks = int(fewest.item())
+        budgets = [blocks] * count
         if budgets[0] < blocks_of(longest):
             raise ValueError(f"generation.kv_memory_gib={kv_memory_bytes / 2**30:.4g} holds {budgets[0]} KV blocks of "
                              f"{block_tokens} tokens" + (f" per pipeline part ({count})" if count > 1 else "") +

@@ -293,10 +293,14 @@ def packing_error(micro_batch_tokens: int | None, *, algorithm: str, cp: int, ke
         return (f"{key}micro_batch_tokens={micro_batch_tokens}: algorithm.name={algorithm} does not pack its rows "
                 f"(only {', '.join(PACKING_ALGORITHMS)} does); set micro_batch_tokens=null")
     if cp > 1:
-        return (f"{key}micro_batch_tokens={micro_batch_tokens} with {key}cp={cp}: packed rows are not split over "
-                "context-parallel ranks (Megatron does that only inside Transformer Engine's THD attention); set "
-                "cp=1 or micro_batch_tokens=null")
+        return (f"{key}micro_batch_tokens={micro_batch_tokens} with {key}cp={cp}: {PACKING_CP_REASON}; set cp=1 or "
+                "micro_batch_tokens=null")
     return None
+
+
+PACKING_CP_REASON = ("packed rows are not split over context-parallel ranks (Megatron does that only inside "
+                     "Transformer Engine's THD attention)")
+"""Why packing (parallel.micro_batch_tokens) holds cp at 1: ``packing_error``'s, and the planner's limit."""
 
 
 def mla_error(shape: Any, *, tp: int, cp: int, sp: bool, transformer_engine: bool, key: str = "parallel.") -> str | None:

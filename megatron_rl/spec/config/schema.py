@@ -629,14 +629,19 @@ class GenerationConfig:
     offload_optimizer: bool = False
     """Move optimizer state and grads to host memory while generating (frees GPU memory for the KV cache; on
     CPU it runs the same code for nothing)."""
+    mean_new_tokens: Optional[int] = None
+    """The mean response length you expect (tokens), a planning input: the planner sizes the KV memory and the
+    step time with it (``launch.py plan --mean-response-len`` overrides it). Generation does not read it. null:
+    half of max_new_tokens."""
     max_concurrent: Optional[int] = None
     """Most completions a rollout worker decodes at once (an optional cap; the KV memory is the limit). The
-    static engine, which PP > 1, expert-parallel lockstep, MLA and router replay still run, generates in waves of
-    this many; null: no cap."""
+    static engine, which MLA still runs, generates in waves of this many; null: no cap."""
     kv_memory_gib: Optional[float] = None
-    """KV-cache memory per rank for the paged engine's block pool (GiB). Completions are admitted as blocks free
-    up; one that cannot grow is evicted and prefilled again later, never cut. null: enough blocks for every
-    completion at its longest (nothing waits)."""
+    """KV-cache memory per GPU for the paged engine's block pool (GiB; every pipeline stage holds as many blocks as
+    the one with the most layers gets from this). Completions are admitted as blocks free up; one that cannot grow
+    is evicted and prefilled again later, never cut. null: on GPU jobs the planner picks it (what the layout's
+    memory leaves while generating, up to what the rollout needs) and launch.py writes it here; on CPU jobs,
+    enough blocks for every completion at its longest."""
     kv_block_tokens: int = 256
     """Tokens per KV block. flash-attn's paged kernels need a multiple of 256 on GPUs; CPU runs may use less."""
 
@@ -646,6 +651,9 @@ class GenerationConfig:
             _positive("generation", max_concurrent=self.max_concurrent)
         if self.kv_memory_gib is not None:
             _positive("generation", kv_memory_gib=self.kv_memory_gib)
+        if self.mean_new_tokens is not None and not 1 <= self.mean_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"generation.mean_new_tokens={self.mean_new_tokens} must be from 1 to "
+                              f"generation.max_new_tokens={self.max_new_tokens}")
         _positive("generation", kv_block_tokens=self.kv_block_tokens)
         _non_negative("generation", temperature=self.temperature, top_k=self.top_k)
         if not 0 < self.top_p <= 1:
