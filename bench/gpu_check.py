@@ -411,7 +411,7 @@ def packing_check(exact_yaml: str, device: torch.device) -> dict:
         lengths = [row_tokens(r) for r in rows]
         padded = collate_rollout(rows, seq_length=max(lengths), pad_id=0)
         packed, figures = pack_minibatch(rows, dp=1, dp_rank=0, token_budget=64, multiple=1, count_multiple=1,
-                                         pad_id=0, transformer_engine=opts.transformer_engine)
+                                         pad_id=0, thd=opts.takes_packed_sequences(shape))
         (bins,), _ = pack_rows(lengths, dp=1, token_budget=64)
         reference = forward_logprobs([model], [padded], seq_length=max(lengths))[0]
         got = forward_logprobs([model], packed, seq_length=packed[0]["tokens"].shape[1])

@@ -1,8 +1,10 @@
 """Seconds per GRPO step (generate + score + train) of our trainer against TRL's ``GRPOTrainer``, same run.
 
-Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small,long --steps 16 --long-steps 6
---long-new-tokens 128 --block 2 --warmup 2 --threads 1 --prompts 8 --group 8 --new-tokens 16 --profile``). Needs ``trl datasets accelerate`` (the ``bench``
-extra). CPU, fp32, no network (``HF_HUB_OFFLINE=1``).
+Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small,long,longtail --steps 16 --long-steps 6
+--long-new-tokens 128 --longtail-steps 6 --longtail-new-tokens 192 --longtail-mean 32
+--longtail-micro-batch-tokens 4096 --block 2 --warmup 2 --threads 1 --prompts 8 --group 8 --new-tokens 16
+--profile``). Needs ``trl datasets accelerate`` (the ``bench`` extra). CPU, fp32, no network
+(``HF_HUB_OFFLINE=1``).
 
 Each side runs in its own worker process (ours: ``GrpoRun`` on Megatron Core, world size 1, gloo; TRL:
 ``GRPOTrainer`` on a ``LlamaForCausalLM``), both on ``--threads`` torch threads. This process only hands out
@@ -23,7 +25,14 @@ with unused tokens).
 
 Sizes: ``tiny`` = the ``tiny-cpu`` preset (hidden 64, 2 layers, 4 heads / 2 KV heads, ffn 128, vocab 128);
 ``small`` = hidden 256, 4 layers, 8 heads / 4 KV heads, ffn 704, vocab 512; ``long`` = the small model with
-``--long-new-tokens`` (128) per completion, ``--long-steps`` (6) timed steps. The main figure is the first size.
+``--long-new-tokens`` (128) per completion, ``--long-steps`` (6) timed steps; ``longtail`` (reasoning RL's shape) =
+the small model, each completion ending at a drawn length (``forced_lengths``: exponential with mean
+``--longtail-mean``, 32, rounded up and cut at ``--longtail-new-tokens``, 192: mean at most a quarter of the
+maximum), forced on both sides (end-of-sequence at that length and never before: a logits processor in TRL's
+``generate``, the sampled token in our paged engine; both sides' lengths are checked against the draw), and our
+training packed (``parallel.micro_batch_tokens``, ``--longtail-micro-batch-tokens``) where TRL pads every row to the
+longest prompt + the longest completion; it reports ``train_tokens_per_real_token`` of both (tokens the training
+forwards compute over the rows' own tokens; TRL's from its padded batch). The main figure is the first size.
 Each size reports the medians and the spread of the per-step ratios (TRL's i-th timed step over ours, taken in
 the same block pair): median, quartiles, min and max. The last line is one JSON object; ``speedup`` = TRL seconds /
 our seconds (medians, > 1: we are faster).
@@ -43,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +81,7 @@ rotary_base: 10000.0
 tie_embeddings: false
 """
 LEARNING_RATE = 1e-6
+SIZES = ("tiny", "small", "long", "longtail")
 WORKER_TIMEOUT_S = 900
 
 
@@ -94,6 +105,22 @@ class BenchSettings:
     """Steps each side will be asked for (warm-up included); sizes TRL's prompt list."""
     work_dir: str
     """Scratch folder of this size (run dirs, TRL output dir)."""
+    longtail_mean: float = 0.0
+    """> 0: the longtail size. Each completion ends (end-of-sequence) at a length drawn by ``forced_lengths`` with
+    this mean, up to new_tokens; 0: every completion runs to new_tokens."""
+    micro_batch_tokens: int | None = None
+    """Our parallel.micro_batch_tokens (packed training); None: padded, one micro-batch of every completion."""
+
+
+def forced_lengths(settings: BenchSettings, call: int) -> list[int]:
+    """The response lengths of the ``call``-th generation (1-based), completion by completion in rollout order
+    (prompt after prompt, each ``group`` times): exponential with mean ``longtail_mean``, rounded up, cut at
+    new_tokens. The same on both sides: a seeded generator per call."""
+    import numpy as np
+
+    rng = np.random.default_rng([settings.seed, call])
+    drawn = np.ceil(rng.exponential(settings.longtail_mean, settings.prompts * settings.group))
+    return [int(min(settings.new_tokens, max(1, n))) for n in drawn]
 
 
 # ------------------------------------------------------------------------------------------- shared helpers
@@ -164,13 +191,53 @@ def build_our_run(settings: BenchSettings):
         f"optimizer.lr={LEARNING_RATE}", "optimizer.lr_decay_style=constant", "optimizer.clip_grad=1.0",
         "data.task=last_digit", f"run.seed={settings.seed}", f"run.dir={Path(settings.work_dir) / 'ours'}",
         "run.steps=1000000", "checkpoint.resume=false", "checkpoint.save_at_end=false",
-        "logging.console=quiet", "logging.tensorboard=false"])
+        "logging.console=quiet", "logging.tensorboard=false",
+        *([f"parallel.micro_batch_tokens={settings.micro_batch_tokens}"] if settings.micro_batch_tokens else []),
+        *(["generation.kv_block_tokens=16"] if settings.longtail_mean else [])])
     initialize(job_dims(), seed=cfg.run.seed, backend="gloo")
     ctx = TrainerContext(cfg)
     run = GrpoRun(cfg, load_model_shape(settings.model), ctx)
     run.resume_or_warm_up()
-    run.tokenizer.eos_id = None  # every completion runs to max_new_tokens, as TRL's min_new_tokens does there
+    if settings.longtail_mean:
+        force_our_lengths(settings, eos=run.tokenizer.eos_id)
+    else:
+        run.tokenizer.eos_id = None  # every completion runs to max_new_tokens, as TRL's min_new_tokens does there
     return run, ctx
+
+
+def force_our_lengths(settings: BenchSettings, *, eos: int) -> None:
+    """Make the paged engine end each completion at its ``forced_lengths`` length: after it samples, a row's token
+    becomes end-of-sequence at that length and never before (an early one is replaced). Generation, admission,
+    stops and training run as in a job; only the sampled token changes."""
+    import torch
+
+    from megatron_rl.generation import decoding, engine
+
+    calls = {"n": 0, "lengths": []}
+    generate_paged, choose = engine.generate_paged, engine._Part.choose
+
+    def counted_generate(*args, **kwargs):
+        calls["n"] += 1
+        calls["lengths"] = forced_lengths(settings, calls["n"])
+        return generate_paged(*args, **kwargs)
+
+    def forced_choose(self, logits, **kwargs):
+        choice = choose(self, logits, **kwargs)
+        tokens = choice.tokens.clone()
+        for j, row in enumerate(self.sampled):
+            ends = len(row.tokens) - row.prompt_len + 1 >= calls["lengths"][row.index]
+            tokens[j] = eos if ends else (eos + 1 if int(tokens[j]) == eos else tokens[j])
+        changed = tokens != choice.tokens
+        if not changed.any():
+            return choice
+        # the replaced tokens' log-probs, as sampling them would have given (the first step's ratio stays 1)
+        logp = torch.log_softmax(logits[self.source].float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+        return dataclasses.replace(choice, tokens=tokens,
+                                   policy_logprobs=torch.where(changed, logp, choice.policy_logprobs),
+                                   sampling_logprobs=torch.where(changed, logp, choice.sampling_logprobs))
+
+    decoding.generate_paged = counted_generate
+    engine._Part.choose = forced_choose
 
 
 def ours_worker(conn, settings: BenchSettings) -> None:
@@ -201,6 +268,8 @@ def ours_worker(conn, settings: BenchSettings) -> None:
         return {"total": t4 - t0, "generate": sampled.sample_s, "score": sampled.score_s, "train": t3 - t2,
                 "other": other, "prompts": rollout.prompts if step == 1 else None,
                 "response_tokens": sum(len(r) for r in rollout.response_ids),
+                "response_lengths": [len(r) for r in rollout.response_ids],
+                "train_tokens_per_real_token": train_metrics["train_tokens_per_real_token"],
                 "first_ratio": [metrics.get("first_ratio_min"), metrics.get("first_ratio_max")]}
 
     conn.send({"ready": True, "threads": torch.get_num_threads(), "torch": torch.__version__})
@@ -277,14 +346,21 @@ def trl_worker(conn, settings: BenchSettings) -> None:
         return exact(prompts, completions, answer)
 
     split = {"generate": 0.0, "score": 0.0}
+    shapes: dict = {}
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, *args, **kwargs):
             started = time.perf_counter()
             try:
-                return super()._generate(*args, **kwargs)
+                out = super()._generate(*args, **kwargs)
             finally:
                 split["generate"] += time.perf_counter() - started
+            prompt_ids, completion_ids = out[0], out[1]
+            # what its training forwards compute: every row padded to the longest prompt + the longest completion
+            real = sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+            shapes.update(lengths=[len(c) for c in completion_ids], ratio=len(prompt_ids) * (
+                max(map(len, prompt_ids)) + max(map(len, completion_ids))) / real)
+            return out
 
         def _calculate_rewards(self, *args, **kwargs):
             started = time.perf_counter()
@@ -294,11 +370,13 @@ def trl_worker(conn, settings: BenchSettings) -> None:
                 split["score"] += time.perf_counter() - started
 
     completions = settings.prompts * settings.group
+    if settings.longtail_mean:
+        force_trl_lengths(model, settings, eos=tokenizer.eos_token_id)
     args = GRPOConfig(
         output_dir=str(Path(settings.work_dir) / "trl"), use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, per_device_train_batch_size=completions, gradient_accumulation_steps=1,
         num_generations=settings.group, max_completion_length=settings.new_tokens,
-        generation_kwargs={"min_new_tokens": settings.new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
+        generation_kwargs={} if settings.longtail_mean else {"min_new_tokens": settings.new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, loss_type="dapo", epsilon=0.2, scale_rewards="group", num_iterations=1,
         learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, shuffle_dataset=False, max_steps=settings.total_steps + 1, seed=settings.seed,
@@ -315,7 +393,8 @@ def trl_worker(conn, settings: BenchSettings) -> None:
             now = time.perf_counter()
             if self.started is not None:
                 self.times.append({"total": now - self.started, "generate": split["generate"],
-                                   "score": split["score"],
+                                   "score": split["score"], "response_lengths": shapes.get("lengths"),
+                                   "train_tokens_per_real_token": shapes.get("ratio"),
                                    "train": now - self.started - split["generate"] - split["score"],
                                    "prompts": list(first_prompts) if self.step == 1 else None})
             if self.left == 0:
@@ -338,6 +417,35 @@ def trl_worker(conn, settings: BenchSettings) -> None:
         trainer.train()
     except _StopTraining:
         pass
+
+
+def force_trl_lengths(model, settings: BenchSettings, *, eos: int) -> None:
+    """Make ``generate`` end each completion at its ``forced_lengths`` length (a logits processor: end-of-sequence
+    only at that length, forced there), as ``force_our_lengths`` does on our side."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    calls = {"n": 0}
+
+    class ForcedLengths(LogitsProcessor):
+        def __init__(self, lengths: list[int], prompt_width: int) -> None:
+            self.lengths, self.width = torch.tensor(lengths), prompt_width
+
+        def __call__(self, input_ids, scores):
+            ends = input_ids.size(1) - self.width + 1 >= self.lengths
+            scores[:, eos] = float("-inf")
+            scores[ends] = float("-inf")
+            scores[ends, eos] = 0.0
+            return scores
+
+    generate = model.generate
+
+    def forced_generate(*args, **kwargs):
+        calls["n"] += 1
+        processor = ForcedLengths(forced_lengths(settings, calls["n"]), kwargs["input_ids"].size(1))
+        return generate(*args, logits_processor=LogitsProcessorList([processor]), **kwargs)
+
+    model.generate = forced_generate
 
 
 # --------------------------------------------------------------------------------------------- orchestrator
@@ -382,14 +490,16 @@ def ratio_spread(ratios: list[float]) -> dict:
     return {"median": statistics.median(ratios), "q1": q1, "q3": q3, "min": min(ratios), "max": max(ratios)}
 
 
-def measure_size(size: str, model: str, args, work_root: Path, *, new_tokens: int, steps: int) -> dict:
+def measure_size(size: str, model: str, args, work_root: Path, *, new_tokens: int, steps: int,
+                 longtail_mean: float = 0.0, micro_batch_tokens: int | None = None) -> dict:
     """Interleaved blocks of steps on both sides for one model size; medians, splits and the ratios' spread."""
     total = args.warmup + steps + (args.profile_steps if args.profile else 0)
     blocks = [args.warmup] + [args.block] * (steps // args.block) + (
         [steps % args.block] if steps % args.block else [])
     settings = BenchSettings(model=model, prompts=args.prompts, group=args.group, new_tokens=new_tokens,
                              threads=args.threads, seed=args.seed, total_steps=total,
-                             work_dir=str(work_root / size))
+                             work_dir=str(work_root / size), longtail_mean=longtail_mean,
+                             micro_batch_tokens=micro_batch_tokens)
     load_before = os.getloadavg()[0]
     ours = Worker("ours", ours_worker, settings)
     theirs = Worker("trl", trl_worker, settings)
@@ -410,10 +520,16 @@ def measure_size(size: str, model: str, args, work_root: Path, *, new_tokens: in
     first = {name: times[name][0]["prompts"] for name in times}
     if first["ours"] != first["trl"]:
         raise RuntimeError(f"the two sides saw different prompts at step 1: {first['ours'][:3]} vs {first['trl'][:3]}")
-    expected_tokens = args.prompts * args.group * new_tokens
-    lengths = {t["response_tokens"] for t in times["ours"]}
-    if lengths != {expected_tokens}:
-        raise RuntimeError(f"our completions held {sorted(lengths)} tokens per step, expected {expected_tokens}")
+    if longtail_mean:  # both sides decoded the drawn lengths, completion by completion
+        for name in ("ours", "trl"):
+            for call, t in enumerate(times[name], start=1):
+                if t["response_lengths"] != forced_lengths(settings, call):
+                    raise RuntimeError(f"{name}: step {call}'s response lengths differ from the drawn ones")
+    else:
+        expected_tokens = args.prompts * args.group * new_tokens
+        lengths = {t["response_tokens"] for t in times["ours"]}
+        if lengths != {expected_tokens}:
+            raise RuntimeError(f"our completions held {sorted(lengths)} tokens per step, expected {expected_tokens}")
     timed = {name: runs[args.warmup:] for name, runs in times.items()}
 
     def median(name: str, key: str) -> float:
@@ -433,6 +549,13 @@ def measure_size(size: str, model: str, args, work_root: Path, *, new_tokens: in
                      "transformers": ready["trl"]["transformers"]},
     }
     result["speedup"] = result["trl_s"] / result["ours_s"]
+    if longtail_mean:
+        drawn = [n for call in range(args.warmup + 1, args.warmup + steps + 1) for n in forced_lengths(settings, call)]
+        result["longtail"] = {
+            "distribution": f"exponential, mean {longtail_mean:g}, rounded up, cut at {new_tokens}",
+            "response_mean": statistics.mean(drawn), "response_p90": statistics.quantiles(drawn, n=10)[-1],
+            "response_max": max(drawn), "micro_batch_tokens": micro_batch_tokens,
+            "train_tokens_per_real_token": {name: median(name, "train_tokens_per_real_token") for name in timed}}
     if profile is not None:
         result["profile"] = profile
     return result
@@ -440,8 +563,8 @@ def measure_size(size: str, model: str, args, work_root: Path, *, new_tokens: in
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="tiny,small,long",
-                        help="comma list of tiny, small, long; the first is the main one")
+    parser.add_argument("--sizes", default="tiny,small,long,longtail",
+                        help="comma list of tiny, small, long, longtail; the first is the main one")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per side and size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     parser.add_argument("--block", type=int, default=2, help="steps per turn before the other side runs")
@@ -452,13 +575,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--long-new-tokens", type=int, default=128, help="new tokens per completion of size long")
     parser.add_argument("--long-steps", type=int, default=6, help="timed steps per side of size long")
+    parser.add_argument("--longtail-new-tokens", type=int, default=192,
+                        help="longest response of size longtail (its lengths are drawn: --longtail-mean)")
+    parser.add_argument("--longtail-mean", type=float, default=32.0,
+                        help="mean response of size longtail (exponential, cut at --longtail-new-tokens)")
+    parser.add_argument("--longtail-steps", type=int, default=6, help="timed steps per side of size longtail")
+    parser.add_argument("--longtail-micro-batch-tokens", type=int, default=4096,
+                        help="our parallel.micro_batch_tokens in size longtail (packed training)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--profile", action="store_true", help="also cProfile our step and print the top")
     parser.add_argument("--profile-steps", type=int, default=5)
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    if not sizes or any(s not in ("tiny", "small", "long") for s in sizes):
-        parser.error("--sizes takes a comma list of tiny, small and long")
+    if not sizes or any(s not in SIZES for s in sizes):
+        parser.error(f"--sizes takes a comma list of {', '.join(SIZES)}")
+    if not 0 < args.longtail_mean <= args.longtail_new_tokens / 4:
+        parser.error("--longtail-mean must be positive and at most a quarter of --longtail-new-tokens")
     if min(args.steps, args.block, args.threads, args.long_steps, args.long_new_tokens) < 1 or args.warmup < 1:
         parser.error("--steps, --long-steps, --long-new-tokens, --block, --threads and --warmup must be >= 1")
 
@@ -469,13 +601,18 @@ def main(argv: list[str] | None = None) -> dict:
         long_yaml = work_root / "small-cpu-bench-long.yaml"  # the same model, with room for long responses
         long_yaml.write_text(SMALL_SHAPE_YAML.replace("seq_length: 64", "seq_length: 512").replace(
             "max_position_embeddings: 128", "max_position_embeddings: 512"))
-        models = {"tiny": "tiny-cpu", "small": str(small_yaml), "long": str(long_yaml)}
+        models = {"tiny": "tiny-cpu", "small": str(small_yaml), "long": str(long_yaml), "longtail": str(long_yaml)}
         results = {}
         for size in sizes:
-            long = size == "long"
-            results[size] = measure_size(size, models[size], args, work_root,
-                                         new_tokens=args.long_new_tokens if long else args.new_tokens,
-                                         steps=args.long_steps if long else args.steps)
+            if size == "longtail":
+                results[size] = measure_size(size, models[size], args, work_root, new_tokens=args.longtail_new_tokens,
+                                             steps=args.longtail_steps, longtail_mean=args.longtail_mean,
+                                             micro_batch_tokens=args.longtail_micro_batch_tokens)
+            else:
+                long = size == "long"
+                results[size] = measure_size(size, models[size], args, work_root,
+                                             new_tokens=args.long_new_tokens if long else args.new_tokens,
+                                             steps=args.long_steps if long else args.steps)
             results[size]["model"] = size if size == "tiny" else "small-cpu-bench (hidden 256, 4 layers, vocab 512)"
 
     print(f"GRPO step, {args.prompts} prompts x {args.group} completions, fp32, {args.threads} torch threads per "
@@ -489,6 +626,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"train+rest {t['train']:.4f})")
         print(f"{'':6} speedup TRL/ours {r['speedup']:.2f}; per step median {spread['median']:.2f}, quartiles "
               f"{spread['q1']:.2f}..{spread['q3']:.2f}, range {spread['min']:.2f}..{spread['max']:.2f}")
+        if "longtail" in r:
+            lt = r["longtail"]
+            print(f"{'':6} responses {lt['distribution']}: mean {lt['response_mean']:.1f}, p90 "
+                  f"{lt['response_p90']:.0f}, max {lt['response_max']}; training computes "
+                  f"{lt['train_tokens_per_real_token']['ours']:.3f} tokens per real token (ours, packed in "
+                  f"{lt['micro_batch_tokens']}-token micro-batches) against "
+                  f"{lt['train_tokens_per_real_token']['trl']:.3f} (TRL, padded)")
         if "profile" in r:
             print(f"--- cProfile of our step ({size}, {args.profile_steps} steps, {r['profile']['wall_s']:.2f} s)")
             print(r["profile"]["cumulative"])
@@ -498,9 +642,14 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "grpo_step", "main_size": main_size, "speedup": results[main_size]["speedup"],
         "speedups": {size: r["speedup"] for size, r in results.items()},
         "speedup_spreads": {size: r["speedup_per_step"] for size, r in results.items()},
+        "train_tokens_per_real_token": results["longtail"]["longtail"]["train_tokens_per_real_token"]
+        if "longtail" in results else None,
         "settings": {"prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
                      "long_new_tokens": args.long_new_tokens, "threads": args.threads, "steps": args.steps,
                      "long_steps": args.long_steps, "warmup": args.warmup, "block": args.block,
+                     "longtail_new_tokens": args.longtail_new_tokens, "longtail_mean": args.longtail_mean,
+                     "longtail_steps": args.longtail_steps,
+                     "longtail_micro_batch_tokens": args.longtail_micro_batch_tokens,
                      "dtype": "fp32", "lr": LEARNING_RATE, "eos": "disabled (exact new_tokens per completion)"},
         "sizes": {size: {k: v for k, v in r.items() if k != "profile"} for size, r in results.items()},
     }

@@ -101,6 +101,12 @@ class ModelOptions:
         """flash or unfused, the kernel these layers run."""
         return attention_kernel(self.attention)
 
+    def takes_packed_sequences(self, shape: ModelShape) -> bool:
+        """Whether packed micro-batches reach these layers' core attention as THD ``PackedSeqParams``, which runs one
+        attention per sequence (Transformer Engine's, or SDPADotProductAttention's for dense attention), rather
+        than as a block-diagonal mask (Megatron's local kernel, and MLA without TE)."""
+        return self.transformer_engine or (self.core_attention == "flash" and not shape.is_mla)
+
 
 EXPERT_BIAS_UPDATE_RATE = 1e-3
 """Megatron's default moe_router_bias_update_rate (DeepSeek-V3's gamma 0.001)."""

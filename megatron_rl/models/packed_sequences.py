@@ -4,12 +4,14 @@ A packed micro-batch (``megatron_rl.rollout.packing``) holds the rows' tokens on
 to T, and two views of the rows:
 
 * ``cu_seqlens`` [segments + 1]: where each segment starts in the packed stream, the padding tail (if any) being
-  the last segment, so the last entry is T. The model sees the boundaries through ``attention_inputs``: on
-  Transformer Engine (GPUs) as Megatron's ``PackedSeqParams(qkv_format="thd")``, which TE's fused attention and
-  Megatron's per-sequence RoPE take; on Megatron's local and SDPA attention (CPUs, GPUs without TE) as a
-  block-diagonal causal mask ``[1, 1, T, T]`` (True = masked), the same boundaries. Position ids restart at 0 in
-  every row. The local path applies RoPE at the packed positions, which changes no attention score (RoPE's
-  scores depend on the distance between positions only) beyond float rounding.
+  the last segment, so the last entry is T. The model sees the boundaries through ``attention_inputs``: as
+  Megatron's ``PackedSeqParams(qkv_format="thd")``, which Megatron's per-sequence RoPE and the core attention
+  take, where the core attention runs one attention per sequence (``thd``: Transformer Engine's fused attention on
+  GPUs, or SDPADotProductAttention's loop, megatron_rl/models/sdpa_attention.py, on CPUs and GPUs without TE);
+  on Megatron's local kernel (runtime.attention=unfused, and MLA without TE) as a block-diagonal causal mask
+  ``[1, 1, T, T]`` (True = masked), the same boundaries. Position ids restart at 0 in every row. The mask path
+  applies RoPE at the packed positions, which changes no attention score (RoPE's scores depend on the distance
+  between positions only) beyond float rounding.
 * ``row_index`` / ``row_valid`` [rows, L]: for each row, the packed positions of its labels, so per-token results
   of the forward (log-probs, entropy, values) come back as ``[rows, L]`` by ``as_rows`` and the losses, written
   for padded rows, run unchanged.
@@ -36,10 +38,11 @@ def as_rows(values: torch.Tensor, batch: dict) -> torch.Tensor:
     return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def attention_inputs(cu_seqlens: torch.Tensor, *, transformer_engine: bool) -> dict:
-    """What the model's forward takes for these boundaries: ``packed_seq_params`` (TE) or ``attention_mask``."""
+def attention_inputs(cu_seqlens: torch.Tensor, *, thd: bool) -> dict:
+    """What the model's forward takes for these boundaries: ``packed_seq_params`` (``thd``: the core attention runs
+    one attention per sequence) or ``attention_mask``."""
     total = int(cu_seqlens[-1])
-    if transformer_engine:
+    if thd:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -7,8 +7,10 @@ On GPUs without TE, torch picks its flash or memory-efficient kernel; on the CPU
 stores the scores; this module keeps only the output and the log-sum-exp, which is what the planner's
 ``flash_attention`` memory and time assume.
 
-It covers what ``eligible`` accepts (vanilla softmax, no sliding window, no query-key layer scaling, no
-packed sequences or attention bias); at cp > 1, ``SDPACPAttention`` is ``CPDotProductAttention`` (keys and
+It covers what ``eligible`` accepts (vanilla softmax, no sliding window, no query-key layer scaling, no attention
+bias). Packed sequences (``PackedSeqParams`` in THD format, megatron_rl/models/packed_sequences.py) run one causal
+attention per sequence, the work a varlen kernel does (``packed_context``), not a block-diagonal mask over the
+whole pack; at cp > 1, ``SDPACPAttention`` is ``CPDotProductAttention`` (keys and
 values gathered over the CP group, an explicit causal mask of the local queries) with this module's kernel.
 
 Test: ``.venv/bin/python -m pytest tests/test_sdpa_attention.py -q`` (outputs and gradients equal
@@ -54,6 +56,17 @@ def sdpa_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
 
+def packed_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                   scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of each packed sequence over itself: THD [t, np, hn] queries ([t, ng, hn] keys and values,
+    as Megatron's attention squeezes them under THD) and the sequences' boundaries ``cu_seqlens`` [n + 1] ->
+    [t, np * hv]."""
+    bounds = cu_seqlens.tolist()
+    return torch.cat([sdpa_context(query[a:b, None], key[a:b, None], value[a:b, None], scale=scale,
+                                   dropout_p=dropout_p)[:, 0]
+                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a])
+
+
 class SDPADotProductAttention(DotProductAttention):
     """``DotProductAttention`` (same constructor and forward contract) computed by ``sdpa_context``."""
 
@@ -66,17 +79,23 @@ class SDPADotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        assert packed_seq_params is None and attention_bias is None, \
-            "packed sequences and attention bias need Transformer Engine attention"
+        assert attention_bias is None, "attention bias needs Transformer Engine attention"
+        assert packed_seq_params is None or packed_seq_params.qkv_format == "thd", "packed sequences: THD only"
         dropout_p = self.attention_dropout.p if self.training else 0.0
+
+        def attend():
+            if packed_seq_params is not None:
+                return packed_context(query, key, value, packed_seq_params.cu_seqlens_q, scale=self.softmax_scale,
+                                      dropout_p=dropout_p)
+            return sdpa_context(query, key, value, scale=self.softmax_scale, attention_mask=attention_mask,
+                                dropout_p=dropout_p)
+
         if dropout_p and not self.config.sequence_parallel:
             from megatron.core import tensor_parallel
 
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                return sdpa_context(query, key, value, scale=self.softmax_scale, attention_mask=attention_mask,
-                                    dropout_p=dropout_p)
-        return sdpa_context(query, key, value, scale=self.softmax_scale, attention_mask=attention_mask,
-                            dropout_p=dropout_p)
+                return attend()
+        return attend()
 
 
 class SDPACPAttention(CPDotProductAttention, SDPADotProductAttention):

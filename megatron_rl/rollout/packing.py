@@ -101,14 +101,14 @@ def _to_count(bins: list[list[int]], lengths: list[int], count: int, spare: int)
 
 
 def pack_minibatch(rows: list[dict], *, dp: int, dp_rank: int, token_budget: int, multiple: int,
-                   count_multiple: int, pad_id: int, transformer_engine: bool) -> tuple[list[dict], dict]:
+                   count_multiple: int, pad_id: int, thd: bool) -> tuple[list[dict], dict]:
     """This data-parallel rank's packed micro-batches of a mini-batch's rollout rows, and the mini-batch's
     packing figures (``train_tokens``: computed over every rank; ``real_tokens``: the rows')."""
     lengths = [row_tokens(row) for row in rows]
     per_rank, packed = pack_rows(lengths, dp=dp, token_budget=token_budget, multiple=multiple,
                                  count_multiple=count_multiple)
     micro = [collate_packed([_row(rows, i) for i in indices], packed_length=packed, pad_id=pad_id,
-                            transformer_engine=transformer_engine) for indices in per_rank[dp_rank]]
+                            thd=thd) for indices in per_rank[dp_rank]]
     figures = {"train_tokens": float(dp * len(per_rank[0]) * packed), "real_tokens": float(sum(lengths))}
     return micro, figures
 
@@ -117,7 +117,7 @@ def _row(rows: list[dict], index: int) -> dict:
     return rows[index] if index >= 0 else {**rows[_source(index)], "in_loss": False}
 
 
-def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, transformer_engine: bool) -> dict:
+def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bool) -> dict:
     """One packed micro-batch of rollout rows (see ``megatron_rl.rollout.batch.collate_rollout`` for the padded
     one, whose row-view entries ``loss_mask``, ``old_logp`` and ``advantages`` these equal)."""
     widths = [row_tokens(row) for row in rows]
@@ -154,7 +154,7 @@ def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, transfo
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=batch["tokens"].device)
-    batch.update(attention_inputs(cu_seqlens, transformer_engine=transformer_engine))
+    batch.update(attention_inputs(cu_seqlens, thd=thd))
     return batch
 
 

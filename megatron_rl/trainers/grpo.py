@@ -294,7 +294,7 @@ class GrpoRun:
         return pack_minibatch(rows, dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                               token_budget=self.cfg.parallel.micro_batch_tokens, multiple=self.engine.sequence_multiple,
                               count_multiple=dims.pp if dims.vpp > 1 else 1, pad_id=self.tokenizer.pad_id,
-                              transformer_engine=self.engine.opts.transformer_engine)
+                              thd=self.engine.opts.takes_packed_sequences(self.shape))
 
     def old_and_reference_logprobs(self, minibatches: list[list[dict]]) -> None:
         """The old policy's log-probs (when recomputed) and the reference's, from the weights that sampled the

@@ -53,7 +53,7 @@ def main() -> None:
 
     cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp or 'null'}",
                                  "algorithm.global_batch_size=24", "algorithm.prompts_per_step=6", "algorithm.group_size=4", "parallel.micro_batch_size=4", "run.seed=5",
-                                 "optimizer.lr=0.01", "algorithm.kl_coef=0", "algorithm.loss_aggregation=seq-mean-token-mean"])
+                                 "optimizer.lr=0.01", "optimizer.adam_eps=1e-4", "algorithm.kl_coef=0", "algorithm.loss_aggregation=seq-mean-token-mean"])
     initialize(job_dims(tp=args.tp, pp=args.pp, vpp=args.vpp or 1), seed=cfg.run.seed)
     shape = load_model_shape("tiny-cpu")
     if args.layers:
@@ -72,16 +72,22 @@ def main() -> None:
     padded = [collate_rollout(mb, seq_length=seq_length, pad_id=0)
               for mb in data_parallel_slice(rows, micro_batch_size=4)]
     count_multiple = args.pp if (args.vpp or 1) > 1 else 1
+    thd = packed_engine.opts.takes_packed_sequences(shape)  # what the trainer passes: SDPA's per-sequence loop
     packed, figures = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=args.budget, multiple=multiple,
-                                     count_multiple=count_multiple, pad_id=0, transformer_engine=False)
+                                     count_multiple=count_multiple, pad_id=0, thd=thd)
+    masked, _ = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=args.budget, multiple=multiple,
+                               count_multiple=count_multiple, pad_id=0, thd=False)  # the block-diagonal mask
     per_rank, packed_length = pack_rows([row_tokens(r) for r in rows], dp=dp, token_budget=args.budget,
                                         multiple=multiple, count_multiple=count_multiple)
     packed_ids = [[i if i >= 0 else None for i in b] for b in per_rank[dp_rank]]
 
     padded_engine.recompute_old_logprobs(padded, seq_length=seq_length)
     packed_engine.recompute_old_logprobs(packed, seq_length=packed_length)
+    packed_engine.recompute_old_logprobs(masked, seq_length=packed_length)
     result = {"dp": dp, "dp_rank": dp_rank, "microbatches": len(packed), "packed_length": packed_length,
-              "figures": figures, "rows_compared": 0, "max_logprob_diff": 0.0}
+              "figures": figures, "rows_compared": 0, "max_logprob_diff": 0.0, "thd": thd,
+              "mask_vs_thd_diff": max((float(((m["old_logp"] - p["old_logp"]).abs() * p["loss_mask"]).max())
+                                       for m, p in zip(masked, packed)), default=0.0)}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         logp_of = {}
         for ids, batch in zip(padded_ids, padded):
