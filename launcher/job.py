@@ -111,6 +111,51 @@ def check_env(cfg: JobConfig) -> None:
                           f"{unset[0]}=... before launching, or drop it from cluster.env")
 
 
+INPUT_PATHS = ("model.init_from", "algorithm.reward_model", "algorithm.critic_init_from", "data.train_path",
+               "data.eval_path")
+"""Config keys naming files or folders a job reads at its start: a local launch checks them first."""
+
+
+def check_input_paths(cfg: JobConfig, config: Optional[str] = None) -> None:
+    """Each INPUT_PATHS key that is set names something that exists (on this machine: call it for local runs; a
+    Slurm job may read paths that only its nodes see). The error names the key, and when the config file's header
+    has the ``python launch.py`` command whose run.dir holds the path (a shipped config's recipe), that command."""
+    for dotted in INPUT_PATHS:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value is None or Path(value).expanduser().exists():
+            continue
+        builder = _building_command(config, value) if config else None
+        fix = f"build it first: {builder}" if builder else f"give {dotted} an existing path"
+        raise ConfigError(f"{dotted}={value} does not exist; {fix}")
+
+
+def _building_command(config: str, missing: str) -> Optional[str]:
+    """The ``python launch.py ...`` command in the config file's comments whose run.dir holds ``missing``."""
+    from megatron_rl.spec.config.loader import find_config
+
+    try:
+        text = find_config(config).read_text(encoding="utf-8")
+    except (ConfigError, OSError, UnicodeDecodeError):
+        return None
+    lines = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    commands, current = [], ""
+    for line in lines:
+        current = f"{current} {line}".strip() if current else line
+        if current.endswith("\\"):
+            current = current[:-1].rstrip()
+            continue
+        if current.startswith("python launch.py"):
+            commands.append(" ".join(current.split()))
+        current = ""
+    target = Path(missing)
+    for command in commands:
+        for word in command.split():
+            if word.startswith("run.dir=") and Path(word.removeprefix("run.dir=")) in (target, *target.parents):
+                return command
+    return None
+
+
 def resolve_executor(name: str) -> str:
     """auto means slurm when `sbatch` is on PATH, else local."""
     if name == "auto":

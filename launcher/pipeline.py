@@ -179,6 +179,9 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list
         if not sep or not key or key.strip() != key:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. stages.grpo.run.steps=50")
         head, _, rest = key.partition(".")
+        if key == "run.dir" or (head == "stages" and rest.partition(".")[2] == "run.dir"):
+            raise ConfigError(f"{item}: a pipeline's stages run in pipeline.dir/NAME, not in run.dir; give "
+                              f"pipeline.dir={value} instead")
         if head == "pipeline":
             pipeline.append(item)
         elif head == "stages":

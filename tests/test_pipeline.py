@@ -213,6 +213,8 @@ def test_a_pipeline_file_given_to_run_or_plan_is_a_one_line_error() -> None:
 def test_bad_command_line_keys_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(pipeline("stages.grop.run.steps=3", "--dry-run"), "no stage 'grop'", "did you mean 'grpo'")
     assert_one_line_error(pipeline("pipeline.dri=x", "--dry-run"), "did you mean 'pipeline.dir'")
+    for key in ("run.dir", "stages.grpo.run.dir"):  # the stages run in pipeline.dir/NAME: not silently ignored
+        assert_one_line_error(pipeline(f"{key}=elsewhere", "--dry-run"), "not in run.dir", "pipeline.dir=elsewhere")
     assert_one_line_error(run_launch("pipeline", "--config", str(tmp_path / "none.yaml")), "not found")
 
 

@@ -45,6 +45,8 @@ def test_the_defaults_are_synchronous_colocated_grpo():
     (["algorithm.is_cap=0.5"], r"algorithm.is_cap=0.5 must be >= 1"),
     (["algorithm.off_policy_correction=decoupled"], "algorithm.off_policy_correction=decoupled corrects for samples "
                                                     "of older weights.* set algorithm.off_policy_correction=none"),
+    (["cluster.rollout_tasks=1", "algorithm.router_replay=true"],
+     "algorithm.router_replay=true with cluster.rollout_tasks=1: .* set algorithm.router_replay=false"),
     (["cluster.rollout_tasks=1", "algorithm.drop_zero_signal_groups=true"],
      "algorithm.drop_zero_signal_groups=true draws more prompts inside a step.* set it false"),
     (["cluster.tasks_per_node=4", "cluster.rollout_tasks=2", "parallel.ep=2"],

@@ -23,7 +23,7 @@ from megatron_rl.spec.config.schema import ClusterConfig
 from megatron_rl.spec.errors import ConfigError
 from launcher.job import prepare
 from launcher.resources import templates_dir
-from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
+from megatron_rl.spec.run_files import GATE_EXIT_CODE, JOB_EXIT_CODES, REQUEUE_EXIT_CODE
 from launcher.slurm import executor as slurm_executor
 from launcher.slurm.prepare import allocation_overrides
 from launcher.slurm.script import (
@@ -273,6 +273,30 @@ def test_preemption_past_the_limit_exits_3_without_requeue(sandbox: Path) -> Non
     assert result.returncode == REQUEUE_EXIT_CODE
     assert "already requeued 2 times (MAX_REQUEUES=2)" in result.stdout
     assert not (sandbox / "scontrol.args").exists()
+
+
+def test_a_missed_eval_gate_ends_the_job_with_its_own_code_and_no_requeue(sandbox: Path) -> None:
+    """The job's exit codes are distinct (run_files.JOB_EXIT_CODES); the script's literal 3 is the requeue code."""
+    assert len(set(JOB_EXIT_CODES)) == len(JOB_EXIT_CODES) and GATE_EXIT_CODE != REQUEUE_EXIT_CODE
+    script = render_train_script(ClusterConfig(max_requeues=2), _spec(sandbox / "run", sandbox))
+    assert f"rc == {REQUEUE_EXIT_CODE}" in script and f"exit {REQUEUE_EXIT_CODE}" in script
+    result = _run_script(sandbox, script, env={"FAKE_RC": str(GATE_EXIT_CODE)})
+    assert result.returncode == GATE_EXIT_CODE
+    assert not (sandbox / "scontrol.args").exists() and "requeue" not in result.stdout
+
+
+@pytest.mark.parametrize("code, says", [(GATE_EXIT_CODE, "missed eval.min_pass_at_1"),
+                                         (REQUEUE_EXIT_CODE, "requeued (preemption")])
+def test_the_launcher_reads_the_gate_and_the_requeue_codes_apart(tmp_path: Path, code: int, says: str) -> None:
+    import io
+
+    from launcher.slurm.query import JobState
+    from launcher.slurm.watch import Watch, explain
+
+    err = io.StringIO()
+    watch = Watch(job_id="42", log_dir=tmp_path, num_tasks=1, cluster=ClusterConfig(), out=io.StringIO(), err=err)
+    assert explain(watch, JobState(state="FAILED", exit_code=f"{code}:0")) == code
+    assert says in err.getvalue()
 
 
 def test_failing_task_exit_code_is_the_jobs(sandbox: Path) -> None:

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     from launcher.executors import get_executor
-    from launcher.job import prepare
+    from launcher.job import check_input_paths, prepare
     from megatron_rl.spec.config import load_config
     from megatron_rl.spec.config.loader import env_references, given_keys
 
@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
     unresolved = env_references(args.config, args.overrides)  # first: it refuses a secret in cluster.setup
     job = prepare(load_config(args.config, args.overrides), given=given_keys(args.config, args.overrides),
                   unresolved=unresolved)
+    if job.executor == "local":  # a Slurm job may read paths that only its nodes see
+        check_input_paths(job.cfg, args.config)
     executor = get_executor(job.executor)
     if not args.dry_run:
         return executor.run(job, wait=args.wait)

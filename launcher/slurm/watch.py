@@ -22,7 +22,7 @@ from launcher.runs.logs import LogTail
 from launcher.slurm.query import FINAL_STATES, JobState, run_tool, sacct_state, squeue_state
 from launcher.slurm.task import FAILURE_MARK, PLACEMENT_MARK
 from megatron_rl.spec.config.schema import ClusterConfig
-from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
+from megatron_rl.spec.run_files import GATE_EXIT_CODE, REQUEUE_EXIT_CODE
 
 SQUEUE_FAILURE_LIMIT_S = 60.0
 SACCT_WAIT_S = 30.0
@@ -117,6 +117,9 @@ def explain(watch: Watch, final: JobState, *, nodes: str = "") -> int:
     if final.state == "FAILED" and code == REQUEUE_EXIT_CODE:
         message = (f"{job} FAILED: it was requeued (preemption, scontrol requeue or a node failure) more often "
                    f"than cluster.max_requeues={cluster.max_requeues} allows; {rerun}")
+    elif final.state == "FAILED" and code == GATE_EXIT_CODE:
+        message = (f"{job} ended with exit code {GATE_EXIT_CODE}: the evaluation missed eval.min_pass_at_1 "
+                   f"(eval.json in the run folder has the pass@1)")
     elif final.state == "FAILED":
         message = f"{job} FAILED with exit code {final.exit_code or '?'}{failure_details(watch)}"
     elif final.state == "CANCELLED":

@@ -15,4 +15,12 @@ PREDICTION_FILE = "prediction.json"
 """The planner's prediction for the job's own layout, written by ``launch.py`` beside the config."""
 
 REQUEUE_EXIT_CODE = 3
-"""A trainer exits with this code after saving a preemption checkpoint; the job script then requeues the job."""
+"""A trainer exits with this code after saving a preemption checkpoint; the job script then requeues the job (and
+ends with it when the job was requeued too often, slurm/train.sbatch)."""
+GATE_EXIT_CODE = 4
+"""The eval trainer exits with this code when eval.min_pass_at_1 is missed: not a failure of the job's machinery,
+and never taken for a preemption."""
+JOB_EXIT_CODES = {0: "done", 1: "a rank failed", 2: "a config error (ConfigError)", REQUEUE_EXIT_CODE: "preempted: "
+                  "checkpoint saved, requeue", GATE_EXIT_CODE: "the evaluation gate (eval.min_pass_at_1) was missed"}
+"""Every code a job ends with, and what it means; distinct by construction (tests/test_sbatch_render.py checks the
+job script's literals against them)."""

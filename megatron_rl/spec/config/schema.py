@@ -855,6 +855,10 @@ class JobConfig:
         if rollout_tasks and algo.name != "grpo":
             raise ConfigError(f"cluster.rollout_tasks={rollout_tasks}: separate rollout processes run "
                               f"algorithm.name=grpo only, not {algo.name}; set cluster.rollout_tasks=0")
+        if rollout_tasks and algo.router_replay:
+            raise ConfigError(f"algorithm.router_replay=true with cluster.rollout_tasks={rollout_tasks}: the rollout "
+                              "processes do not record the experts they route to yet; set algorithm.router_replay=false "
+                              "or cluster.rollout_tasks=0")
         if algo.weight_sync == "nccl" and (not self.cluster.has_gpus or self.parallel.backend == "gloo"):
             raise ConfigError("algorithm.weight_sync=nccl needs GPUs and the nccl backend (cluster.gpus_per_node > 0, "
                               "parallel.backend auto or nccl); set algorithm.weight_sync=gloo or files")
