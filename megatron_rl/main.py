@@ -81,16 +81,18 @@ def run(config_path: str) -> int:
 
 def _write_call_site_counts(run_dir: str) -> None:
     """Record, per call site, which Megatron calls the CPU redirection rewrote (tests check them against
-    KNOWN_SITES) and which ops gloo staging copied through CPU buffers (tests/test_gloo_staging.py): one JSON file
-    of each that is active, per rank of the job."""
+    KNOWN_SITES), which ops gloo staging copied through CPU buffers (tests/test_gloo_staging.py) and which deferred
+    imports were never needed (lazy_imports): one JSON file of each that is active, per rank of the job."""
     import json
     import os
 
-    from megatron_rl.runtime import cpu_compat, gloo_staging
+    from megatron_rl.runtime import cpu_compat, gloo_staging, lazy_imports
     from megatron_rl.runtime.distributed import job_rank
 
     for name, active, counts in (("cpu_redirects", cpu_compat.is_active(), cpu_compat.redirect_counts),
-                                 ("gloo_staged", gloo_staging.is_installed(), gloo_staging.staged_counts)):
+                                 ("gloo_staged", gloo_staging.is_installed(), gloo_staging.staged_counts),
+                                 ("deferred_imports", True, lambda: {module: lazy_imports.is_deferred(module)
+                                                                     for module in lazy_imports.DEFERRED})):
         if not active:
             continue
         path = os.path.join(run_dir, "logs", f"{name}_rank{job_rank()}.json")

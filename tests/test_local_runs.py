@@ -119,6 +119,8 @@ def test_cpu_redirections_are_all_reviewed(baseline):
     assert counts, "the CPU redirection recorded nothing: is it still applied?"
     assert sorted(set(counts) - KNOWN_SITES) == []
     assert counts.get(EAGER_FUSIONS, 0) > 0, "Megatron was imported before cpu_compat.apply(): its fusions compile"
+    deferred = [json.loads(path.read_text()) for path in sorted((run_dir / "logs").glob("deferred_imports_rank*.json"))]
+    assert deferred and all(d == {"wandb": True} for d in deferred), "logging.wandb is off, yet wandb was imported"
 
 
 def test_preempted_run_resumes_with_identical_metrics(launch, tmp_path, baseline):

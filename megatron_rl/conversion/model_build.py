@@ -26,10 +26,11 @@ from megatron_rl.spec.model_shape import ModelShape
 
 def init_parallel(tp: int, pp: int, ep: int, *, seed: int = 0) -> None:
     """Start gloo (once) and (re)initialise Megatron's parallel state for this layout."""
-    from megatron_rl.runtime import cpu_compat
+    from megatron_rl.runtime import cpu_compat, lazy_imports
     from megatron_rl.runtime.distributed import read_dist_env
 
-    cpu_compat.apply()  # before Megatron's first import
+    lazy_imports.defer()  # before Megatron's first import, as the next line
+    cpu_compat.apply()
     from megatron.core import parallel_state, tensor_parallel
     env = read_dist_env()
     if not torch.distributed.is_initialized():

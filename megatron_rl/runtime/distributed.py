@@ -99,12 +99,13 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
     """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers.
 
     ``timeout_s`` bounds every collective (``parallel.timeout_s``): a rank waits that long for the others."""
-    from megatron_rl.runtime import cpu_compat, gloo_staging
+    from megatron_rl.runtime import cpu_compat, gloo_staging, lazy_imports
 
     dist_env = read_dist_env()
     if dims.world_size != dist_env.world_size:
         raise RuntimeError(f"the layout is for {dims.world_size} processes but {dist_env.world_size} were started")
     on_gpu = torch.cuda.is_available()
+    lazy_imports.defer()  # before Megatron's first import, as the next line
     if not on_gpu:
         cpu_compat.apply()  # before Megatron's first import
     from megatron.core import parallel_state, tensor_parallel
