@@ -180,15 +180,16 @@ def test_cli_rejects_bad_input_with_one_line_and_exit_2(launch, tmp_path, args, 
 
 def test_a_missing_input_path_is_refused_at_launch_with_the_command_that_builds_it(monkeypatch, tmp_path, capsys):
     """grpo_lora_tiny on a fresh clone: its SFT base is not built yet. A local launch refuses it in one line (exit
-    2, nothing started) and quotes the config's own recipe for it; any other missing input names its key."""
+    2, nothing started) and quotes the config's own recipe for it; any other missing input names its key. (A dry
+    run shows what would run before the inputs are there.)"""
     from launcher import cli
 
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["--config", "grpo_lora_tiny", "--dry-run"]) == 2
+    assert cli.main(["--config", "grpo_lora_tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "model.init_from=runs/sft_first_digit_tiny/checkpoints does not exist" in err
     assert "build it first: python launch.py --config configs/sft_tiny.yaml data.task=first_digit" in err
-    assert cli.main(["--dry-run", f"data.eval_path={tmp_path / 'none.jsonl'}"]) == 2
+    assert cli.main([f"data.eval_path={tmp_path / 'none.jsonl'}"]) == 2
     assert "data.eval_path=" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 

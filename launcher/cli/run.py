@@ -48,8 +48,8 @@ def main(argv: list[str]) -> int:
     unresolved = env_references(args.config, args.overrides)  # first: it refuses a secret in cluster.setup
     job = prepare(load_config(args.config, args.overrides), given=given_keys(args.config, args.overrides),
                   unresolved=unresolved)
-    if job.executor == "local":  # a Slurm job may read paths that only its nodes see
-        check_input_paths(job.cfg, args.config)
+    if job.executor == "local" and not args.dry_run:  # a Slurm job may read paths only its nodes see; a dry run
+        check_input_paths(job.cfg, args.config)        # shows what would run before the inputs are there
     executor = get_executor(job.executor)
     if not args.dry_run:
         return executor.run(job, wait=args.wait)

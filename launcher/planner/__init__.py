@@ -19,10 +19,10 @@ from typing import Any, Mapping
 
 from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
 from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement, Workload
-from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
+from launcher.planner.estimate import TIME_PARTS, Estimate, KvPool, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.moe_comm import check_runtime
-from launcher.planner.rl_step import RL_MODES, KvPool, RolloutSuggestion, generation_pool, rollout, suggest_rollout_tasks
+from launcher.planner.rl_step import RL_MODES, RolloutSuggestion, generation_pool, rollout, suggest_rollout_tasks
 from launcher.planner.search import SearchOutcome, search
 from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from megatron_rl.spec.errors import ConfigError, as_yaml, did_you_mean

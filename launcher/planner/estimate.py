@@ -12,14 +12,13 @@ Check it: ``.venv/bin/python -m pytest tests/test_planner.py -q``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 from megatron_rl.spec.parallel import default_etp, virtual_stage_layers
 
-if TYPE_CHECKING:
-    from launcher.planner.rl_step import KvPool, SplitStep
 from launcher.planner.costs import (
     ADAM_BYTES_PER_PARAM,
     DP_BUCKET_BYTES,
@@ -219,6 +218,95 @@ class TimeTerms(NamedTuple):
     def breakdown(self) -> dict[str, float]:
         """Seconds per step by TIME_PARTS key."""
         return {**dict.fromkeys(TIME_PARTS, 0.0), **scale_parts(self.training_step(), self.steps), **self.rl_parts}
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """The paged engine's KV pool on the generation ranks of one layout (megatron_rl/generation/engine.py;
+    rl_step.kv_pool makes it)."""
+
+    budget: float
+    """Bytes per GPU on the pipeline rank with the most layers: generation.kv_memory_gib. Every pipeline rank holds
+    as many blocks (the engine agrees on the fewest), of fewer bytes where it has fewer layers."""
+    tokens: float
+    """Tokens the pool holds."""
+    rows: float
+    """Rows decoding at once while rows wait: the batch that continuous admission keeps full."""
+    source: str
+    """given (generation.kv_memory_gib), chosen (the planner's pick: what the layout's memory leaves while
+    generating, up to what the rank's share needs, KV_HEADROOM), or every row (the engine's default without a
+    budget: each row's blocks at its longest)."""
+    engine: str
+    """paged, or static for MLA models (decoding.py's static engine, until MLA runs paged): waves of ``rows`` rows
+    (generation.max_concurrent: given, or chosen as the most whose cache at the longest length fits), each wave's
+    cache allocated at the longest length."""
+
+    @property
+    def key(self) -> str:
+        """The generation key that sets this pool (and that launch.py writes when the planner chose it)."""
+        return "generation.kv_memory_gib" if self.engine == "paged" else "generation.max_concurrent"
+
+    @property
+    def value(self) -> float | int:
+        """Its value: ``gib`` for the paged engine, the rows of a wave for the static one."""
+        return self.gib if self.engine == "paged" else int(self.rows)
+
+    @property
+    def gib(self) -> float:
+        """The budget in GiB, rounded down to the hundredth that launch.py writes into generation.kv_memory_gib."""
+        return math.floor(self.budget / GIB * 100) / 100
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (GiB, tokens, rows)."""
+        return {"gib": self.gib, "source": self.source, "engine": self.engine, "tokens": round(self.tokens),
+                "rows_at_once": round(self.rows, 1), "key": self.key, "value": self.value}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitStep:
+    """One layout's step under split placement: both sides and how they combine (rl_step.split_step makes it)."""
+
+    rollout_gpus: int
+    """GPUs that only generate (cluster.rollout_tasks)."""
+    replicas: int
+    """Rollout replicas: rollout_gpus / (tp * pp)."""
+    rollout_gpu: Estimate
+    """Memory (one rollout GPU, fullest pipeline rank) and generation time (step_time_s) of the rollout replicas."""
+    trainer_s: float
+    """Seconds of the trainer GPUs' own work per step: optimizer steps, log-prob passes, reward model, weight sync."""
+    weight_sync_s: float
+    """Seconds to send one policy version to the rollout GPUs (part of trainer_s)."""
+    weight_sync_bytes: float
+    """Bytes sent per weight sync."""
+    weight_sync: str
+    """algorithm.weight_sync: gloo, files or nccl."""
+    overlapped: bool
+    """algorithm.max_staleness > 0: generation runs while the trainer trains."""
+
+    @property
+    def generation_s(self) -> float:
+        """Seconds the rollout replicas take to generate one rollout."""
+        return self.rollout_gpu.step_time_s
+
+    @property
+    def step_s(self) -> float:
+        """The step: the longer side when generation overlaps training, else both in turn."""
+        if self.overlapped:
+            return max(self.trainer_s, self.generation_s)
+        return self.trainer_s + self.generation_s
+
+    @property
+    def rollout_wait_s(self) -> float:
+        """Seconds the trainer waits for rollouts beyond its own work."""
+        return self.step_s - self.trainer_s
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (seconds, GiB, bytes)."""
+        return {"rollout_gpus": self.rollout_gpus, "replicas": self.replicas, "overlapped": self.overlapped,
+                "trainer_s": round(self.trainer_s, 4), "generation_s": round(self.generation_s, 4),
+                "step_s": round(self.step_s, 4), "weight_sync": self.weight_sync,
+                "weight_sync_s": round(self.weight_sync_s, 4), "weight_sync_bytes": self.weight_sync_bytes,
+                "rollout_gpu_memory_gib": self.rollout_gpu.memory_gib(), "rollout_gpu_fits": self.rollout_gpu.fits}
 
 
 @dataclass(frozen=True, kw_only=True)
