@@ -80,11 +80,14 @@ def test_eval_writes_one_entry_per_stage_and_runs_at_tp2_like_dp2(tmp_path, chec
     assert sampled["k"] == 4 and sampled["pass@k"] >= sampled["pass@1"]
 
 
-def test_a_missed_gate_marks_the_stage_discarded_and_exits_3(tmp_path, checkpoint):
+def test_a_missed_gate_marks_the_stage_discarded_and_exits_with_the_gate_code(tmp_path, checkpoint):
+    """The gate's own exit code (4), not the requeue code (3) that Slurm's job script would requeue on."""
+    from megatron_rl.spec.run_files import GATE_EXIT_CODE, REQUEUE_EXIT_CODE
+
     proc = _eval(tmp_path / "eval", checkpoint, *GREEDY, "eval.stage=gated", "eval.min_pass_at_1=1.0")
     entry = json.loads((tmp_path / "eval" / "eval.json").read_text())["gated"]
     assert entry["pass@1"] < 1.0  # ten steps do not solve the task
-    assert proc.returncode == 3 and entry["kept"] is False
+    assert proc.returncode == GATE_EXIT_CODE != REQUEUE_EXIT_CODE and entry["kept"] is False
     assert "eval gate: pass@1" in proc.stdout
 
 
