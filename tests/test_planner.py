@@ -193,9 +193,16 @@ def test_a_released_kv_cache_reuses_training_only_memory_and_offload_adds_grads_
 def test_mla_kv_cache_is_the_expanded_keys_and_values():
     """Megatron's static inference cache holds per-head K (nope 128 + rope 64) and V (128) of the rank's heads,
     not the 576-element latent (see costs.kv_cache_elements_per_token_per_layer; engine: test_kv_cache_count.py)."""
+    from launcher.planner.costs import kv_cache_elements_per_token_per_layer
+
     w = _workload("deepseek-v3", 2048, 2048, mode="grpo")
-    assert w.kv_cache_bytes(8, 1, 1) == pytest.approx(128 // 8 * (128 + 64 + 128) * 4096 * 2, rel=1e-9)
-    assert w.kv_cache_bytes(1, 1, 1) == pytest.approx(8 * w.kv_cache_bytes(8, 1, 1), rel=1e-9)
+    _, prompt, response, _ = w.grpo_sizes()  # one row at its longest: 1024 + 3072 tokens, on one layer, bf16
+
+    def row_bytes(tp: int) -> float:
+        return (prompt + response) * kv_cache_elements_per_token_per_layer(w.shape, tp) * GrpoSizing().kv_cache_bytes
+
+    assert row_bytes(8) == pytest.approx(128 // 8 * (128 + 64 + 128) * 4096 * 2, rel=1e-9)
+    assert row_bytes(1) == pytest.approx(8 * row_bytes(8), rel=1e-9)
 
 
 # ---------------- FLOPs against Megatron's formula ----------------

@@ -529,13 +529,6 @@ class Workload:
         response = g.max_response_length if g.max_response_length is not None else self.seq_length - prompt
         return rollouts, prompt, response, g.generation_concurrency or 0
 
-    def kv_cache_bytes(self, tp: int, layers_on_stage: int, sequences: float) -> float:
-        """KV cache bytes on one GPU for `sequences` full-length rollouts of its layers."""
-        _, prompt, response, _ = self.grpo_sizes()
-        g = self.grpo or GrpoSizing()
-        per_token_layer = kv_cache_elements_per_token_per_layer(self.shape, tp)
-        return sequences * (prompt + response) * layers_on_stage * per_token_layer * g.kv_cache_bytes
-
 
 def kv_cache_elements_per_token_per_layer(shape: ModelShape, tp: int) -> int:
     """K + V elements that colocated generation caches per token and per layer on one TP rank.

@@ -218,9 +218,12 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
         bad(("tp", "cp", "pp"), "global batch % dp", f"global batch {w.global_batch_size} not divisible by dp={dp}")
         return
     per_dp = w.global_batch_size // dp
-    mbss = [fixed["micro_batch_size"]] if "micro_batch_size" in fixed else \
-        [packed_micro_batch(w, per_dp)] if w.mode in RL_MODES and w.grpo is not None and w.grpo.packed else [
-        b for b in divisors(per_dp) if b <= MAX_MBS]
+    if "micro_batch_size" in fixed:
+        mbss = [fixed["micro_batch_size"]]
+    elif w.mode in RL_MODES and w.grpo is not None and w.grpo.packed:  # the rows a micro_batch_tokens batch holds
+        mbss = [packed_micro_batch(w, per_dp)]
+    else:
+        mbss = [b for b in divisors(per_dp) if b <= MAX_MBS]
     modes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_MODES)
     partial = fixed.get("recompute_num_layers")
     if partial is not None:

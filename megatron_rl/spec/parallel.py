@@ -279,6 +279,11 @@ def microbatch_error(global_batch: int, *, micro_batch: int, dp: int, pp: int, v
     return None
 
 
+PACKING_CP_REASON = ("packed rows are not split over context-parallel ranks (Megatron does that only inside "
+                     "Transformer Engine's THD attention)")
+"""Why packing (parallel.micro_batch_tokens) holds cp at 1: ``packing_error``'s, and the planner's limit."""
+
+
 PACKING_ALGORITHMS = ("grpo",)
 """The trainers whose training and log-prob forwards pack rows (parallel.micro_batch_tokens)."""
 
@@ -296,11 +301,6 @@ def packing_error(micro_batch_tokens: int | None, *, algorithm: str, cp: int, ke
         return (f"{key}micro_batch_tokens={micro_batch_tokens} with {key}cp={cp}: {PACKING_CP_REASON}; set cp=1 or "
                 "micro_batch_tokens=null")
     return None
-
-
-PACKING_CP_REASON = ("packed rows are not split over context-parallel ranks (Megatron does that only inside "
-                     "Transformer Engine's THD attention)")
-"""Why packing (parallel.micro_batch_tokens) holds cp at 1: ``packing_error``'s, and the planner's limit."""
 
 
 def mla_error(shape: Any, *, tp: int, cp: int, sp: bool, transformer_engine: bool, key: str = "parallel.") -> str | None:
