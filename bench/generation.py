@@ -19,8 +19,9 @@ Cases, each with its own weights and prompts (``--batch`` prompts of 8 tokens):
   decode the same rows to the same lengths. It also reports the KV memory: ``kv_allocated_over_held``, at the
   moment the most KV memory is assigned to rows, that memory over the K/V the rows hold then (a prompt shared by
   a group counted once on both sides): the paged engine's blocks (``--block-tokens``, default 8: about a sixth of
-  the mean response here, as 256-token blocks are of reasoning RL's 1-5k-token responses on GPUs), and the
-  static engine's ``[rows, longest prompt + 256]`` cache against the most it ever holds.
+  the mean response here, as 256-token blocks are of reasoning RL's 1-5k-token responses on GPUs), and, for
+  comparison, what the static ``[rows, longest prompt + 256]`` cache the engine replaced would hold against the
+  most it ever holds (arithmetic: that engine is deleted).
 
 Both sides decode the same prompts with the same weights: the model is built by our ``build_engine`` (Megatron
 DDP chunks, as in training), trained a few steps on the pretrain task so that its outputs are not near-uniform,
@@ -28,8 +29,6 @@ and copied into a ``LlamaForCausalLM`` (``gpu_check.megatron_to_hf``). The bench
 the same tokens, then times the contenders alternately (ours, theirs, ...), ``--repeats`` rounds:
 
 * ``ours``: ``generate`` as the trainers call it (the paged engine, megatron_rl/generation/engine.py);
-* ``ours_static``: ``engine="static"``, the engine the paged one replaces (one ``[rows, longest]`` cache, shared
-  prefill, compaction; its CPU-only lean decode step is gone, so it now runs Megatron's modules too);
 * ``transformers``: ``generate`` with the KV cache.
 
 Both run in one process on the same number of torch threads (default 1: both sides are bound by per-op Python
@@ -137,7 +136,6 @@ def run_case(name: str, case: Case, engine, shape, args) -> dict:
     eos_id = spread_stop_token(ours_with(None).tokens) if case.stops else None
     contenders = {
         "ours": lambda: ours_with(eos_id).tokens,
-        "ours_static": lambda: ours_with(eos_id, engine="static").tokens,
         "transformers": lambda: [until_stop(row, eos_id) for row in hf_generate(hf, prompt_tensor, case.new_tokens,
                                                                                  eos_id).tolist()],
     }
@@ -162,13 +160,12 @@ def run_case(name: str, case: Case, engine, shape, args) -> dict:
         "model": case.model, "batch": args.batch, "prompt_len": PROMPT_LEN, "max_new_tokens": case.new_tokens,
         "stop_token": eos_id, "response_lengths": {"min": lengths[0], "median": statistics.median(lengths),
                                                    "max": lengths[-1], "tokens": tokens},
-        "engine": info.engine, "decode_attention": info.decode_attention,
+        "decode_attention": info.decode_attention,
         **{f"{contender}_s_median": medians[contender] for contender in contenders},
         **{f"{contender}_s_all": times[contender] for contender in contenders},
         "ours_tokens_per_s": tokens / medians["ours"], "transformers_tokens_per_s": tokens / medians["transformers"],
         "speedup": medians["transformers"] / medians["ours"],
         "speedup_per_round": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]},
-        "static_engine_over_paged": medians["ours_static"] / medians["ours"],
         "tokens_equal": True,
     }
 
@@ -233,12 +230,10 @@ def run_longtail(case: Case, engine, shape, args) -> dict:
                         temperature=1.0, seed=5, stop_token_ids=stops, kv_block_tokens=args.block_tokens, **options)
 
     stops, _ = longtail_stop_tokens(ours_with([]).tokens, case.new_tokens)
-    paged, static = ours_with(stops), ours_with(stops, engine="static")
-    assert paged.tokens == static.tokens, "longtail: the static engine's tokens differ from the paged engine's"
+    paged = ours_with(stops)
     reference = paged.tokens
     contenders = {
         "ours": lambda: ours_with(stops).tokens,
-        "ours_static": lambda: ours_with(stops, engine="static").tokens,
         "transformers": lambda: hf_forced(hf, prompts, reference, stops, case.new_tokens),
     }
     assert contenders["transformers"]() == reference, "longtail: transformers did not follow the forced tokens"
@@ -253,8 +248,8 @@ def run_longtail(case: Case, engine, shape, args) -> dict:
     lengths = sorted(paged.lengths)
     tokens = sum(lengths)
     # KV memory. Paged: the blocks rows held at the peak over the positions they held then (shared prompt blocks
-    # once), as the engine measured. Static: its whole [rows, longest prompt + new] cache over the most it ever
-    # holds (every row's final length, each distinct prompt once).
+    # once), as the engine measured. Static (the engine it replaced, by arithmetic): a [rows, longest prompt + new]
+    # cache over the most it would ever hold (every row's final length, each distinct prompt once).
     paged_ratio = paged.kv_peak_blocks * paged.kv_block_tokens / paged.kv_peak_held_tokens
     static_positions = len(prompts) * (max(map(len, prompts)) + case.new_tokens)
     static_held = sum(map(len, distinct)) + tokens
@@ -265,7 +260,7 @@ def run_longtail(case: Case, engine, shape, args) -> dict:
         "response_lengths": {"min": lengths[0], "median": statistics.median(lengths),
                              "mean": statistics.mean(lengths), "p90": lengths[int(0.9 * len(lengths))],
                              "max": lengths[-1], "tokens": tokens},
-        "engine": paged.engine, "decode_attention": paged.decode_attention, "block_tokens": paged.kv_block_tokens,
+        "decode_attention": paged.decode_attention, "block_tokens": paged.kv_block_tokens,
         "kv_allocated_over_held": paged_ratio,
         "kv_peak_blocks": paged.kv_peak_blocks, "kv_peak_held_tokens": paged.kv_peak_held_tokens,
         "static_kv_allocated_over_held": static_positions / static_held,
@@ -275,7 +270,6 @@ def run_longtail(case: Case, engine, shape, args) -> dict:
         "ours_tokens_per_s": tokens / medians["ours"], "transformers_tokens_per_s": tokens / medians["transformers"],
         "speedup": medians["transformers"] / medians["ours"],
         "speedup_per_round": {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]},
-        "static_engine_over_paged": medians["ours_static"] / medians["ours"],
         "tokens_equal": True,
     }
 
@@ -318,11 +312,11 @@ def main() -> None:
 
     print(f"greedy, fp32, {args.threads} torch threads, {args.repeats} rounds, batch {args.batch}, prompt "
           f"{PROMPT_LEN}; medians (s)")
-    print(f"{'case':9}{'ours':>9}{'static':>9}{'HF':>9}   speedup (rounds: min..max)   lengths")
+    print(f"{'case':9}{'ours':>9}{'HF':>9}   speedup (rounds: min..max)   lengths")
     for name, r in results.items():
         spread = r["speedup_per_round"]
         lengths = r["response_lengths"]
-        print(f"{name:9}{r['ours_s_median']:9.4f}{r['ours_static_s_median']:9.4f}"
+        print(f"{name:9}{r['ours_s_median']:9.4f}"
               f"{r['transformers_s_median']:9.4f}   {r['speedup']:.2f} ({spread['min']:.2f}..{spread['max']:.2f})"
               f"{'':14}{lengths['min']}..{lengths['max']}")
     if "longtail" in results:

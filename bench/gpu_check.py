@@ -18,8 +18,9 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
 4. router replay (bench/router_replay.py): a 32-expert top-4 MoE rollout in the main dtype, generation log-probs
    against the training forward with free routing and with the recorded routes replayed; replay must not widen
    the log-ratio spread.
-4b. paged engine (megatron_rl/generation/engine.py): its tokens against the static engine's on this device
-   (greedy, sampled, and under a KV budget that evicts), and the paged attention kernels this device runs
+4b. paged engine (megatron_rl/generation/engine.py) on this device: its log-probs against the training forward's
+   and its tokens under a KV budget that evicts against an unbounded pool (greedy, sampled), for a dense model and
+   the tiny multi-latent-attention model (latent blocks, paged_mla.py); and the paged attention kernels this device runs
    (flash-attn's where installed; else the torch reference, and flash-attn stays unverified) against the torch
    reference on random bf16 paged K/V with 256-token blocks.
 5. LoRA: adapters on this device's linears (TE's on a GPU with TE): zero-init equals the base, and the
@@ -313,36 +314,43 @@ def attention_kernels_check(exact_yaml: str, device: torch.device) -> dict:
 
 
 def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
-    """The paged engine (megatron_rl/generation/engine.py) on this device, fp32: its tokens against the static
-    engine's at the same seed (greedy, sampled, and with a KV budget small enough to evict), and the paged
+    """The paged engine (megatron_rl/generation/engine.py) on this device, fp32, for the exact dense model and the
+    tiny MLA model: its log-probs against the training forward's, and its tokens under a KV budget small enough to
+    evict against the unbounded pool's at the same seed (greedy, sampled); and the paged
     kernels this device runs (flash-attn's where installed, else the torch reference) against the reference on
     random paged K/V in bf16 (fp32 on the CPU) with 256-token blocks, GQA, and rows mixing prefill and decode."""
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.generation.paged_attention import kernels, reference_kvcache, reference_varlen
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
+    from megatron_rl.runtime.training import sequence_logprobs
 
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
+    runs = {}
     try:
-        shape = load_model_shape(str(REPO_ROOT / exact_yaml))
-        model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7))
-        gen = torch.Generator().manual_seed(9)
-        prompts = [p for p in torch.randint(3, shape.vocab_size, (6, 7), generator=gen).tolist() for _ in range(4)]
-        runs = {}
-        for name, options in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=3))):
-            static = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, engine="static",
-                              **options)
-            paged = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, engine="paged",
-                             kv_block_tokens=256, **options)
-            small = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, engine="paged",
-                             kv_block_tokens=8, kv_memory_gib=12 * paged.kv_cache_bytes / len(prompts) / 32 / 2**30,
-                             **options)
-            runs[name] = {"tokens_equal": paged.tokens == static.tokens and small.tokens == static.tokens,
-                          "evictions": small.evictions, "kernels": paged.decode_attention,
-                          "logprob_max_abs_diff": max(abs(a - b) for x, y in zip(paged.logprobs, static.logprobs)
-                                                      for a, b in zip(x, y))}
-        del model
+        for model_name in (str(REPO_ROOT / exact_yaml), "tiny-cpu-deepseek-v3"):
+            shape = load_model_shape(model_name)
+            model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7))
+            gen = torch.Generator().manual_seed(9)
+            prompts = [p for p in torch.randint(3, shape.vocab_size, (6, 7), generator=gen).tolist() for _ in range(4)]
+            for name, options in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=3))):
+                paged = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24,
+                                 kv_block_tokens=256, **options)
+                small = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, kv_block_tokens=8,
+                                 kv_memory_gib=12 * paged.kv_cache_bytes / len(prompts) / 32 / 2**30, **options)
+                rows = [p + t for p, t in zip(prompts, paged.tokens)]
+                width = max(map(len, rows))
+                with torch.no_grad():
+                    full = sequence_logprobs(model, torch.tensor([r + [0] * (width - len(r)) for r in rows],
+                                                                 device=device))
+                runs[f"{shape.name}_{name}"] = {
+                    "tokens_equal": small.tokens == paged.tokens, "evictions": small.evictions,
+                    "kernels": paged.decode_attention,
+                    "logprob_vs_training_forward": max(abs(full[b, len(p) - 1 + i].item() - x)
+                                                       for b, (p, lp) in enumerate(zip(prompts, paged.logprobs))
+                                                       for i, x in enumerate(lp))}
+            del model
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
     chosen = kernels(device)
@@ -377,8 +385,8 @@ def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
     return {"engine": runs, "kernels": chosen.name, "kernel_dtype": str(dtype).removeprefix("torch."),
             "varlen_max_abs_diff": varlen_diff, "kvcache_max_abs_diff": decode_diff,
             "flash_attn_verified": chosen.name == "flash-attn",
-            "passed": all(r["tokens_equal"] for r in runs.values()) and runs["greedy"]["evictions"] > 0
-            and varlen_diff < tolerance and decode_diff < tolerance}
+            "passed": all(r["tokens_equal"] and r["evictions"] > 0 and r["logprob_vs_training_forward"] < 1e-4
+                          for r in runs.values()) and varlen_diff < tolerance and decode_diff < tolerance}
 
 
 def packing_check(exact_yaml: str, device: torch.device) -> dict:
@@ -956,7 +964,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "grpo_kv_cache_logprobs": flag("grpo", "kv_cache_vs_training_forward", "passed"),
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
         "attention_kernels_agree": flag("attention_kernels", "passed"),
-        "paged_engine_equals_static_engine": flag("paged_engine", "passed"),
+        "paged_engine_matches_training_forward": flag("paged_engine", "passed"),
         "packed_logprobs_equal_padded": flag("packing", "passed"),
         "lora_adapters_equal_merged_weights": flag("lora", "passed"),
         "gloo_staging_matches_reference": flag("gloo_staging", "passed"),

@@ -7,7 +7,7 @@ against the stages in turn, at PP=2 on 2 CPU ranks.
 Starts itself on 2 local gloo ranks (torch.distributed.run). Each rank holds one pipeline stage of the same
 weights; ``generate`` runs greedy decoding of the same prompts with ``pipeline_microbatches=1`` (every step runs
 stage 0 then stage 1 on all rows while the other stage idles) and with 2 (the default: while stage 1 finishes
-part 0's step t, stage 0 runs part 1's step t, then part 0's step t + 1; megatron_rl/generation/pipeline.py),
+part 0's step t, stage 0 runs part 1's step t, then part 0's step t + 1; megatron_rl/generation/engine.py ``_pipelined``),
 alternately, ``--repeats`` rounds. Both give the same tokens (asserted). The last line is one JSON object;
 ``speedup`` = stages-in-turn seconds / pipelined seconds (medians). On a GPU cluster the stages are separate
 GPUs; here they are 2 processes sharing the machine's 2 cores, and a forward of half the rows costs nearly what

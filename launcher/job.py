@@ -269,11 +269,10 @@ def prepare(cfg: JobConfig, *, given: Collection[str] = frozenset(),
 
 
 def with_planned_kv_memory(cfg: JobConfig, prediction) -> JobConfig:
-    """cfg with the KV memory the planner chose for its layout (``PlanResult.kv_pool``) written where the config
-    leaves it null on a GPU job: generation.kv_memory_gib, or generation.max_concurrent for an MLA model, which
-    the static engine runs in waves. Unchanged when the user gave it, on CPU jobs and outside the RL trainers."""
+    """cfg with the KV memory the planner chose for its layout (``PlanResult.kv_pool``) written into
+    generation.kv_memory_gib where the config leaves it null on a GPU job. Unchanged when the user gave it, on CPU
+    jobs and outside the RL trainers."""
     pool = prediction.kv_pool if prediction is not None else None
     if pool is None or pool.source != "chosen":
         return cfg
-    key = pool.key.removeprefix("generation.")
-    return dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, **{key: pool.value}))
+    return dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, kv_memory_gib=pool.gib))

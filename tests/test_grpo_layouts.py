@@ -147,24 +147,19 @@ def test_generation_logprobs_equal_training_forward_at_the_layout(tmp_path, layo
     workers = {r["worker"] for r in ranks}
     assert workers == ({0, 1} if layout in ("cp2", "moe_ep2_dp2") else {0})
     for rank in ranks:
-        for name in ("greedy", "sampled", "eos", "megatron_path", "grouped"):
+        for name in ("greedy", "sampled", "eos", "grouped"):
             run = rank[name]
             assert run["rows_checked"] == (8 if name != "grouped" else 8 * len(workers)), (name, run)
             assert run["max_logprob_diff"] < LOGPROB_TOL, (name, run)
-        # grouped prompts are prefilled once per distinct prompt (the paged engine at every one of these layouts)
-        assert rank["greedy"]["engine"] == rank["grouped"]["engine"] == "paged"
+        # grouped prompts are prefilled once per distinct prompt
         assert rank["grouped"]["prefill_rows"] == (2 if rank["worker"] == 0 else 4), rank["grouped"]
-        # the static engine on Megatron's unchanged attention path gives the paged engine's greedy tokens
-        assert rank["megatron_path"]["engine"] == "static"
-        assert rank["megatron_path"]["tokens"] == rank["greedy"]["tokens"]
         assert rank["flags_after"] == rank["flags_before"]  # SP / CP back on for training
         assert rank["train_after_generation"]["finite"]
     # the paged engine prefills each prompt whole: one forward, then one per new token
     assert all(r["greedy"]["forward_passes"] == NEW_TOKENS for r in ranks)
-    if layout == "moe_ep2_dp2":  # experts span the workers: they step together (the static engine pads to the
-        # busiest worker's prefill rows), and a worker whose rows stopped early keeps its peer company
+    if layout == "moe_ep2_dp2":  # experts span the workers: they step together, and a worker whose rows stopped
+        # early keeps its peer company
         assert ranks[0]["eos"]["forward_passes"] == ranks[1]["eos"]["forward_passes"]
-        assert ranks[0]["megatron_path"]["prefill_rows"] == ranks[1]["megatron_path"]["prefill_rows"]
 
 
 def test_loss_on_context_parallel_parts_equals_whole_sequences(tmp_path):

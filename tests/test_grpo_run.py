@@ -27,7 +27,7 @@ _stable = without_measurements
 
 WHOLE = ["algorithm.kl_coef=0.05", "generation.max_concurrent=4"]
 """The settings of the uninterrupted run and of its preempted copy: the KL brings the reference model in, and
-generation.max_concurrent=4 makes 2 generation waves per worker (a stop can come between them)."""
+generation.max_concurrent=4 decodes 4 of a worker's 8 rows at a time (a stop can come mid-rollout)."""
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def whole(tmp_path_factory):
 
 def test_first_minibatch_ratio_is_one_and_metrics_are_complete(launch, whole):
     """Colocated generation log-probs equal the training forward's: the first importance ratio is exactly ~1
-    (here with the optimizer offloaded while generating, in 2 waves). Every step logs its phases' times and peak
+    (here with the optimizer offloaded while generating, 4 rows at a time). Every step logs its phases' times and peak
     memory, and the run ends with the planner's prediction (written at launch) beside what it measured, which
     `plan --calibrate` reports again."""
     result, run_dir = whole
@@ -85,7 +85,7 @@ def test_tp2_matches_tp1(launch, tmp_path):
 
 def test_preempted_grpo_resumes_exactly(launch, tmp_path, whole):
     """Save-and-exit inside the SFT warm-up (after its step 3 of 5), resume, save-and-exit after GRPO step 2,
-    resume, a stop between the generation waves of step 4 (generation.max_concurrent=4: 2 waves per worker; the
+    resume, a stop inside the generation of step 4 (generation.max_concurrent=4: 4 rows at a time; the
     step is abandoned and step 3 saved), resume: every metric, warm-up lines included and each logged once,
     equals the uninterrupted run's (the shared ``whole`` run).
 

@@ -1,11 +1,8 @@
 """The planner's GRPO KV-cache count = what colocated generation allocates (real Megatron Core, TP2, gloo, CPU).
 
 ``launcher.planner.costs.kv_cache_elements_per_token_per_layer`` against ``generate(...).kv_cache_bytes`` (the
-bytes of the paged engine's block pool, or of Megatron's ``StaticInferenceContext`` where the static engine runs,
-on one rank after a run), for the dense ``tiny-cpu`` and the MLA
-``tiny-cpu-deepseek-v3``, at TP2 (heads, or query groups, split over the ranks). For MLA, Megatron 0.16.1's
-static path caches the expanded per-head K (nope + rope) and V, not the latent (kv_lora_rank + rope):
-``cache_mla_latents`` works only with the dynamic backend and Flash MLA, and generation here uses the static one.
+bytes of the paged engine's block pool on one rank after a run), for the dense ``tiny-cpu`` (K and V of the rank's
+query groups) and the MLA ``tiny-cpu-deepseek-v3`` (the latent, the same on every rank), at TP2.
 
 This file is also the worker: ``torchrun --nproc-per-node 2 tests/test_kv_cache_count.py --out DIR``.
 Run: ``.venv/bin/python -m pytest tests/test_kv_cache_count.py -q``
@@ -38,21 +35,17 @@ def test_planner_counts_the_cache_generation_allocates(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    # the static engine (MLA): [batch, longest prompt + new]; the paged one (dense): each row's blocks at its longest
-    positions = {"static": len(PROMPTS) * (max(map(len, PROMPTS)) + NEW_TOKENS),
-                 "paged": sum(-(-(len(p) + NEW_TOKENS) // BLOCK_TOKENS) * BLOCK_TOKENS for p in PROMPTS)}
+    # the unbounded pool: each row's blocks at its longest
+    positions = sum(-(-(len(p) + NEW_TOKENS) // BLOCK_TOKENS) * BLOCK_TOKENS for p in PROMPTS)
     for rank in range(TP):
         allocated = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert allocated["tiny-cpu"][1] == "paged" and allocated["tiny-cpu-deepseek-v3"][1] == "static"
         for preset in PRESETS:
             shape = load_model_shape(preset)
-            nbytes, engine = allocated[preset]
             per_token = kv_cache_elements_per_token_per_layer(shape, TP)
-            planned = positions[engine] * shape.num_layers * per_token * 4  # fp32 on CPU
-            assert nbytes == planned, (preset, rank, nbytes, planned)
-    mla = load_model_shape("tiny-cpu-deepseek-v3")  # 4 heads / TP2 x (K 16 + 8, V 16); the latent is 16 + 8
-    assert kv_cache_elements_per_token_per_layer(mla, TP) == 2 * (16 + 8 + 16)
-    assert kv_cache_elements_per_token_per_layer(mla, 1) == 2 * kv_cache_elements_per_token_per_layer(mla, TP)
+            planned = positions * shape.num_layers * per_token * 4  # fp32 on CPU
+            assert allocated[preset] == planned, (preset, rank, allocated[preset], planned)
+    mla = load_model_shape("tiny-cpu-deepseek-v3")  # the latent: kv_lora_rank 16 + rope 8, the same at any TP
+    assert kv_cache_elements_per_token_per_layer(mla, TP) == 16 + 8 == kv_cache_elements_per_token_per_layer(mla, 1)
 
 
 def _worker(out: Path) -> None:
@@ -71,7 +64,7 @@ def _worker(out: Path) -> None:
         chunks = build_model_chunks(shape, ModelOptions(dims=dims, seq_length=shape.seq_length))
         out_ = generate(chunks, PROMPTS, vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, seed=0,
                         kv_block_tokens=BLOCK_TOKENS)
-        result[preset] = (out_.kv_cache_bytes, out_.engine)
+        result[preset] = out_.kv_cache_bytes
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 

@@ -1,9 +1,9 @@
 """The paged engine's pieces in process: the paged attention reference against dense causal attention, what it
 refuses, the block pool's reference counts, and the counter-based sampling draws.
 
-The engine itself runs on real Megatron models under torchrun in tests/test_generation.py
-(``test_paged_engine_equals_the_static_engine``: TP1 x DP2, TP2, MoE; greedy, sampled, stop tokens, caps and
-budgets small enough to evict).
+The engine itself runs on real Megatron models under torchrun in tests/test_generation.py (TP1 x DP2, TP2,
+PP2 x VPP2, MLA with MoE; greedy, sampled, stop tokens, caps and budgets small enough to evict, against the
+training forward).
 
 Run: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.generation.paged import BlockPool, LayerCache
-from megatron_rl.generation.paged_attention import check_paged, reference_kvcache, reference_varlen
+from megatron_rl.generation.paged_attention import check_paged, reference_kvcache, reference_mla, reference_varlen
 from megatron_rl.generation.sampling import position_draws
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
@@ -95,6 +95,44 @@ def test_the_reference_agrees_with_sdpa_for_one_full_prompt():
     expected = F.scaled_dot_product_attention(q.transpose(0, 1), dense_k[0].transpose(0, 1),
                                               dense_v[0].transpose(0, 1), is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_mla_reference_is_expanded_attention_through_the_latent():
+    """Absorbed multi-latent attention over a paged latent cache (rows mixing prefill, decode and a chunk) equals
+    expanded attention computed by hand: per head, keys ``[W_UK c, k_pe]`` and values ``W_UV c`` from the latent
+    ``c`` and the shared rope key, queries ``[q_nope, q_pe]``, the bottom-right causal mask; the absorbed query is
+    ``[W_UK^T q_nope, q_pe]`` and the output ``W_UV`` of the kernel's latent output."""
+    rank, rope, nope, v_dim, heads, block = 12, 4, 8, 6, 3, 4
+    gen = torch.Generator().manual_seed(6)
+    q_lens, kv_lens = [5, 1, 3], [5, 9, 7]
+    blocks = [-(-n // block) for n in kv_lens]
+    order = torch.randperm(sum(blocks) + 2, generator=gen).tolist()
+    cache = torch.randn(sum(blocks) + 2, block, 1, rank + rope, generator=gen)
+    table = torch.zeros(len(kv_lens), max(blocks), dtype=torch.int32)
+    for row, count in enumerate(blocks):
+        table[row, :count] = torch.tensor(order[sum(blocks[:row]):sum(blocks[:row + 1])], dtype=torch.int32)
+    w_uk, w_uv = torch.randn(heads, nope, rank, generator=gen), torch.randn(heads, v_dim, rank, generator=gen)
+    q_nope, q_pe = torch.randn(sum(q_lens), heads, nope, generator=gen), torch.randn(sum(q_lens), heads, rope,
+                                                                                     generator=gen)
+    scale = 0.3
+    absorbed = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)
+    cu_q = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
+    latent_out = reference_mla(absorbed, cache, cu_q, torch.tensor(kv_lens, dtype=torch.int32), max(q_lens),
+                               max(kv_lens), block_table=table, head_dim_v=rank, softmax_scale=scale)
+    out = torch.einsum("thr,hvr->thv", latent_out, w_uv)
+    for row, (start, stop) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
+        ids = table[row, :blocks[row]].long()
+        latent = cache[ids].flatten(0, 1)[:kv_lens[row], 0]  # [keys, rank + rope]
+        c, k_pe = latent[:, :rank], latent[:, rank:]
+        keys = torch.cat([torch.einsum("hdr,kr->khd", w_uk, c), k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
+        values = torch.einsum("hvr,kr->khv", w_uv, c)
+        queries = torch.cat([q_nope[start:stop], q_pe[start:stop]], dim=-1)
+        lq, lk = stop - start, kv_lens[row]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        allowed = torch.arange(lk).view(1, -1) <= (lk - lq + torch.arange(lq)).view(-1, 1)
+        expected = torch.einsum("hqk,khv->qhv", torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1),
+                                values)
+        torch.testing.assert_close(out[start:stop], expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case, message", [

@@ -8,6 +8,7 @@ Run: .venv/bin/python -m pytest tests/test_plan_launch.py -q
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def test_grpo_at_nemo_rls_settings_plans_on_their_gpus_with_the_kv_pool_it_picks
     planned = _plan(capsys, "--config", config, *overrides)
     assert planned["fits"] and planned["workload"]["gpus"] == gpus
     pool = planned["kv_pool"]
-    assert pool["source"] == "chosen" and pool["engine"] == "paged" and pool["key"] == "generation.kv_memory_gib"
+    assert pool["source"] == "chosen" and pool["key"] == "generation.kv_memory_gib"
     assert pool["gib"] == pytest.approx(planned["memory_gib"]["kv_cache_generating"], abs=0.01)
     share = 2048 / (planned["layout"]["dp"] * planned["layout"]["cp"])
     assert pool["rows_at_once"] == share  # every row of the rank decodes at once
@@ -173,18 +174,20 @@ def test_grpo_at_nemo_rls_settings_plans_on_their_gpus_with_the_kv_pool_it_picks
     assert "no layout" in capsys.readouterr().err
 
 
-def test_deepseek_v3_plans_without_a_cap_and_launch_writes_the_rows_of_a_wave(capsys, tmp_path):
-    """MLA still runs the static engine (waves of generation.max_concurrent rows, each cached at its longest): for
-    the shipped DeepSeek-V3 config, which sets no cap, the planner picks the rows of a wave and launch writes them;
-    a given cap is kept."""
+def test_deepseek_v3_plans_a_pool_of_latents_and_launch_writes_it(capsys, tmp_path):
+    """MLA's blocks hold the latent (kv_lora_rank 512 + rope 64 per token and layer, bf16, on every TP rank): for
+    the shipped DeepSeek-V3 config, which sets no cap, the planner picks the pool and launch writes it; a given
+    cap bounds the rows decoding at once, not the key launch writes."""
     planned = _plan(capsys, "--config", "grpo_deepseek_v3")
     pool = planned["kv_pool"]
-    assert pool["engine"] == "static" and pool["source"] == "chosen" and pool["key"] == "generation.max_concurrent"
-    assert _dry_run_generation(capsys, tmp_path, "grpo_deepseek_v3", [])["max_concurrent"] == pool["value"] >= 1
+    assert pool["source"] == "chosen" and pool["key"] == "generation.kv_memory_gib"
+    most_layers = math.ceil(61 / planned["layout"]["pp"])  # the fullest pipeline rank (loss counted as a layer)
+    assert pool["gib"] * 2**30 / pool["tokens"] == pytest.approx((512 + 64) * 2 * most_layers, rel=0.01)
+    assert _dry_run_generation(capsys, tmp_path, "grpo_deepseek_v3", [])["kv_memory_gib"] == pool["gib"]
     capped = _plan(capsys, "--config", "grpo_deepseek_v3", "generation.max_concurrent=4")["kv_pool"]
-    assert (capped["source"], capped["value"]) == ("given", 4)
-    assert _dry_run_generation(capsys, tmp_path, "grpo_deepseek_v3",
-                               ["generation.max_concurrent=4"])["max_concurrent"] == 4
+    assert capped["source"] == "chosen" and capped["rows_at_once"] == 4
+    launched = _dry_run_generation(capsys, tmp_path, "grpo_deepseek_v3", ["generation.max_concurrent=4"])
+    assert launched["max_concurrent"] == 4 and launched["kv_memory_gib"] == capped["gib"]
 
 
 def test_a_cpu_job_keeps_the_engines_default_pool(capsys, tmp_path):

@@ -15,7 +15,7 @@ from launcher.planner import GrpoSizing, evaluate, layout_arg
 from launcher.planner.costs import HBM_EFFICIENCY, IB_LATENCY_S, LINK_EFFICIENCY, NVLINK_LATENCY_S, Workload
 from launcher.planner.estimate import RL_PARTS, TRAINING_PARTS, Layout
 from launcher.planner.gpus import get_gpu
-from launcher.planner.rl_step import (COMPACTION_SLACK, DECODE_LAYER_OVERHEAD_S, KV_HEADROOM,
+from launcher.planner.rl_step import (DECODE_LAYER_OVERHEAD_S, KV_HEADROOM,
                                       SAMPLING_BYTES_PER_LOGIT, _pipelined, _pipelined_decode_step, _stages,
                                       generation_time, kv_pool, rollout)
 
@@ -97,8 +97,8 @@ def test_pipelined_generation_matches_the_engines_stage_chain(pp, vpp):
 
 
 def _ring_makespan(parts: int, pp: int, vpp: int, steps: int) -> int:
-    """Simulate pipelined_decode (megatron_rl/generation/pipeline.py): every rank walks (step, virtual stage,
-    part) in order; a unit waits for the part's previous virtual stage, and stage 0's first virtual stage for the
+    """Simulate the pipelined decode (megatron_rl/generation/engine.py ``_pipelined``): every rank walks (step,
+    virtual stage, part) in order; a unit waits for the part's previous virtual stage, and stage 0's first virtual stage for the
     part's previous token, chosen by the last stage. Returns the makespan in virtual-stage forwards."""
     done: dict = {}
     free = [0] * pp
@@ -142,7 +142,7 @@ def test_decode_is_the_max_of_memory_compute_and_the_launch_floor_plus_tp_all_re
     prefill, decode = generation_time(w, lay, rollout(w))
     pool = kv_pool(w, lay)
     hbm = 3.35e12 * HBM_EFFICIENCY
-    fed = 64 * COMPACTION_SLACK * 1024 / 2048  # compaction: rows fed follow the rows alive
+    fed = 64 * 1024 / 2048  # a finished row leaves the batch at once: rows fed follow the rows alive
     context = 1024 + 2 / 3 * 1024  # mean context of a fed row (lengths spread evenly up to twice the mean)
     weights = shape.num_params() / 8 * 2
     kv = fed * context * 80 * (2 * 1 * 128) * 2  # K and V of one query group per TP rank, bf16

@@ -531,21 +531,16 @@ class Workload:
 
 
 def kv_cache_elements_per_token_per_layer(shape: ModelShape, tp: int) -> int:
-    """K + V elements that colocated generation caches per token and per layer on one TP rank.
+    """Elements the paged engine's blocks hold per token and per layer on one TP rank
+    (megatron_rl/generation/paged.py ``LayerCache``).
 
-    This is what Megatron 0.16.1's static inference path allocates (``Attention._allocate_memory``:
-    ``[seq, batch, num_query_groups_per_partition, key_hidden_size]`` for K and ``val_hidden_size`` for V).
-    Dense/GQA: K and V of ``max(1, groups / tp)`` groups of ``kv_channels``. MLA: the EXPANDED per-head K
-    (``qk_nope_head_dim + qk_rope_head_dim``) and V (``v_head_dim``) of ``heads / tp`` heads, not the latent
-    (``kv_lora_rank + qk_rope_head_dim``, replicated over TP): Megatron caches the latent only with
-    ``cache_mla_latents``, which needs the dynamic inference backend and Flash MLA, while generation here
-    (megatron_rl/generation/decoding.py) uses the static ``StaticInferenceContext``. For DeepSeek-V3 at TP8
-    that is 16 x (192 + 128) = 5120 elements against a 576-element latent.
+    Dense/GQA: K and V of ``max(1, groups / tp)`` groups of ``kv_channels``. MLA: the latent
+    (``kv_lora_rank + qk_rope_head_dim``), the same on every TP rank (generation/paged_mla.py says why): 576
+    elements for DeepSeek-V3, where the expanded K and V at TP8 would be 16 x (192 + 128) = 5120.
     Checked against the engine: tests/test_kv_cache_count.py.
     """
     if shape.is_mla:
-        heads = shape.num_attention_heads // tp
-        return heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
+        return shape.kv_lora_rank + shape.qk_rope_head_dim
     return 2 * max(1, shape.num_query_groups // tp) * shape.kv_channels
 
 

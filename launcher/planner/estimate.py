@@ -236,20 +236,9 @@ class KvPool:
     """given (generation.kv_memory_gib), chosen (the planner's pick: what the layout's memory leaves while
     generating, up to what the rank's share needs, KV_HEADROOM), or every row (the engine's default without a
     budget: each row's blocks at its longest)."""
-    engine: str
-    """paged, or static for MLA models (decoding.py's static engine, until MLA runs paged): waves of ``rows`` rows
-    (generation.max_concurrent: given, or chosen as the most whose cache at the longest length fits), each wave's
-    cache allocated at the longest length."""
 
-    @property
-    def key(self) -> str:
-        """The generation key that sets this pool (and that launch.py writes when the planner chose it)."""
-        return "generation.kv_memory_gib" if self.engine == "paged" else "generation.max_concurrent"
-
-    @property
-    def value(self) -> float | int:
-        """Its value: ``gib`` for the paged engine, the rows of a wave for the static one."""
-        return self.gib if self.engine == "paged" else int(self.rows)
+    key = "generation.kv_memory_gib"
+    """The generation key that sets this pool (and that launch.py writes when the planner chose it)."""
 
     @property
     def gib(self) -> float:
@@ -258,8 +247,8 @@ class KvPool:
 
     def to_dict(self) -> dict:
         """JSON-ready summary (GiB, tokens, rows)."""
-        return {"gib": self.gib, "source": self.source, "engine": self.engine, "tokens": round(self.tokens),
-                "rows_at_once": round(self.rows, 1), "key": self.key, "value": self.value}
+        return {"gib": self.gib, "source": self.source, "tokens": round(self.tokens),
+                "rows_at_once": round(self.rows, 1), "key": self.key}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -125,10 +125,6 @@ def kv_pool_lines(result: PlanResult) -> list[str]:
     e = result.estimate.split.rollout_gpu if result.estimate.split else result.estimate
     share = w["grpo"]["rollout_batch_size"] / (e.layout.dp * e.layout.cp)
     where = f"per {'rollout ' if result.estimate.split else ''}GPU"
-    if pool.engine == "static":
-        return ["", f"KV cache    {pool.budget / 1024**3:.2f} GiB {where}: the static engine (MLA) decodes the "
-                    f"{share:,.0f} rows per rank in waves of {pool.rows:,.0f}, each cached at its longest "
-                    f"({pool.key}={pool.value}, {POOL_SOURCES[pool.source]})"]
     return ["", f"KV pool     {pool.gib:.2f} GiB {where} ({pool.key}, {POOL_SOURCES[pool.source]}): "
                 f"{pool.tokens:,.0f} tokens, {pool.rows:,.0f} of the {share:,.0f} rows per rank decode at once "
                 f"(continuous admission)"]

@@ -10,10 +10,10 @@ An RL step (megatron_rl/trainers/grpo.py) is, in order:
   group's prompt is prefilled once (compute-bound, at the training GEMM efficiency); each decode step is bounded
   by max(HBM read of the weights and the KV the fed rows hold, their compute, a per-layer launch floor) plus two
   latency-bound TP all-reduces per layer and an EP dispatch + combine per MoE layer. Under PP the rows decode
-  in M = pp parts on their own (megatron_rl/generation/pipeline.py ``pipelined_decode``), successive steps
+  in M = pp parts on their own (megatron_rl/generation/engine.py ``_pipelined``), successive steps
   overlapping across the stages: a step is vpp x max(pp, M) virtual-stage forwards of one part, each paying a
-  send/recv hop. The prefill is one forward through ``StageChain.forward`` in M parts, which overlap only in the
-  pipeline's fill and drain: (M (vpp - 1) pp + M + pp - 1) virtual-stage forwards of one part;
+  send/recv hop. A prefill is counted as one forward of the prompts admitted together in M parts, which overlap
+  only in the pipeline's fill and drain: (M (vpp - 1) pp + M + pp - 1) virtual-stage forwards of one part;
 * the log-prob forward passes over the rollout's training tokens: the old policy when recomputed
   (algorithm.recompute_old_logprobs), the reference when algorithm.kl_coef > 0, and the colocated reward model's
   scoring forward;
@@ -93,9 +93,6 @@ RL_MODES = ("grpo", "ppo", "eval")
 DECODE_LAYER_OVERHEAD_S = 100e-6
 """Floor of one decoder layer's forward in a decode step: eager PyTorch (no CUDA graphs in decoding.py), about 15
 kernel launches of ~7 us each. An assumption, not fitted: no measured GPU decode of this engine exists yet."""
-COMPACTION_SLACK = 7 / 6
-"""Rows fed over rows alive: compaction runs once at most 3/4 of the fed rows live (worth_compacting), so between
-compactions the fed rows are 1 to 4/3 of the live ones, 7/6 on average."""
 PACKING_SLACK = 1.05
 """Packed training (parallel.micro_batch_tokens) computes this many tokens per token of the rows: the padding that
 fills micro-batches up to one length (megatron_rl/rollout/packing.py; tests/test_packing.py measures <= 1.01 on a
@@ -207,7 +204,7 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
         offloads = g.optimizer_offloaded_for_generation and w.mode != "eval"
         offload = 2 * optimizer_bytes / w.host_link if offloads else 0.0
         rl_parts = {**trainer_parts, "generation_prefill": prefill, "generation_decode": decode,
-                    "phase_switch": _pool_allocations(w, layout) * kv_pool(w, layout).budget / w.hbm + offload}
+                    "phase_switch": kv_pool(w, layout).budget / w.hbm + offload}
         total = train_time + sum(rl_parts.values())
     else:
         split = split_step(w, layout, trainer_s=train_time + sum(trainer_parts.values()))
@@ -313,18 +310,6 @@ def _kv_pool(w: Workload, L: Layout) -> KvPool:
     groups = _groups(w, L)
     most = max(gr.dense_layers + gr.moe_layers for gr in groups)
     plans = g.plans_kv_memory and (w.mode == "eval" or g.kv_cache_released_for_training)
-    if w.shape.is_mla:  # the static engine: waves of max_concurrent rows, each cached at its longest
-        whole = r.prompt + r.response
-        if r.concurrency:
-            rows, source = float(min(share, r.concurrency)), "given"
-        elif plans:
-            room = min(_room_tokens(w, L, r, gr, whole, per_token_layer) for gr in groups)
-            most_rows = max(1, min(share, math.floor(room / whole)))
-            rows, source = float(math.ceil(share / math.ceil(share / most_rows))), "chosen"  # waves evened out
-        else:
-            rows, source = share, "every row"
-        return KvPool(budget=rows * whole * most * per_token_layer, tokens=rows * whole, rows=rows, source=source,
-                      engine="static")
     held = _held_per_row(w, r)
     if g.kv_memory_gib is not None:
         tokens, source = g.kv_memory_gib * GIB / (most * per_token_layer), "given"
@@ -340,7 +325,7 @@ def _kv_pool(w: Workload, L: Layout) -> KvPool:
     rows = min(share, r.concurrency or math.inf)
     if source != "every row":  # every row has its blocks from the start; otherwise the pool sets how many decode
         rows = max(1.0, min(rows, tokens / held))
-    return KvPool(budget=tokens * most * per_token_layer, tokens=tokens, rows=rows, source=source, engine="paged")
+    return KvPool(budget=tokens * most * per_token_layer, tokens=tokens, rows=rows, source=source)
 
 
 def _held_per_row(w: Workload, r: Rollout) -> float:
@@ -428,11 +413,10 @@ def _stages(w: Workload, L: Layout) -> list[_Stage]:
 def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
     """(prefill seconds, decode seconds) of one rollout under continuous admission (kv_pool): while rows wait, the
     pool's ``rows`` decode at once and a finished row's place goes to the next, for share x mean / rows - mean
-    steps; then the last rows drain over up to the longest response, the rows fed falling as they finish (as
-    without waiting rows: COMPACTION_SLACK x mean / max of them on average). A fed row reads its prompt and 2/3 of
+    steps; then the last rows drain over up to the longest response, the rows fed falling as they finish and
+    leave the batch (mean / max of them on average). A fed row reads its prompt and 2/3 of
     the mean response of KV a step (``_held_per_row``). Each group's prompt is prefilled once, with the groups
-    admitted together: share / rows prefill forwards of rows / group prompts. MLA models run the static engine:
-    share / rows waves, each decoding to the longest response with its group caches copied from the prompt's."""
+    admitted together: share / rows prefill forwards of rows / group prompts."""
     share = r.sequences / (L.dp * L.cp)
     pool = kv_pool(w, L)
     rows = min(share, pool.rows)
@@ -446,27 +430,10 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
     def prefill_of(prompts: float) -> float:
         return _pipelined(w, L, stages, prompts, lambda st, n: _prefill_part(w, L, st, n * r.prompt, r.prompt))
 
-    if pool.engine == "static":  # waves; each decodes to the longest response, its group caches copied from a prompt
-        waves = _static_waves(w, L)
-        rows = share / waves
-        fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
-        copy = 2 * rows * r.prompt * max(st.layers for st in stages) * _kv_token_layer_bytes(w, L) / w.hbm
-        return waves * (prefill_of(max(1.0, rows / r.group)) + copy), waves * r.response * step(fed)
-
     full_steps = max(0.0, share * r.mean_response / rows - r.mean_response)
-    tail_fed = max(1.0, rows * min(1.0, COMPACTION_SLACK * r.mean_response / r.response))
+    tail_fed = max(1.0, rows * min(1.0, r.mean_response / r.response))
     decode = full_steps * step(rows) + r.response * step(tail_fed)
     return share / rows * prefill_of(max(1.0, rows / r.group)), decode
-
-
-def _pool_allocations(w: Workload, L: Layout) -> int:
-    """Times a rollout allocates (zeroes) its KV pool: once, or once a wave on the static engine."""
-    return _static_waves(w, L) if kv_pool(w, L).engine == "static" else 1
-
-
-def _static_waves(w: Workload, L: Layout) -> int:
-    """Waves of the static engine (MLA) on one generation rank."""
-    return math.ceil(rollout(w).sequences / (L.dp * L.cp) / kv_pool(w, L).rows - 1e-9)
 
 
 def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
@@ -480,8 +447,8 @@ def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_t
 
 
 def _pipelined_decode_step(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
-    """One decode step of ``rows`` in ``pipelined_decode``'s steady state: M = min(pp, rows) parts decode on their
-    own, so a rank runs M x vpp virtual-stage forwards of a part per step while each part's step passes through
+    """One decode step of ``rows`` in the pipelined decode's steady state (engine.py ``_pipelined``): M =
+    min(pp, rows) parts decode on their own, so a rank runs M x vpp virtual-stage forwards of a part per step while each part's step passes through
     pp x vpp of them in turn: vpp x max(pp, M) x (forward + hop)."""
     if L.pp == 1:
         return part_time(stages[0], rows)

@@ -1,8 +1,8 @@
 """Colocated generation on the training model: KV-cache decoding and sampling.
 
 Public API: ``generate`` / ``GenerationOutput`` (decoding.py), ``SamplingParams`` / ``choose_tokens``
-(sampling.py). ``generate`` runs the paged engine (engine.py, paged.py, paged_attention.py) on the ``GPTModel``
-modules, and the static engine (decoding.py, rows.py, pipeline.py) for MLA models. The memory phases around generation live in ``megatron_rl.runtime.phases``, and the
+(sampling.py). ``generate`` runs the paged engine (engine.py, paged.py, paged_attention.py, paged_mla.py, pipeline.py) on the
+``GPTModel`` modules. The memory phases around generation live in ``megatron_rl.runtime.phases``, and the
 training-forward log-probs that generation's are checked against in ``megatron_rl.runtime.training``.
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``; benchmark: ``.venv/bin/python bench/generation.py``.
 """

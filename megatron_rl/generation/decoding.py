@@ -1,77 +1,46 @@
-"""Colocated generation: ``generate``, and the static engine that MLA models still run.
+"""Colocated generation: ``generate`` on the training model's own modules.
 
 ``generate(models, prompts, vocab_size=..., max_new_tokens=...)`` runs on the very ``GPTModel`` objects the
-trainer optimises (DDP wrappers are looked through): no weight copy. It runs the paged engine (engine.py: a block
-pool, continuous admission) wherever ``paged_unsupported`` allows, which is every layout but multi-latent
-attention; the rest of this module is the static engine, below, which those run (``engine="static"`` forces it).
+trainer optimises (DDP wrappers are looked through): no weight copy. It decodes on the paged engine (engine.py:
+a pool of KV blocks, continuous admission, a GRPO group's prompt prefilled once; paged.py, paged_attention.py,
+and paged_mla.py for multi-latent attention) and returns the responses with both kinds of log-probs.
 
-Layout. Sequences are left-aligned in one ``[batch, longest prompt + max_new_tokens]`` buffer, at the same
-positions as in the training forward of ``prompt + response`` (right padding, positions from 0). The batch's
-shortest prompt is prefilled in one forward; every later step feeds one token per row. A row still inside its
-own prompt is fed its prompt token (teacher forcing, as Megatron's ``TextGenerationController`` does), so no
-attention mask is ever needed: prefill is plainly causal and decode attends to the whole cache. Left padding
-would instead need a padding mask, which Transformer Engine's causal / no-mask kernels ignore during
-inference, so it would be silently wrong on GPUs. The price is one decode step per token of prompt-length
-spread; ``generate`` is fastest on batches of similar prompt lengths (GRPO groups share a prompt).
-
-Shared prefill. Rows whose prefilled prefix is the same (a GRPO group's ``group_size`` completions of one prompt,
-or prompts that start alike) are prefilled once: the prefill forward runs the distinct prefixes only, and every
-layer's cache rows and the last logits are then copied to the rows that share them (``copy_cache_rows``), so
-the sampled distribution and the random stream are those of prefilling every row (``share_prefill=False``).
-On the default job it cuts generation time by 30% (15.3 -> 10.5 ms a step) with the same 300 rewards.
-
-Cache. ``megatron.core.inference.contexts.StaticInferenceContext`` sized ``[batch, longest sequence]``; it is
-released (and the release checked) before ``generate`` returns, so training never runs next to a cache.
-Finished rows stop growing (their tokens stay ``pad_id``); decoding stops when every row has finished.
-``max_concurrent`` caps the rows (and so the cache) by generating the prompts in consecutive waves.
-
-Compaction. Once at most 3/4 of the fed rows are still running, the finished ones leave the decode batch: the
-live rows' cache rows move to the front and later steps feed only them (rows.py). Every row's random draws are
-made for the whole batch and indexed (``StepDraws``), so tokens, log-probs and finish reasons are those of the
-static batch. On a GPU the host looks at the finished rows every few steps and compacts to bucketed row counts.
+Positions. A sequence's tokens sit at the positions of the training forward of ``prompt + response`` (positions
+from 0, no padding inside a row), so generation's log-probs equal the training forward's.
 
 Parallelism.
-* TP: logits are gathered over the vocabulary (``runtime_gather_output``), every TP rank draws with the same
-  generator, and the chosen tokens are also broadcast from TP rank 0 so that the ranks cannot drift apart.
-* PP (and virtual PP): the prefill goes through the stages in ``pipeline_microbatches`` parts (pipeline.py
-  ``StageChain.forward``); the decode steps then run in that many parts decoding on their own
-  (``pipelined_decode``), so successive steps overlap: part m's step t + 1 enters stage 0 while the later stages
-  still work on the other parts' step t. The last stage picks the tokens and sends them (with their log-probs)
-  to every stage. The default is pp parts; bench/pipeline_decode.py measures them against the stages in turn.
+* TP: logits are gathered over the vocabulary (``runtime_gather_output``), and the chosen tokens come from TP
+  rank 0 (pipeline.py ``StageChain.share``), so the ranks cannot drift apart.
+* PP (and virtual PP): the rows decode in ``pipeline_microbatches`` parts (pp by default), whose successive steps
+  overlap across the stages (engine.py ``_pipelined``).
 * DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks, except
   for MoE models at ep > 1 (below).
-* SP and CP: switched off for the call (layout.py ``whole_sequences``): a decode step has one token per row,
-  and CP ranks hold full weights, so each CP rank decodes whole sequences of its own prompts, like a DP rank
-  (``data_parallel_seed`` gives each its own sampling stream).
-* EP: an MoE forward exchanges tokens between the ranks that share experts, which span DP replicas (and CP
-  ranks) when ep > tp. Those replicas agree on the prefill length and the buffer width, and decode until every
-  replica's rows are done (layout.py ``Lockstep``; under PP per part); rows that finished early just stop
-  growing.
+* SP and CP: switched off for the call (layout.py ``whole_sequences``); CP ranks hold full weights, so each CP rank
+  decodes whole sequences of its own prompts, like a DP rank (``data_parallel_seed`` gives each its own stream).
+* EP: when the experts span rollout workers, the workers step in lockstep (layout.py ``Lockstep``).
 
-Speed. Decoding runs under ``torch.inference_mode`` through Megatron's modules (the CPU-only lean decode step,
-SDPA swap, RoPE-once and batch-major cache were removed with the paged engine: the GPU path never ran them).
+Phase hygiene. Decoding runs under ``torch.inference_mode`` with the modules in eval mode (restored after).
 Megatron keeps a few tensors made during a forward (rotary tables in an ``lru_cache``, the attention scratch
 buffer); inference tensors left there would break the next backward pass (e.g. Transformer Engine's fused RoPE
-saves the cached table), so those caches are emptied on the way out. Dropout is off (modules in eval mode,
-restored afterwards).
+saves the cached table), so those caches are emptied on the way out.
 
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, GenerationStopped, generate_paged, paged_unsupported
+from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, GenerationStopped, generate_paged
 from megatron_rl.generation.layout import Lockstep, whole_sequences
-from megatron_rl.generation.pipeline import StageChain, pipelined_decode
-from megatron_rl.generation.rows import DecodeRows, Feed, Stops, copy_cache_rows, stop_check_interval
-from megatron_rl.generation.sampling import SamplingParams, StepChoice, StepDraws, choose_tokens, draw_seed
+from megatron_rl.generation.pipeline import StageChain
+from megatron_rl.generation.sampling import SamplingParams, draw_seed
 from megatron_rl.models import unwrap
+
+__all__ = ["GenerationOutput", "GenerationStopped", "data_parallel_seed", "generate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,24 +62,20 @@ class GenerationOutput:
     forward_passes: int
     """Model forwards run (1 prefill + decode steps)."""
     prefill_rows: int
-    """Rows the prefill forward ran: fewer than the prompts when rows shared their prefix (``share_prefill``)."""
-    compactions: int
-    """Times finished rows were dropped from the decode batch (``compact``)."""
+    """Rows whose forward fed more than one token: each group's prompt once (``share_prefill``), and the rows
+    prefilled again after an eviction."""
     kv_cache_bytes: int
-    """Bytes the KV cache held on this rank; released before ``generate`` returned."""
+    """Bytes of the KV block pool on this rank; released before ``generate`` returned."""
     decode_attention: str
-    """Attention that ran: "paged-flash-attn" or "paged-torch" (the paged engine's kernels, paged_attention.py),
-    or "megatron" (the static engine: Megatron's own core attention on its static cache)."""
-    engine: str = "static"
-    """Which engine ran: "paged" (engine.py: block pool, continuous admission) or "static" (this module)."""
-    kv_block_tokens: int = 0
-    """Paged engine: tokens per KV block."""
-    kv_peak_blocks: int = 0
-    """Paged engine: the most KV blocks rows held at once."""
-    kv_peak_held_tokens: int = 0
-    """Paged engine: the K/V positions those blocks held then (blocks shared by a group counted once)."""
-    evictions: int = 0
-    """Paged engine: rows evicted for want of blocks (and prefilled again later)."""
+    """The paged kernels that ran (paged_attention.py): "paged-flash-attn" or "paged-torch"."""
+    kv_block_tokens: int
+    """Tokens per KV block."""
+    kv_peak_blocks: int
+    """The most KV blocks rows held at once."""
+    kv_peak_held_tokens: int
+    """The K/V positions those blocks held then (blocks shared by a group counted once)."""
+    evictions: int
+    """Rows evicted for want of blocks (and prefilled again later)."""
     routes: Optional[list[torch.Tensor]] = None
     """With ``record_routes``: per prompt, the experts every MoE layer of this rank's chunks routed each position
     of prompt + response to, but the last (the positions a training forward feeds), as ``[positions, slots,
@@ -141,31 +106,6 @@ def check_generation_layout(chunks: list) -> None:
                                   "model with flash_decode=False")
 
 
-class _KVCache:
-    """A ``StaticInferenceContext`` whose tensors are dropped, and checked to be freed, on exit."""
-
-    def __init__(self, batch: int, max_sequence_length: int) -> None:
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        self.context = StaticInferenceContext(batch, max_sequence_length)
-        self.nbytes = 0
-
-    def __enter__(self):
-        return self.context
-
-    def __exit__(self, *exc) -> None:
-        memory = self.context.key_value_memory_dict
-        refs = [weakref.ref(t) for pair in memory.values() for t in pair]
-        self.nbytes = sum(t.numel() * t.element_size() for pair in memory.values() for t in pair)
-        memory.clear()
-        self.context = None
-        if exc[0] is None and any(ref() is not None for ref in refs):
-            raise RuntimeError("the KV cache is still referenced after generation; it would stay allocated "
-                               "during training")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
 def drop_inference_tensors_from_megatron_caches(chunks: list) -> None:
     """Forget tensors Megatron cached during an inference-mode forward, so training recomputes them."""
     from megatron.core import parallel_state
@@ -185,74 +125,41 @@ def drop_inference_tensors_from_megatron_caches(chunks: list) -> None:
             del scratch.buffer[name]
 
 
-def shared_prefill_rows(prefix: torch.Tensor,
-                        lockstep: Lockstep) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(rows to prefill, for every row the index of its source among them) when rows of ``prefix`` [batch,
-    prefill length] repeat, else (None, None). Under an expert-parallel lockstep every worker prefills the same
-    number of rows (the most any worker needs; the extra ones repeat its first), since the token exchange of an
-    MoE forward wants equal shapes."""
-    unique, expand = torch.unique(prefix, dim=0, return_inverse=True)
-    first = torch.full((unique.size(0),), prefix.size(0), dtype=torch.long, device=prefix.device)
-    first.scatter_reduce_(0, expand, torch.arange(prefix.size(0), device=prefix.device), reduce="amin")
-    count = lockstep.max_over_workers(first.numel())
-    if count == prefix.size(0):
-        return None, None
-    sources = torch.cat([first, first[:1].expand(count - first.numel())])
-    return sources, expand
-
-
-def _joined(waves: list[GenerationOutput]) -> GenerationOutput:
-    """One output of consecutive waves of prompts, in prompt order."""
-    rows = lambda name: [row for wave in waves for row in getattr(wave, name)]  # noqa: E731
-    return GenerationOutput(
-        tokens=rows("tokens"), logprobs=rows("logprobs"), sampling_logprobs=rows("sampling_logprobs"),
-        lengths=rows("lengths"), finish_reasons=rows("finish_reasons"),
-        forward_passes=sum(w.forward_passes for w in waves), kv_cache_bytes=max(w.kv_cache_bytes for w in waves),
-        prefill_rows=sum(w.prefill_rows for w in waves), compactions=sum(w.compactions for w in waves),
-        decode_attention=waves[0].decode_attention,
-        routes=None if waves[0].routes is None else rows("routes"))
-
-
 def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None,
              stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[Sequence[int]] = (),
              seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             pad_id: int = 0, record_routes: bool = False, share_prefill: bool = True, compact: bool = True,
+             record_routes: bool = False, share_prefill: bool = True,
              max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None,
-             first_row: int = 0,
-             engine: Optional[str] = None, kv_memory_gib: Optional[float] = None,
-             kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+             kv_memory_gib: Optional[float] = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
              stop_requested: Optional[Callable[[bool], tuple]] = None) -> GenerationOutput:
-    """Generate a response for every prompt with the KV cache; see the module docstring for the layout.
+    """Generate a response for every prompt; see the module docstring and engine.py.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
     after ``eos_id``, any of ``stop_token_ids`` or any of ``stop_sequences`` (kept in the response), or after
-    ``max_new_tokens``. Sampling draws from ``generator`` or, if None, a fresh one seeded with ``seed`` (0
-    when None); pass the same seed on every TP/PP rank of a replica (``data_parallel_seed`` makes one).
-    ``record_routes``: also return each sequence's expert routes (``GenerationOutput.routes``; an MoE model
-    built with router replay). ``share_prefill``: rows whose prefilled prefix is the same (a GRPO group's
-    completions of one prompt) are prefilled once and the cache rows copied (``shared_prefill_rows``); False
-    prefills every row. ``compact``: drop finished rows from the decode batch (``worth_compacting``); False
-    feeds every row until the last one finishes. ``max_concurrent`` (generation.max_concurrent): decode at most
-    this many prompts at once, in consecutive waves, so the KV cache holds that many rows (the planner counts
-    the same cap); ``stop_requested`` is asked before every wave after the first (every rank asks at the same
-    points, so it may be a collective) and a yes raises ``GenerationStopped``. ``pipeline_microbatches`` (default
-    pp): under PP, the parts the rows decode in, each on its own, so that the stages work at once (pipeline.py);
-    1 runs the stages one after another. ``engine``: "paged" or "static" (None: paged unless
-    ``paged_unsupported``); ``kv_memory_gib`` / ``kv_block_tokens``: the paged engine's KV budget and block size.
-    Returns on every rank of the model-parallel group.
+    ``max_new_tokens``. Sampling draws are seeded with ``seed`` (or drawn from ``generator``; 0 when both are
+    None); pass the same seed on every TP/PP rank of a replica (``data_parallel_seed`` makes one). Each row's
+    draws depend on the seed, its place in ``prompts`` and its position only, so the tokens do not depend on the
+    KV budget, the admission order or the pipeline parts. ``record_routes``: also return each sequence's expert
+    routes (``GenerationOutput.routes``; an MoE model built with router replay). ``share_prefill``: the
+    completions of one prompt (a GRPO group) are admitted together and the prompt prefilled once, its full blocks
+    shared; False prefills every row. ``kv_memory_gib`` / ``kv_block_tokens`` (generation.*): the KV pool and its
+    block size (None: every row's blocks at its longest); ``max_concurrent``: an optional cap on the rows decoding
+    at once. ``pipeline_microbatches`` (default pp): under PP, the parts the rows decode in. ``stop_requested
+    (generating) -> (stop, anyone generating)`` is asked every ``engine.STOP_POLL_STEPS`` steps (a collective);
+    a yes raises ``GenerationStopped``. Returns on every rank of the model-parallel group.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
+    if max_concurrent is not None and max_concurrent < 1:
+        raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
     chunks = model_chunks(models)
     check_generation_layout(chunks)
     device = next(chunks[0].parameters()).device
-    lockstep = Lockstep(chunks, device)
-    batch = len(prompts)
-    shortest, longest = lockstep.shape(batch, min(len(p) for p in prompts), max(len(p) for p in prompts))
+    longest = max(len(p) for p in prompts)
     total = longest + max_new_tokens
     max_positions = getattr(chunks[0], "max_sequence_length", None)
     if max_positions is not None and total > max_positions:
@@ -260,156 +167,23 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                          f"model's max_position_embeddings ({max_positions})")
     if any(t >= vocab_size or t < 0 for p in prompts for t in p):
         raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-    seed = draw_seed(seed, generator)
-    if engine not in (None, "paged", "static"):
-        raise ValueError(f"engine must be 'paged' or 'static', got {engine!r}")
-    unsupported = paged_unsupported(chunks)
-    if engine == "paged" and unsupported is not None:
-        raise NotImplementedError(f"the paged engine does not run {unsupported} yet; use engine='static'")
-    if engine is None and unsupported is None or engine == "paged":
-        return _generate_paged(chunks, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens, params=params,
-                               stop_ids=([eos_id] if eos_id is not None else []) + list(stop_token_ids),
-                               stop_sequences=stop_sequences, seed=seed, device=device, lockstep=lockstep,
-                               kv_memory_gib=kv_memory_gib, kv_block_tokens=kv_block_tokens,
-                               pipeline_microbatches=pipeline_microbatches,
-                               max_concurrent=max_concurrent, share_prompts=share_prefill,
-                               record_routes=record_routes, stop_requested=stop_requested)
-    output = _generate_static(models, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
-                              stop_token_ids=stop_token_ids, stop_sequences=stop_sequences, seed=seed,
-                              pad_id=pad_id, record_routes=record_routes, share_prefill=share_prefill, compact=compact,
-                              max_concurrent=max_concurrent, pipeline_microbatches=pipeline_microbatches,
-                              first_row=first_row,
-                              stop_requested=stop_requested)
-    _finish_stop_questions(stop_requested)
-    return output
-
-
-def _finish_stop_questions(stop_requested: Optional[Callable[[bool], tuple]]) -> None:
-    """Keep answering the stop question (a collective) until no rank generates; raise on a stop."""
-    while stop_requested is not None:
-        stop, anyone = stop_requested(False)
-        if stop:
-            raise GenerationStopped("stopped after this worker's rollout ended")
-        if not anyone:
-            return
-
-
-def _generate_paged(chunks: list, prompts, *, kv_memory_gib: Optional[float], kv_block_tokens: int,
-                    device: torch.device, pipeline_microbatches: Optional[int], **kwargs) -> GenerationOutput:
-    chain = StageChain(chunks, None, device=device, microbatches=pipeline_microbatches)
+    chain = StageChain(chunks, device=device, microbatches=pipeline_microbatches)
     with whole_sequences(chunks):
         try:
-            rows, stats = generate_paged(chunks, prompts, block_tokens=kv_block_tokens, device=device,
-                                         kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
-                                         chain=chain, **kwargs)
+            rows, stats = generate_paged(
+                chunks, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens, params=params,
+                stop_ids=([eos_id] if eos_id is not None else []) + list(stop_token_ids),
+                stop_sequences=stop_sequences, seed=draw_seed(seed, generator), chain=chain, device=device,
+                lockstep=Lockstep(chunks, device), block_tokens=kv_block_tokens,
+                kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
+                max_concurrent=max_concurrent, share_prompts=share_prefill, record_routes=record_routes,
+                stop_requested=stop_requested)
         finally:
             drop_inference_tensors_from_megatron_caches(chunks)
     return GenerationOutput(
         tokens=[row.tokens[row.prompt_len:] for row in rows], logprobs=[row.policy_lp for row in rows],
         sampling_logprobs=[row.sampling_lp for row in rows], lengths=[len(row.tokens) - row.prompt_len for row in rows],
         finish_reasons=[row.finish for row in rows], forward_passes=stats.steps, prefill_rows=stats.prefills,
-        compactions=0, kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}", engine="paged", kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
+        kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}",
+        kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
         kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions, routes=stats.routes)
-
-
-def _generate_static(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
-                     temperature: float, top_k: int, top_p: float, eos_id: Optional[int],
-                     stop_token_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]], seed: int, pad_id: int,
-                     record_routes: bool, share_prefill: bool,
-                     compact: bool, max_concurrent: Optional[int], pipeline_microbatches: Optional[int],
-                     first_row: int,
-                     stop_requested: Optional[Callable[[bool], tuple]]) -> GenerationOutput:
-    """The static engine: one ``[rows, longest prompt + max_new_tokens]`` cache (module docstring)."""
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    chunks = model_chunks(models)
-    device = next(chunks[0].parameters()).device
-    lockstep = Lockstep(chunks, device)
-    batch = len(prompts)
-    shortest, longest = lockstep.shape(batch, min(len(p) for p in prompts), max(len(p) for p in prompts))
-    total = longest + max_new_tokens
-    if max_concurrent is not None and len(prompts) > max_concurrent:
-        if max_concurrent < 1:
-            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        waves = []
-        for i in range(0, len(prompts), max_concurrent):
-            if waves and stop_requested is not None and stop_requested(True)[0]:
-                raise GenerationStopped(f"stopped after {len(waves)} of {-(-len(prompts) // max_concurrent)} waves")
-            waves.append(_generate_static(models, prompts[i:i + max_concurrent], vocab_size=vocab_size,
-                                  max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  eos_id=eos_id, stop_token_ids=stop_token_ids, stop_sequences=stop_sequences,
-                                  seed=seed, first_row=first_row + i, pad_id=pad_id,
-                                  record_routes=record_routes, share_prefill=share_prefill,
-                                  compact=compact, pipeline_microbatches=pipeline_microbatches,
-                                  max_concurrent=None, stop_requested=None))
-        return _joined(waves)
-
-    rows = DecodeRows.new(prompts, total=total, max_new_tokens=max_new_tokens, pad_id=pad_id, device=device,
-                          stops=Stops(([eos_id] if eos_id is not None else []) + list(stop_token_ids), stop_sequences,
-                                      device))
-    tokens = rows.tokens
-    positions = torch.arange(total, device=device).unsqueeze(0).expand(batch, -1)
-
-    was_training = [chunk.training for chunk in chunks]
-    for chunk in chunks:
-        chunk.eval()
-    cache = _KVCache(batch, total)
-    if record_routes:
-        from megatron_rl.models.router_replay import RouteRecorder
-    recorder = RouteRecorder(chunks, batch=batch, total=total, device=device) if record_routes else None
-    sources, expand = shared_prefill_rows(tokens[:, :shortest], lockstep) if share_prefill else (None, None)
-    forwards, compactions = 0, 0
-    check_every = stop_check_interval(device)
-    draws = None if params.greedy else StepDraws(seed, batch=batch, vocab_size=vocab_size, device=device,
-                                                 first_row=first_row)
-
-    def choose(logits: torch.Tensor, batch_rows: Optional[torch.Tensor], t: int) -> StepChoice:
-        return choose_tokens(logits, vocab_size=vocab_size, params=params,
-                             race=None if draws is None else draws.at(t, batch_rows))
-
-    try:
-        with whole_sequences(chunks), torch.inference_mode(), cache as context:
-            chain = StageChain(chunks, context, device=device, microbatches=pipeline_microbatches)
-            fed_from = 0
-            feed = Feed(rows=rows)
-            for t in range(shortest, total):
-                fed = slice(None) if feed.active is None else feed.active
-                if forwards == 0 and sources is not None:
-                    logits = chain.forward(tokens[sources, :t], positions[sources, :t])
-                    copy_cache_rows(context, expand, positions=t)
-                    logits = None if logits is None else logits[expand]
-                else:
-                    logits = chain.forward(tokens[fed, fed_from:t], positions[fed, fed_from:t])
-                if recorder is not None:
-                    recorder.take(fed_from, t, sources=expand if forwards == 0 else None, rows=feed.active)
-                context.sequence_len_offset += t - fed_from
-                if forwards == 0:
-                    context.enable_decode_mode()
-                forwards += 1
-                fed_from = t
-                local = None if logits is None else choose(logits, feed.active, t)
-                # between checks finished rows stop writing; the host learns of them at the next check
-                feed.record(chain.share(local, feed.fed_rows), t, lockstep=lockstep, compact=compact,
-                            context=context, total=total,
-                            check=chain.pp_size == 1 and (t + 1 - shortest) % check_every == 0)
-                compactions = feed.compactions
-                if chain.pp_size > 1:
-                    steps, compactions = pipelined_decode(chain, rows, first=t, total=total, choose=choose,
-                                                          compact=compact, check_every=check_every,
-                                                          lockstep=lockstep, recorder=recorder)
-                    forwards += steps
-                    break
-                if not feed.live:
-                    break
-    finally:
-        if recorder is not None:
-            recorder.close()
-        drop_inference_tensors_from_megatron_caches(chunks)
-        for chunk, flag in zip(chunks, was_training):
-            chunk.train(flag)
-
-    return GenerationOutput(
-        **rows.responses(), forward_passes=forwards, kv_cache_bytes=cache.nbytes,
-        prefill_rows=batch if sources is None else int(sources.numel()), compactions=compactions,
-        decode_attention="megatron",
-        routes=None if recorder is None else recorder.rows([e - 1 for e in rows.end.tolist()]))

@@ -17,24 +17,23 @@ prefilled again, prompt and response so far, when blocks free up): a row is neve
 runs out of memory. ``max_concurrent`` stays as an optional cap on the rows decoding at once.
 
 Sampling. Every row draws from ``position_draws(seed, request, position)`` (sampling.py), which depends neither on
-the batch around it nor on admission order or evictions; so the tokens equal the static engine's (decoding.py)
-at the same seed, and the TP ranks of a replica (which also share TP rank 0's choice) stay in step.
+the batch around it nor on admission order, evictions or pipeline parts; so the tokens do not depend on the
+KV budget, and the TP ranks of a replica (which also share TP rank 0's choice) stay in step.
 
 Stopping. With ``stop_requested``, the engine asks every ``STOP_POLL_STEPS`` steps, and a rank that has finished
 keeps asking until no rank generates: the question is a collective over ranks whose rollouts end at different
 steps. A yes raises ``GenerationStopped`` on every rank at the same question.
 
 Pipeline parallelism. The rows decode in ``pipeline_microbatches`` parts (pp by default), each a ``_Part`` with its
-own share of the KV budget, and successive steps overlap across the stages as in pipeline.py's static
-``pipelined_decode``: a part's next step enters stage 0 as soon as its tokens are chosen, while the later stages
+own share of the KV budget, and successive steps overlap across the stages: a part's next step enters stage 0 as soon as its tokens are chosen, while the later stages
 work on the other parts (``_pipelined``). Every stage replays each part's admissions, evictions and choices in the
 same order, so every stage knows each forward's token count and its rows' blocks.
 
-Layouts: any TP, PP, virtual PP, DP, CP and SP (SP and CP are switched off for the call as in the static engine),
+Layouts: any TP, PP, virtual PP, DP, CP and SP (SP and CP are switched off for the call, layout.py),
 dense and MoE, with route recording (router replay). When the experts span rollout workers (ep > tp with several workers), the
 workers step in lockstep: one all-reduce a step agrees on the most tokens any worker feeds and whether any still
 generates; a worker with fewer tokens (or none left) adds padding rows that attend within a scratch block, so every
-MoE forward exchanges equal token counts. MLA runs the static engine (``paged_unsupported`` says why).
+MoE forward exchanges equal token counts. Multi-latent attention caches the latent (paged_mla.py).
 
 Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 """
@@ -96,16 +95,6 @@ def _padding_rows(tokens: int, block_tokens: int) -> list:
     """Rows of at most ``block_tokens`` padding tokens each (they attend within the scratch block), ``tokens`` in
     all: what a worker adds to a step so that every worker of an expert-parallel lockstep feeds as many."""
     return [block_tokens] * (tokens // block_tokens) + ([tokens % block_tokens] if tokens % block_tokens else [])
-
-
-def paged_unsupported(chunks: list) -> Optional[str]:
-    """Why the paged engine cannot run this call (None: it can); the static engine runs it then."""
-    config = chunks[0].config
-    if getattr(config, "multi_latent_attention", False):
-        return "multi-latent attention"
-    if not attention_layers(chunks):
-        return "no self-attention layer"
-    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,6 +328,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
+    if not layers:
+        raise NotImplementedError("generation needs self-attention layers in the model chunks")
     dtype = chunks[0].config.params_dtype
     block_bytes = BlockPool.block_bytes(layers, block_tokens=block_tokens, dtype=dtype)
     rows = [_Row(index=i, tokens=list(p), prompt_len=len(p), max_len=len(p) + max_new_tokens)
@@ -430,7 +421,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
 
 def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None]) -> int:
     """Steps of ``parts`` decoding on their own across the pipeline stages, successive steps overlapping (as
-    pipeline.py's ``pipelined_decode``): every rank walks (step, virtual stage, part); a part's step enters stage
+    pipeline.py): every rank walks (step, virtual stage, part); a part's step enters stage
     0's first virtual stage once its previous choice is known there (the last stage sends each choice to every
     stage). Returns the steps run."""
     virtual = len(chain.chunks)
@@ -451,7 +442,7 @@ def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None]) ->
                         continue
                     fed_any = True
                     logits = chain.chunk_forward(v, part.ids.unsqueeze(0), part.positions.unsqueeze(0), sends,
-                                                 context=part.context, last_position=False)
+                                                 context=part.context)
                     part.take_routes(chunk=v)
                     if v < virtual - 1:
                         continue

@@ -24,9 +24,9 @@ forward pass splits its work does. Two splits make no sense for a decode step (o
 
 Expert parallelism (EP): an MoE forward is a collective over the ranks that share experts, which at ep > tp
 span data-parallel replicas (and CP ranks, now separate generation workers). ``Lockstep`` makes those replicas
-agree on the batch size, the prefill length and the buffer width before decoding, and on when to stop: every
-replica runs the same forwards with the same token counts (the allgather dispatcher needs equal counts; the
-all-to-all one only the same number of calls) until every replica's rows are finished.
+agree, at every engine step, on the most tokens any of them feeds and whether any still generates: every replica
+runs the same forwards with the same token counts (the allgather dispatcher needs equal counts; the all-to-all one
+only the same number of calls), padding its own, until every replica's rows are finished.
 
 Test: ``.venv/bin/python -m pytest tests/test_grpo_layouts.py -q`` (GRPO at MoE TP2·EP2·SP, CP2, uneven PP2;
 first importance ratios 1) and ``tests/dist/gen_layouts.py`` (generation vs the training forward per layout).
@@ -159,21 +159,6 @@ class Lockstep:
         self.device = device
         self.group = ps.get_data_parallel_group(with_context_parallel=True) if self.enabled else None
 
-    def shape(self, batch: int, shortest: int, longest: int) -> tuple[int, int]:
-        """(prefill length, longest prompt) over all workers; raises when the batch sizes differ."""
-        if not self.enabled:
-            return shortest, longest
-        values = torch.tensor([batch, -batch, -shortest, longest], dtype=torch.long, device=self.device)
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        if int(values[0]) != -int(values[1]):
-            raise ValueError(f"expert-parallel generation needs the same number of prompts on every rollout worker, "
-                             f"got {-int(values[1])} to {int(values[0])}")
-        return -int(values[2]), int(values[3])
-
-    def running(self, done: torch.Tensor) -> int:
-        """The most rows still decoding on any worker (this worker's ``done`` [batch] bool); 0 ends the loop."""
-        return self.max_over_workers(int((~done).sum()))
-
     def step_shape(self, tokens: int, running: bool) -> tuple[int, bool]:
         """(the most tokens any worker feeds this step, whether any worker still generates): one all-reduce.
         Disabled: this worker's own."""
@@ -182,12 +167,3 @@ class Lockstep:
         packed = torch.tensor([tokens, int(running)], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return int(packed[0]), bool(packed[1])
-
-    def max_over_workers(self, value: int) -> int:
-        """The largest ``value`` of the workers (this worker's own when disabled)."""
-        if not self.enabled:
-            return value
-        packed = torch.tensor([value], dtype=torch.long, device=self.device)
-        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return int(packed)
-

@@ -14,8 +14,9 @@ each row's last token reaches the output layer (``last_token_logits``). ``megatr
 points Megatron's attention at the kernels for the duration and gives every layer its global layer number as the
 cache key (Megatron's own offset refuses virtual pipeline stages).
 
-MLA keeps the static engine for now: Megatron's dynamic MLA path caches the latent only with ``cache_mla_latents``
-(Transformer Engine and FlashMLA, not allowed while training).
+Multi-latent attention layers hold one latent tensor per layer instead of K and V, and run their own forward for
+the phase (paged_mla.py): Megatron's dynamic MLA path needs ``cache_mla_latents``, which deletes the training
+weights it absorbs and runs only on Transformer Engine with FlashMLA.
 
 Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 """
@@ -34,20 +35,31 @@ from megatron_rl.generation.paged_attention import PagedKernels
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's K/V storage shape on this rank."""
+    """One layer's cache shape on this rank: K and V ``[blocks, block_tokens, kv_heads, head_dim]`` each, or, for
+    multi-latent attention (``latent``), one ``[blocks, block_tokens, 1, kv_lora_rank + rope dim]`` tensor."""
 
     kv_heads: int
     head_dim: int
+    latent: bool = False
+
+    @property
+    def tensors(self) -> int:
+        return 1 if self.latent else 2
 
 
 def attention_layers(chunks: list) -> dict:
     """``{global layer number: LayerCache}`` of the self-attention modules of ``chunks`` (this rank's layers)."""
     from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
     found = {}
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, SelfAttention):
+            if isinstance(module, MultiLatentAttention):
+                config = module.config
+                found[module.layer_number] = LayerCache(kv_heads=1, latent=True,
+                                                        head_dim=config.kv_lora_rank + config.qk_pos_emb_head_dim)
+            elif isinstance(module, SelfAttention):
                 found[module.layer_number] = LayerCache(kv_heads=module.num_query_groups_per_partition,
                                                         head_dim=module.hidden_size_per_attention_head)
     return found
@@ -62,10 +74,8 @@ class BlockPool:
             raise ValueError(f"the KV block pool needs at least one block, got {num_blocks}")
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
-        self.caches = {number: (torch.zeros(num_blocks, block_tokens, layer.kv_heads, layer.head_dim, dtype=dtype,
-                                            device=device),
-                                torch.zeros(num_blocks, block_tokens, layer.kv_heads, layer.head_dim, dtype=dtype,
-                                            device=device))
+        self.caches = {number: tuple(torch.zeros(num_blocks, block_tokens, layer.kv_heads, layer.head_dim,
+                                                 dtype=dtype, device=device) for _ in range(layer.tensors))
                        for number, layer in layers.items()}
         self.refs = [0] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids first
@@ -74,9 +84,9 @@ class BlockPool:
 
     @staticmethod
     def block_bytes(layers: dict, *, block_tokens: int, dtype: torch.dtype) -> int:
-        """Bytes one block holds over all ``layers`` (K and V)."""
+        """Bytes one block holds over all ``layers`` (K and V, or the latent)."""
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * block_tokens * layer.kv_heads * layer.head_dim * size for layer in layers.values())
+        return sum(layer.tensors * block_tokens * layer.kv_heads * layer.head_dim * size for layer in layers.values())
 
     @property
     def nbytes(self) -> int:
@@ -184,6 +194,21 @@ class PagedContext:
         k_cache[self._slot_block, self._slot_offset] = key.squeeze(1).to(k_cache.dtype)
         v_cache[self._slot_block, self._slot_offset] = value.squeeze(1).to(v_cache.dtype)
 
+    def append_latent(self, layer_number: int, latent: torch.Tensor) -> None:
+        """Multi-latent attention: ``latent`` ``[tokens, kv_lora_rank + rope dim]`` into the rows' blocks."""
+        cache, = self.pool.caches[layer_number]
+        cache[self._slot_block, self._slot_offset, 0] = latent.to(cache.dtype)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The position of every fed token ``[tokens]``."""
+        return self._positions
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """``[rows, blocks]`` int32: each fed row's blocks, in order."""
+        return self._table
+
     def key_value_cache(self, layer_number: int):
         k_cache, v_cache = self.pool.caches[layer_number]
         return k_cache, v_cache, self._table
@@ -232,17 +257,25 @@ def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[No
     pipeline stages). Restored on exit."""
     from megatron.core.transformer import attention as megatron_attention
     from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    from megatron_rl.generation.paged_mla import paged_mla_forward
 
     names = {"flash_attn_varlen_func": kernels.varlen, "flash_attn_with_kvcache": kernels.kvcache,
              "HAVE_FA3": False, "is_fa_min_version": lambda *args, **kwargs: True, "rearrange": _merge_heads}
     saved = {name: getattr(megatron_attention, name) for name in names}
-    patched = []
+    patched, patched_mla = [], []
     try:
         for name, value in names.items():
             setattr(megatron_attention, name, value)
         for chunk in chunks:
             for module in chunk.modules():
-                if isinstance(module, Attention) and "_get_pp_layer_offset_for_inference" not in module.__dict__:
+                if isinstance(module, MultiLatentAttention):
+                    module.forward = types.MethodType(
+                        lambda self, *args, **kwargs: paged_mla_forward(self, *args, attend=kernels.mla, **kwargs),
+                        module)
+                    patched_mla.append(module)
+                elif isinstance(module, Attention) and "_get_pp_layer_offset_for_inference" not in module.__dict__:
                     module._get_pp_layer_offset_for_inference = types.MethodType(lambda self: 0, module)
                     patched.append(module)
         yield
@@ -251,3 +284,5 @@ def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[No
             setattr(megatron_attention, name, value)
         for module in patched:
             del module._get_pp_layer_offset_for_inference
+        for module in patched_mla:
+            del module.forward

@@ -13,6 +13,9 @@ calls them:
   ``cache_seqlens`` ``[rows]`` int32 keys per row (the new token's included: the cache is appended first); rows with
   no keys are padding and come back as zeros.
 
+* ``reference_mla`` (multi-latent attention, paged_mla.py): absorbed queries against the latent cache. FlashMLA
+  (decode only, 64-token blocks) is not wired in: every device runs this torch version for MLA.
+
 ``kernels(device)`` picks the implementation: flash-attn's when it is installed and the tensors are on a GPU, else
 the torch reference (``gather`` each row's blocks, keep its keys, one SDPA call with the bottom-right mask). Both
 go through ``check_paged`` first, which refuses what the GPU kernels refuse (block sizes that are not a multiple of
@@ -40,6 +43,8 @@ class PagedKernels(NamedTuple):
 
     varlen: Callable
     kvcache: Callable
+    mla: Callable
+    """Multi-latent attention over a latent cache (``reference_mla``: the torch reference on every device)."""
     name: str
     """"flash-attn" or "torch" (the reference)."""
 
@@ -139,6 +144,36 @@ def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.masked_fill((k_lens == 0).view(-1, 1, 1, 1), 0.0)
 
 
+def reference_mla(q: torch.Tensor, latent_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int, *, block_table: torch.Tensor, head_dim_v: int,
+                  softmax_scale: float) -> torch.Tensor:
+    """Absorbed multi-latent attention over a paged latent cache, in torch: every query head attends to the one
+    latent "head" (keys: the whole latent, values: its first ``head_dim_v`` entries), as FlashMLA's
+    ``flash_mla_with_kvcache`` does, but for mixed steps too (``q`` ``[tokens, heads, latent dim]`` packed row after
+    row as in ``reference_varlen``, ``cache_seqlens`` ``[rows]`` keys per row) -> ``[tokens, heads, head_dim_v]``.
+    Causality is bottom-right aligned as in the other kernels."""
+    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != q.shape[-1]:
+        raise ValueError(f"the latent cache must be [blocks, block_size, 1, {q.shape[-1]}], got "
+                         f"{tuple(latent_cache.shape)}")
+    if head_dim_v > q.shape[-1]:
+        raise ValueError(f"head_dim_v {head_dim_v} exceeds the latent's {q.shape[-1]}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    k_lens = cache_seqlens.long()
+    rows = q_lens.numel()
+    out = q.new_zeros(*q.shape[:-1], head_dim_v)
+    if rows == 0 or max_seqlen_q == 0:
+        return out
+    slot = torch.arange(max_seqlen_q, device=q.device)
+    valid = slot.view(1, -1) < q_lens.view(-1, 1)
+    index = (cu_seqlens_q[:-1].long().view(-1, 1) + slot.view(1, -1)).clamp_max(q.shape[0] - 1)
+    keys = _gathered(latent_cache, block_table[:rows], max_seqlen_k)
+    attended = _attend(q[index], keys, keys[..., :head_dim_v], q_lens, k_lens, softmax_scale)
+    out[index[valid]] = attended[valid].to(out.dtype)
+    return out
+
+
 def _flash_kernels() -> Optional[PagedKernels]:
     try:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -158,10 +193,10 @@ def _flash_kernels() -> Optional[PagedKernels]:
                                        block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
                                        **kwargs)
 
-    return PagedKernels(varlen=varlen, kvcache=kvcache, name="flash-attn")
+    return PagedKernels(varlen=varlen, kvcache=kvcache, mla=reference_mla, name="flash-attn")
 
 
-REFERENCE = PagedKernels(varlen=reference_varlen, kvcache=reference_kvcache, name="torch")
+REFERENCE = PagedKernels(varlen=reference_varlen, kvcache=reference_kvcache, mla=reference_mla, name="torch")
 
 
 def kernels(device: torch.device) -> PagedKernels:

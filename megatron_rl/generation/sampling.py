@@ -117,23 +117,6 @@ def position_draws(seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab
     return -torch.log(uniform)
 
 
-class StepDraws:
-    """The exponential race of each decode step for the rows that ask (``position_draws`` of the batch rows at
-    position t): each row's draws are the same whatever rows are still decoding (finished ones compacted away) and
-    whatever part of the batch asks first (pipeline parts decode on their own)."""
-
-    def __init__(self, seed: int, *, batch: int, vocab_size: int, device: torch.device, first_row: int = 0) -> None:
-        self.seed, self.batch, self.vocab_size, self.device = seed, batch, vocab_size, device
-        self.first_row = first_row
-        """The request index of batch row 0 (a wave of ``max_concurrent`` prompts starts later in the call)."""
-
-    def at(self, t: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Step ``t``'s draws ``[batch, vocab_size]``, or those of batch rows ``rows``."""
-        if rows is None:
-            rows = torch.arange(self.batch, device=self.device)
-        return position_draws(self.seed, rows + self.first_row, torch.full_like(rows, t), self.vocab_size)
-
-
 def draw_seed(seed: Optional[int], generator: Optional[torch.Generator]) -> int:
     """The seed of one generation call's draws: the next 62 bits of ``generator``, else ``seed`` (0 when None)."""
     if generator is not None:
@@ -146,7 +129,7 @@ def choose_tokens(logits: torch.Tensor, *, vocab_size: int, params: SamplingPara
     """Pick the next token of every row from ``logits`` ``[batch, padded_vocab]``.
 
     Sampling draws its exponential race from ``generator``, or takes ``race`` ``[batch, vocab_size]`` (a
-    ``StepDraws`` row selection) instead."""
+    ``position_draws`` of the rows) instead."""
     logits = logits.float()
     policy = torch.log_softmax(logits, dim=-1)
     real = logits[:, :vocab_size]

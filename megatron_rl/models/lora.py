@@ -52,6 +52,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.models.norms import te_fused_norm
 from megatron_rl.spec.config.schema import LoraConfig
 
 ADAPTER = "lora"
@@ -125,22 +126,6 @@ def _parallel_mode(module) -> Optional[str]:
         return "row"
     mode = getattr(module, "parallel_mode", None)  # Transformer Engine linears
     return mode if mode in ("column", "row") else None
-
-
-def _te_norm(module):
-    """The input norm a TE LayerNorm-fused linear applies before its GEMM, as a function (GPU path, unverified)."""
-    if not hasattr(module, "layer_norm_weight"):
-        return None
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        weight = module.layer_norm_weight
-        if getattr(module, "zero_centered_gamma", False):
-            weight = weight + 1
-        if getattr(module, "normalization", "LayerNorm") == "RMSNorm":
-            return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype) * weight
-        return F.layer_norm(x, x.shape[-1:], weight, getattr(module, "layer_norm_bias", None), module.eps)
-
-    return norm
 
 
 def _add_adapter_output(module, args, kwargs, output):
@@ -236,7 +221,7 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
         if config.sequence_parallel:  # grads cover this rank's tokens only: summed over TP by finalize_model_grads
             (adapter.A if parallel == "column" else adapter.B).sequence_parallel = True
         if parallel == "column":
-            adapter.norm = _te_norm(module)
+            adapter.norm = te_fused_norm(module)
         module.add_module(ADAPTER, adapter)
         module.register_forward_hook(_add_adapter_output, with_kwargs=True)
         module.sharded_state_dict = types.MethodType(_sharded_state_dict, module)

@@ -64,3 +64,21 @@ def sequence_parallel_spec(spec):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     return swap_norms(copy.deepcopy(spec), WrappedTorchNorm, SequenceParallelTorchNorm)
+
+
+def te_fused_norm(module):
+    """The input norm a Transformer Engine LayerNorm-fused linear (``layer_norm_weight``) applies before its GEMM,
+    as a function; None for any other module. GPU path, unverified on the CPU (TE does not run there)."""
+    if not hasattr(module, "layer_norm_weight"):
+        return None
+    import torch.nn.functional as F
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        weight = module.layer_norm_weight
+        if getattr(module, "zero_centered_gamma", False):
+            weight = weight + 1
+        if getattr(module, "normalization", "LayerNorm") == "RMSNorm":
+            return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype) * weight
+        return F.layer_norm(x, x.shape[-1:], weight, getattr(module, "layer_norm_bias", None), module.eps)
+
+    return norm

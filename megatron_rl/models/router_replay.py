@@ -117,7 +117,7 @@ def install(chunks: list) -> int:
 class RouteRecorder:
     """Records the experts each fed position of a generation batch was routed to, on the batch's device.
 
-    ``take(start, end)`` after each forward of positions ``[start, end)`` of every row; ``rows(lengths)`` gives
+    ``take_tokens(rows, positions)`` after each packed forward of the paged engine; ``rows(lengths)`` gives
     each row's first ``lengths[i]`` positions as ``[length, slots, topk]`` int16 on the CPU."""
 
     def __init__(self, chunks: list, *, batch: int, total: int, device: torch.device) -> None:
@@ -132,27 +132,6 @@ class RouteRecorder:
         self.total = total
         for replay in self.replays:
             replay.set_router_replay_action(RouterReplayAction.RECORD)
-
-    def take(self, start: int, end: int, *, sources: Optional[torch.Tensor] = None,
-             rows: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> None:
-        """``sources``: the forward ran fewer rows (a shared prefill) and batch row i is their ``sources[i]``;
-        ``rows``: the forward ran only these batch rows (the others finished, or decode in another part);
-        ``chunk``: only that chunk (virtual stage) of this rank ran."""
-        for replay in self.replays if chunk is None else self.chunk_replays[chunk]:
-            parts = replay.recorded_parts  # each [(end - start) * rows of the part, topk], sequence-major
-            topk = parts[0].size(-1)
-            if self.routes is None:
-                self.routes = torch.full((self.batch, self.total, self.slots, topk), NO_ROUTE,
-                                         dtype=torch.int16, device=self.device)
-            per_row = torch.cat([part.view(end - start, -1, topk).transpose(0, 1) for part in parts])
-            per_row = per_row.to(self.routes.dtype)
-            if sources is not None:
-                per_row = per_row[sources]
-            if rows is None:
-                self.routes[:, start:end, replay.slot] = per_row
-            else:
-                self.routes[rows, start:end, replay.slot] = per_row
-            replay.clear_indices()
 
     def take_tokens(self, rows: torch.Tensor, positions: torch.Tensor, *, chunk: Optional[int] = None) -> None:
         """After a packed forward (the paged engine): fed token i belonged to batch row ``rows[i]`` at position

@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="override the tiny model's layer count")
-    parser.add_argument("--model", default="tiny-cpu", help="model preset (tiny-cpu, tiny-cpu-moe)")
+    parser.add_argument("--model", default="tiny-cpu", help="model preset (tiny-cpu, tiny-cpu-moe, tiny-cpu-deepseek-v3)")
     parser.add_argument("--attention", default="auto", help="runtime.attention of the trained layers")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -163,11 +163,6 @@ def main() -> None:
     result["greedy"] = {"tokens": greedy.tokens, "logprobs": greedy.logprobs, "lengths": greedy.lengths,
                         "finish_reasons": greedy.finish_reasons, "forward_passes": greedy.forward_passes,
                         "kv_cache_bytes": greedy.kv_cache_bytes, "decode_attention": greedy.decode_attention}
-    result["greedy"]["engine"] = greedy.engine
-    static = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, engine="static")
-    result["static_greedy"] = {"tokens": static.tokens, "forward_passes": static.forward_passes,
-                               "kv_cache_bytes": static.kv_cache_bytes, "decode_attention": static.decode_attention,
-                               "logprob_diff": max_abs_diff(greedy.logprobs, static.logprobs)}
 
     argmax_tokens, full_lp = full_forward_reference(chunks, prompts, greedy.tokens, vocab)
     result["full_forward_argmax"] = argmax_tokens
@@ -200,100 +195,41 @@ def main() -> None:
     result["sampled_vs_sequence_logprobs"] = max_abs_diff(sampled.logprobs,
                                                           response_slice(full, prompts, sampled.lengths))
 
-    # Shared prefill and compaction: GRPO-style groups (each prompt 4 times, and two prompts with the same 3-token
-    # start) prefilled once per distinct prefix, finished rows dropped from the decode batch (prompt lengths
-    # differ, so rows end at different steps; one stop token ends some early), against the static path that
-    # prefills and feeds every row; greedy and sampled (the same seed).
+    # GRPO-style groups (each prompt 4 times, two prompts with the same 3-token start, two long prompts) with
+    # 4-token blocks: the unbounded pool (every row's blocks at its longest; each group's prompt prefilled once)
+    # against every row prefilled on its own, a cap of 5 rows, KV budgets of 10 and 24 blocks (rows wait, are
+    # evicted and prefilled again) and, under PP, 1 and 3 pipeline parts instead of pp: the tokens, finish reasons
+    # and log-probs must not move (each row's draws depend on its request and position only); greedy, sampled
+    # with top-k/top-p and with a stop token; and the training forward's log-probs of the unbounded run.
     long_prompts = [[(7 * i) % 90 + 5 for i in range(30)], [(7 * i) % 90 + 5 for i in range(30)][::-1]]
     grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9], *long_prompts]
-    result["shared_prefill"] = {}
-    for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5)),
+    parts = args.pp  # under PP the engine decodes in pp parts, each with its share of the budget
+    result["paged"] = {"parts": parts, "distinct_prompts": len({tuple(p) for p in grouped}), "rows": len(grouped)}
+    for name, kwargs in (("greedy", dict(temperature=0.0)),
+                         ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)),
                          ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
-        shared = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="static", **kwargs)
-        static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
-                          compact=False, engine="static", **kwargs)
-        full = sequence_logprobs(chunks, padded(grouped, shared.tokens))
-        result["shared_prefill"][name] = {
-            "rows": len(grouped), "prefill_rows": shared.prefill_rows, "unshared_prefill_rows": static.prefill_rows,
-            "compactions": [shared.compactions, static.compactions],
-            "tokens_equal": shared.tokens == static.tokens,
-            "finish_reasons_equal": shared.finish_reasons == static.finish_reasons,
-            "stopped": shared.finish_reasons.count("stop"),
-            "logprob_diff": max_abs_diff(shared.logprobs, static.logprobs),
-            "sampling_logprob_diff": max_abs_diff(shared.sampling_logprobs, static.sampling_logprobs),
-            "vs_sequence_logprobs": max_abs_diff(shared.logprobs, response_slice(full, grouped, shared.lengths)),
-            "forward_passes": [shared.forward_passes, static.forward_passes]}
-
-    # Pipelined decode: the rows in 1, 2 or 3 parts, each decoding on its own so that successive steps overlap
-    # across the stages (3 parts of 16 rows: uneven), with shared prefill and compaction per part, against one
-    # part fed whole (the stages in turn, every row to the end); greedy, sampled (the same seed) and with a stop.
-    if args.pp > 1:
-        result["pipelined"] = {}
-        for name, kwargs in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=5)),
-                             ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
-            static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, share_prefill=False,
-                              compact=False, pipeline_microbatches=1, engine="static", **kwargs)
-            for parts in (1, 2, 3):
-                paged = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
-                                 pipeline_microbatches=parts, kv_block_tokens=4, engine="paged", **kwargs)
-                result["pipelined"][f"paged_{name}_{parts}"] = {
-                    "tokens_equal": paged.tokens == static.tokens,
-                    "finish_reasons_equal": paged.finish_reasons == static.finish_reasons,
-                    "logprob_diff": max_abs_diff(paged.logprobs, static.logprobs),
-                    "sampling_logprob_diff": max_abs_diff(paged.sampling_logprobs, static.sampling_logprobs)}
-                started = time.perf_counter()
-                run = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
-                               pipeline_microbatches=parts, engine="static", **kwargs)
-                result["pipelined"][f"{name}_{parts}"] = {
-                    "seconds": time.perf_counter() - started, "compactions": run.compactions,
-                    "forward_passes": [run.forward_passes, static.forward_passes],
-                    "tokens_equal": run.tokens == static.tokens,
-                    "finish_reasons_equal": run.finish_reasons == static.finish_reasons,
-                    "stopped": run.finish_reasons.count("stop"),
-                    "logprob_diff": max_abs_diff(run.logprobs, static.logprobs),
-                    "sampling_logprob_diff": max_abs_diff(run.sampling_logprobs, static.sampling_logprobs)}
-
-    # generation.max_concurrent: the same rows in waves of 8 (the KV cache sized for 8 rows).
-    waves = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, max_concurrent=8,
-                     engine="static")
-    whole = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0, engine="static")
-    result["waves"] = {"rows": len(grouped), "tokens_equal": waves.tokens == whole.tokens,
-                       "logprob_diff": max_abs_diff(waves.logprobs, whole.logprobs),
-                       "kv_cache_bytes": [waves.kv_cache_bytes, whole.kv_cache_bytes]}
-
-    # The paged engine (engine.py) against the static one on the GRPO groups above: greedy, sampled (the same seed)
-    # and with a stop token; with 4-token blocks, unbounded, capped at 5 rows, and with KV budgets so small that
-    # rows wait and are evicted and prefilled again (the tokens must not move); the training forward's log-probs.
-    if True:
-        parts = args.pp  # under PP the paged engine decodes in pp parts, each with its share of the budget
-        result["paged"] = {"parts": parts}
-        for name, kwargs in (("greedy", dict(temperature=0.0)),
-                             ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)),
-                             ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
-            static = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="static", **kwargs)
-            unbounded = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="paged",
-                                 kv_block_tokens=4, **kwargs)
-            block_bytes = unbounded.kv_cache_bytes // sum(-(-(len(p) + NEW_TOKENS) // 4) for p in grouped)
-            runs = {"unbounded": unbounded,
-                    "capped": generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, engine="paged",
-                                       kv_block_tokens=4, max_concurrent=5, **kwargs)}
-            for blocks in (10, 24):
-                runs[f"budget_{blocks}"] = generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
-                                                    engine="paged", kv_block_tokens=4,
-                                                    kv_memory_gib=blocks * parts * block_bytes / 2**30, **kwargs)
-            full = sequence_logprobs(chunks, padded(grouped, unbounded.tokens))
-            result["paged"][name] = {
-                "block_bytes": block_bytes, "static_stopped": static.finish_reasons.count("stop"),
-                "vs_sequence_logprobs": max_abs_diff(unbounded.logprobs, response_slice(full, grouped,
-                                                                                        unbounded.lengths)),
-                **{run_name: {"tokens_equal": run.tokens == static.tokens,
-                              "finish_reasons_equal": run.finish_reasons == static.finish_reasons,
-                              "logprob_diff": max_abs_diff(run.logprobs, static.logprobs),
-                              "sampling_logprob_diff": max_abs_diff(run.sampling_logprobs, static.sampling_logprobs),
-                              "engine": run.engine, "evictions": run.evictions, "prefill_rows": run.prefill_rows,
-                              "peak_blocks": run.kv_peak_blocks, "pool_bytes": run.kv_cache_bytes}
-                   for run_name, run in runs.items()}}
-        result["paged"]["distinct_prompts"] = len({tuple(p) for p in grouped})
+        run = lambda **more: generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,  # noqa: E731
+                                      kv_block_tokens=4, **kwargs, **more)
+        unbounded = run()
+        block_bytes = unbounded.kv_cache_bytes // sum(-(-(len(p) + NEW_TOKENS) // 4) for p in grouped)
+        variants = {"unshared": run(share_prefill=False), "capped": run(max_concurrent=5),
+                    **{f"budget_{blocks}": run(kv_memory_gib=blocks * parts * block_bytes / 2**30)
+                       for blocks in (10, 24)}}
+        if args.pp > 1:
+            variants.update({f"parts_{n}": run(pipeline_microbatches=n) for n in (1, 3)})
+        full = sequence_logprobs(chunks, padded(grouped, unbounded.tokens))
+        summary = lambda out: {"evictions": out.evictions, "prefill_rows": out.prefill_rows,  # noqa: E731
+                               "peak_blocks": out.kv_peak_blocks, "pool_bytes": out.kv_cache_bytes,
+                               "forward_passes": out.forward_passes}
+        result["paged"][name] = {
+            "block_bytes": block_bytes, "stopped": unbounded.finish_reasons.count("stop"),
+            "vs_sequence_logprobs": max_abs_diff(unbounded.logprobs, response_slice(full, grouped, unbounded.lengths)),
+            "unbounded": summary(unbounded),
+            **{variant: {**summary(out), "tokens_equal": out.tokens == unbounded.tokens,
+                         "finish_reasons_equal": out.finish_reasons == unbounded.finish_reasons,
+                         "logprob_diff": max_abs_diff(out.logprobs, unbounded.logprobs),
+                         "sampling_logprob_diff": max_abs_diff(out.sampling_logprobs, unbounded.sampling_logprobs)}
+               for variant, out in variants.items()}}
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]

@@ -84,9 +84,7 @@ def main() -> None:
                     "flags_before": before}
     runs = {"greedy": dict(temperature=0.0),
             "sampled": dict(temperature=1.0, seed=11 + result["worker"]),
-            "eos": dict(temperature=1.0, seed=5 + result["worker"], eos_id=mine[0][-1]),
-            # the static engine (Megatron's own attention on a static cache) against the paged engine's greedy
-            "megatron_path": dict(temperature=0.0, engine="static")}
+            "eos": dict(temperature=1.0, seed=5 + result["worker"], eos_id=mine[0][-1])}
     multiple = engine.sequence_multiple
     # GRPO-style groups: worker 0 has 2 distinct prompts, worker 1 has 4 (8 rows each); an EP lockstep makes both
     # prefill 4 rows, otherwise each prefills its own distinct ones
@@ -108,7 +106,7 @@ def main() -> None:
         result[name] = {"tokens": out.tokens, "lengths": out.lengths, "finish_reasons": out.finish_reasons,
                         "forward_passes": out.forward_passes,
                         "decode_attention": out.decode_attention, "max_logprob_diff": diff,
-                        "prefill_rows": out.prefill_rows, "engine": out.engine,
+                        "prefill_rows": out.prefill_rows,
                         "rows_checked": len(every)}
     result["flags_after"] = flags(chunks)
     after = train_step(3)

@@ -147,7 +147,6 @@ def main() -> None:
     shape = load_model_shape(model)
     engine = build_engine(cfg, shape, total_steps=10)
     recomputing_engine = build_engine(config("full"), shape, total_steps=10)
-    from megatron_rl.generation.engine import paged_unsupported
 
     chunks = [unwrap(c) for c in engine.chunks]
     train_step = progression_trainer(engine, micro_batch_size=1)
@@ -160,11 +159,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(2025)
     prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     mine = data_parallel_share(prompts, with_context_parallel=True)
-    # the paged engine (where it runs) admits 2 rows at a time: later rows join as earlier ones finish
-    paged = paged_unsupported(chunks) is None
+    # the engine admits 2 rows at a time: later rows join as earlier ones finish
     out = generate(engine.chunks, mine, vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, temperature=1.0,
                    seed=3 + ps.get_data_parallel_rank(with_context_parallel=True), record_routes=True,
-                   max_concurrent=2 if paged else None)
+                   max_concurrent=2)
     every = gather_data_parallel(list(zip(mine, out.tokens, out.logprobs, out.routes)), with_context_parallel=True)
     assert all(route.size(0) == len(p) + len(t) - 1 for p, t, _, route in every)
     rows = [{"prompt_ids": p, "response_ids": t, "logprobs": lp, "advantage": (-1.0) ** i, "routes": route}
@@ -181,8 +179,7 @@ def main() -> None:
     result["recording"] = compare(probe, probe.calls, full_tokens, recorded)
     result["recorded_slots"] = int(recorded[0].size(1))
     result["recorded_positions"] = sum(int(route.size(0)) for route in recorded)
-    result["compactions"] = out.compactions
-    result["engine"], result["rows"], result["forward_passes"] = out.engine, len(mine), out.forward_passes
+    result["rows"], result["forward_passes"] = len(mine), out.forward_passes
 
     # 2. perturbed routers: free routing now differs, replay follows the recording
     from megatron.core.transformer.moe.router import TopKRouter

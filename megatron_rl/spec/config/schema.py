@@ -634,8 +634,8 @@ class GenerationConfig:
     step time with it (``launch.py plan --mean-response-len`` overrides it). Generation does not read it. null:
     half of max_new_tokens."""
     max_concurrent: Optional[int] = None
-    """Most completions a rollout worker decodes at once (an optional cap; the KV memory is the limit). The
-    static engine, which MLA still runs, generates in waves of this many; null: no cap."""
+    """Most completions a rollout worker decodes at once (an optional cap; the KV memory is the limit); null: no
+    cap."""
     kv_memory_gib: Optional[float] = None
     """KV-cache memory per GPU for the paged engine's block pool (GiB; every pipeline stage holds as many blocks as
     the one with the most layers gets from this). Completions are admitted as blocks free up; one that cannot grow
