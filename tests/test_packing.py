@@ -123,7 +123,7 @@ def test_transformer_engine_gets_thd_boundaries():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["algorithm.name=ppo"], "algorithm.name=ppo does not pack its rows"),
+    (["algorithm.name=rm"], "algorithm.name=rm does not pack its rows"),
     (["algorithm.name=sft"], "algorithm.name=sft does not pack its rows"),
     (["parallel.cp=2"], "parallel.micro_batch_tokens=64 with parallel.cp=2"),
 ])

@@ -139,12 +139,13 @@ def test_the_critic_exports_as_a_value_model(tiny_run, tmp_path):
 # ----- layouts and resume (short runs) -----
 
 def test_tp2_equals_tp1_and_a_preempted_run_resumes_exactly(tmp_path):
-    """The first steps at TP=2 equal TP=1's (same data-parallel size 1) on the policy and value losses within
-    1e-3. A run stopped after PPO step 1 and resumed logs exactly the uninterrupted run's metrics: both models,
+    """The first steps at TP=2 with packed micro-batches (parallel.micro_batch_tokens=128: two of the task's
+    63-token rows each, for the policy's and the critic's forwards, GAE over rows found by their ids) equal TP=1's padded ones (same data-parallel size 1) on
+    the policy and value losses within 1e-3. A run stopped after PPO step 1 and resumed logs exactly the uninterrupted run's metrics: both models,
     their optimizers and the data state come back."""
     whole = tmp_path / "whole"
     _ppo(whole, "cluster.tasks_per_node=1", "generation.offload_optimizer=true")
-    _ppo(tmp_path / "tp2", "parallel.tp=2")
+    _ppo(tmp_path / "tp2", "parallel.tp=2", "parallel.micro_batch_tokens=128")
     for a, b in zip(_steps(whole), _steps(tmp_path / "tp2"), strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a.keys() == b.keys()
         for key in ("loss", "pg_loss", "value_loss", "explained_variance", "kl_reward"):

@@ -26,6 +26,11 @@ def is_packed(batch: dict) -> bool:
     return "row_index" in batch
 
 
+def packed_forward_kwargs(batch: dict) -> dict:
+    """A packed micro-batch's sequence boundaries for Transformer Engine, as a model forward takes them."""
+    return {"packed_seq_params": batch["packed_seq_params"]} if "packed_seq_params" in batch else {}
+
+
 def as_rows(values: torch.Tensor, batch: dict) -> torch.Tensor:
     """``values`` [1, T, ...] of a packed micro-batch as [rows, L, ...] (zeros past each row's end); a padded
     micro-batch's ``values`` [rows, S, ...] are returned as they are."""

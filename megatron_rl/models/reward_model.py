@@ -115,12 +115,15 @@ def _gpt_model_class():
 
         def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     attention_mask: Optional[torch.Tensor] = None, *, last_index: Optional[torch.Tensor],
-                    decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    decoder_input: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
             """Rewards [batch] on the last pipeline stage, hidden states [seq, batch, hidden] elsewhere.
-            ``last_index=None``: the head at every position, values [batch, seq] (PPO's critic)."""
-            pre = self._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input)
+            ``last_index=None``: the head at every position, values [batch, seq] (PPO's critic; a packed
+            micro-batch's rows as one sequence, ``packed_seq_params`` its THD boundaries)."""
+            pre = self._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+                                   packed_seq_params=packed_seq_params)
             hidden = self.decoder(hidden_states=pre[0], attention_mask=attention_mask, rotary_pos_emb=pre[1],
-                                  rotary_pos_cos=pre[2], rotary_pos_sin=pre[3], sequence_len_offset=pre[4])
+                                  rotary_pos_cos=pre[2], rotary_pos_sin=pre[3], sequence_len_offset=pre[4],
+                                  packed_seq_params=packed_seq_params)
             if not self.post_process:
                 return hidden
             if self.config.sequence_parallel:
@@ -174,8 +177,12 @@ def reward_forward(model, batch: dict) -> torch.Tensor:
 
 
 def value_forward(model, batch: dict) -> torch.Tensor:
-    """``forward_fn`` of a critic: the head at every position, values [batch, seq] (or hidden states mid-pipeline)."""
-    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), last_index=None)
+    """``forward_fn`` of a critic: the head at every position, values [batch, seq] (or hidden states mid-pipeline;
+    a packed micro-batch's [1, T]: ``packed_sequences.as_rows`` gives its rows)."""
+    from megatron_rl.models.packed_sequences import packed_forward_kwargs
+
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), last_index=None,
+                 **packed_forward_kwargs(batch))
 
 
 def load_reward_model_weights(path: str | Path, chunks: list) -> bool:

@@ -21,6 +21,10 @@ import torch
 
 from megatron_rl.models.packed_sequences import attention_inputs
 
+ROW_IDS = "row_ids"
+"""Batch key: ``[rows]`` long, each micro-batch row's index in its mini-batch's rows; ``-1 - i`` is a copy of row i
+kept out of the loss (``pack_rows``' fallback). Padded and packed micro-batches both carry it."""
+
 
 def row_tokens(row: dict) -> int:
     """Positions a rollout row takes in a training forward: its tokens but the last (inputs are shifted)."""
@@ -107,8 +111,11 @@ def pack_minibatch(rows: list[dict], *, dp: int, dp_rank: int, token_budget: int
     lengths = [row_tokens(row) for row in rows]
     per_rank, packed = pack_rows(lengths, dp=dp, token_budget=token_budget, multiple=multiple,
                                  count_multiple=count_multiple)
-    micro = [collate_packed([_row(rows, i) for i in indices], packed_length=packed, pad_id=pad_id,
-                            thd=thd) for indices in per_rank[dp_rank]]
+    micro = []
+    for indices in per_rank[dp_rank]:
+        batch = collate_packed([_row(rows, i) for i in indices], packed_length=packed, pad_id=pad_id, thd=thd)
+        batch[ROW_IDS] = torch.tensor(indices, device=batch["tokens"].device)
+        micro.append(batch)
     figures = {"train_tokens": float(dp * len(per_rank[0]) * packed), "real_tokens": float(sum(lengths))}
     return micro, figures
 

@@ -26,6 +26,7 @@ from megatron_rl.models.builder import (
     padded_vocab_size,
     resolve_transformer_engine,
 )
+from megatron_rl.models.packed_sequences import packed_forward_kwargs
 from megatron_rl.runtime.memory import peak_memory_of
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
@@ -40,18 +41,13 @@ ForwardFn = Callable[[Any, dict], torch.Tensor]
 def lm_forward(model, batch: dict) -> torch.Tensor:
     """GPTModel forward: per-token cross entropy when the batch has labels, else (vocab-parallel) logits."""
     return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"),
-                 **_packing(batch))
+                 **packed_forward_kwargs(batch))
 
 
 def logits_forward(model, batch: dict) -> torch.Tensor:
     """Vocab-parallel logits [batch, seq, vocab/tp], even when the batch has labels (for losses that need
     log-probs and entropy rather than Megatron's cross entropy)."""
-    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **_packing(batch))
-
-
-def _packing(batch: dict) -> dict:
-    """A packed micro-batch's sequence boundaries for Transformer Engine (``megatron_rl.models.packed_sequences``)."""
-    return {"packed_seq_params": batch["packed_seq_params"]} if "packed_seq_params" in batch else {}
+    return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **packed_forward_kwargs(batch))
 
 
 def rows_per_microbatch(microbatches: list[dict]) -> int:

@@ -284,12 +284,12 @@ PACKING_CP_REASON = ("packed rows are not split over context-parallel ranks (Meg
 """Why packing (parallel.micro_batch_tokens) holds cp at 1: ``packing_error``'s, and the planner's limit."""
 
 
-PACKING_ALGORITHMS = ("grpo",)
+PACKING_ALGORITHMS = ("grpo", "ppo")
 """The trainers whose training and log-prob forwards pack rows (parallel.micro_batch_tokens)."""
 
 
 def packing_error(micro_batch_tokens: int | None, *, algorithm: str, cp: int, key: str = "parallel.") -> str | None:
-    """Sequence packing runs in the GRPO trainer only, and not under context parallelism: Megatron splits a packed
+    """Sequence packing runs in the GRPO and PPO trainers only, and not under context parallelism: Megatron splits a packed
     (THD) batch over CP ranks only inside Transformer Engine's attention, with per-sequence load balancing that
     this project's CP slicing does not do."""
     if micro_batch_tokens is None:

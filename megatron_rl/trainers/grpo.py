@@ -33,7 +33,7 @@ from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
 from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
-from megatron_rl.rollout.packing import pack_minibatch, row_tokens
+from megatron_rl.rollout.packing import ROW_IDS, pack_minibatch, row_tokens
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
@@ -266,8 +266,9 @@ class GrpoRun:
     def minibatches(self, rollout: Rollout) -> list[list[dict]]:
         """This DP rank's micro-batches of each mini-batch of global_batch_size completions (a rollout's remainder
         short of a whole mini-batch is left out): micro_batch_size rows padded to the rollout's longest, or with
-        parallel.micro_batch_tokens rows packed by tokens (megatron_rl/rollout/packing.py). ``self.packing``
-        counts the tokens they compute against the rows' own."""
+        parallel.micro_batch_tokens rows packed by tokens (megatron_rl/rollout/packing.py). Each micro-batch's
+        ``row_ids`` name its rows' places in their mini-batch (``packing.ROW_IDS``). ``self.packing`` counts the
+        tokens they compute against the rows' own."""
         rows = rollout_rows(rollout, mask_truncated=self.algo.mask_truncated)
         gbs = self.algo.global_batch_size
         usable = len(rows) - len(rows) % gbs
@@ -276,8 +277,13 @@ class GrpoRun:
         for start in range(0, usable, gbs):
             share = rows[start:start + gbs]
             if self.cfg.parallel.micro_batch_tokens is None:
-                batches = [collate_rollout(mb, seq_length=rollout.seq_length, pad_id=self.tokenizer.pad_id)
-                           for mb in data_parallel_slice(share, micro_batch_size=self.cfg.parallel.micro_batch_size)]
+                batches = []
+                for ids in data_parallel_slice(list(range(len(share))),
+                                               micro_batch_size=self.cfg.parallel.micro_batch_size):
+                    batch = collate_rollout([share[i] for i in ids], seq_length=rollout.seq_length,
+                                            pad_id=self.tokenizer.pad_id)
+                    batch[ROW_IDS] = torch.tensor(ids, device=batch["tokens"].device)
+                    batches.append(batch)
                 self.packing.add(train_tokens=len(share) * rollout.seq_length,
                                  real_tokens=sum(row_tokens(row) for row in share))
             else:

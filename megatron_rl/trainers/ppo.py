@@ -20,6 +20,8 @@ Checkpoints: the critic is a second sharded checkpoint, ``<checkpoint dir>/criti
 
 Values sit at the policy's label positions: the value of position t is V(state before response token t+1), the
 position whose logits give that token's log-prob. The value loss is a token mean over the global mini-batch.
+With ``parallel.micro_batch_tokens`` the critic's forwards take the policy's packed micro-batches; GAE runs over
+the whole rollout, each micro-batch row found by its ``row_ids``.
 
 Test: ``.venv/bin/python -m pytest tests/test_ppo.py -q``
 """
@@ -33,10 +35,12 @@ import torch
 from megatron_rl.algorithms.gae import clipped_value_loss, explained_variance, gae, token_rewards, whiten
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
 from megatron_rl.models import unwrap
+from megatron_rl.models.packed_sequences import as_rows
 from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
 from megatron_rl.rollout.batch import REPORTS, make_grpo_loss
+from megatron_rl.rollout.packing import ROW_IDS
 from megatron_rl.runtime.phases import generation_phase, training_phase
-from megatron_rl.runtime.training import build_engine, data_parallel_share, logits_forward
+from megatron_rl.runtime.training import build_engine, logits_forward
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers.common import TrainerContext
@@ -146,9 +150,8 @@ class PpoRun(GrpoRun):
     def _gae_over_rollout(self, minibatches: list[list[dict]]) -> torch.Tensor:
         algo = self.algo
         keys = ["loss_mask", "old_values", "old_logp"] + (["ref_logp"] if algo.kl_in_reward and algo.kl_coef else [])
-        whole = {key: torch.cat([_gather_rows(torch.cat([b[key] for b in batches])) for batches in minibatches])
-                 for key in keys}
-        rows = torch.cat([_gather_rows(torch.cat([b["sequence_reward"] for b in batches])) for batches in minibatches])
+        whole = _whole_rollout(minibatches, keys + ["sequence_reward"], minibatch_rows=algo.global_batch_size)
+        rows = whole["sequence_reward"]
         mask, values = whole["loss_mask"], whole["old_values"]
         kl = None
         if "ref_logp" in whole:
@@ -159,20 +162,10 @@ class PpoRun(GrpoRun):
         raw_mean = float((advantages * mask).sum() / mask.sum().clamp(min=1))
         if algo.whiten_advantages:
             advantages = whiten(advantages, mask, shift_mean=algo.whiten_shift_mean)
-        # back to this rank's micro-batches: the same order the gather made
-        from megatron.core import parallel_state as ps
-
-        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        start = 0
-        for batches in minibatches:
-            per_rank = sum(b["loss_mask"].shape[0] for b in batches)
-            offset = start + rank * per_rank
-            for batch in batches:
-                size = batch["loss_mask"].shape[0]
-                batch["advantages"] = advantages[offset:offset + size].to(batch["loss_mask"].device)
-                batch["returns"] = returns[offset:offset + size].to(batch["loss_mask"].device)
-                offset += size
-            start += dp * per_rank
+        for index, batch in _rows_of(minibatches, self.algo.global_batch_size):  # back to the micro-batches
+            width = batch["loss_mask"].shape[1]
+            batch["advantages"] = advantages[index, :width].to(batch["loss_mask"].device)
+            batch["returns"] = returns[index, :width].to(batch["loss_mask"].device)
         tokens = mask.sum().clamp(min=1)
         return torch.tensor([explained_variance(values, returns, mask), float((values * mask).sum() / tokens),
                              float((returns * mask).sum() / tokens), raw_mean,
@@ -180,17 +173,10 @@ class PpoRun(GrpoRun):
 
     # ------------------------------------------------------------------ train
     def minibatches(self, rollout) -> list[list[dict]]:
-        """GrpoRun's micro-batches, each also carrying its completions' sequence rewards."""
+        """GrpoRun's micro-batches (padded or packed), each also carrying its completions' sequence rewards."""
         minibatches = super().minibatches(rollout)
-        row = 0
-        for batches in minibatches:
-            mine = data_parallel_share(list(range(row, row + self.algo.global_batch_size)))
-            at = 0
-            for batch in batches:
-                size = batch["tokens"].shape[0]
-                batch["sequence_reward"] = rollout.rewards[mine[at:at + size]].to(batch["tokens"].device)
-                at += size
-            row += self.algo.global_batch_size
+        for index, batch in _rows_of(minibatches, self.algo.global_batch_size):
+            batch["sequence_reward"] = rollout.rewards[index.cpu()].to(batch["tokens"].device)
         return minibatches
 
     def update(self, minibatches: list[list[dict]], *, seq_length: int, train_policy: bool) -> dict[str, float]:
@@ -209,7 +195,7 @@ class PpoRun(GrpoRun):
                     totals.setdefault(key if key in VALUE_REPORTS else f"critic_{key}", []).append(value)
                 if self.algo.epochs > 1:
                     totals.setdefault(f"value_clip_fraction_epoch{epoch}", []).append(critic["value_clip_fraction"])
-        return combine_minibatches(totals)
+        return {**combine_minibatches(totals), "train_tokens_per_real_token": self.packing.ratio()}
 
     def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
         return {**super().step_metrics(batch, train, t_train), "critic_warmup": float(not train.get("minibatches"))}
@@ -221,24 +207,66 @@ return per response token, the mean GAE advantage before whitening, and the mean
 reward (0 without kl_in_reward)."""
 
 
-def _gather_rows(rows: torch.Tensor) -> torch.Tensor:
-    """[n, ...] rows of every data-parallel rank, in rank order (every rank has the same n)."""
+def _rows_of(minibatches: list[list[dict]], minibatch_rows: int):
+    """(each row's index in the rollout ``[rows]``, its micro-batch) for every micro-batch of this rank: a copy kept
+    out of the loss (a negative ``row_ids`` entry) names the row it copies."""
+    for m, batches in enumerate(minibatches):
+        for batch in batches:
+            ids = batch[ROW_IDS]
+            yield m * minibatch_rows + torch.where(ids >= 0, ids, -1 - ids), batch
+
+
+def _whole_rollout(minibatches: list[list[dict]], keys: list[str], *, minibatch_rows: int) -> dict[str, torch.Tensor]:
+    """``keys`` of every rank's micro-batches as rollout-wide tensors, the rollout's row i at row i: ``[rows]`` for
+    per-row values, ``[rows, L]`` for per-token ones (L the widest micro-batch of any rank; zeros past a row's own
+    width). Gathered over the data-parallel ranks, whose row counts may differ (packing shares rows by tokens);
+    copies kept out of the loss are left out."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_data_parallel_group()
+    device = minibatches[0][0]["loss_mask"].device
+    width = torch.tensor([max(b["loss_mask"].shape[1] for batches in minibatches for b in batches)], device=device)
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(width, op=torch.distributed.ReduceOp.MAX, group=group)
+    width = int(width)
+    index, values = [], {key: [] for key in keys}
+    for rows, batch in _rows_of(minibatches, minibatch_rows):
+        own = (batch[ROW_IDS] >= 0).to(device)
+        index.append(rows.to(device)[own])
+        for key in keys:
+            value = batch[key].to(device)[own]
+            values[key].append(value if value.dim() == 1 else
+                               torch.nn.functional.pad(value, (0, width - value.shape[1])))
+    index = _all_gather_rows(torch.cat(index), group)
+    whole = {}
+    for key in keys:
+        gathered = _all_gather_rows(torch.cat(values[key]), group)
+        whole[key] = gathered.new_zeros(len(minibatches) * minibatch_rows, *gathered.shape[1:])
+        whole[key][index] = gathered
+    return whole
+
+
+def _all_gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
+    """``[n, ...]`` rows of every rank of ``group``, in rank order; ``n`` may differ between ranks."""
     world = torch.distributed.get_world_size(group)
     if world == 1:
         return rows
-    parts = [torch.empty_like(rows) for _ in range(world)]
-    torch.distributed.all_gather(parts, rows.contiguous(), group=group)
-    return torch.cat(parts)
+    count = torch.tensor([rows.shape[0]], device=rows.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    torch.distributed.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    padded = rows.new_zeros(max(counts), *rows.shape[1:])
+    padded[:rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
 def value_collector(sink: list):
-    """A forward-only 'loss' that appends each micro-batch's values [mbs, seq] to ``sink`` (last stage only)."""
+    """A forward-only 'loss' that appends each micro-batch's values ``[rows, L]`` to ``sink`` (last stage only)."""
 
     def loss_fn(values: torch.Tensor, batch: dict):
-        sink.append(values.detach().float())
+        sink.append(as_rows(values.detach().float(), batch))
         zero = torch.zeros((), dtype=torch.float32, device=values.device)
         return zero, torch.ones((), dtype=torch.int, device=values.device), {}
 
@@ -250,6 +278,7 @@ def make_value_loss(*, clip: float | None, coef: float):
     tokens, with the token count as denominator (a token mean over the global mini-batch)."""
 
     def loss_fn(values: torch.Tensor, batch: dict):
+        values = as_rows(values, batch)
         mask = batch["loss_mask"]
         per_token, clipped = clipped_value_loss(values, batch["old_values"], batch["returns"], mask, clip=clip)
         tokens = mask.sum().to(torch.int)

@@ -172,7 +172,7 @@ class ParallelConfig:
     micro_batch_size: int = 32
     """Sequences per micro-batch."""
     micro_batch_tokens: Optional[int] = None
-    """GRPO: pack the training and log-prob forwards' rows into micro-batches of at most this many tokens, each
+    """GRPO and PPO: pack the training and log-prob forwards' rows (the critic's too) into micro-batches of at most this many tokens, each
     row attending only to itself (sequence packing: no padding to the longest row; megatron_rl/rollout/packing.py),
     instead of micro_batch_size rows padded to the longest. A row longer than this gets a micro-batch of its
     own. null: padded micro-batches."""
