@@ -80,6 +80,7 @@ def _as_layout(parallel: dict) -> dict:
 def test_plan_picks_the_layout_that_launch_resolves(capsys, tmp_path, job):
     config, overrides = JOBS[job]
     planned = _plan(capsys, *_config_args(config), *overrides)
+    assert planned.pop("assumed") == {}  # a config (or the built-in job) leaves nothing to assume
     launched = _dry_run_parallel(capsys, tmp_path, config, overrides)
     assert launched["auto"] is True
     assert _as_layout(launched) == {key: planned["layout"][key] for key in PLANNED_KEYS}
@@ -392,3 +393,26 @@ def test_a_fixed_layout_that_does_not_fit_exits_3_naming_the_nearest_layout_that
     planned = _plan(capsys, "--config", "grpo_llama70b", "--layout", nearest)
     assert planned["fits"] and planned["memory_gib"]["total"] <= planned["memory_gib"]["capacity"]
     assert {key: planned["layout"][key] for key in parse_layout(nearest)} == parse_layout(nearest)
+
+
+def test_a_model_without_a_config_plans_with_stated_defaults_not_the_tiny_jobs(capsys):
+    """plan --model without --config: the batch and, for GRPO, the rollout and longest response come from stated
+    rules (printed with them), not from the tiny CPU job: Llama-3.1-405B on 16,384 GPUs plans Meta's published
+    2,048-sequence batch, and Qwen3-235B GRPO with a 5,671-token mean response plans instead of being refused for
+    the tiny job's 4-token responses. A given value is kept."""
+    pretrain = _plan(capsys, "--model", "llama-3.1-405b", "--gpus", "16384")
+    assert pretrain["assumed"]["algorithm.global_batch_size"]["value"] == 2048 == pretrain["workload"]["global_batch_size"]
+    assert "4M tokens per step" in pretrain["assumed"]["algorithm.global_batch_size"]["rule"]
+    small = _plan(capsys, "--model", "llama-3.1-8b", "--gpus", "8")  # 4M tokens at seq 8,192: 512 sequences
+    assert small["assumed"]["algorithm.global_batch_size"]["value"] == 512
+    kept = _plan(capsys, "--model", "llama-3.1-405b", "--gpus", "16384", "--global-batch-size", "1024")
+    assert kept["assumed"] == {} and kept["workload"]["global_batch_size"] == 1024
+    grpo = _plan(capsys, "--model", "qwen3-235b-a22b", "--mode", "grpo", "--gpus", "256", "--gpu-type", "h200-141gb",
+                 "--mean-response-len", "5671")
+    assumed = {key: entry["value"] for key, entry in grpo["assumed"].items()}
+    assert assumed["generation.max_new_tokens"] >= 2 * 5671 and assumed["algorithm.group_size"] == 16
+    assert grpo["fits"] and grpo["workload"]["grpo"]["rollout_batch_size"] == 2048
+    assert cli.main(["plan", "--model", "qwen3-235b-a22b", "--mode", "grpo", "--gpus", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "Assumed     algorithm.prompts_per_step=128, algorithm.group_size=16, algorithm.global_batch_size=512" in out
+    assert "generation.max_new_tokens=3072: 3/4 of model.seq_length" in out

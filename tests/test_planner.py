@@ -190,9 +190,10 @@ def test_a_released_kv_cache_reuses_training_only_memory_and_offload_adds_grads_
     assert peak(optimizer_offloaded_for_generation=True).total == pytest.approx(kept.total, rel=1e-12)
 
 
-def test_mla_kv_cache_is_the_expanded_keys_and_values():
-    """Megatron's static inference cache holds per-head K (nope 128 + rope 64) and V (128) of the rank's heads,
-    not the 576-element latent (see costs.kv_cache_elements_per_token_per_layer; engine: test_kv_cache_count.py)."""
+def test_mla_kv_cache_is_the_latent_on_every_tp_rank():
+    """The paged engine's MLA blocks hold the 576-element latent (kv_lora_rank 512 + rope 64) per token and layer,
+    the same at any TP, not per-head K (nope 128 + rope 64) and V (128), 5,120 elements at TP8
+    (generation/paged_mla.py; engine: test_kv_cache_count.py)."""
     from launcher.planner.costs import kv_cache_elements_per_token_per_layer
 
     w = _workload("deepseek-v3", 2048, 2048, mode="grpo")
@@ -201,8 +202,8 @@ def test_mla_kv_cache_is_the_expanded_keys_and_values():
     def row_bytes(tp: int) -> float:
         return (prompt + response) * kv_cache_elements_per_token_per_layer(w.shape, tp) * GrpoSizing().kv_cache_bytes
 
-    assert row_bytes(8) == pytest.approx(128 // 8 * (128 + 64 + 128) * 4096 * 2, rel=1e-9)
-    assert row_bytes(1) == pytest.approx(8 * row_bytes(8), rel=1e-9)
+    assert row_bytes(8) == pytest.approx((512 + 64) * 4096 * 2, rel=1e-9) == row_bytes(1)
+    assert 128 // 8 * (128 + 64 + 128) / (512 + 64) == pytest.approx(8.89, abs=0.01)  # the expanded K/V at TP8
 
 
 # ---------------- FLOPs against Megatron's formula ----------------

@@ -9,7 +9,10 @@ keys of the same names, ``--attention`` runtime.attention, ``--grad-dtype`` runt
 runtime.tp_comm_overlap=true. ``--mean-response-len N`` (GRPO/PPO) is the rollout's mean response length, which step
 time depends on (default half of generation.max_new_tokens). With --config the file's values are the defaults and
 flags override them; a key given by a flag and by key=value is an error. Without --config, ``--model`` sizes a
-pretraining job unless --mode or algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU model).
+pretraining job unless --mode or algorithm.name says otherwise (the built-in default job is GRPO on a tiny CPU model),
+and what the flags and keys leave out is set by a stated rule, not the tiny job's values (``stated_defaults``: the batch, and for
+GRPO/PPO the rollout's size and longest response); the plan prints each such value with its rule ("Assumed", and
+``assumed`` in --json), to pass to launch.py as key=value.
 
 With ``cluster.rollout_tasks`` = R (split placement) the layout is planned over the world less R, with rollout
 replicas of its tp x pp on the R rollout GPUs; the plan shows both sides' times and memory and suggests an R that
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from launcher.cli import CliParser
@@ -45,6 +49,17 @@ SHORTHANDS = {"model": "model.name", "gpu_type": "cluster.gpu_type", "seq_len": 
 """plan's flags (argparse names) -> the config key each one sets."""
 GPUS_KEYS = ("cluster.nodes", "cluster.tasks_per_node", "cluster.gpus_per_node")
 """What --gpus sets (it reads cluster.gpus_per_node, the node size, from the config file when that gives it)."""
+
+
+TOKENS_PER_STEP = 1 << 22
+"""A pretraining step of about 4M tokens without a config: Llama 2's batch at every size (4M tokens), GPT-3 175B's
+3.2M, Megatron-LM's 530B and 1T runs' 3.9M and 6.3M."""
+SEQUENCES_PER_GPU = 1 / 8
+"""And at least one sequence per 8 GPUs: Llama 3.1 405B's 2,048 sequences on 16,384 GPUs, so a data-parallel replica
+of a large cluster still gets enough micro-batches to fill its pipeline."""
+RL_ROLLOUT = {"algorithm.prompts_per_step": 128, "algorithm.group_size": 16, "algorithm.global_batch_size": 512}
+"""GRPO/PPO without a config: NeMo RL's published Llama-3.1-8B GRPO step (128 prompts x 16 completions, 2,048 per
+step, in optimizer steps of 512)."""
 
 
 MAX_GPUS = 1 << 20
@@ -115,6 +130,41 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
     return [*default_mode, *flags, *args.overrides]
 
 
+def stated_defaults(cfg: JobConfig, shape, *, given: frozenset[str],
+                    mean_response_len: int | None) -> list[tuple[str, object, str]]:
+    """(key, value, rule) for what a plan without --config leaves out and the tiny default job would otherwise fill
+    in: pretraining/SFT's global batch (TOKENS_PER_STEP and SEQUENCES_PER_GPU, rounded up to a power of two);
+    GRPO/PPO's rollout (RL_ROLLOUT) and longest response (3/4 of model.seq_length, the planner's prompts taking the
+    first quarter; with --mean-response-len N at least 2N, the sequence length raised to fit). Keys the user gave
+    are kept."""
+    mode = cfg.algorithm.name
+    seq = cfg.model.seq_length or shape.seq_length
+    out: list[tuple[str, object, str]] = []
+    if mode in ("pretrain", "sft") and "algorithm.global_batch_size" not in given:
+        tokens, per_gpu = TOKENS_PER_STEP // seq, math.ceil(cfg.cluster.world_size * SEQUENCES_PER_GPU)
+        batch = 1 << (max(tokens, per_gpu, 1) - 1).bit_length()
+        out.append(("algorithm.global_batch_size", batch,
+                    f"the larger of 4M tokens per step ({tokens:,} x {seq:,}) and one sequence per 8 GPUs "
+                    f"({per_gpu:,}), up to a power of two"))
+    if mode in ("grpo", "ppo"):
+        if not given & set(RL_ROLLOUT):
+            out += [(key, value, "NeMo RL's Llama-3.1-8B GRPO step: 128 prompts x 16 completions, optimizer steps "
+                     "of 512") for key, value in RL_ROLLOUT.items()]
+        if "generation.max_new_tokens" not in given:
+            response = seq - seq // 4
+            if mean_response_len is not None and 2 * mean_response_len > response:
+                if "model.seq_length" not in given:
+                    seq = -(-(2 * mean_response_len * 4 // 3 + 1) // 1024) * 1024
+                    out.append(("model.seq_length", seq, f"raised to hold prompts of a quarter of it and "
+                                f"responses of twice --mean-response-len {mean_response_len}"))
+                response = max(seq - seq // 4, 2 * mean_response_len)
+            out.append(("generation.max_new_tokens", response,
+                        "3/4 of model.seq_length (prompts take the first quarter)" if mean_response_len is None
+                        or response == seq - seq // 4 and 2 * mean_response_len <= response
+                        else f"twice --mean-response-len {mean_response_len}"))
+    return out
+
+
 def gpus_overrides(gpus: int, cfg: JobConfig, given: frozenset[str]) -> list[str]:
     """cluster.nodes / tasks_per_node / gpus_per_node for ``gpus`` GPUs in all, one task per GPU: whole nodes of
     cfg.cluster.gpus_per_node GPUs (or the GPU type's node size), or one node when ``gpus`` is below that. A job
@@ -180,7 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus is not None:
             overrides += gpus_overrides(args.gpus, cfg, given_keys(args.config, overrides))
             cfg = load_config(args.config, overrides, allow_missing=True)
-        result = plan_job(cfg, load_shape(cfg.model.name), given=given_keys(args.config, overrides),
+        shape = load_shape(cfg.model.name)
+        given = given_keys(args.config, overrides)
+        assumed = [] if args.config is not None or "model.name" not in given else stated_defaults(
+            cfg, shape, given=given, mean_response_len=args.mean_response_len)
+        if assumed:
+            overrides += [f"{key}={value}" for key, value, _ in assumed]
+            cfg = load_config(args.config, overrides, allow_missing=True)
+        result = plan_job(cfg, shape, given=given_keys(args.config, [o for o in overrides if o.partition("=")[0]
+                                                                     not in {key for key, _, _ in assumed}]),
                           precision=args.precision, top_k=args.top_k, mean_response_length=args.mean_response_len)
     except NoFeasibleLayout as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -195,7 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(result.to_json() if args.json else result.explain())
+    if args.json:
+        print(json.dumps({**result.to_dict(), "assumed": {key: {"value": value, "rule": rule}
+                                                          for key, value, rule in assumed}}))
+    else:
+        report = result.explain()
+        if assumed:
+            head, _, rest = report.partition("\n")
+            rules: dict[str, list[str]] = {}  # keys set by one rule share a line
+            for key, value, rule in assumed:
+                rules.setdefault(rule, []).append(f"{key}={value}")
+            lines = [f"{'Assumed' if i == 0 else '':12}{', '.join(keys)}: {rule}"
+                     for i, (rule, keys) in enumerate(rules.items())]
+            report = "\n".join([head, *lines, rest])
+        print(report)
     if not cfg.parallel.auto and not args.json:
         print("\nNote        parallel.auto is false: launch.py runs the config's parallel: keys as they are; set "
               "parallel.auto=true to launch this plan")
