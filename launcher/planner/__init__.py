@@ -105,6 +105,13 @@ class PlanResult:
         return generation_pool(self.estimate)
 
     @property
+    def expected_error(self):
+        """How far off a prediction of this kind typically was on published runs (error_bands.Band), or None."""
+        from launcher.planner.error_bands import band, kind_of
+
+        return band(kind_of(self.workload["mode"], self.workload.get("moe", False)))
+
+    @property
     def predicted(self) -> dict[str, float]:
         """step_time_s, mfu (fraction of the bf16 peak), tokens_per_s_per_gpu."""
         e = self.estimate
@@ -121,6 +128,8 @@ class PlanResult:
         out["search"] = {"considered": self.considered, "evaluated": self.evaluated,
                          "seconds": round(self.search_seconds, 4)}
         out["workload"] = self.workload
+        expected = self.expected_error
+        out["expected_error"] = expected.to_dict() if expected is not None else None
         out["constraints"] = self.constraints
         out["limits"] = {key: [value, why] for key, (value, why) in self.limits.items()}
         if self.rollout_suggestion is not None:
@@ -245,6 +254,7 @@ def _check_split(split: SplitPlacement, mode: str) -> None:
 def _describe(w: Workload) -> dict:
     out = {"model": w.shape.name, "gpus": w.num_gpus, "gpu_type": w.gpu.name, "seq_length": w.seq_length,
            "global_batch_size": w.global_batch_size, "mode": w.mode, "precision": w.precision,
+           "moe": w.shape.is_moe,
            "selective_modules": list(w.selective_modules())}
     if w.mode in RL_MODES:
         g = w.grpo or GrpoSizing()

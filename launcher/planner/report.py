@@ -137,9 +137,11 @@ def margin_text(e: Estimate) -> str:
             f"{_percent(e.margin)})")
 
 
-def predicted_lines(e: Estimate, *, rl: bool) -> list[str]:
-    """Step time, MFU and tokens/s; for the RL modes the training MFU apart from the whole step's."""
-    head = (f"Predicted   step {e.step_time_s:.4g} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+def predicted_lines(e: Estimate, *, rl: bool, expected=None) -> list[str]:
+    """Step time (with its expected error on published runs, error_bands.py), MFU and tokens/s; for the RL modes
+    the training MFU apart from the whole step's."""
+    band = f" ({expected.text()})" if expected is not None else ""
+    head = (f"Predicted   step {e.step_time_s:.4g} s{band}, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
             + (" (trained tokens per step / step / GPUs, as NeMo RL)" if rl else "")
             + f", pipeline bubble {100 * e.bubble_fraction:.1f}%")
     if not rl:
@@ -202,7 +204,7 @@ def explain(result: PlanResult) -> str:
     lines.append(f"  {'total':<16}{mem['total']:>9.2f}  of {mem['capacity']:.1f}  -> {verdict}, {margin_text(e)}")
     lines += split_lines(result)
     lines += kv_pool_lines(result)
-    lines += ["", *predicted_lines(e, rl="grpo" in w)]
+    lines += ["", *predicted_lines(e, rl="grpo" in w, expected=result.expected_error)]
     lines += ["", *time_lines(e)]
     if result.runner_up is not None:
         lines += ["", runner_up_line(result.runner_up, e)]
