@@ -292,17 +292,18 @@ def test_refused_deepseek_configs():
 # ----- GRPO with colocated generation (the runs of tests/test_grpo_layouts.py, on this model) -----
 @pytest.fixture(scope="module")
 def grpo_runs(tmp_path_factory):
-    from test_grpo_layouts import _grpo
+    from test_grpo_layouts import PACKED, _grpo
 
     return {name: _grpo(tmp_path_factory.mktemp(f"ds_grpo_{name}"), MODEL, *extra) for name, extra in
-            [("1proc", ["cluster.tasks_per_node=1"]), ("tp2_ep2_sp", ["parallel.tp=2", "parallel.ep=2", SP])]}
+            [("1proc", ["cluster.tasks_per_node=1"]), ("tp2_ep2_sp", ["parallel.tp=2", "parallel.ep=2", SP, *PACKED])]}
 
 
 def test_grpo_at_tp2_ep2_sp_matches_one_process(grpo_runs):
-    """MLA, shared expert, dense-first layer and sigmoid routing under GRPO at TP2·EP2·SP, checked as
-    tests/test_grpo_layouts.py checks the MoE model: the first mini-batch's ratio is 1 within 1e-5 (generation
-    log-probs = the training forward's) at every step of both runs; one generation worker, as in the 1-process
-    run, so the first step's rewards are equal; the losses are those of one process."""
+    """MLA, shared expert, dense-first layer and sigmoid routing under GRPO at TP2·EP2·SP with packed rows
+    (parallel.micro_batch_tokens; the 1-process run padded), checked as tests/test_grpo_layouts.py checks the MoE
+    model: the first mini-batch's ratio is 1 within 1e-5 (generation log-probs, from the latent cache, = the
+    packed training forward's) at every step of both runs; one generation worker, as in the 1-process run, so the
+    first step's rewards are equal; the losses are those of one process."""
     import test_grpo_layouts as layouts  # module attribute: its tests are not collected again here
 
     def job(name):
