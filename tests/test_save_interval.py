@@ -35,3 +35,16 @@ def test_auto_keeps_saving_under_a_tenth_of_the_time_when_saves_are_slow() -> No
 
 def test_without_a_warning_window_the_first_step_is_saved_to_measure_a_save() -> None:
     assert auto_save_due(since_save_s=0.01, last_save_s=0.0, warning_window_s=0)
+
+
+def test_the_shipped_large_configs_save_by_the_warning_window():
+    """The >100B recipes (and the 8B one) save with save_interval=auto, what the project recommends: a hard kill
+    loses about one warning window of work, whatever their steps take; none hand-caps the rows decoding at once,
+    as a stop is honoured mid-rollout (megatron_rl/generation/engine.py STOP_POLL_STEPS)."""
+    from megatron_rl.spec.config import load_config
+
+    for name in ("grpo_deepseek_v3", "grpo_llama405b", "grpo_llama70b", "grpo_llama8b", "grpo_qwen3_235b",
+                 "rm_qwen3_235b"):
+        cfg = load_config(name, allow_missing=True)
+        assert cfg.checkpoint.save_interval == "auto", name
+        assert cfg.generation.max_concurrent is None, name
