@@ -104,10 +104,16 @@ def test_attempts_secrets_inputs_and_a_requeue(tmp_path, monkeypatch):
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cfg, config = _job(tmp_path, monkeypatch, f"data.train_path={data}")
     ckpt = _tree(tmp_path / "run" / "checkpoints" / "step_00000002")
+    for rank in (1, 3):  # torch_dist shards written by ranks 1 and 3 (rank 2 wrote none); rank 0 wrote the rest
+        (ckpt / f"__{rank}_0.distcp").write_bytes(os.urandom(1000 + rank))
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     first = mf.RunManifest(cfg, enabled=True, config_path=config)
     first.start(rank_hosts=["node-a", "node-a", "node-b", "node-a"])
     first.checkpoint_saved(ckpt, 2, save_s=0.5)
+    for rank in (1, 2, 3):  # the other ranks hash what they wrote, in threads of their own
+        other = mf.RunManifest(cfg, enabled=False, rank=rank)
+        other.checkpoint_saved(ckpt, 2, save_s=0.5)
+        other.finished("preempted")
     first.finished("preempted")
     killed = mf.RunManifest(cfg, enabled=True, config_path=config)
     killed.start(rank_hosts=["node-a"])  # and never finishes: SIGKILLed
@@ -139,8 +145,9 @@ def test_attempts_secrets_inputs_and_a_requeue(tmp_path, monkeypatch):
     train = [e for e in record["inputs"] if e["key"] == "data.train_path"]
     assert train == [{"key": "data.train_path", "path": str(data), "bytes": data.stat().st_size, "files": 1,
                       "sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "attempt": 1}], "unchanged: once"
-    assert [(c["step"], c["sha256"], c["attempt"]) for c in record["checkpoints"]] == [
-        (2, mf.content_hash(ckpt)["sha256"], 1)]
+    # composed from the four ranks' parts: the hash of the whole folder
+    assert [(c["step"], c["sha256"], c["files"], c["hash"], c["attempt"]) for c in record["checkpoints"]] == [
+        (2, mf.content_hash(ckpt)["sha256"], 6, "hashed", 1)]
     assert [(e["checkpoint"], e["sha256"], e["attempt"]) for e in record["exports"]] == [
         (str(ckpt), mf.content_hash(tmp_path / "run" / "export")["sha256"], 3)]
     assert record["packages"]["omegaconf"] and record["python"] == sys.version.split()[0]
@@ -178,3 +185,55 @@ def test_source_state_reads_the_commit_and_dirty_flag(tmp_path):
     inside.mkdir()
     assert mf.source_state(inside)["commit"] is None, "a folder inside someone else's checkout is not a checkout"
     assert mf.source_state(tmp_path)["commit"] is None
+
+
+def test_a_hash_not_in_time_or_a_retired_folder_is_recorded_and_nothing_waits_longer(tmp_path, monkeypatch):
+    """checkpoint.hash_wait_s bounds the wait at the end: a rank that never reports (killed, or hashing 10 TB) is
+    named and the checkpoint recorded unhashed; a folder retention deleted before its rank hashed it is recorded
+    as such; checkpoint.hash=false records checkpoints unhashed and starts no hashing."""
+    import time
+
+    cfg, config = _job(tmp_path, monkeypatch, "checkpoint.hash_wait_s=1")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    kept = _tree(tmp_path / "run" / "checkpoints" / "step_00000004")
+    gone = tmp_path / "run" / "checkpoints" / "step_00000002"  # retired before its hash: the folder is gone
+    manifest = mf.RunManifest(cfg, enabled=True, config_path=config)
+    manifest.start(rank_hosts=["node-a", "node-a"])  # rank 1 never hashes
+    manifest.checkpoint_saved(gone, 2, save_s=0.1)
+    manifest.checkpoint_saved(kept, 4, save_s=0.1)
+    begun = time.monotonic()
+    manifest.finished("completed")
+    assert time.monotonic() - begun < 10
+    entries = json.loads((tmp_path / "run" / mf.MANIFEST_FILE).read_text())["checkpoints"]
+    assert [(e["step"], e["sha256"], e["hash"]) for e in entries] == [
+        (2, None, mf.RETIRED), (4, None, "not hashed within checkpoint.hash_wait_s=1: ranks 1")]
+    assert not (tmp_path / "run" / mf.HASHES_DIR).exists() or not any((tmp_path / "run" / mf.HASHES_DIR).iterdir())
+
+    (tmp_path / "off").mkdir()
+    off, _ = _job(tmp_path / "off", monkeypatch, "checkpoint.hash=false")
+    unhashed = mf.RunManifest(off, enabled=True)
+    unhashed.start(rank_hosts=["node-a"])
+    unhashed.checkpoint_saved(kept, 4, save_s=0.1)
+    unhashed.finished("completed")
+    assert unhashed.shards._thread is None
+    entry, = json.loads((tmp_path / "off" / "run" / mf.MANIFEST_FILE).read_text())["checkpoints"]
+    assert (entry["sha256"], entry["hash"]) == (None, "off")
+
+
+def test_a_checkpoint_a_killed_attempt_left_unhashed_is_hashed_by_the_next(tmp_path, monkeypatch):
+    """An attempt SIGKILLed while its ranks still hashed leaves the entry pending; the next attempt hashes that
+    folder whole (its writers are gone) in the background, so every checkpoint on disk ends up with its hash."""
+    cfg, config = _job(tmp_path, monkeypatch)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    folder = _tree(tmp_path / "run" / "checkpoints" / "step_00000002")
+    killed = mf.RunManifest(cfg, enabled=True, config_path=config)
+    killed.start(rank_hosts=["node-a", "node-a"])  # rank 1 never reports
+    killed.checkpoint_saved(folder, 2, save_s=0.1)
+    killed.wait()  # the pending entry is written; then the process dies without finishing
+    entry, = json.loads((tmp_path / "run" / mf.MANIFEST_FILE).read_text())["checkpoints"]
+    assert entry["hash"] == "pending"
+    rerun = mf.RunManifest(cfg, enabled=True, config_path=config)
+    rerun.start(rank_hosts=["node-a"])
+    rerun.finished("completed")
+    entry, = json.loads((tmp_path / "run" / mf.MANIFEST_FILE).read_text())["checkpoints"]
+    assert (entry["hash"], entry["sha256"]) == ("hashed", mf.content_hash(folder)["sha256"])

@@ -20,7 +20,10 @@ after each save, ``export_written`` after a Hugging Face export, ``finished`` wh
                   slurm ({job_id, restart_count, array_job_id, array_task_id, nodelist}) or null,
                   resumed_from_step
     requeues      attempts with SLURM_RESTART_COUNT > 0;  slurm_job_ids: every job id seen
-    checkpoints   [{"step", "path", "sha256", "files", "bytes", "saved_at", "save_s", "hash_s", "attempt"}]
+    checkpoints   [{"step", "path", "sha256", "files", "bytes", "saved_at", "save_s", "hash_s", "hash", "attempt"}]:
+                  ``hash`` is "hashed", "pending", "off" (checkpoint.hash false), or why it is not (a rank did
+                  not finish within checkpoint.hash_wait_s, or retention deleted the folder first); sha256 null
+                  unless hashed
     exports       [{"path", "checkpoint", "sha256", "files", "bytes", "exported_at", "attempt"}]
     started_at, ended_at, updated_at   ISO 8601 UTC
 
@@ -32,9 +35,13 @@ export, a tokenizer) is the SHA-256 of the ``sha256sum`` lines of its files, sor
 so ``cd FOLDER && find . -type f -printf '%P\\n' | LC_ALL=C sort | xargs -d '\\n' sha256sum | sha256sum`` gives it
 too. Files are read in 1 MiB chunks on a few threads (hashlib releases the GIL).
 
-Cost. Only global rank 0 hashes, in one background thread, so training goes on while it reads; the next save
-first waits for the previous checkpoint's hash (so retention never deletes a folder being read), and the end
-of the process (completed, preempted or failed) waits for all of them. The file is rewritten under a lock
+Cost. A checkpoint is hashed where it was written: every rank hashes its own shards (``__<rank>_*.distcp``;
+global rank 0 also the metadata and common files) in a background thread of its own (``ShardHasher``), never
+inside a collective, and writes the file hashes to ``run.dir/.hashes``; global rank 0 composes the folder's hash
+from every rank's (the same sha256 as hashing the folder at once) when all are in. Nothing waits for a hash
+while training: a folder that retention deletes before its hash is done is recorded as such. The end of the
+process waits at most ``checkpoint.hash_wait_s`` for the pending ones and records what was not hashed. Inputs
+and exports are hashed by global rank 0, in its background thread. The file is rewritten under a lock
 (``.manifest.lock``) by read-modify-write, so an export from another process is never lost; it is private
 (0600) and replaced atomically (``megatron_rl.spec.private.write_private_text``). This module imports no torch.
 """
@@ -47,6 +54,8 @@ import json
 import os
 import platform
 import queue
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -56,6 +65,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from megatron_rl.spec.private import write_private_text
 from megatron_rl.spec.run_files import CONFIG_FILE, MANIFEST_FILE
 
 LOCK_FILE = ".manifest.lock"
@@ -69,6 +79,12 @@ SOURCE_TREE = Path(__file__).resolve().parents[2]
 """The project's source folder: the one holding launcher/ and megatron_rl/."""
 MAX_CHANGES = 200
 """Lines of ``git status --porcelain`` kept."""
+HASHES_DIR = ".hashes"
+"""Under run.dir: each rank's file hashes of a checkpoint, until global rank 0 composes them."""
+RANK_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
+"""The shard files of Megatron's torch_dist format, named by the global rank that wrote them."""
+POLL_S = 0.2
+RETIRED = "deleted by retention before its hash was done"
 
 
 def now_utc() -> str:
@@ -266,11 +282,78 @@ def record_export(checkpoint: str | Path, out_dir: str | Path) -> Optional[Path]
     return run_dir / MANIFEST_FILE
 
 
+def rank_files(folder: Path, rank: int) -> list[str]:
+    """Relative paths of the files of checkpoint ``folder`` that global rank ``rank`` wrote: its torch_dist shards,
+    and for rank 0 every file that is no rank's shard."""
+    out = []
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            match = RANK_SHARD.match(name)
+            if (int(match.group(1)) == rank) if match else rank == 0:
+                out.append(os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/"))
+    return out
+
+
+def composed_hash(parts: list[dict]) -> dict[str, Any]:
+    """The folder's {"sha256", "files", "bytes", "hash_s"} from the ranks' parts ({"files": {rel: sha256},
+    "bytes", "hash_s"}): the module docstring's folder hash over every rank's files."""
+    files: dict[str, str] = {}
+    for part in parts:
+        files.update(part["files"])
+    lines = "".join(f"{files[rel]}  {rel}\n" for rel in sorted(files, key=lambda rel: rel.encode()))
+    return {"sha256": hashlib.sha256(lines.encode()).hexdigest(), "files": len(files),
+            "bytes": sum(part["bytes"] for part in parts), "hash_s": max(part["hash_s"] for part in parts)}
+
+
+class ShardHasher:
+    """One rank's hashing of the checkpoint files it wrote, in a background thread, in save order; each result is
+    written to ``run.dir/.hashes/<key>/rank<R>.json`` (``key`` names one save of one checkpoint)."""
+
+    def __init__(self, run_dir: Path, *, rank: int, enabled: bool) -> None:
+        self.root, self.rank, self.enabled = Path(run_dir) / HASHES_DIR, rank, enabled
+        self._tasks: queue.Queue = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def queue(self, folder: Path, key: str) -> None:
+        if not self.enabled:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="checkpoint-hash", daemon=True)
+            self._thread.start()
+        self._tasks.put((Path(folder), key))
+
+    def finish(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` for the queued hashes; an unfinished one is left (its thread is a daemon)."""
+        if self._thread is None:
+            return
+        self._tasks.put(None)
+        self._thread.join(timeout_s)
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            folder, key = task
+            start = time.perf_counter()
+            part: dict[str, Any] = {"files": {}, "bytes": 0}
+            try:
+                for rel in rank_files(folder, self.rank):
+                    part["files"][rel] = file_sha256(folder / rel)
+                    part["bytes"] += (folder / rel).stat().st_size
+                part["error"] = None if folder.is_dir() else RETIRED
+            except OSError:
+                part["error"] = RETIRED
+            part["hash_s"] = round(time.perf_counter() - start, 4)
+            try:
+                (self.root / key).mkdir(parents=True, exist_ok=True, mode=0o700)
+                write_private_text(self.root / key / f"rank{self.rank}.json", json.dumps(part))
+            except OSError as exc:  # the audit record must never stop the training
+                print(f"warning: could not record the hash of {folder}: {exc}", file=sys.stderr, flush=True)
+
+
 class RunManifest:
     """One process's writer of the run's manifest. Every method is a no-op where ``enabled`` is false (every
     rank but global rank 0); the hashing runs in one background thread, in order."""
 
-    def __init__(self, cfg: Any, *, enabled: bool, config_path: Optional[str | Path] = None) -> None:
+    def __init__(self, cfg: Any, *, enabled: bool, config_path: Optional[str | Path] = None, rank: int = 0) -> None:
         self.cfg, self.enabled = cfg, enabled
         self.run_dir = Path(cfg.run.dir).absolute()
         default_config = self.run_dir / CONFIG_FILE
@@ -280,6 +363,11 @@ class RunManifest:
         self._tasks: queue.Queue = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         self._errors: list[str] = []
+        self.shards = ShardHasher(self.run_dir, rank=rank, enabled=cfg.checkpoint.hash)
+        self._saves = 0
+        self._world = 1
+        self._pending: dict[str, dict] = {}
+        """Global rank 0: hash key -> its checkpoint entry, until every rank's part is in."""
 
     @property
     def path(self) -> Path:
@@ -310,33 +398,38 @@ class RunManifest:
                 data.setdefault(key, [])
             _count_jobs(data)
 
-        update_manifest(self.run_dir, change)
+        data = update_manifest(self.run_dir, change)
+        self._world = len(rank_hosts)
+        shutil.rmtree(self.run_dir / HASHES_DIR, ignore_errors=True)  # an earlier attempt's leftovers
         self._worker = threading.Thread(target=self._work, name="manifest-hash", daemon=True)
         self._worker.start()
+        for entry in data.get("checkpoints", []):  # an earlier attempt ended (killed) before these were hashed
+            if entry.get("hash") == "pending" and Path(entry["path"]).is_dir() and self.cfg.checkpoint.hash:
+                self._tasks.put(lambda entry=entry: self._rehash(entry))
 
     def resumed(self, step: int) -> None:
         """The attempt continues the run from checkpoint ``step`` (recorded with the next write)."""
         self.attempt["resumed_from_step"] = step
 
     def checkpoint_saved(self, folder: Path, step: int, *, save_s: float, kind: Optional[str] = None) -> None:
-        """Hash the published checkpoint ``folder`` (and, the first time, the inputs) in the background.
-        ``kind``: a companion checkpoint's name (PPO's critic), None for the trainer's own."""
+        """Every rank: hash the files it wrote of the published checkpoint ``folder``, in the background. Global
+        rank 0: record the checkpoint (its hash pending) and, the first time, hash the inputs. ``kind``: a
+        companion checkpoint's name (PPO's critic), None for the trainer's own."""
+        self._saves += 1
+        key = f"{self._saves:05d}-{kind or 'main'}-{Path(folder).name}"  # the same on every rank
+        self.shards.queue(Path(folder), key)
         if not self.enabled:
             return
         self._queue_inputs()
-        saved_at = now_utc()
-
-        def task() -> None:
-            start = time.perf_counter()
-            digest = _hash_or_error(folder)
-            entry = {"step": step, "path": str(Path(folder).absolute()), **digest, "saved_at": saved_at,
-                     "save_s": round(save_s, 4), "hash_s": round(time.perf_counter() - start, 4),
-                     "attempt": self.attempt.get("index")}
-            if kind is not None:
-                entry["companion"] = kind
-            self._write(lambda data: data.setdefault("checkpoints", []).append(entry))
-
-        self._tasks.put(task)
+        entry = {"step": step, "path": str(Path(folder).absolute()), "sha256": None, "files": None, "bytes": None,
+                 "saved_at": now_utc(), "save_s": round(save_s, 4), "hash_s": None,
+                 "hash": "pending" if self.cfg.checkpoint.hash else "off", "attempt": self.attempt.get("index")}
+        if kind is not None:
+            entry["companion"] = kind
+        if self.cfg.checkpoint.hash:
+            self._pending[key] = entry
+        self._tasks.put(lambda: self._write(lambda data: data.setdefault("checkpoints", []).append(dict(entry))))
+        self._tasks.put(lambda: self._compose(final=False))
 
     def export_written(self, step_folder: Path, out_dir: Path) -> None:
         """Hash a Hugging Face export of this run in the background."""
@@ -347,15 +440,25 @@ class RunManifest:
             export_entry(step_folder, out_dir, attempt))))
 
     def wait(self) -> None:
-        """Until every hash queued so far is recorded (before a save: retention may delete older folders)."""
+        """Until everything queued to this rank's manifest thread so far is recorded."""
         if self.enabled and self._worker is not None:
             self._tasks.join()
 
     def finished(self, status: str) -> None:
-        """Record the end of this attempt (``status``) after the pending hashes; the run's ended_at too."""
+        """Record the end of this attempt (``status``) after the pending hashes, waiting at most
+        checkpoint.hash_wait_s for them (what was not hashed by then is recorded as such); ended_at too."""
+        deadline = time.monotonic() + self.cfg.checkpoint.hash_wait_s
+        self.shards.finish(self.cfg.checkpoint.hash_wait_s)
         if not self.enabled or self._worker is None:
             return
         self._queue_inputs()
+        self.wait()
+        while self._pending and time.monotonic() < deadline:
+            self._tasks.put(lambda: self._compose(final=False))
+            self.wait()
+            if self._pending:
+                time.sleep(POLL_S)
+        self._tasks.put(lambda: self._compose(final=True))
         self.wait()
         self._tasks.put(None)
         self._worker.join()
@@ -385,6 +488,57 @@ class RunManifest:
             self._write(change)
 
         self._tasks.put(task)
+
+    def _compose(self, *, final: bool) -> None:
+        """The checkpoints whose every rank's part is in get their hash (the folder's, composed); with ``final``
+        the rest are recorded as not hashed in time."""
+        done = {}
+        for key, entry in list(self._pending.items()):
+            parts, missing = [], []
+            for rank in range(self._world):
+                path = self.run_dir / HASHES_DIR / key / f"rank{rank}.json"
+                try:
+                    parts.append(json.loads(path.read_text()))
+                except (OSError, ValueError):
+                    missing.append(rank)
+            errors = [part["error"] for part in parts if part["error"]]
+            if errors:  # the folder is gone: nothing to wait for
+                update = {"hash": errors[0]}
+            elif missing and not final:
+                continue
+            elif missing:
+                update = {"hash": f"not hashed within checkpoint.hash_wait_s={self.cfg.checkpoint.hash_wait_s}: "
+                                  f"ranks {rank_ranges(missing)}"}
+            else:
+                update = {**composed_hash(parts), "hash": "hashed"}
+            done[key] = (entry, update)
+        if not done:
+            return
+
+        def change(data: dict) -> None:
+            for entry, update in done.values():
+                for known in data.setdefault("checkpoints", []):
+                    if (known.get("path"), known.get("saved_at")) == (entry["path"], entry["saved_at"]):
+                        known.update(update)
+
+        self._write(change)
+        for key in done:
+            del self._pending[key]
+            shutil.rmtree(self.run_dir / HASHES_DIR / key, ignore_errors=True)
+
+    def _rehash(self, entry: dict) -> None:
+        """Hash a checkpoint an earlier attempt left pending, whole, on this rank (its ranks are gone)."""
+        start = time.perf_counter()
+        digest = _hash_or_error(Path(entry["path"]))
+        update = {**digest, "hash_s": round(time.perf_counter() - start, 4),
+                  "hash": "hashed" if digest["sha256"] else digest.get("error", RETIRED)}
+
+        def change(data: dict) -> None:
+            for known in data.setdefault("checkpoints", []):
+                if (known.get("path"), known.get("saved_at")) == (entry["path"], entry["saved_at"]):
+                    known.update(update)
+
+        self._write(change)
 
     def _write(self, change: Callable[[dict], None]) -> None:
         """Apply ``change`` and this attempt's current state to the file."""

@@ -112,7 +112,7 @@ class TrainerContext:
                                     console=self.cfg.logging.console, tensorboard=self.cfg.logging.tensorboard,
                                     wandb=self.cfg.logging.wandb, enabled=self.rank == 0)
         install_stop_handlers()
-        self.manifest = RunManifest(self.cfg, enabled=self.rank == 0, config_path=self.config_path)
+        self.manifest = RunManifest(self.cfg, enabled=self.rank == 0, config_path=self.config_path, rank=self.rank)
         self.manifest.start(rank_hosts=_rank_hosts())  # a collective: every rank makes its context once
         # Deterministic preemption for tests: "N" stops after training step N, "sft:N" after warm-up step N.
         phase, _, at = os.environ.get("MEGATRON_RL_STOP_AFTER_STEP", "").rpartition(":")
@@ -266,7 +266,6 @@ class TrainerContext:
             from megatron_rl.conversion.export import model_metadata
 
             extra["model"] = model_metadata(self.shape, tokenizer_dir=self.cfg.model.tokenizer)
-        self.manifest.wait()  # the previous save's hash is done before this save's retention deletes anything
         start = time.monotonic()
         for name, companion in self.companions.items():  # one more kept: a crash before the main save leaves step-1
             ckpt.save_checkpoint(self.ckpt_dir / name, step=step, chunks=companion.chunks, optimizer=companion.optimizer,

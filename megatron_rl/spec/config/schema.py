@@ -751,9 +751,15 @@ class CheckpointConfig:
     """Export the final checkpoint to Hugging Face format under <run.dir>/hf."""
     export_hf_every: int = 0
     """Also export every N saves (0 = final only)."""
+    hash: bool = True
+    """Hash each checkpoint for the run's manifest: every rank hashes the files it wrote, in the background, never
+    inside a collective (megatron_rl/runtime/manifest.py). false: checkpoints are recorded unhashed."""
+    hash_wait_s: int = 600
+    """How long the end of a process waits for the pending hashes; the manifest records what was not hashed."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint", keep_last=self.keep_last)
+        _non_negative("checkpoint", hash_wait_s=self.hash_wait_s)
         if isinstance(self.save_interval, str) and self.save_interval != "auto":
             raise ConfigError(f"checkpoint.save_interval={self.save_interval!r} is not valid; use auto or a number "
                               "of steps (0: only at the end and on preemption)")
