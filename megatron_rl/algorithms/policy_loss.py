@@ -46,13 +46,8 @@ import dataclasses
 
 import torch
 
-from megatron_rl.spec.config.schema import (
-    IMPORTANCE_RATIOS,
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    OFF_POLICY_CORRECTIONS,
-    AlgorithmConfig,
-)
+from megatron_rl.spec.config.algorithm import AlgorithmConfig
+from megatron_rl.spec.config.fields import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
 
 Number = int | float | torch.Tensor
 
