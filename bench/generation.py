@@ -25,7 +25,7 @@ Cases, each with its own weights and prompts (``--batch`` prompts of 8 tokens):
 
 Both sides decode the same prompts with the same weights: the model is built by our ``build_engine`` (Megatron
 DDP chunks, as in training), trained a few steps on the pretrain task so that its outputs are not near-uniform,
-and copied into a ``LlamaForCausalLM`` (``gpu_check.megatron_to_hf``). The bench first asserts that both produce
+and copied into a ``LlamaForCausalLM`` (``hf_reference.megatron_to_hf``). The bench first asserts that both produce
 the same tokens, then times the contenders alternately (ours, theirs, ...), ``--repeats`` rounds:
 
 * ``ours``: ``generate`` as the trainers call it (the paged engine, megatron_rl/generation/engine.py);
@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import hf_generate, megatron_to_hf  # noqa: E402  (shared with the GPU check)
+from hf_reference import hf_generate, megatron_to_hf  # noqa: E402  (shared with the GPU check)
 from grpo_step import SMALL_SHAPE_YAML  # noqa: E402  (the same small model)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
