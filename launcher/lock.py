@@ -77,9 +77,10 @@ class RunLock:
         self.release()
 
 
-def acquire(run_dir: Path, *, job_id: Optional[str] = None) -> RunLock:
+def acquire(run_dir: Path, *, job_id: Optional[str] = None, key: str = "run.dir") -> RunLock:
     """Take ``run_dir/.lock`` (creating the folder 0700); ConfigError when a live job holds it. ``job_id``: this
-    process runs inside that Slurm job, so a lock naming the same job (an earlier start of it) is its own."""
+    process runs inside that Slurm job, so a lock naming the same job (an earlier start of it) is its own.
+    ``key``: the config key the folder comes from (run.dir, pipeline.dir), named in the error."""
     path = make_private_dir(Path(run_dir)) / LOCK_NAME
     for _ in range(5):
         fd = open_private(path, os.O_RDWR)
@@ -88,7 +89,7 @@ def acquire(run_dir: Path, *, job_id: Optional[str] = None) -> RunLock:
         except BlockingIOError:
             holder = read_holder(path)
             os.close(fd)
-            raise ConfigError(_busy(run_dir, holder)) from None
+            raise ConfigError(_busy(run_dir, holder, key)) from None
         try:
             same = os.fstat(fd).st_ino == os.lstat(path).st_ino
         except FileNotFoundError:
@@ -100,12 +101,12 @@ def acquire(run_dir: Path, *, job_id: Optional[str] = None) -> RunLock:
         own = job_id is not None and str(holder.get("slurm_job_id")) == str(job_id)
         if holder and not own and holder_alive(holder):
             os.close(fd)
-            raise ConfigError(_busy(run_dir, holder))
+            raise ConfigError(_busy(run_dir, holder, key))
         lock = RunLock(path, fd)
         lock._write(_me())
         Path(run_dir, CANCELLED_NAME).unlink(missing_ok=True)  # a cancel of an earlier attempt
         return lock
-    raise ConfigError(f"run.dir={run_dir}: could not take {path} (it keeps changing); try again")
+    raise ConfigError(f"{key}={run_dir}: could not take {path} (it keeps changing); try again")
 
 
 def mark_cancelled(run_dir: Path, pid: int) -> None:
@@ -166,7 +167,7 @@ def _me() -> dict:
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def _busy(run_dir: Path, holder: dict) -> str:
+def _busy(run_dir: Path, holder: dict, key: str = "run.dir") -> str:
     lock = Path(run_dir) / LOCK_NAME
     if holder.get("slurm_job_id"):
         who = f"Slurm job {holder['slurm_job_id']} (submitted from {holder.get('host', '?')})"
@@ -175,4 +176,4 @@ def _busy(run_dir: Path, holder: dict) -> str:
         who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
         how = f"wait for it to end or stop it (if it is gone, remove {lock})"
     since = f" since {holder['since']}" if holder.get("since") else ""
-    return f"run.dir={run_dir} is in use by {who}{since}; {how}, or give another run.dir"
+    return f"{key}={run_dir} is in use by {who}{since}; {how}, or give another {key}"

@@ -63,6 +63,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from launcher.job import PreparedJob, prepare
+from launcher.lock import acquire
 from launcher.runs.folder import MAIN_PHASES, STAGE_ORDER_FILE, RunFolder
 from megatron_rl.spec.config import JobConfig
 from megatron_rl.spec.config.loader import env_references, find_config, given_keys, load_config, read_text
@@ -494,9 +495,9 @@ def run_local(pipeline: PipelineSpec, stages: list[Stage]) -> int:
     return 0
 
 
-def submit_slurm(pipeline: PipelineSpec, stages: list[Stage], *, wait: bool) -> int:
+def submit_slurm(pipeline: PipelineSpec, stages: list[Stage], *, wait: bool) -> tuple[int, Optional[str]]:
     """Submit every stage that is not complete at once, each held by afterok on the previous one; with ``wait``
-    follow them in order."""
+    follow them in order. Returns (exit code, the last job submitted or None)."""
     from launcher.slurm import executor as slurm
     from launcher.slurm.query import scancel
 
@@ -517,8 +518,9 @@ def submit_slurm(pipeline: PipelineSpec, stages: list[Stage], *, wait: bool) -> 
     if submitted:
         say("submitted " + " -> ".join(f"{stage.name} (job {job_id})" for stage, job_id in submitted)
             + f"; follow with: python launch.py status {pipeline.dir}")
+    last = submitted[-1][1] if submitted else None
     if not wait:
-        return 0
+        return 0, last
     for index, (stage, job_id) in enumerate(submitted):
         code = slurm.follow_run(stage.job, job_id)
         if code != 0:
@@ -527,8 +529,8 @@ def submit_slurm(pipeline: PipelineSpec, stages: list[Stage], *, wait: bool) -> 
                 scancel(rest)  # Slurm cancels them itself (kill-on-invalid-dep); this makes it immediate
             collect_eval(pipeline, stages)
             print(f"error: {stopped(stage, code, f', Slurm job {job_id}')}", file=sys.stderr, flush=True)
-            return code
-    return 0
+            return code, last
+    return 0, last
 
 
 def run_pipeline(path: str | Path, overrides: Sequence[str] = (), *, dry_run: bool = False,
@@ -539,12 +541,18 @@ def run_pipeline(path: str | Path, overrides: Sequence[str] = (), *, dry_run: bo
     if dry_run:
         print(describe(pipeline, stages))
         return 0
-    write_pipeline_folder(pipeline, stages)
-    started = time.monotonic()
-    if stages[0].job.executor == "slurm":
-        code = submit_slurm(pipeline, stages, wait=wait)
-    else:
-        code = run_local(pipeline, stages)
+    lock = acquire(pipeline.dir, key="pipeline.dir")  # one pipeline per folder: a second launch into it stops here
+    try:
+        write_pipeline_folder(pipeline, stages)
+        started = time.monotonic()
+        if stages[0].job.executor == "slurm":
+            code, last_job = submit_slurm(pipeline, stages, wait=wait)
+            if last_job is not None and not wait:
+                lock.hand_to_job(last_job)  # the folder is the chain's while squeue lists its last job
+        else:
+            code = run_local(pipeline, stages)
+    finally:
+        lock.release()  # nothing after hand_to_job
     if code != 0:
         return code
     evals = collect_eval(pipeline, stages)

@@ -240,3 +240,16 @@ def test_truncated_safetensors_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[:-100])
     with pytest.raises(ConfigError, match="truncated"):
         HFCheckpoint.open(tmp_path)
+
+
+def test_an_hf_config_with_null_architectures_converts_both_ways():
+    """#35 defect 6: transformers reads model_type when config.json's architectures is null, and so do both
+    directions here: the import's shape and the export's config.json (it raised a TypeError on export)."""
+    from megatron_rl.conversion.export import export_config
+    from megatron_rl.conversion.names import hf_config_from_shape, normalize_hf_config
+    from megatron_rl.spec.model_shape import load_model_shape
+
+    cfg = {**hf_config_from_shape(load_model_shape("tiny-cpu")), "architectures": None}
+    assert normalize_hf_config(cfg, "config.json")["architectures"] == ["LlamaForCausalLM"]
+    exported, _ = export_config(cfg, None, "bfloat16", reward=False)
+    assert exported["architectures"] == ["LlamaForCausalLM"] and cfg["architectures"] is None

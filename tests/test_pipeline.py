@@ -293,3 +293,15 @@ def test_a_failing_first_slurm_stage_cancels_the_rest(slurm_cluster, tmp_path_fa
     status = json.loads(run_launch("status", str(folder), "--json", env=slurm_cluster.env()).stdout)
     assert [s["state"] for s in status["stages"]] == ["FAILED", "CANCELLED", "CANCELLED"], status
     assert status["state"] == "FAILED"
+
+
+def test_a_second_pipeline_into_a_folder_in_use_is_refused(tmp_path: Path) -> None:
+    """#35 defect 8: pipeline.dir is locked like a run folder; while a live process holds it, a second
+    `launch.py pipeline` into it stops with one line and starts nothing."""
+    from launcher.lock import acquire
+
+    folder = tmp_path / "p"
+    with acquire(folder, key="pipeline.dir"):  # this (live) process holds it
+        result = pipeline(f"pipeline.dir={folder}")
+        assert_one_line_error(result, f"pipeline.dir={folder} is in use by pid", "give another pipeline.dir")
+    assert sorted(p.name for p in folder.iterdir()) == []  # no stage folder, no pipeline files; the lock released

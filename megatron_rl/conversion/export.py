@@ -192,10 +192,11 @@ def check_stored_tensors(reader, maps: list, shape: ModelShape, origin: str, rew
 def export_config(hf_config: dict, reader, dtype_name: str, reward: bool) -> tuple[dict, list[str]]:
     """config.json of the export (a reward model becomes *ForSequenceClassification, a PPO critic
     *ForTokenClassification: the same weights, a value at every token) and notes for the user."""
-    from megatron_rl.conversion.names import CLASSIFICATION_ARCHITECTURES, REWARD_HEAD_BIAS, VALUE_HEAD_ARCHITECTURES
+    from megatron_rl.conversion.names import (CLASSIFICATION_ARCHITECTURES, REWARD_HEAD_BIAS, VALUE_HEAD_ARCHITECTURES,
+                                              with_architecture)
     from megatron_rl.runtime.checkpoint import COMPANION_KEY
 
-    cfg = json.loads(json.dumps(hf_config))
+    cfg = with_architecture(json.loads(json.dumps(hf_config)))
     notes: list[str] = []
     if reward:
         extra = reader.common_state().get("extra") or {}

@@ -224,17 +224,21 @@ def refs_in_stored_tensor(key: str, size: tuple[int, ...]) -> Iterator[tuple[Meg
 
 
 # ----- Hugging Face config -----
+def with_architecture(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``architectures`` taken from ``model_type`` when it is null or missing (transformers reads
+    model_type then): both directions of the converter read the architecture from it."""
+    if not cfg.get("architectures") and cfg.get("model_type") in FAMILY_MODEL_TYPE:
+        return {**cfg, "architectures": [FAMILY_ARCHITECTURE[cfg["model_type"]]]}
+    return cfg
+
+
 def normalize_hf_config(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """Fold transformers-5 spellings (``rope_parameters``, ``num_local_experts`` for Qwen3-MoE) into the classic
     keys that ``megatron_rl.spec.model_shape`` reads, and reject what the Megatron model cannot reproduce."""
     from megatron_rl.spec.model_shape import fold_transformers5_keys
 
-    cfg = fold_transformers5_keys(cfg)
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES and cfg.get("model_type") in FAMILY_MODEL_TYPE and not archs:
-        cfg["architectures"] = [FAMILY_ARCHITECTURE[cfg["model_type"]]]
-        arch = cfg["architectures"][0]
+    cfg = with_architecture(fold_transformers5_keys(cfg))
+    arch = (cfg.get("architectures") or [None])[0]
     if arch in CLASSIFICATION_ARCHITECTURES.values():
         arch = next(k for k, v in CLASSIFICATION_ARCHITECTURES.items() if v == arch)
         cfg["architectures"] = [arch]
