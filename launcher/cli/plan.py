@@ -159,10 +159,17 @@ def stated_defaults(cfg: JobConfig, shape, *, given: frozenset[str],
                                 f"responses of twice --mean-response-len {mean_response_len}"))
                 response = max(seq - seq // 4, 2 * mean_response_len)
             out.append(("generation.max_new_tokens", response,
-                        "3/4 of model.seq_length (prompts take the first quarter)" if mean_response_len is None
-                        or response == seq - seq // 4 and 2 * mean_response_len <= response
-                        else f"twice --mean-response-len {mean_response_len}"))
+                        f"twice --mean-response-len {mean_response_len}" if response > seq - seq // 4
+                        else "3/4 of model.seq_length (prompts take the first quarter)"))
     return out
+
+
+def assumed_lines(assumed: list[tuple[str, object, str]]) -> list[str]:
+    """The plan's "Assumed" lines: the keys one rule set share a line."""
+    rules: dict[str, list[str]] = {}
+    for key, value, rule in assumed:
+        rules.setdefault(rule, []).append(f"{key}={value}")
+    return [f"{'Assumed' if i == 0 else '':12}{', '.join(keys)}: {rule}" for i, (rule, keys) in enumerate(rules.items())]
 
 
 def gpus_overrides(gpus: int, cfg: JobConfig, given: frozenset[str]) -> list[str]:
@@ -237,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if assumed:
             overrides += [f"{key}={value}" for key, value, _ in assumed]
             cfg = load_config(args.config, overrides, allow_missing=True)
-        result = plan_job(cfg, shape, given=given_keys(args.config, [o for o in overrides if o.partition("=")[0]
-                                                                     not in {key for key, _, _ in assumed}]),
+        result = plan_job(cfg, shape, given=given,  # the assumed keys are searched around, not kept
                           precision=args.precision, top_k=args.top_k, mean_response_length=args.mean_response_len)
     except NoFeasibleLayout as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -257,16 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**result.to_dict(), "assumed": {key: {"value": value, "rule": rule}
                                                           for key, value, rule in assumed}}))
     else:
-        report = result.explain()
-        if assumed:
-            head, _, rest = report.partition("\n")
-            rules: dict[str, list[str]] = {}  # keys set by one rule share a line
-            for key, value, rule in assumed:
-                rules.setdefault(rule, []).append(f"{key}={value}")
-            lines = [f"{'Assumed' if i == 0 else '':12}{', '.join(keys)}: {rule}"
-                     for i, (rule, keys) in enumerate(rules.items())]
-            report = "\n".join([head, *lines, rest])
-        print(report)
+        head, _, rest = result.explain().partition("\n")
+        print("\n".join([head, *assumed_lines(assumed), rest]))
     if not cfg.parallel.auto and not args.json:
         print("\nNote        parallel.auto is false: launch.py runs the config's parallel: keys as they are; set "
               "parallel.auto=true to launch this plan")

@@ -25,8 +25,8 @@ keeps asking until no rank generates: the question is a collective over ranks wh
 steps. A yes raises ``GenerationStopped`` on every rank at the same question.
 
 Pipeline parallelism. The rows decode in ``pipeline_microbatches`` parts (pp by default), each a ``_Part`` with its
-own share of the KV budget, and successive steps overlap across the stages: a part's next step enters stage 0 as soon as its tokens are chosen, while the later stages
-work on the other parts (``_pipelined``). Every stage replays each part's admissions, evictions and choices in the
+own share of the KV budget, and successive steps overlap across the stages: a part's next step enters stage 0 as
+soon as its tokens are chosen, while the later stages work on the other parts (``_pipelined``). Every stage replays each part's admissions, evictions and choices in the
 same order, so every stage knows each forward's token count and its rows' blocks.
 
 Layouts: any TP, PP, virtual PP, DP, CP and SP (SP and CP are switched off for the call, layout.py),
@@ -420,9 +420,9 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
 
 
 def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None]) -> int:
-    """Steps of ``parts`` decoding on their own across the pipeline stages, successive steps overlapping (as
-    pipeline.py): every rank walks (step, virtual stage, part); a part's step enters stage
-    0's first virtual stage once its previous choice is known there (the last stage sends each choice to every
+    """Steps of ``parts`` decoding on their own across the pipeline stages, successive steps overlapping
+    (pipeline.py ``StageChain``): every rank walks (step, virtual stage, part); a part's step enters stage 0's first
+    virtual stage once its previous choice is known there (the last stage sends each choice to every
     stage). Returns the steps run."""
     virtual = len(chain.chunks)
     steps, sends = 0, []

@@ -196,8 +196,13 @@ class PagedContext:
 
     def append_latent(self, layer_number: int, latent: torch.Tensor) -> None:
         """Multi-latent attention: ``latent`` ``[tokens, kv_lora_rank + rope dim]`` into the rows' blocks."""
-        cache, = self.pool.caches[layer_number]
+        cache = self.latent_cache(layer_number)
         cache[self._slot_block, self._slot_offset, 0] = latent.to(cache.dtype)
+
+    def latent_cache(self, layer_number: int) -> torch.Tensor:
+        """Multi-latent attention: the layer's ``[blocks, block_tokens, 1, kv_lora_rank + rope dim]`` cache."""
+        cache, = self.pool.caches[layer_number]
+        return cache
 
     @property
     def positions(self) -> torch.Tensor:

@@ -103,20 +103,27 @@ def reference_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("the paged reference implements causal attention over a block_table only")
     check_paged(q, k_cache, v_cache, block_table, flash=False)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    return _attend_packed(q, k_cache, v_cache, cu_seqlens_q, k_lens, max_seqlen_q, max_seqlen_k, block_table, scale)
+
+
+def _attend_packed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
+                   k_lens: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor, scale: float,
+                   value_dim: Optional[int] = None) -> torch.Tensor:
+    """Rows packed in ``q`` ``[tokens, heads, dim]`` (``cu_seqlens_q``) against their rows' paged keys and values
+    -> ``[tokens, heads, value dim]``, zeros for tokens past the last row. ``v_cache`` None: the values are the
+    first ``value_dim`` entries of the keys (the MLA latent)."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     rows = q_lens.numel()
-    out = torch.zeros_like(q)
+    out = q.new_zeros(*q.shape[:-1], v_cache.shape[-1] if v_cache is not None else value_dim)
     if rows == 0 or max_seqlen_q == 0:
         return out
-    starts = cu_seqlens_q[:-1].long()
     slot = torch.arange(max_seqlen_q, device=q.device)
     valid = slot.view(1, -1) < q_lens.view(-1, 1)  # [rows, max_q]
-    index = (starts.view(-1, 1) + slot.view(1, -1)).clamp_max(q.shape[0] - 1)
-    queries = q[index]  # [rows, max_q, heads, dim]
+    index = (cu_seqlens_q[:-1].long().view(-1, 1) + slot.view(1, -1)).clamp_max(q.shape[0] - 1)
     keys = _gathered(k_cache, block_table[:rows], max_seqlen_k)
-    values = _gathered(v_cache, block_table[:rows], max_seqlen_k)
-    attended = _attend(queries, keys, values, q_lens, k_lens, scale)
+    values = keys[..., :value_dim] if v_cache is None else _gathered(v_cache, block_table[:rows], max_seqlen_k)
+    attended = _attend(q[index], keys, values, q_lens, k_lens, scale)  # q[index]: [rows, max_q, heads, dim]
     out[index[valid]] = attended[valid].to(out.dtype)
     return out
 
@@ -159,19 +166,8 @@ def reference_mla(q: torch.Tensor, latent_cache: torch.Tensor, cu_seqlens_q: tor
         raise ValueError(f"head_dim_v {head_dim_v} exceeds the latent's {q.shape[-1]}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
         raise ValueError(f"block_table must be a 2-D int32 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    k_lens = cache_seqlens.long()
-    rows = q_lens.numel()
-    out = q.new_zeros(*q.shape[:-1], head_dim_v)
-    if rows == 0 or max_seqlen_q == 0:
-        return out
-    slot = torch.arange(max_seqlen_q, device=q.device)
-    valid = slot.view(1, -1) < q_lens.view(-1, 1)
-    index = (cu_seqlens_q[:-1].long().view(-1, 1) + slot.view(1, -1)).clamp_max(q.shape[0] - 1)
-    keys = _gathered(latent_cache, block_table[:rows], max_seqlen_k)
-    attended = _attend(q[index], keys, keys[..., :head_dim_v], q_lens, k_lens, softmax_scale)
-    out[index[valid]] = attended[valid].to(out.dtype)
-    return out
+    return _attend_packed(q, latent_cache, None, cu_seqlens_q, cache_seqlens.long(), max_seqlen_q, max_seqlen_k,
+                          block_table, softmax_scale, value_dim=head_dim_v)
 
 
 def _flash_kernels() -> Optional[PagedKernels]:

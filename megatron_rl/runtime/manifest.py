@@ -515,13 +515,7 @@ class RunManifest:
         if not done:
             return
 
-        def change(data: dict) -> None:
-            for entry, update in done.values():
-                for known in data.setdefault("checkpoints", []):
-                    if (known.get("path"), known.get("saved_at")) == (entry["path"], entry["saved_at"]):
-                        known.update(update)
-
-        self._write(change)
+        self._update_checkpoints(list(done.values()))
         for key in done:
             del self._pending[key]
             shutil.rmtree(self.run_dir / HASHES_DIR / key, ignore_errors=True)
@@ -532,11 +526,15 @@ class RunManifest:
         digest = _hash_or_error(Path(entry["path"]))
         update = {**digest, "hash_s": round(time.perf_counter() - start, 4),
                   "hash": "hashed" if digest["sha256"] else digest.get("error", RETIRED)}
+        self._update_checkpoints([(entry, update)])
 
+    def _update_checkpoints(self, updates: list[tuple[dict, dict]]) -> None:
+        """Apply each (entry, update) to the manifest's checkpoint entry saved at the same path and time."""
         def change(data: dict) -> None:
-            for known in data.setdefault("checkpoints", []):
-                if (known.get("path"), known.get("saved_at")) == (entry["path"], entry["saved_at"]):
-                    known.update(update)
+            for entry, update in updates:
+                for known in data.setdefault("checkpoints", []):
+                    if (known.get("path"), known.get("saved_at")) == (entry["path"], entry["saved_at"]):
+                        known.update(update)
 
         self._write(change)
 
