@@ -7,6 +7,8 @@ submitit). Rank, world size and rendezvous come from the environment (see ``runt
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 import sys
 
 from megatron_rl.spec.config import load_config
@@ -28,18 +30,43 @@ SPLIT_PLACEMENT_TRAINERS = {"grpo": "megatron_rl.trainers.grpo_async"}
 """The trainer of an algorithm when rollout workers generate (cluster.rollout_tasks > 0)."""
 
 
-def run(config_path: str) -> int:
+KNOWN_NOTICES = (
+    ".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
+    ".*full scope is deprecated.*", ".*is deprecated. Please use `torch.distributed.*",
+    ".*The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.*",
+    # megatron-core 0.19: GPTModel is kept (HybridModel is its successor; GPTModel still gets critical fixes),
+    # DDP computes its own parameter layout, the synchronous save runs Megatron's own writer, torch's DCP notices
+    ".*GPTModel IS DEPRECATED.*", ".*full_param_layout not provided.*", ".*MCore's async save is deprecated.*",
+    ".*MimoModelConfig is experimental.*", ".*torch.distributed is disabled, unavailable or uninitialized.*",
+    ".*The argument order of load has been changed.*", ".*Please use DTensor instead.*",
+    ".*No CUDA runtime is found.*",  # torch's C++-extension helper, imported by megatron-core 0.19, on a CPU
+)
+"""Known, harmless notices from megatron-core and torch.distributed that would bury the progress lines."""
+
+
+class _KnownNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(re.match(pattern, record.getMessage(), re.DOTALL) for pattern in KNOWN_NOTICES)
+
+
+def quiet_known_notices() -> None:
+    """Drop ``KNOWN_NOTICES`` from Python warnings and from Megatron's loggers."""
     import warnings
 
+    for pattern in KNOWN_NOTICES:
+        warnings.filterwarnings("ignore", message=pattern)
+    known = _KnownNotices()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(known)
+    logging.lastResort.addFilter(known)  # Megatron's loggers have no handler of their own
+    logging.getLogger("torch.utils.cpp_extension").addFilter(known)  # it has one
+
+
+def run(config_path: str) -> int:
     from megatron_rl.trainers.common import install_stop_handlers
 
     install_stop_handlers()  # before the slow imports, so an early preemption signal is not lost
-
-    # Known, harmless notices from megatron-core and torch.distributed that would bury the progress lines.
-    for pattern in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
-                    ".*full scope is deprecated.*", ".*is deprecated. Please use `torch.distributed.*",
-                    ".*The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.*"):
-        warnings.filterwarnings("ignore", message=pattern)
+    quiet_known_notices()
     from megatron_rl.runtime.distributed import initialize, read_dist_env, shutdown
     from megatron_rl.spec.parallel import ParallelDims
     from megatron_rl.trainers.common import TrainerContext

@@ -13,7 +13,8 @@ export's start-up.
 
 - ``load_metadata``: ``.metadata``, torch.distributed.checkpoint's ``Metadata``;
 - ``load_tensor_record``: the pickle of a torch.save record of one plain tensor (a chunk in a ``.distcp``);
-- ``load_plain_state``: a torch.save file holding only Python containers and scalars (``common.pt``).
+- ``load_plain_state``: a torch.save file (or its bytes) holding only Python containers and scalars: the common
+  state, ``common.pt`` up to megatron-core 0.16, a ``common_state`` object in the shards from 0.19.
 
 Check it: ``.venv/bin/python -m pytest tests/test_dcp_files.py -q``.
 """
@@ -204,14 +205,12 @@ def load_tensor_record(data: bytes) -> TensorRecord:
     return TensorRecord(dtype, str(key), int(offset), size, stride)
 
 
-def load_plain_state(path: Path) -> dict:
-    """The dict a torch.save file holds, when it holds only Python containers and scalars (no tensor, no class);
-    UnpicklingError or zipfile.BadZipFile otherwise (the caller then uses torch.load(weights_only=True))."""
-    with zipfile.ZipFile(path) as archive:
+def load_plain_state(source: Path | bytes) -> Any:
+    """The object a torch.save file (or its bytes) holds, when it holds only Python containers and scalars (no
+    tensor, no class); UnpicklingError or zipfile.BadZipFile otherwise (the caller then uses
+    torch.load(weights_only=True))."""
+    with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else source) as archive:
         pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
             raise zipfile.BadZipFile("not a torch.save archive")
-        state = RestrictedUnpickler(archive.read(pickles[0]), {("collections", "OrderedDict"): dict}).load()
-    if not isinstance(state, dict):
-        raise pickle.UnpicklingError("not a dict")
-    return state
+        return RestrictedUnpickler(archive.read(pickles[0]), {("collections", "OrderedDict"): dict}).load()

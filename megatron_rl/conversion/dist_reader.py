@@ -47,6 +47,9 @@ from megatron_rl.spec.errors import ConfigError
 
 READ_BLOCK = 64 * 2**20
 
+COMMON_STATE_KEY = "common_state/shard_0_1"
+"""The common state's key in the shards from megatron-core 0.19 (``ShardedObject("common_state", ...).unique_key``)."""
+
 
 @dataclass(frozen=True)
 class StoredTensor:
@@ -287,17 +290,29 @@ class CheckpointReader:
         return out
 
     def common_state(self) -> dict[str, Any]:
-        """The checkpoint's common state (step, layout, extra) from common.pt."""
+        """The checkpoint's common state (step, layout, extra): ``common.pt`` as megatron-core 0.16 writes it, or
+        the ``common_state`` object 0.19 writes into the shards (a torch.save of ``[state]``)."""
         path = self.folder / "common.pt"
-        if not path.is_file():
-            return {}
+        if path.is_file():
+            source, name, unwrap = path, "common.pt", False
+        else:
+            info = self.metadata.storage_data.get(MetadataIndex(COMMON_STATE_KEY))
+            if info is None:
+                return {}
+            with open(self.folder / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                source, name, unwrap = f.read(info.length), f"{COMMON_STATE_KEY} in {info.relative_path}", True
         try:
-            return load_plain_state(path)
+            state = load_plain_state(source)
         except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError, zipfile.BadZipFile):
-            pass  # tensors or an older format in it: torch reads it, still without running pickled code
-        import torch
+            import torch  # tensors or an older format in it: torch reads it, still without running pickled code
 
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)  # a user's file: no pickled code
-        except Exception as exc:  # a damaged common.pt only loses metadata, not weights
-            raise ConfigError(f"--ckpt {self.folder}: unreadable common.pt ({type(exc).__name__}: {exc})") from None
+            try:  # a user's file: no pickled code
+                state = torch.load(io.BytesIO(source) if unwrap else source, map_location="cpu", weights_only=True)
+            except Exception as exc:  # a damaged common state only loses metadata, not weights
+                raise ConfigError(f"--ckpt {self.folder}: unreadable {name} ({type(exc).__name__}: {exc})") from None
+        if unwrap:
+            state = state[0] if isinstance(state, list) and state else None
+        if not isinstance(state, dict):
+            raise ConfigError(f"--ckpt {self.folder}: {name} does not hold a dict")
+        return state

@@ -90,7 +90,7 @@ def _shape_from_dict(d: dict) -> ModelShape:
 
 def resolve_model_source(step_folder: Path, model: Union[None, str, Path, ModelShape, dict],
                          common: dict, hf_source: Optional[Path] = None) -> ModelSource:
-    """Model description: explicit ``model`` > files stored in the checkpoint > ``extra["model"]`` of common.pt."""
+    """Model description: explicit ``model`` > files stored in the checkpoint > ``extra["model"]`` of the common state."""
     from megatron_rl.conversion.names import hf_config_from_shape, shape_from_config
     from megatron_rl.spec.model_shape import load_model_shape
 

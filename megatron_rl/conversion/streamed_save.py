@@ -4,7 +4,7 @@ Face safetensors when torch's checkpoint writer asks for it, written and dropped
 The importer (``worker.run_import``) builds the model on the meta device at the requested layout, so Megatron's
 own ``sharded_state_dict()`` gives every key, global shape, offset and replica id it would save, and hands it
 to ``megatron.core.dist_checkpointing.save`` with ``StreamedSaveStrategy``. Everything up to the tensor bytes
-is Megatron's and torch's own code: Megatron writes ``common.pt`` and ``metadata.json``, turns the sharded
+is Megatron's and torch's own code: Megatron writes the common state and ``metadata.json``, turns the sharded
 tensors into torch DCP objects (``mcore_to_pyt_state_dict``) and plans with its ``MCoreSavePlanner``; torch's
 ``FileSystemWriter`` writes the ``.distcp`` files and the ``.metadata``. The one difference from Megatron's
 default strategy is where the bytes come from and when: the planner's ``resolve_data`` reads the shard from
@@ -26,9 +26,9 @@ from typing import Any, Optional
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
@@ -105,9 +105,10 @@ class _Writer(FileSystemWriter):
         return meta
 
 
-class StreamedSaveStrategy(SaveShardedStrategy):
-    """A ``torch_dist`` save strategy (same files, same metadata) that reads every main-replica shard from the
-    HF checkpoint as it is written; the state dict's tensors only describe shards (meta tensors)."""
+class StreamedSaveStrategy(TorchDistSaveShardedStrategy):
+    """Megatron's ``torch_dist`` save strategy (same files, same metadata; megatron-core 0.19 takes no other class)
+    that reads every main-replica shard from the HF checkpoint as it is written; the state dict's tensors only
+    describe shards (meta tensors)."""
 
     def __init__(self, reader: HFShardReader):
         super().__init__("torch_dist", 1)

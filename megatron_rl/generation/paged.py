@@ -139,6 +139,10 @@ class PagedContext:
 
     materialize_only_last_token_logits = True
     use_flashinfer_fused_rope = False
+    num_speculative_tokens = 0
+
+    class config:  # noqa: N801 (megatron-core 0.19 reads these from the context's InferenceConfig)
+        materialize_only_last_token_logits = True
 
     def __init__(self, pool: BlockPool, *, max_sequence_length: int, device: torch.device) -> None:
         self.pool = pool
@@ -255,6 +259,16 @@ def _merge_heads(tensor: torch.Tensor, pattern: str) -> torch.Tensor:
     return tensor.flatten(-2)
 
 
+def _inference_mode() -> contextlib.AbstractContextManager:
+    """megatron-core 0.19's process-wide inference flag (``InferenceMode``), which its modules read instead of the
+    inference context to take their decode paths; 0.16.1 has none."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return contextlib.nullcontext()
+    return InferenceMode.active() if hasattr(InferenceMode, "active") else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[None]:
     """For the duration, Megatron's attention modules of ``chunks`` run dynamic batching on ``kernels`` and key
@@ -267,10 +281,15 @@ def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[No
     from megatron_rl.generation.paged_mla import paged_mla_forward
 
     names = {"flash_attn_varlen_func": kernels.varlen, "flash_attn_with_kvcache": kernels.kvcache,
-             "HAVE_FA3": False, "is_fa_min_version": lambda *args, **kwargs: True, "rearrange": _merge_heads}
-    saved = {name: getattr(megatron_attention, name) for name in names}
+             "HAVE_FA3": False, "HAVE_FA4": False,  # 0.19 prefers FA4, then FA3, where installed: the engine runs FA2
+             "is_fa_min_version": lambda *args, **kwargs: True, "rearrange": _merge_heads}
+    names = {name: value for name, value in names.items() if hasattr(megatron_attention, name) or
+             not name.startswith("HAVE_")}  # HAVE_FA4 is new in 0.19
+    saved = {name: getattr(megatron_attention, name, None) for name in names}
     patched, patched_mla = [], []
+    inference_mode = _inference_mode()
     try:
+        inference_mode.__enter__()
         for name, value in names.items():
             setattr(megatron_attention, name, value)
         for chunk in chunks:
@@ -285,6 +304,7 @@ def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[No
                     patched.append(module)
         yield
     finally:
+        inference_mode.__exit__(None, None, None)
         for name, value in saved.items():
             setattr(megatron_attention, name, value)
         for module in patched:

@@ -68,6 +68,17 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
                          f"{FLASH_BLOCK_MULTIPLE}, got {k_cache.shape[1]} (generation.kv_block_tokens)")
 
 
+def check_full_attention(window_size=(-1, -1), return_attn_probs: bool = False,
+                         return_softmax_lse: bool = False) -> None:
+    """Raise ``ValueError`` for the flash-attn options the engine does not serve (megatron-core 0.19 passes them to
+    every call): a sliding window, and the log-sum-exp that attention sinks need."""
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"sliding-window attention (window_size {tuple(window_size)}) is not supported by the paged "
+                         f"engine; use a model without config.window_size")
+    if return_attn_probs or return_softmax_lse:
+        raise ValueError("attention sinks (softmax_offset) are not supported by the paged engine")
+
+
 def _gathered(cache: torch.Tensor, block_table: torch.Tensor, keys: int) -> torch.Tensor:
     """``[rows, keys, kv_heads, dim]``: each row's first ``keys`` cached positions (unused table entries may hold
     any block id: the positions past a row's length are masked)."""
@@ -97,8 +108,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Ten
 def reference_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                      softmax_scale: Optional[float] = None, causal: bool = True,
-                     block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     block_table: Optional[torch.Tensor] = None, window_size=(-1, -1),
+                     return_attn_probs: bool = False) -> torch.Tensor:
     """``flash_attn_varlen_func`` over a paged cache, in torch: ``q`` ``[tokens, heads, dim]`` -> same shape."""
+    check_full_attention(window_size, return_attn_probs)
     if not causal or block_table is None:
         raise ValueError("the paged reference implements causal attention over a block_table only")
     check_paged(q, k_cache, v_cache, block_table, flash=False)
@@ -130,9 +143,11 @@ def _attend_packed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[tor
 
 def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cache_seqlens: torch.Tensor, causal: bool = True, block_table: Optional[torch.Tensor] = None,
-                      softmax_scale: Optional[float] = None, num_splits: int = 0, **unused) -> torch.Tensor:
+                      softmax_scale: Optional[float] = None, num_splits: int = 0, window_size=(-1, -1),
+                      return_softmax_lse: bool = False, **unused) -> torch.Tensor:
     """``flash_attn_with_kvcache`` over a paged cache (no new K/V passed: the cache is appended first), in torch:
     ``q`` ``[rows, q_len, heads, dim]`` -> same shape."""
+    check_full_attention(window_size, return_softmax_lse=return_softmax_lse)
     if unused.get("k") is not None or unused.get("v") is not None:
         raise ValueError("the paged reference reads the cache only; append K/V before calling it")
     if block_table is None:
@@ -177,13 +192,15 @@ def _flash_kernels() -> Optional[PagedKernels]:
         return None
 
     def varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-               causal=True, block_table=None):
+               causal=True, block_table=None, window_size=(-1, -1), return_attn_probs=False):
+        check_full_attention(window_size, return_attn_probs)
         check_paged(q, k_cache, v_cache, block_table, flash=True)
         return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale, causal=causal, block_table=block_table)
 
     def kvcache(q, k_cache, v_cache, cache_seqlens, causal=True, block_table=None, softmax_scale=None,
-                num_splits=0, **kwargs):
+                num_splits=0, window_size=(-1, -1), return_softmax_lse=False, **kwargs):
+        check_full_attention(window_size, return_softmax_lse=return_softmax_lse)
         check_paged(q, k_cache, v_cache, block_table, flash=True)
         return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=causal,
                                        block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits,
