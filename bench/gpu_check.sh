@@ -32,7 +32,7 @@ esac
 WHEELS=${GPU_CHECK_WHEELS:-build/gpu_wheels}
 SITE=/tmp/gpu_check_site
 # Pure-Python or cp312 wheels the GPU image lacks; versions match the project's environment.
-DEPS="megatron-core==0.16.1 omegaconf==2.4.0 submitit==1.5.4"
+DEPS="megatron-core==0.19.2 omegaconf==2.4.0 submitit==1.5.4"
 G=tests/test_generation.py
 GPU_TESTS=(
   tests/test_grpo_math.py tests/test_planner.py tests/test_planner_megatron_rules.py

@@ -40,6 +40,7 @@ KNOWN_NOTICES = (
     ".*MimoModelConfig is experimental.*", ".*torch.distributed is disabled, unavailable or uninitialized.*",
     ".*The argument order of load has been changed.*", ".*Please use DTensor instead.*",
     ".*No CUDA runtime is found.*",  # torch's C++-extension helper, imported by megatron-core 0.19, on a CPU
+    ".*load_common is deprecated.*",  # 0.19 reading a 0.16 checkpoint's common.pt
 )
 """Known, harmless notices from megatron-core and torch.distributed that would bury the progress lines."""
 

@@ -8,8 +8,18 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# Python 3.12 or newer (megatron-core 0.19); pyenv takes it from .python-version. A .venv of an older Python
+# (made before the move to 3.12) is made again.
 PYTHON="${PYTHON:-python3}"
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+supported='import sys; sys.exit(sys.version_info < (3, 12))'
+if [ -x .venv/bin/python ] && ! .venv/bin/python -c "$supported"; then
+  echo "tests/run.sh: .venv is Python $(.venv/bin/python -c 'import platform; print(platform.python_version())'); making it again with $PYTHON" >&2
+  rm -rf .venv
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -c "$supported" || { echo "error: tests/run.sh needs Python >= 3.12 ($PYTHON is $("$PYTHON" --version 2>&1)); set PYTHON=python3.12" >&2; exit 2; }
+  "$PYTHON" -m venv .venv
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e '.[dev]'
 
 export DEV_CLUSTER_DIR="${DEV_CLUSTER_DIR:-/tmp/megatron-rl-dev-cluster}"

@@ -110,8 +110,9 @@ def test_dense_cp2_matches_plain(launch, tmp_path, plain_dense):
 
 
 def test_moe_load_balancing_loss_is_layout_invariant(launch, tmp_path, plain_moe):
-    """The router's aux loss trains the same at TP2 x EP2 with SP as on one process. Megatron 0.16.1 scales a
-    rank's aux loss by the tokens it routed, 1/(tp*cp) of the sequence under SP; the builder compensates."""
+    """The router's aux loss trains the same at TP2 x EP2 with SP as on one process: each rank routes 1/(tp*cp)
+    of the sequence under SP, which Megatron's per-token scaling of the aux loss accounts for (from 0.19; the
+    builder made up for 0.16.1, see builder.aux_loss_coeff)."""
     aux = [MOE, "model.moe_load_balancing=aux_loss", "model.moe_aux_loss_coeff=0.1"]
     plain = _run(launch, tmp_path / "plain", *aux, "cluster.tasks_per_node=1")
     _assert_same_training(plain, _run(launch, tmp_path / "sharded", *aux, "parallel.tp=2", "parallel.ep=2", SP))

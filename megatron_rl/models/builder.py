@@ -113,18 +113,17 @@ EXPERT_BIAS_UPDATE_RATE = 1e-3
 
 
 def aux_loss_coeff(opts: ModelOptions) -> float:
-    """The ``moe_aux_loss_coeff`` to give Megatron for ``opts.moe_aux_loss_coeff`` under per-token loss.
+    """The ``moe_aux_loss_coeff`` to give Megatron for ``opts.moe_aux_loss_coeff``: the coefficient itself.
 
-    With ``calculate_per_token_loss`` the gradients are divided by the global count of target tokens, and
-    Megatron 0.16.1 multiplies each rank's aux loss by the tokens that rank routed, to cancel that division
-    (router.py ``attach_and_log_load_balancing_loss``). Under sequence (and context) parallelism a rank routes
-    only its 1/(tp*cp) share of the sequence, so the aux-loss gradient comes out tp*cp times too small
-    (measured: TP2 with SP at coefficient 0.1 trains exactly like TP1 at 0.05). Scaling the coefficient by
-    tp*cp restores it; the logged load-balancing loss is divided by the coefficient, so it is unaffected.
+    Under per-token loss (``calculate_per_token_loss``) Megatron multiplies each rank's aux loss by the tokens it
+    routed times its TP·CP group size (router.py ``attach_and_log_load_balancing_loss``, from 0.19), which cancels
+    the division of every gradient by the global token count also under sequence parallelism, where a rank
+    routes 1/(tp·cp) of the sequence (tests/test_scale_layouts.py). 0.16.1 left out the group size, and this
+    function multiplied the coefficient by tp·cp to make up for it.
     """
     if opts.moe_load_balancing == "none" or not opts.moe_aux_loss_coeff:
         return 0.0
-    return opts.moe_aux_loss_coeff * (opts.dims.tp * opts.dims.cp if opts.dims.sp else 1)
+    return opts.moe_aux_loss_coeff
 
 
 def transformer_config(shape: ModelShape, opts: ModelOptions):
@@ -249,7 +248,7 @@ def mla_options(shape: ModelShape, dims: ParallelDims, *, transformer_engine: bo
 
 
 def _mla_without_te() -> None:
-    """Megatron 0.16.1's MLA module without Transformer Engine, patched once per process:
+    """Megatron's MLA module without Transformer Engine, patched once per process:
 
     * it takes TE's import stubs (MagicMocks) for TE and calls ``isinstance`` with them: ``HAVE_TE`` set False;
     * its only TP-replicated down projection is modelopt's ``Linear`` with torch's default init: replaced (under
@@ -257,13 +256,14 @@ def _mla_without_te() -> None:
     * it builds its rotary embedding without ``use_cpu_initialization`` inside
       ``torch.device(torch.cuda.current_device())``, which fails without a GPU: subclasses defaulting to CPU.
     """
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer import multi_latent_attention as mla
 
     if getattr(mla, "_megatron_rl_patched", False):
         return
     mla.HAVE_TE = False
 
-    class DuplicatedLinear(mla.Linear):
+    class DuplicatedLinear(Linear):  # (without TE, 0.19's MLA module binds the name Linear to None)
         """Megatron's plain (TP-replicated) ``Linear``, initialised with the config's init method like
         Megatron's parallel linears (its base keeps torch's default init). MLA accepts it under the name
         ``Linear``; its weight is tagged ``sequence_parallel``, so under SP its grad is summed over TP."""
@@ -310,7 +310,7 @@ def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None, tra
 
         spec = sequence_parallel_spec(spec)
     if config.multi_latent_attention:
-        return local_mla_spec(spec, flash=attention == "flash")
+        return local_mla_spec(spec, flash=attention == "flash", q_compressed=config.q_lora_rank is not None)
     from megatron_rl.models.cp_attention import CPDotProductAttention, with_cp_core_attention
     from megatron_rl.models.sdpa_attention import SDPACPAttention, SDPADotProductAttention
 
@@ -321,7 +321,7 @@ def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None, tra
     return spec
 
 
-def local_mla_spec(spec, *, flash: bool = False):
+def local_mla_spec(spec, *, flash: bool = False, q_compressed: bool = True):
     """A copy of a local-spec block spec whose MLA layers run without Transformer Engine.
 
     * core attention: ``mla_core_attention(flash)`` (the local kernel, or SDPA with ``flash``, accepting MLA's
@@ -329,12 +329,15 @@ def local_mla_spec(spec, *, flash: bool = False):
     * the down projections (q_down, kv_down) are replicated over TP, as TE's spec makes them ("duplicated"),
       instead of column-parallel: in 0.16.1's column-parallel branch each TP rank drops the other ranks' heads'
       gradient of the shared rope key (split backward of ``gather_from_tensor_model_parallel_region``), so
-      TP > 1 trained differently from TP = 1.
+      TP > 1 trained differently from TP = 1;
+    * without a compressed query (``q_compressed`` False: no q_lora_rank), no query norm, which Megatron refuses
+      then (it would normalise nothing).
     """
     import copy
 
     from megatron.core.transformer import multi_latent_attention as mla
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
 
     from megatron_rl.models.norms import swap_norms
 
@@ -344,7 +347,27 @@ def local_mla_spec(spec, *, flash: bool = False):
         attention = layer.submodules.self_attention.submodules
         if isinstance(attention, mla.MLASelfAttentionSubmodules):
             attention.linear_q_down_proj = attention.linear_kv_down_proj = mla.Linear
+            if not q_compressed:
+                attention.q_layernorm = attention.linear_q_up_proj = IdentityOp
+                layer.submodules.self_attention.module = _uncompressed_query_mla()
     return spec
+
+
+@functools.lru_cache(maxsize=None)
+def _uncompressed_query_mla():
+    """Megatron's ``MLASelfAttention`` building the modules its spec names. Its norm resolver
+    (``mla_qk_norm_config``) gives a model with latent norms but no compressed query (DeepSeek-V2-Lite) a norm on
+    the query projection's input, fused into Transformer Engine's projection, and refuses the plain projection;
+    that model has no such norm."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class UncompressedQueryMLA(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules):
+            return dict(linear_q_proj=submodules.linear_q_proj, linear_q_up_proj=submodules.linear_q_up_proj,
+                        linear_kv_up_proj=submodules.linear_kv_up_proj, q_layernorm=submodules.q_layernorm,
+                        kv_layernorm=submodules.kv_layernorm)
+
+    return UncompressedQueryMLA
 
 
 @functools.lru_cache(maxsize=None)

@@ -259,5 +259,6 @@ def slice_batch_for_cp(batch: dict, keys: Optional[Iterable[str]] = None, seq_ke
     if seq_length % (2 * cp):
         raise ValueError(f"sequence length {seq_length} is not divisible by 2 * cp = {2 * cp}")
     keys = _sequence_keys(batch, seq_length) if keys is None else list(keys)
-    out.update(get_batch_on_this_cp_rank({key: batch[key] for key in keys}))
+    out.update(get_batch_on_this_cp_rank({key: batch[key] for key in keys}, is_hybrid_cp=False,
+                                         cp_group=parallel_state.get_context_parallel_group()))
     return out

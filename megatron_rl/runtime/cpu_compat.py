@@ -32,13 +32,15 @@ from typing import Any
 
 import torch
 
-# Seen redirected (tests and the default jobs) with megatron-core 0.16.1 on CPU and reviewed: each only
-# places a buffer, a mask, an RNG state or a norm/step scalar; on the CPU that is the right place. Besides,
-# core/jit.py:jit_fuser counts the fusion functions left uncompiled (EAGER_FUSIONS).
+# Seen redirected (tests and the default jobs) with megatron-core 0.16.1 and 0.19.2 on CPU and reviewed: each only
+# places a buffer, a mask, an RNG state or a norm/step scalar, or asks for the current stream (to wait on CUDA
+# graph events the CPU never records); on the CPU that is the right place. Besides, core/jit.py:jit_fuser counts
+# the fusion functions left uncompiled (EAGER_FUSIONS).
 KNOWN_SITES = frozenset({
     "core/dist_checkpointing/strategies/filesystem_async.py:preload_tensors",
     "core/dist_checkpointing/strategies/state_dict_saver.py:save_state_dict_async_finalize",
     "core/distributed/param_and_grad_buffer.py:__init__",
+    "core/distributed/param_and_grad_buffer.py:start_grad_sync",
     "core/jit.py:jit_fuser",
     "core/models/common/embeddings/rotary_pos_embedding.py:get_emb",
     "core/models/gpt/gpt_model.py:_preprocess",
@@ -47,6 +49,7 @@ KNOWN_SITES = frozenset({
     "core/optimizer/distrib_optimizer.py:<listcomp>",
     "core/optimizer/distrib_optimizer.py:get_parameter_state_dp_zero",
     "core/optimizer/optimizer.py:__init__",
+    "core/optimizer/optimizer.py:has_grad_norm_group",
     "core/pipeline_parallel/p2p_communication.py:_communicate",
     "core/pipeline_parallel/p2p_communication.py:create_tensor_recv_next",
     "core/pipeline_parallel/p2p_communication.py:create_tensor_recv_prev",

@@ -40,9 +40,11 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def cp_slice_seq_first(x: torch.Tensor) -> torch.Tensor:
     """[s, b, ...] -> this CP rank's [s/cp, b, ...] with Megatron's own slicing (which wants [b, s, ...])."""
+    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    return get_batch_on_this_cp_rank({"x": x.transpose(0, 1)})["x"].transpose(0, 1).contiguous()
+    return get_batch_on_this_cp_rank({"x": x.transpose(0, 1)}, is_hybrid_cp=False,
+                                     cp_group=parallel_state.get_context_parallel_group())["x"].transpose(0, 1).contiguous()
 
 
 def attention_config(cp: int, groups: int):
