@@ -4,7 +4,7 @@ The generation phase decodes on the training weights, which do not change with t
 forward pass splits its work does. Two splits make no sense for a decode step (one token per sequence):
 
 * Sequence parallelism (SP) scatters the sequence over the TP ranks between attention/MLP blocks.
-  ``whole_sequences(chunks)`` turns it off for the phase and back on after. Megatron Core 0.16.1 reads it at
+  ``whole_sequences(chunks)`` turns it off for the phase and back on after. Megatron Core (0.16.1, 0.19.2) reads it at
   run time from: every ``TransformerConfig`` the modules hold (embedding scatter and dropout fork, rotary
   length, transformer block RNG fork, shared experts), each ``ColumnParallelLinear`` / ``RowParallelLinear``'s
   own ``sequence_parallel`` attribute (all-gather before / reduce-scatter after the matmul, instead of the

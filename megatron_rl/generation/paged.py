@@ -5,7 +5,7 @@ head_dim]`` (the layout flash-attn's paged kernels take). Blocks are handed to r
 returned when a row ends; a block is reference counted, so a GRPO group's completions hold their prompt's full
 blocks once (only the last, partial block is copied per completion).
 
-``PagedContext`` is one forward's view of it, in the interface Megatron Core 0.16.1's attention calls for dynamic
+``PagedContext`` is one forward's view of it, in the interface Megatron Core's attention (0.19) calls for dynamic
 batching (``Attention._adjust_key_value_for_inference`` and ``flash_decode_and_prefill``): the forward feeds the
 rows' new tokens packed into one sequence (``[1, tokens]``), each token's K/V goes to its row's block and offset
 (``append_key_value_cache``), RoPE rotates each token at its own position (``apply_rotary_emb_query/key``; the cache
@@ -137,11 +137,10 @@ class PagedContext:
     ``set_step`` describes the forward: per row the new tokens it feeds (``q_lens``), its length once they are
     written (``kv_lens``) and its block table; the tokens are packed row after row."""
 
-    materialize_only_last_token_logits = True
     use_flashinfer_fused_rope = False
     num_speculative_tokens = 0
 
-    class config:  # noqa: N801 (megatron-core 0.19 reads these from the context's InferenceConfig)
+    class config:  # noqa: N801 (Megatron reads this from the context's InferenceConfig)
         materialize_only_last_token_logits = True
 
     def __init__(self, pool: BlockPool, *, max_sequence_length: int, device: torch.device) -> None:
@@ -259,21 +258,13 @@ def _merge_heads(tensor: torch.Tensor, pattern: str) -> torch.Tensor:
     return tensor.flatten(-2)
 
 
-def _inference_mode() -> contextlib.AbstractContextManager:
-    """megatron-core 0.19's process-wide inference flag (``InferenceMode``), which its modules read instead of the
-    inference context to take their decode paths; 0.16.1 has none."""
-    try:
-        from megatron.core.inference.utils import InferenceMode
-    except ImportError:
-        return contextlib.nullcontext()
-    return InferenceMode.active() if hasattr(InferenceMode, "active") else contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[None]:
     """For the duration, Megatron's attention modules of ``chunks`` run dynamic batching on ``kernels`` and key
     their caches by global layer number (``_get_pp_layer_offset_for_inference`` 0: Megatron's own refuses virtual
-    pipeline stages). Restored on exit."""
+    pipeline stages), under Megatron's process-wide ``InferenceMode``, which its modules read instead of the
+    inference context to take their decode paths. Restored on exit."""
+    from megatron.core.inference.utils import InferenceMode
     from megatron.core.transformer import attention as megatron_attention
     from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
@@ -281,15 +272,12 @@ def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[No
     from megatron_rl.generation.paged_mla import paged_mla_forward
 
     names = {"flash_attn_varlen_func": kernels.varlen, "flash_attn_with_kvcache": kernels.kvcache,
-             "HAVE_FA3": False, "HAVE_FA4": False,  # 0.19 prefers FA4, then FA3, where installed: the engine runs FA2
+             "HAVE_FA3": False, "HAVE_FA4": False,  # Megatron prefers FA4, then FA3, where installed; the engine runs FA2
              "is_fa_min_version": lambda *args, **kwargs: True, "rearrange": _merge_heads}
-    names = {name: value for name, value in names.items() if hasattr(megatron_attention, name) or
-             not name.startswith("HAVE_")}  # HAVE_FA4 is new in 0.19
-    saved = {name: getattr(megatron_attention, name, None) for name in names}
+    saved = {name: getattr(megatron_attention, name) for name in names}
     patched, patched_mla = [], []
-    inference_mode = _inference_mode()
     try:
-        inference_mode.__enter__()
+        InferenceMode.set_active()
         for name, value in names.items():
             setattr(megatron_attention, name, value)
         for chunk in chunks:
@@ -304,7 +292,7 @@ def megatron_paged_attention(chunks: list, kernels: PagedKernels) -> Iterator[No
                     patched.append(module)
         yield
     finally:
-        inference_mode.__exit__(None, None, None)
+        InferenceMode.unset_active()
         for name, value in saved.items():
             setattr(megatron_attention, name, value)
         for module in patched:

@@ -2,7 +2,7 @@
 
 For clusters without NCCL. Gloo has no CUDA path for most collectives Megatron Core issues on CUDA tensors
 (reduce_scatter_tensor, all_gather_into_tensor, all_to_all_single, isend/irecv, ...). ``install()`` replaces
-the torch.distributed functions Megatron Core 0.16.1 (and this project) call with thin wrappers that copy each
+the torch.distributed functions Megatron Core (0.16.1, 0.19.2) and this project call with thin wrappers that copy each
 CUDA tensor argument to a pinned CPU buffer, run the original op on the buffers over gloo, and copy the buffers
 the op writes back into the original tensors. CPU tensors pass straight through, uncopied.
 
