@@ -14,7 +14,11 @@ GPU runs never import this module's effects. What it does:
 * Megatron's fusion functions (``@jit_fuser``) stay plain functions: applied before Megatron's first import,
   ``apply()`` imports it with ``torch.compile`` as the identity. Megatron wraps them in ``torch.compile`` at
   import, which imports TorchInductor: ~2 s of CPU in every process here, for functions the CPU runs with the
-  same ops uncompiled.
+  same ops uncompiled;
+* Megatron's unfused RoPE for packed (``thd``) rows, which loops over the rows in Python (a sin and cos of the
+  table per row, per layer, for queries and keys: 9x the time of one pass at 32 rows), becomes one pass over all
+  tokens at each token's own position; bit-identical, forward and backward (tests/test_rope_thd.py). GPUs with
+  Transformer Engine run its fused kernel instead.
 
 Every redirection is counted per call site (``file:function`` inside megatron). ``KNOWN_SITES`` lists the
 sites someone has looked at; ``unreviewed_sites()`` names any other, so a Megatron upgrade that adds CUDA-only
@@ -246,10 +250,47 @@ def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> t
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
+def thd_rotary_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The RoPE position of each token this CP rank holds of packed rows bounded by ``cu_seqlens`` (of the whole
+    rows): positions restart at 0 in every row, and with ``cp_size`` > 1 a row's local tokens are its chunks
+    ``cp_rank`` and ``2*cp_size-1-cp_rank`` (Megatron's load-balanced split)."""
+    local = ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size).long()
+    start = torch.repeat_interleave(torch.cumsum(local, 0) - local, local)
+    position = torch.arange(int(local.sum()), device=cu_seqlens.device) - start
+    if cp_size == 1:
+        return position
+    half = torch.repeat_interleave(local // 2, local)
+    whole = torch.repeat_interleave(local * cp_size, local)
+    return torch.where(position < half, position + cp_rank * half, position + whole - (cp_rank + 2) * half)
+
+
+def _thd_rotary(megatron_thd_rotary):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    def thd_rotary(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
+                   cp_group=None, multi_latent_attention=None):
+        if cp_group is None or multi_latent_attention is not None or freqs.size(0) == int(cu_seqlens[-1]):
+            # Megatron's own answer: its error, its deprecation warning, or its one-pass "packed freqs" case
+            return megatron_thd_rotary(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                                       mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,
+                                       cp_group=cp_group, multi_latent_attention=multi_latent_attention)
+        position = thd_rotary_positions(cu_seqlens, cp_group.size(), cp_group.rank())
+        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[position], rotary_interleaved=rotary_interleaved,
+                                          mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
+
+    thd_rotary.megatron = megatron_thd_rotary
+    return thd_rotary
+
+
 def _patch_megatron() -> None:
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils
+
+    thd_rotary = _thd_rotary(rope_utils._apply_rotary_pos_emb_thd)
+    for module in (rope_utils, rotary_pos_embedding):  # each imports it by name
+        if hasattr(module, "_apply_rotary_pos_emb_thd"):
+            module._apply_rotary_pos_emb_thd = thd_rotary
 
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # each imports it by name
         if hasattr(module, "get_pos_emb_on_this_cp_rank"):

@@ -1,0 +1,86 @@
+"""RoPE on packed (``thd``) rows without Transformer Engine: ``cpu_compat``'s one-pass version against Megatron's
+per-row loop (``rope_utils._apply_rotary_pos_emb_thd``), which it replaces on the CPU.
+
+Run: ``.venv/bin/python -m pytest tests/test_rope_thd.py -q`` (a few seconds).
+
+Checked bit for bit, output and input gradient, over uneven row lengths, at cp = 1, 2 and 4 (every rank's part),
+for half-rotation, interleaved and MLA-interleaved layouts, a partial rotary dimension and a YaRN ``mscale``; and
+in a process where ``cpu_compat.apply()`` ran, Megatron's ``apply_rotary_pos_emb`` takes the one-pass version.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rl.runtime import cpu_compat
+
+HEADS, DIM = 3, 16
+
+
+class _Group:
+    """The two questions Megatron's RoPE asks of a CP process group."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _rows(cp: int) -> torch.Tensor:
+    lengths = torch.tensor([6, 2, 10, 4, 8, 2]) * cp  # each a multiple of 2*cp, as Megatron's CP split needs
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+
+
+def _apply(fn, t, cu, freqs, **kwargs):
+    t = t.detach().clone().requires_grad_(True)
+    out = fn(t, cu, freqs, **kwargs)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), t.grad
+
+
+def test_thd_rotary_positions_restart_per_row_and_follow_the_cp_chunks():
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    assert cpu_compat.thd_rotary_positions(cu, 1, 0).tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
+    # cp=2: rank 0 holds chunks 0 and 3 of each row, rank 1 chunks 1 and 2
+    assert cpu_compat.thd_rotary_positions(cu, 2, 0).tolist() == [0, 3, 0, 1, 6, 7]
+    assert cpu_compat.thd_rotary_positions(cu, 2, 1).tolist() == [1, 2, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["half", "interleaved", "mla", "partial_mscale"])
+def test_one_pass_equals_megatrons_loop_bit_for_bit(cp, layout):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    megatron = getattr(rope_utils._apply_rotary_pos_emb_thd, "megatron", rope_utils._apply_rotary_pos_emb_thd)
+    ours = cpu_compat._thd_rotary(megatron)
+    cu = _rows(cp)
+    gen = torch.Generator().manual_seed(cp)
+    rot_dim = DIM // 2 if layout == "partial_mscale" else DIM
+    longest = int((cu[1:] - cu[:-1]).max())
+    freqs = (torch.arange(longest, dtype=torch.float32)[:, None]
+             * torch.rand(rot_dim // 2, generator=gen)[None]).repeat(1, 2)[:, None, None, :]
+    kwargs = {"rotary_interleaved": layout == "interleaved", "mla_rotary_interleaved": layout == "mla",
+              "mscale": 1.3 if layout == "partial_mscale" else 1.0}
+    for rank in range(cp):
+        t = torch.randn(int(cu[-1]) // cp, HEADS, DIM, generator=gen)
+        expected = _apply(megatron, t, cu, freqs, cp_group=_Group(cp, rank), **kwargs)
+        got = _apply(ours, t, cu, freqs, cp_group=_Group(cp, rank), **kwargs)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (cp, rank, layout)
+        assert not torch.equal(got[0], t)  # RoPE did rotate
+
+
+def test_a_cpu_process_runs_the_one_pass_version():
+    check = ("from megatron_rl.runtime import cpu_compat; assert cpu_compat.apply(); "
+             "from megatron.core.models.common.embeddings import rope_utils; "
+             "print(rope_utils._apply_rotary_pos_emb_thd.__module__, hasattr(rope_utils._apply_rotary_pos_emb_thd, 'megatron'))")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["megatron_rl.runtime.cpu_compat", "True"]
