@@ -92,11 +92,25 @@ MATH_CASES = [
         ("no number at all", "3", 0.0),
         ("Paris", "paris", 1.0),  # non-numeric, no box: whole completion
 ]
+ARABIC_CASES = [  # Arabic-script numerals: by value, in the box, the answer tag, running text and the reference
+        (r"\boxed{٣٫٥}", "3.5", 1.0),  # Arabic-Indic digits, Arabic decimal separator
+        (r"\boxed{٣٫٥}", 3.5, 1.0),
+        (r"\boxed{٣٫٦}", "3.5", 0.0),
+        (r"\boxed{١٬٢٣٤}", "1234", 1.0),  # Arabic thousands separator
+        (r"\boxed{۴۲}", "42", 1.0),  # Extended Arabic-Indic (Persian, Urdu) digits
+        (r"\boxed{-٧}", -7, 1.0),
+        (r"\boxed{\frac{٣}{٤}}", "0.75", 1.0),
+        ("<answer>\u200f٤٢\u200f</answer>", "42", 1.0),  # right-to-left marks around the number
+        ("إذن الجواب هو ٤٢", "42", 1.0),  # no box: the last number of Arabic text
+        ("إذن الجواب هو ٤٣", "42", 0.0),
+        (r"\boxed{42}", "الجواب: ٤٢ #### ٤٢", 1.0),  # an Arabic GSM8K-style reference
+        (r"\boxed{٢٫٥}", "5/2", 1.0),
+]
 SYMBOLIC_CASES = [(r"\boxed{x^2+2x+1}", "(x+1)^2"), (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}"),
                   (r"\boxed{\{1, 2\}}", r"\{2, 1\}")]
 
 
-@pytest.mark.parametrize(("completion", "answer", "want"), MATH_CASES)
+@pytest.mark.parametrize(("completion", "answer", "want"), MATH_CASES + ARABIC_CASES)
 def test_math_answer_reward(completion, answer, want):
     assert math_answer_reward(completion, answer) == want
 
@@ -108,7 +122,7 @@ def math_backend(request):
     return request.param
 
 
-@pytest.mark.parametrize(("completion", "answer", "want"), MATH_CASES)
+@pytest.mark.parametrize(("completion", "answer", "want"), MATH_CASES + ARABIC_CASES)
 def test_math_verify_reward_on_both_backends(math_backend, completion, answer, want):
     reward = MathVerifyReward(backend=math_backend)
     assert reward.backend == math_backend  # builtin is used even when math-verify is installed

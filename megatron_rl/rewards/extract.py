@@ -1,6 +1,8 @@
 r"""Answer extraction for rule-based verifiers: `\boxed{}` contents, `<answer>` tags, numbers in text.
 
 Numbers: optional minus sign, thousands commas ("1,234"), decimals ("2.5", ".5"), fractions ("3/4", "\frac{3}{4}").
+Arabic-script numerals read as the same numbers (`ascii_numerals`): Arabic-Indic (٠-٩) and Extended Arabic-Indic
+(۰-۹) digits, the Arabic decimal (٫) and thousands (٬) separators, with bidirectional marks dropped.
 Values are returned as float; comparisons use `numbers_match` (relative 1e-9 by default), so "0.75", "3/4" and
 "\frac{3}{4}" agree, while "0.3333" and "1/3" do not.
 
@@ -13,11 +15,22 @@ import math
 import re
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+_ASCII_NUMERALS = str.maketrans({
+    **{chr(0x0660 + d): str(d) for d in range(10)},  # Arabic-Indic digits
+    **{chr(0x06F0 + d): str(d) for d in range(10)},  # Extended Arabic-Indic (Persian, Urdu) digits
+    "\u066b": ".", "\u066c": ",",  # Arabic decimal and thousands separators
+    "\u200e": None, "\u200f": None, "\u061c": None,  # left-to-right, right-to-left and Arabic letter marks
+})
 _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"
 # A number must not continue a word or another number ("x2", "1.2.3"); a minus right after a digit is an operator.
 _NUMBER_RE = re.compile(rf"(?<![\w.])(?P<sign>-)?(?P<num>{_UNSIGNED})(?:/(?P<den>{_UNSIGNED}))?")
 _FRAC_RE = re.compile(r"^(?P<sign>-)?\\[dt]?frac\{(?P<num>[^{}]+)\}\{(?P<den>[^{}]+)\}$")
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def ascii_numerals(text: str) -> str:
+    """text with Arabic-script numerals written in ASCII: "٣٫٥" -> "3.5", "١٬٢٣٤" -> "1,234", "۴۲" -> "42"."""
+    return text.translate(_ASCII_NUMERALS)
 
 
 def _scan_braced(text: str, open_index: int) -> str | None:
@@ -120,8 +133,9 @@ def numbers_match(a: float, b: float, rel_tol: float = MATH_TOLERANCE) -> bool:
 
 
 def reference_answer_text(answer: object) -> str:
-    r"""The reference answer as text: GSM8K's "... #### 72" -> "72", a `\boxed{}` reference -> its contents."""
-    text = str(answer)
+    r"""The reference answer as text: GSM8K's "... #### 72" -> "72", a `\boxed{}` reference -> its contents; its
+    numerals in ASCII."""
+    text = ascii_numerals(str(answer))
     if "####" in text:
         return text.rsplit("####", 1)[1].strip()
     boxed = extract_boxed(text)

@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_rl.rewards.extract import (
     MATH_TOLERANCE,
+    ascii_numerals,
     extract_boxed,
     extract_last_number,
     extract_tag,
@@ -60,8 +61,9 @@ def math_answer_reward(completion: str, answer: Any, *, tolerance: float = MATH_
     last number in the completion (numeric references) or the whole completion (non-numeric references).
     Equal means equal after `normalize_answer_text`, or numerically equal within the relative `tolerance`
     (1,234 == 1234.0, 3/4 == 0.75). The reference may be a number, a string, a GSM8K "... #### 72" solution or
-    a `\boxed{}` string.
+    a `\boxed{}` string. Arabic-script numerals count as the same numbers ("٣٫٥" == 3.5).
     """
+    completion = ascii_numerals(completion)
     reference_text = reference_answer_text(answer)
     reference_number = _reference_number(answer, reference_text)
     candidate = _final_answer(completion)
@@ -83,6 +85,7 @@ def math_verify_reward(completion: str, answer: Any, *, tolerance: float = MATH_
     """
     import math_verify
 
+    completion = ascii_numerals(completion)
     reference_text = reference_answer_text(answer)
     candidate = _final_answer(completion)
     final = completion if candidate is None else candidate
