@@ -14,6 +14,7 @@ from megatron_rl.algorithms.advantages import expand_group_mask, group_advantage
 from megatron_rl.algorithms.policy_loss import (
     GRPOLossConfig,
     aggregate,
+    cispo_loss,
     grpo_loss,
     kl_penalty,
     local_normalisers,
@@ -328,6 +329,74 @@ def test_gspo_equals_the_token_ratio_on_one_token_sequences():
     token = grpo_loss(logp, old, adv, mask, config=loss_config(kl_coef=0.0))[0]
     sequence = grpo_loss(logp, old, adv, mask, config=loss_config(kl_coef=0.0, importance_ratio="sequence"))[0]
     assert float(token) == pytest.approx(float(sequence))
+
+
+# ---------------------------------------------------------------- CISPO: the clipped ratio as a detached weight
+
+
+def test_cispo_loss_and_gradient_by_hand():
+    # ratios [0.5, 1.25, 1.5] against old log-probs log 0.4; eps_low 0.2, eps_high 0.28: weights [0.8, 1.25, 1.28].
+    old = t([[math.log(0.4)] * 3])
+    logp = (old + t([[math.log(0.5), math.log(1.25), math.log(1.5)]])).requires_grad_(True)
+    adv = t([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    per_token, stats = cispo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    weights = [0.8, 1.25, 1.28]
+    logp_values = [math.log(0.2), math.log(0.5), math.log(0.6)]
+    want = [-w * a * lp for w, a, lp in zip(weights, [1.0, -1.0, 2.0], logp_values)]
+    torch.testing.assert_close(per_token, t([want]), atol=1e-6, rtol=0)
+    assert stats["clip_fraction"].item() == pytest.approx(2 / 3)  # tokens 1 and 3 were clipped...
+    (grad,) = torch.autograd.grad(aggregate(per_token, mask, "token-mean"), logp)
+    # ...and every token's gradient is -w A / 3
+    torch.testing.assert_close(grad, t([[-0.8 / 3, 1.25 / 3, -2.56 / 3]]), atol=1e-6, rtol=0)
+    # the clipped surrogate: token 1 takes the unclipped branch (-r A / 3), token 3 the clipped one (no gradient)
+    clipped = policy_ratio_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28)[0]
+    (clip_grad,) = torch.autograd.grad(aggregate(clipped, mask, "token-mean"), logp)
+    torch.testing.assert_close(clip_grad, t([[-0.5 / 3, 1.25 / 3, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_cispo_without_a_lower_bound_and_on_policy():
+    # clip_eps_low 1 (MiniMax-M1): a ratio of 0.01 keeps its weight; on-policy (r = 1) the gradient is the plain
+    # policy gradient -A / n, the same as the clipped surrogate's
+    logp = t([[math.log(0.01), -0.7]]).requires_grad_(True)
+    old = t([[0.0, -0.7]])
+    per_token, stats = cispo_loss(logp, old, t([1.0]), torch.ones(1, 2), eps_low=1.0, eps_high=0.28)
+    assert per_token[0, 0].item() == pytest.approx(-0.01 * math.log(0.01), rel=1e-5)
+    assert stats["clip_fraction"].item() == 0.0
+    logp = t([[-0.3, -0.7], [-1.1, -9.0]]).requires_grad_()
+    mask = t([[1, 1], [1, 0]])
+    for policy_loss in ("clip", "cispo"):
+        loss, _ = grpo_loss(logp, logp.detach(), t([1.0, -2.0]), mask,
+                            config=loss_config(kl_coef=0.0, loss_aggregation="seq-mean-token-mean",
+                                               policy_loss=policy_loss, clip_eps_low=0.2))
+        (grad,) = torch.autograd.grad(loss, logp)
+        torch.testing.assert_close(grad, t([[-0.25, -0.25], [1.0, 0.0]]))
+
+
+def test_cispo_in_grpo_loss_with_the_sequence_ratio_and_off_policy_weights():
+    logp = t([[0.1, 0.3], [-0.2, 0.0]]).requires_grad_(True)
+    old, behav = torch.zeros(2, 2), t([[0.0, 0.0], [math.log(0.5), 0.0]])
+    adv, mask = t([1.0, -1.0]), t([[1, 1], [1, 0]])
+    config = loss_config(kl_coef=0.0, policy_loss="cispo", importance_ratio="sequence", clip_eps_low=1.0,
+                         clip_eps_high=0.2, off_policy_correction="truncated_is", is_cap=1.5,
+                         loss_aggregation="token-mean")
+    loss, metrics = grpo_loss(logp, old, adv, mask, config=config, behav_logp=behav)
+    # sequence ratios e^0.2 (clipped to 1.2) and e^-0.2; behaviour weights pi_old / pi_behav: 1, 1, min(2, 1.5), 1
+    w = [[1.2, 1.2], [math.exp(-0.2) * 1.5, 0.0]]
+    want = -(w[0][0] * 0.1 + w[0][1] * 0.3) + w[1][0] * -0.2
+    assert loss.item() == pytest.approx(want / 3, abs=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, t([[-1.2 / 3, -1.2 / 3], [w[1][0] / 3, 0.0]]), atol=1e-6, rtol=0)
+    assert metrics["clip_fraction"].item() == pytest.approx(2 / 3)
+
+
+def test_cispo_config_checks():
+    assert loss_config(policy_loss="cispo", clip_eps_low=1.0).policy_loss == "cispo"
+    for bad, key in ((dict(policy_loss="ppo"), "algorithm.policy_loss=.*clip, cispo"),
+                     (dict(policy_loss="cispo", dual_clip=3.0), "algorithm.dual_clip"),
+                     (dict(policy_loss="clip", clip_eps_low=1.0), "algorithm.clip_eps_low")):
+        with pytest.raises(ConfigError, match=key):
+            loss_config(**bad)
 
 
 # ---------------------------------------------------------------- the trainer's Megatron loss function

@@ -25,9 +25,10 @@ def _grpo(launch, run_dir, *extra, env=None, expect=0):
 _stable = without_measurements
 
 
-WHOLE = ["algorithm.kl_coef=0.05", "generation.max_concurrent=4"]
-"""The settings of the uninterrupted run and of its preempted copy: the KL brings the reference model in, and
-generation.max_concurrent=4 decodes 4 of a worker's 8 rows at a time (a stop can come mid-rollout)."""
+WHOLE = ["algorithm.kl_coef=0.05", "generation.max_concurrent=4", "logging.sample_every=1", "logging.samples=3"]
+"""The settings of the uninterrupted run and of its preempted copy: the KL brings the reference model in,
+generation.max_concurrent=4 decodes 4 of a worker's 8 rows at a time (a stop can come mid-rollout), and 3
+completions of every step go to samples.jsonl."""
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,16 @@ def test_first_minibatch_ratio_is_one_and_metrics_are_complete(launch, whole):
     assert report["peak_memory_gib"]["measured"] == max(max(m["peak_memory_generate_gib"], m["peak_memory_train_gib"])
                                                         for m in metrics)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    for sample in samples:  # spread over the prompts: rows 0, 5 and 10 of 16 (groups of 4)
+        assert sample["prompt"].startswith("last of ") and sample["rewards"]["exact"] == sample["reward"]
+        assert sample["reward"] == float(sample["completion"].strip() == str(sample["answer"]))
+        assert 1 <= sample["response_tokens"] <= 4 and isinstance(sample["advantage"], float)
+    assert len({s["prompt"] for s in samples if s["step"] == 4}) == 3
+    shown = launch("logs", str(run_dir), "--samples")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("step 4: 3 of its completions") and shown.stdout.count("    completion: ") == 3
     for m in metrics:
         assert m["first_ratio_min"] == pytest.approx(1.0, abs=1e-5)
         assert m["first_ratio_max"] == pytest.approx(1.0, abs=1e-5)
@@ -112,6 +123,7 @@ def test_preempted_grpo_resumes_exactly(launch, tmp_path, whole):
     assert _stable(resumed) == _stable(whole)  # the evaluations of `whole` changed none of its training steps
     not_eval = lambda run: [m for m in read_metrics(run) if m.get("phase") != "eval"]  # noqa: E731
     assert _stable(not_eval(run_dir)) == _stable(not_eval(whole_dir))  # warm-up lines too
+    assert (run_dir / "samples.jsonl").read_text() == (whole_dir / "samples.jsonl").read_text()  # each step once
     assert all(m["kl"] >= 0 for m in whole)  # k3 is non-negative; the reference model is in play
     audit = check_run_manifest(run_dir, statuses=["preempted"] * 3 + ["completed"])  # 3 stops, one record
     synthetic = {Path(e["path"]).name: e for e in audit["inputs"] if e["key"] == "data.synthetic"}

@@ -37,8 +37,16 @@ def _attempts(run_dir, **kwargs) -> None:
             for step in (1, 2):
                 logger.log(step, {"loss": float(step)}, phase="sft", total=2)
         for step in steps:
+            logger.log_samples(step, _samples(attempt, step))
             logger.log(step, {"loss": 10.0 * attempt + step, "kl": float("nan")})
         logger.close()
+
+
+def _samples(attempt: int, step: int) -> list[dict]:
+    """What ``Rollout.sample_records`` gives: here Arabic text, which must come back as written."""
+    return [{"prompt": f"كم يساوي ٣ + {step}؟", "completion": f"{attempt}\n٧", "answer": 3 + step,
+             "reward": float(attempt), "rewards": {"math": float(attempt)}, "advantage": 0.5,
+             "response_tokens": 2, "truncated": False}]
 
 
 def _scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
@@ -119,6 +127,17 @@ def wandb_env(tmp_path, monkeypatch):
     assert _wandb_processes() == []  # close() stopped the wandb service
 
 
+def test_samples_are_logged_once_per_step_after_a_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    _attempts(run_dir, tensorboard=False)
+    lines = (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    # the first attempt's steps 1 and 2 (saved), then the second attempt's 3, 4 and 5; the redone 3 and 4 once
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert [json.loads(line)["completion"] for line in lines] == ["0\n٧", "0\n٧", "1\n٧", "1\n٧", "1\n٧"]
+    assert json.loads(lines[0])["prompt"] == "كم يساوي ٣ + 1؟" and "كم يساوي" in lines[0]  # UTF-8, not \u escapes
+    assert stat.S_IMODE((run_dir / "samples.jsonl").stat().st_mode) == 0o600
+
+
 def test_wandb_offline_resume_continues_the_run(tmp_path, wandb_env):
     run_dir = tmp_path / "run"
     _attempts(run_dir, tensorboard=False, wandb=WandbConfig(project="test", mode="offline"))
@@ -130,6 +149,10 @@ def test_wandb_offline_resume_continues_the_run(tmp_path, wandb_env):
               for row in first + second]
     # W&B's step is the metrics.jsonl line; the resumed attempt skips the lines W&B already has (train 3 and 4)
     assert logged == [(0, 1, 1.0), (1, 2, 2.0), (2, 1, 1.0), (3, 2, 2.0), (4, 3, 3.0), (5, 4, 4.0), (6, 5, 15.0)]
+    # each training step's samples table sits on that step's line, also skipped where W&B had the line already
+    tables = [row for row in first + second if "samples/_type" in row]
+    assert [(row["_step"], row["samples/_type"], row["samples/nrows"]) for row in tables] == [
+        (step, "table-file", 1) for step in (2, 3, 4, 5, 6)]
     assert all("train/kl" not in row for row in first + second)  # nan is not logged
 
 

@@ -1,4 +1,5 @@
-"""GRPO token-level loss: clipped policy ratio, KL to a reference, and the three loss aggregations.
+"""GRPO token-level loss: clipped policy ratio (or CISPO's clipped weight), KL to a reference, and the three
+loss aggregations.
 
 All tensors are [batch, T] over response positions with a 0/1 `mask` (1 = a generated token that counts).
 Pure torch; nothing here knows about tensor parallelism, so the log-probs passed in must already be full
@@ -30,7 +31,14 @@ pi_theta / pi_old. Both corrections multiply it by a detached behaviour weight w
   As in AReaL's code (``behav_imp_weight_cap``), a token whose weight exceeds C is left out (w_t = 0) instead of
   truncated.
 
-With pi_behav = pi_old (on-policy samples) w_t = 1 and both reduce exactly to the plain clipped loss.
+With pi_behav = pi_old (on-policy samples) w_t = 1 and both reduce exactly to the plain clipped loss. With
+``policy_loss=cispo`` the corrections weight CISPO's per-token loss the same way.
+
+## CISPO
+
+``cispo_loss`` (Chen et al. 2025, "MiniMax-M1", eq. 4): L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t
+log pi_theta(a_t). The clipped ratio is a detached weight, so every token's gradient is -w_t A_t grad log pi, a
+token outside the clip range included (the clipped surrogate gives those none).
 
 ``grpo_loss`` calls ``off_policy_ratio_loss`` in place of ``policy_ratio_loss``
 when ``algorithm.off_policy_correction`` is not none, with the behaviour log-probs the rollout workers returned
@@ -47,7 +55,8 @@ import dataclasses
 import torch
 
 from megatron_rl.spec.config.algorithm import AlgorithmConfig
-from megatron_rl.spec.config.fields import IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
+from megatron_rl.spec.config.fields import (IMPORTANCE_RATIOS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS,
+                                            POLICY_LOSSES)
 
 Number = int | float | torch.Tensor
 
@@ -79,6 +88,8 @@ class GRPOLossConfig:
     """Constant normaliser for seq-mean-token-sum-norm (the generation length limit); required in that mode."""
     importance_ratio: str = "token"
     """One of the schema's IMPORTANCE_RATIOS: token (PPO/GRPO) or sequence (GSPO, ``sequence_log_ratio``)."""
+    policy_loss: str = "clip"
+    """One of the schema's POLICY_LOSSES: clip (``policy_ratio_loss``) or cispo (``cispo_loss``)."""
     off_policy_correction: str = "none"
     """One of the schema's OFF_POLICY_CORRECTIONS: none, truncated_is or decoupled
     (``off_policy_ratio_loss``); the last two need the behaviour log-probs."""
@@ -91,14 +102,14 @@ class GRPOLossConfig:
         return cls(eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip,
                    kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator, loss_agg_mode=algo.loss_aggregation,
                    max_response_len=max_response_len, importance_ratio=algo.importance_ratio,
-                   off_policy_correction=algo.off_policy_correction, is_cap=algo.is_cap)
+                   policy_loss=algo.policy_loss, off_policy_correction=algo.off_policy_correction, is_cap=algo.is_cap)
 
     def __post_init__(self) -> None:
         if (self.kl_kind not in KL_ESTIMATORS or self.loss_agg_mode not in LOSS_AGGREGATIONS
-                or self.importance_ratio not in IMPORTANCE_RATIOS):
+                or self.importance_ratio not in IMPORTANCE_RATIOS or self.policy_loss not in POLICY_LOSSES):
             raise ValueError(f"kl_kind={self.kl_kind!r} / loss_agg_mode={self.loss_agg_mode!r} / importance_ratio="
-                             f"{self.importance_ratio!r}: use one of {KL_ESTIMATORS} / {LOSS_AGGREGATIONS} / "
-                             f"{IMPORTANCE_RATIOS}")
+                             f"{self.importance_ratio!r} / policy_loss={self.policy_loss!r}: use one of "
+                             f"{KL_ESTIMATORS} / {LOSS_AGGREGATIONS} / {IMPORTANCE_RATIOS} / {POLICY_LOSSES}")
         if self.off_policy_correction not in OFF_POLICY_CORRECTIONS or self.is_cap < 1:
             raise ValueError(f"off_policy_correction={self.off_policy_correction!r} / is_cap={self.is_cap}: use one of "
                              f"{OFF_POLICY_CORRECTIONS} / a cap >= 1")
@@ -189,6 +200,50 @@ def policy_ratio_loss(
             "ratio_max": ratio_max,
         }
     return per_token, stats
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float | None = 20.0,
+    log_ratio: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token CISPO loss -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi, [batch, T]; arguments and stats as
+    ``policy_ratio_loss`` (clip_fraction: the share of tokens whose weight the clip changed; they keep their
+    gradient). dual_clip must be None: CISPO has no surrogate to cap."""
+    if dual_clip is not None:
+        raise ValueError("cispo_loss has no dual clip (its weight is bounded by eps_high)")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logp)
+    _check_shapes(mask, logp, old_logp, advantages)
+    mask = mask.to(logp.dtype)
+    log_ratio = (logp - old_logp if log_ratio is None else log_ratio).detach()
+    _check_shapes(mask, log_ratio)
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(max(1.0 - eps_low, 0.0), 1.0 + eps_high)
+    per_token = -weight * advantages * logp
+    with torch.no_grad():
+        in_mask = mask > 0
+        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        stats = {
+            "clip_fraction": _masked_mean((weight != ratio).to(mask.dtype), mask),
+            "dual_clip_fraction": torch.zeros((), dtype=mask.dtype, device=mask.device),
+            "ratio_min": ratio[in_mask].min() if in_mask.any() else one,
+            "ratio_max": ratio[in_mask].max() if in_mask.any() else one,
+        }
+    return per_token, stats
+
+
+SURROGATES = {"clip": policy_ratio_loss, "cispo": cispo_loss}
+"""The per-token policy loss of each ``policy_loss`` choice; each takes ``policy_ratio_loss``'s arguments."""
 
 
 def kl_penalty(
@@ -320,9 +375,9 @@ def grpo_loss(
         per_token_pg, stats = off_policy_ratio_loss(
             logp, old_logp, behav_logp, advantages, mask, correction=config.off_policy_correction,
             cap=config.is_cap, eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip,
-            log_ratio=log_ratio)
+            log_ratio=log_ratio, policy_loss=config.policy_loss)
     else:
-        per_token_pg, stats = policy_ratio_loss(
+        per_token_pg, stats = SURROGATES[config.policy_loss](
             logp,
             old_logp,
             advantages,
@@ -403,11 +458,13 @@ def behaviour_weights(old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: to
 def off_policy_ratio_loss(logp: torch.Tensor, old_logp: torch.Tensor, behav_logp: torch.Tensor,
                           advantages: torch.Tensor, mask: torch.Tensor, *, correction: str, cap: float,
                           eps_low: float, eps_high: float, dual_clip: float | None = None,
-                          log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                          log_ratio: torch.Tensor | None = None,
+                          policy_loss: str = "clip") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss w_t * L_t, [batch, T]: ``policy_ratio_loss(logp, old_logp, ...)`` (the clipped surrogate
-    against pi_old, i.e. pi_prox for decoupled) times ``behaviour_weights(old_logp, behav_logp)``. Returns it
-    with the stats of both (clip_fraction, ratio_min/max, behav_weight_mean/max, behav_capped_fraction)."""
-    per_token, stats = policy_ratio_loss(logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
+    against pi_old, i.e. pi_prox for decoupled; ``cispo_loss`` with policy_loss=cispo) times
+    ``behaviour_weights(old_logp, behav_logp)``. Returns it with the stats of both (clip_fraction, ratio_min/max,
+    behav_weight_mean/max, behav_capped_fraction)."""
+    per_token, stats = SURROGATES[policy_loss](logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
                                          dual_clip=dual_clip, log_ratio=log_ratio)
     weights, weight_stats = behaviour_weights(old_logp, behav_logp, mask, correction=correction, cap=cap)
     return per_token * weights, {**stats, **weight_stats}

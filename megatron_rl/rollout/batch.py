@@ -74,6 +74,20 @@ class Rollout:
                        advantages=None if parts[0].advantages is None else torch.cat([p.advantages for p in parts]),
                        routes=joined("routes"), seq_multiple=parts[0].seq_multiple)
 
+    def sample_records(self, count: int) -> list[dict]:
+        """``count`` completions spread evenly over the rollout (so over its prompts), as JSON-ready records for the
+        sample log: prompt, completion, reference answer, reward (total and per function), advantage, response
+        tokens and whether generation cut it at the length limit."""
+        total = len(self.completions)
+        rows = sorted({i * total // count for i in range(count)}) if total else []
+        plain = lambda value: value if value is None or isinstance(value, (str, int, float, bool)) else str(value)  # noqa: E731
+        return [{"prompt": self.prompts[i], "completion": self.completions[i], "answer": plain(self.answers[i]),
+                 "reward": None if self.rewards is None else float(self.rewards[i]),
+                 "rewards": {name: float(values[i]) for name, values in self.per_fn.items()},
+                 "advantage": None if self.advantages is None else float(self.advantages[i]),
+                 "response_tokens": len(self.response_ids[i]),
+                 "truncated": bool(self.truncated[i]) if self.truncated else False} for i in rows]
+
     @property
     def seq_length(self) -> int:
         """Padded training length: the longest prompt + response, minus the last token (inputs are shifted),

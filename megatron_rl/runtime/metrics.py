@@ -4,8 +4,11 @@ scalars (``logging.tensorboard``) and Weights & Biases (``logging.wandb``).
 Only global rank 0 writes. Metrics are plain floats that every rank already agrees on (see
 ``megatron_rl.runtime.training.reduce_reports``).
 
-A resumed run rewrites the steps after its checkpoint, and each log shows every step once: metrics.jsonl drops
-the later lines (``truncate_after``); TensorBoard keeps one folder per phase (``tensorboard/train``,
+RL trainers also write a few completions of every ``logging.sample_every``-th step to ``run.dir/samples.jsonl``
+(``log_samples``; a W&B table ``samples`` beside them).
+
+A resumed run rewrites the steps after its checkpoint, and each log shows every step once: metrics.jsonl and
+samples.jsonl drop the later lines (``truncate_after``); TensorBoard keeps one folder per phase (``tensorboard/train``,
 ``tensorboard/sft``, ...) whose writer purges the later steps (``purge_step``); W&B continues the run named in
 ``run.dir/wandb_run_id`` (``resume="allow"``), its step being the metrics.jsonl line number, and skips the lines
 it already has (a step redone after a crash logs the same values again).
@@ -27,8 +30,8 @@ from typing import Any, Optional, TextIO
 import yaml
 
 from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.private import write_private_text
-from megatron_rl.spec.run_files import CONFIG_FILE, METRICS_FILE
+from megatron_rl.spec.private import open_private_append, write_private_text
+from megatron_rl.spec.run_files import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 
 CONSOLE_KEYS = ("loss", "reward_mean", "accuracy", "pass_at_1", "kl", "response_length", "grad_norm", "lr",
                 "step_time_s")
@@ -56,6 +59,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        self.samples_path = self.run_dir / SAMPLES_FILE
         self._lines = len(_read_records(self.path))
         self._file = self.path.open("a", buffering=1)
         if tensorboard:
@@ -76,10 +80,13 @@ class MetricsLogger:
             writer.close()
         self._writers.clear()  # reopened with purge_step at the next log
         self._file.close()
-        records = _read_records(self.path)
-        kept = [line for line, record in records if record.get("step", 0) <= self._last_kept(record.get("phase"))]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self._lines = len(kept)
+        for path in (self.path, self.samples_path):
+            records = _read_records(path)
+            kept = [line for line, record in records if record.get("step", 0) <= self._last_kept(record.get("phase"))]
+            if path.exists():
+                write_private_text(path, "".join(line + "\n" for line in kept))
+            if path == self.path:
+                self._lines = len(kept)
         self._file = self.path.open("a", buffering=1)
 
     def _last_kept(self, phase: Optional[str]) -> float:
@@ -118,6 +125,21 @@ class MetricsLogger:
             where = f"step {step:>4}/{total}  " if total else ""  # total=0: a record of no training step (eval runs)
             print(f"{phase + ' ' if phase else ''}{where}{shown}", file=self.stream, flush=True)
 
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Append ``samples`` (``Rollout.sample_records``) of step ``step`` to samples.jsonl, and to W&B as the
+        table ``samples`` at the line of the step's metrics (logged next)."""
+        if not self.enabled or not samples:
+            return
+        records = [{"step": step, **sample} for sample in samples]
+        with open_private_append(self.samples_path) as handle:  # prompts and answers are the user's data
+            handle.write("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode())
+        if self._wandb is not None and self._lines >= self._wandb_has:
+            import wandb
+
+            columns = list(records[0])
+            table = wandb.Table(columns=columns, data=[[_table_cell(c, r[c]) for c in columns] for r in records])
+            self._wandb.log({"samples": table}, step=self._lines, commit=False)
+
     def _writer(self, phase: str):
         if phase not in self._writers:
             last = self._last_kept(phase)
@@ -142,7 +164,7 @@ class MetricsLogger:
 def _read_records(path: Path) -> list[tuple[str, dict]]:
     if not path.exists():
         return []
-    return [(line, json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return [(line, json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _summary_writer_class():
@@ -176,6 +198,14 @@ def _start_wandb(run_dir: Path, cfg: Any) -> tuple[Any, bool]:
                      name=run_dir.name, config=config, dir=os.environ.get("WANDB_DIR") or str(run_dir),
                      settings=wandb.Settings(console="off"))  # rank 0's stdout stays the job log
     return run, resumed
+
+
+def _table_cell(column: str, value):
+    """A W&B table cell: per-function rewards as JSON text, and the reference answer as text (a column keeps
+    one type, and a data set may mix numbers and strings)."""
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value) if column == "answer" and value is not None else value
 
 
 def _clean(value):

@@ -1,7 +1,8 @@
 """The run folder's file names and the job's exit codes: what the job writes and the launcher reads.
 
 A run folder is a ``run.dir``. The launcher writes ``config.yaml`` (and ``prediction.json``, the planner's
-prediction for the job's own layout); the job writes ``metrics.jsonl`` (one JSON line a step) and the audit record
+prediction for the job's own layout); the job writes ``metrics.jsonl`` (one JSON line a step), ``samples.jsonl`` (a few completions of some RL steps)
+and the audit record
 ``manifest.json`` (``megatron_rl/runtime/manifest.py``).
 """
 
@@ -9,6 +10,8 @@ CONFIG_FILE = "config.yaml"
 """The resolved config, as the launcher wrote it (``${oc.env:...}`` references left unresolved)."""
 METRICS_FILE = "metrics.jsonl"
 """One JSON line per step, written by rank 0."""
+SAMPLES_FILE = "samples.jsonl"
+"""Completions of every ``logging.sample_every``-th RL step, one JSON line each, written by rank 0."""
 MANIFEST_FILE = "manifest.json"
 """The run's audit record, written by the job."""
 PREDICTION_FILE = "prediction.json"

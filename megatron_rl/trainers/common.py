@@ -200,6 +200,13 @@ class TrainerContext:
             self.save(engine, step)
             self._warn_if_the_window_is_short(step_s)
 
+    def log_samples(self, step: int, rollout) -> None:
+        """Every logging.sample_every steps: logging.samples of the step's completions (a ``Rollout``, scored) to
+        samples.jsonl (rank 0; every rank holds the whole rollout)."""
+        every = self.cfg.logging.sample_every
+        if every and step % every == 0:
+            self.logger.log_samples(step, rollout.sample_records(self.cfg.logging.samples))
+
     def stop_in_phase(self, phase: str, step: int) -> bool:
         """After ``phase``'s step ``step`` (e.g. the SFT warm-up): whether any rank was asked to stop. A
         collective: every rank calls it at the same point."""

@@ -56,6 +56,7 @@ def run_loop(run: "GrpoRun", cfg: JobConfig, ctx: TrainerContext) -> None:
         start = run.resume_or_warm_up()
         for step in range(start + 1, cfg.run.steps + 1):
             batch = run.sample(step)  # generate and score; DAPO dynamic sampling draws until the batch has signal
+            ctx.log_samples(step, batch.drawn)
             with ctx.timer() as t_train:
                 train_metrics = run.train_on(batch.kept)
             run.sync_weights(step)  # split placement: the new weights reach the rollout workers

@@ -57,6 +57,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     start = run.resume_or_warm_up()
     for step in range(start + 1, cfg.run.steps + 1):
         batch = run.sample(step)  # generate and score: one reward per completion
+        ctx.log_samples(step, batch.drawn)
         with ctx.timer() as t_train:
             minibatches = run.minibatches(batch.kept)
             seq_length = batch.kept.seq_length

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from megatron_rl.spec.config.fields import (ADVANTAGE_MODES, ALGORITHMS, CRITIC_INITS, DPO_LOSSES, IMPORTANCE_RATIOS,
                                             KL_ESTIMATORS, LOSS_AGGREGATIONS, MAX_LENGTH, OFF_POLICY_CORRECTIONS,
-                                            WEIGHT_SYNCS, _at_most, _non_negative, _one_of, _positive)
+                                            POLICY_LOSSES, WEIGHT_SYNCS, _at_most, _non_negative, _one_of, _positive)
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.rewards import check_reward_options
 
@@ -58,6 +58,11 @@ class AlgorithmConfig:
     importance_ratio: str = "token"
     """token (PPO/GRPO) or sequence (GSPO: the length-normalised sequence ratio exp(mean(logp - old_logp)),
     clipped per sequence; use small clip_eps_low/high, e.g. 3e-4/4e-4, and loss_aggregation seq-mean-token-mean)."""
+    policy_loss: str = "clip"
+    """clip (PPO/GRPO: -min(r A, clip(r, 1 - clip_eps_low, 1 + clip_eps_high) A), whose clipped tokens get no
+    gradient) or cispo (MiniMax-M1: -sg(clip(r, 1 - clip_eps_low, 1 + clip_eps_high)) A log pi, the clipped ratio
+    a detached weight, so every token keeps its gradient; the paper sets no lower bound, clip_eps_low 1, and tunes
+    clip_eps_high). r is the token's ratio, or the sequence's with importance_ratio=sequence."""
     overlong: Optional[OverlongConfig] = None
     """DAPO soft overlong punishment {buffer, penalty}; null: off."""
     mask_truncated: bool = False
@@ -151,6 +156,7 @@ class AlgorithmConfig:
         _one_of("algorithm", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of("algorithm", "loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("algorithm", "importance_ratio", self.importance_ratio, IMPORTANCE_RATIOS)
+        _one_of("algorithm", "policy_loss", self.policy_loss, POLICY_LOSSES)
         self._check_dpo()
         self._check_off_policy()
         if isinstance(self.recompute_old_logprobs, str) and self.recompute_old_logprobs != "auto":
@@ -168,7 +174,10 @@ class AlgorithmConfig:
                               f"{self.name} has none, so set it to false")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
-        if self.clip_eps_low >= 1:
+        if self.dual_clip is not None and self.policy_loss == "cispo":
+            raise ConfigError("algorithm.dual_clip caps the clipped surrogate's loss, which policy_loss=cispo does "
+                              "not use; set dual_clip: null (cispo bounds its weight by clip_eps_high)")
+        if self.policy_loss == "clip" and self.clip_eps_low >= 1:
             raise ConfigError(f"algorithm.clip_eps_low={self.clip_eps_low} must be below 1 (the ratio is clipped "
                               "at 1 - clip_eps_low)")
         self._check_ppo()

@@ -20,6 +20,7 @@ LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-no
 ADVANTAGE_MODES = ("std", "mean")
 WANDB_MODES = ("online", "offline", "disabled")
 IMPORTANCE_RATIOS = ("token", "sequence")
+POLICY_LOSSES = ("clip", "cispo")
 TRUNCATION_POLICIES = ("truncate", "drop")
 MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss")
 DPO_LOSSES = ("sigmoid", "ipo")

@@ -517,9 +517,16 @@ class LoggingConfig:
     continues the same W&B run (its id is kept in <run.dir>/wandb_run_id)."""
     plot: bool = False
     """Write <run.dir>/curves.png (reward and KL against step) at the end."""
+    sample_every: int = 10
+    """GRPO and PPO: every N steps, write ``samples`` of the step's completions to <run.dir>/samples.jsonl (prompt,
+    completion, reference answer, reward per function, advantage, length, truncation), and a W&B table when W&B
+    is on; ``launch.py logs RUN --samples`` prints the latest. 0: off."""
+    samples: int = 4
+    """Completions written each ``sample_every`` steps, spread over the step's prompts."""
 
     def __post_init__(self) -> None:
-        _positive("logging", log_interval=self.log_interval)
+        _positive("logging", log_interval=self.log_interval, samples=self.samples)
+        _non_negative("logging", sample_every=self.sample_every)
         _one_of("logging", "console", self.console, ("progress", "json", "quiet"))
 
 
