@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -60,19 +61,19 @@ def write_folder(path, rows):
     return path
 
 
-def chat_tokenizer(tmp_path, *, template=TEMPLATE):
+def chat_tokenizer(tmp_path, *, template=TEMPLATE, characters=""):
     """A local Hugging Face tokenizer (word-level over characters and role tokens), with ``template`` as the
-    ``chat_template`` of its tokenizer_config.json (None: no template)."""
+    ``chat_template`` of its tokenizer_config.json (None: no template); ``characters`` join the vocabulary."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     roles = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-    words = ["<pad>", "<s>", "</s>", "<unk>", *roles, *"abcdefghijklmnopqrstuvwxyz0123456789=+ .!?"]
+    words = ["<pad>", "<s>", "</s>", "<unk>", *roles, *"abcdefghijklmnopqrstuvwxyz0123456789=+ .!?", *characters]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|[a-z]+\|>|<s>|</s>|."), "isolated")
     hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                  unk_token="<unk>", additional_special_tokens=roles)
-    folder = tmp_path / ("chat_tok" if template else "plain_tok")
+    folder = tmp_path / (("chat_tok" if template else "plain_tok") + ("_more" if characters else ""))
     hf.save_pretrained(folder)
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -213,6 +214,29 @@ def test_chat_template_puts_the_template_into_the_prompt_ids(tmp_path):
         {"messages": [{"role": "system", "content": "think."}, *CHAT], "answer": "7"}])
     [record] = load_prompts(cfg, own_system, tok)
     assert "think." in record.prompt and "be brief." not in record.prompt  # the record's own system message wins
+
+
+def test_arabic_text_passes_the_chat_template_tokenizer_and_export_unchanged(tmp_path):
+    from megatron_rl.conversion.safetensors_io import copy_tokenizer_files
+    from megatron_rl.data.tokenizer import ARABIC_CHARACTERS
+
+    tok = chat_tokenizer(tmp_path, characters=ARABIC_CHARACTERS)
+    question = "آخر رقم من ٣٨٧، ما هو؟"
+    chat = [{"role": "user", "content": question}]
+    path = write_parquet(tmp_path / "ar.parquet", [{"messages": chat, "answer": "٧"}])
+    [record] = load_prompts(DataConfig(chat_template=True, system_prompt="أجب باختصار."), path, tok)
+    assert record.prompt == f"<s><|system|>أجب باختصار.<|end|><|user|>{question}<|end|><|assistant|>"
+    assert record.answer == "٧" and tok.hf.unk_token_id not in record.prompt_ids
+    pieces = lambda ids: "".join(tok.hf.convert_ids_to_tokens(ids))  # noqa: E731 (this toy decoder adds spaces)
+    assert pieces(tok.encode(question)) == question  # every character its own token, none lost
+    ids, mask = encode_sft_example(tok, chat, "٧", chat=ChatFormat.from_config(DataConfig(chat_template=True), tok))
+    assert pieces([i for i, m in zip(ids, mask) if m]) == "٧<|end|></s>"  # the trained tokens: the answer's turn
+    exported = tmp_path / "export"
+    exported.mkdir()
+    assert "tokenizer.json" in copy_tokenizer_files(Path(tok.name), exported)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (Path(tok.name) / name).read_bytes()
+    assert load_tokenizer(str(exported)).encode(question) == tok.encode(question)
 
 
 def test_chat_template_for_sft_and_preference_pairs(tmp_path):

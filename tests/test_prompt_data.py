@@ -17,6 +17,7 @@ from megatron_rl.data.synthetic import (
     write_synthetic_dataset,
 )
 from megatron_rl.data.sft import encode_sft_example, read_sft_records
+from megatron_rl.data.tokenizer import BUILTIN_TOKENIZERS, load_tokenizer
 from megatron_rl.rewards import build_reward_fn
 
 # ---------------------------------------------------------------- tokenizer
@@ -35,6 +36,24 @@ def test_char_tokenizer_round_trip_and_ids():
     assert tok.decode(tok.encode("é")) == ""  # outside the vocabulary -> unk, dropped on decode
     assert tok.decode([tok.encode("a")[0], tok.eos_id, tok.encode("b")[0]]) == "a"  # stops at eos
     assert tok.decode([1, 3], skip_special_tokens=False) == "<bos><unk>"
+
+
+def test_arabic_char_tokenizer_round_trip_and_the_builtin_names():
+    tok = load_tokenizer("builtin:char-arabic")
+    assert tok.name == "char-arabic-v1" and tok.vocab_size == 70 <= 128
+    text = "آخر رقم من ٣٨٧=٧\nما هو ٢+٣؟ ٥، أو 5."
+    ids = tok.encode(text, add_eos=True)
+    assert tok.unk_id not in ids and tok.decode(ids) == text and max(ids) < tok.vocab_size
+    assert tok.decode(tok.encode("x")) == ""  # Latin letters are outside this vocabulary
+    assert load_tokenizer("builtin:char-ascii").encode("last of 387=") == CharTokenizer().encode("last of 387=")
+    assert sorted(BUILTIN_TOKENIZERS) == ["builtin:char-arabic", "builtin:char-ascii"]
+    with pytest.raises(ConfigError, match="built-in ones: builtin:char-ascii, builtin:char-arabic"):
+        load_tokenizer("builtin:char-greek")
+
+
+def task_tokenizer(task: str):
+    """The built-in tokenizer of a synthetic task (the Arabic ones are in Arabic script)."""
+    return load_tokenizer("builtin:char-arabic" if task.endswith("_ar") else None)
 
 
 # ---------------------------------------------------------------- JSONL datasets
@@ -155,8 +174,11 @@ def test_problem_spaces():
     assert ("rev abc=", "cba") in problem_space("reverse")
     assert answer_space("last_digit") == [str(d) for d in range(10)]
     assert answer_space("add") == [str(n) for n in range(19)]
-    tok = CharTokenizer()
-    for task in TASKS:  # every prompt and answer is inside the tokenizer's vocabulary
+    assert problem_space("last_digit_ar")[387] == ("آخر رقم من ٣٨٧=", "٧")
+    assert problem_space("first_digit_ar")[387] == ("أول رقم من ٣٨٧=", "٣")
+    assert answer_space("last_digit_ar") == [chr(0x0660 + d) for d in range(10)]
+    for task in TASKS:  # every prompt and answer is inside the task's tokenizer's vocabulary
+        tok = task_tokenizer(task)
         for prompt, answer in problem_space(task):
             assert tok.decode(tok.encode(prompt + answer)) == prompt + answer
     with pytest.raises(ConfigError, match="unknown"):

@@ -8,6 +8,8 @@ Tasks (prompt -> answer; the reward is an exact match of the completion, registr
 - "add": single-digit addition, "3+4=" -> "7" (100 problems, answers "0".."18"). Too hard for GRPO from chance
   on a tiny model (it collapses onto the most common answer); use it with a correct-answer SFT warm-up.
 - "reverse": reverse 3 letters from a-e, "rev abc=" -> "cba" (125 problems); chance is 1/125, SFT first.
+- "last_digit_ar" and "first_digit_ar": the digit tasks in Arabic with Arabic-Indic digits, "آخر رقم من ٣٨٧=" ->
+  "٧" and "أول رقم من ٣٨٧=" -> "٣" (model.tokenizer: builtin:char-arabic; configs/grpo_arabic_tiny.yaml).
 
 Train and test splits hold DISJOINT problems: the problem space is shuffled with the seed and the first
 `num_test_problems` (default: a tenth of the space) go to test; lines are then drawn (seeded) from each side.
@@ -31,8 +33,10 @@ from pathlib import Path
 
 from megatron_rl.spec.errors import ConfigError
 
-TASKS: tuple[str, ...] = ("last_digit", "first_digit", "add", "reverse")
+TASKS: tuple[str, ...] = ("last_digit", "first_digit", "add", "reverse", "last_digit_ar", "first_digit_ar")
 _REVERSE_LETTERS = "abcde"
+_ARABIC_DIGITS = str.maketrans("0123456789", "".join(chr(0x0660 + digit) for digit in range(10)))
+_ARABIC_WORDS = {"last_digit_ar": "آخر رقم من", "first_digit_ar": "أول رقم من"}
 
 
 def problem_space(task: str) -> list[tuple[str, str]]:
@@ -41,6 +45,9 @@ def problem_space(task: str) -> list[tuple[str, str]]:
         position = -1 if task == "last_digit" else 0
         word = task.split("_")[0]
         return [(f"{word} of {digits}=", digits[position]) for digits in (f"{number:03d}" for number in range(1000))]
+    if task in _ARABIC_WORDS:
+        return [(f"{_ARABIC_WORDS[task]} {prompt.split(' of ')[1].translate(_ARABIC_DIGITS)}",
+                 answer.translate(_ARABIC_DIGITS)) for prompt, answer in problem_space(task.removesuffix("_ar"))]
     if task == "add":
         return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
     if task == "reverse":
@@ -99,7 +106,7 @@ def write_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as handle:
         for record in records:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
 
 

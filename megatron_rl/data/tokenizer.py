@@ -1,7 +1,11 @@
-"""A fixed character-level tokenizer for tiny models: 4 special tokens, then printable ASCII and newline.
+"""Fixed character-level tokenizers for tiny models, and the loader of Hugging Face tokenizer folders.
 
-Ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>, then '\\n' and the 95 printable ASCII characters ' '..'~' in code
-order: vocab_size 100. The vocabulary is fixed in code, so every process and every checkpoint agrees on it.
+``CharTokenizer`` (``model.tokenizer: null`` or ``builtin:char-ascii``): ids 0 <pad>, 1 <bos>, 2 <eos>, 3 <unk>,
+then '\\n' and the 95 printable ASCII characters ' '..'~' in code order: vocab_size 100.
+``builtin:char-arabic``: the same special tokens, then newline, space, ASCII digits and arithmetic signs, the
+Arabic letters (U+0621..U+063A, U+0641..U+064A), Arabic-Indic digits and the Arabic comma, semicolon and
+question mark: vocab_size 70, for the Arabic synthetic tasks (megatron_rl/data/synthetic.py). Each vocabulary is
+fixed in code, so every process and every checkpoint agrees on it.
 
 Test: `.venv/bin/python -m pytest tests/test_prompt_data.py -q` (and tests/test_rm.py -k tokenizer)
 """
@@ -12,17 +16,21 @@ from collections.abc import Iterable
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARACTERS: str = "\n" + "".join(chr(code) for code in range(32, 127))
+ARABIC_CHARACTERS: str = ("\n 0123456789=+-.:" + "".join(chr(code) for code in range(0x0621, 0x063B))
+                          + "".join(chr(code) for code in range(0x0641, 0x064B))
+                          + "".join(chr(0x0660 + digit) for digit in range(10)) + "\u060c\u061b\u061f")
 
 
 class CharTokenizer:
-    """Character-level tokenizer with a fixed vocabulary (vocab_size 100 <= 128)."""
+    """Character-level tokenizer with a fixed vocabulary (ASCII: vocab_size 100 <= 128)."""
 
-    name = "char-ascii-v1"
-
-    def __init__(self) -> None:
-        self._id_to_char = dict(enumerate(CHARACTERS, start=len(SPECIAL_TOKENS)))
+    def __init__(self, characters: str = CHARACTERS, name: str = "char-ascii-v1") -> None:
+        if len(set(characters)) != len(characters):
+            raise ValueError("a character vocabulary lists each character once")
+        self.name = name
+        self._id_to_char = dict(enumerate(characters, start=len(SPECIAL_TOKENS)))
         self._char_to_id = {char: index for index, char in self._id_to_char.items()}
-        self.vocab_size = len(SPECIAL_TOKENS) + len(CHARACTERS)
+        self.vocab_size = len(SPECIAL_TOKENS) + len(characters)
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = range(len(SPECIAL_TOKENS))
         self.special_ids = frozenset(range(len(SPECIAL_TOKENS)))
 
@@ -120,18 +128,27 @@ def remote_code_refused(path: str):
                        "e.g. a tiktoken tokenizer); set model.trust_remote_code=true to run it, if you trust it")
 
 
+BUILTIN_TOKENIZERS = {"builtin:char-ascii": lambda: CharTokenizer(),
+                      "builtin:char-arabic": lambda: CharTokenizer(ARABIC_CHARACTERS, name="char-arabic-v1")}
+"""The character tokenizers ``model.tokenizer`` may name instead of a folder."""
+
+
 def load_tokenizer(path: str | None, *, trust_remote_code: bool = False):
-    """The built-in CharTokenizer when path is None, else a local Hugging Face tokenizer folder.
+    """The built-in CharTokenizer when path is None, a built-in one by name (``BUILTIN_TOKENIZERS``), else a local
+    Hugging Face tokenizer folder.
 
     ``trust_remote_code`` (model.trust_remote_code): allow a folder whose tokenizer is Python code shipped in it
     (tokenizer_config.json ``auto_map``, e.g. Kimi-K2); refused with a ConfigError otherwise. Never the hub."""
     if path is None:
         return CharTokenizer()
+    if path in BUILTIN_TOKENIZERS:
+        return BUILTIN_TOKENIZERS[path]()
     from pathlib import Path
 
     from megatron_rl.spec.errors import ConfigError
 
     if not Path(path).is_dir():
         raise ConfigError(f"model.tokenizer={path!r} is not a folder; give a local Hugging Face tokenizer folder "
-                          "(or null for the built-in character tokenizer)")
+                          f"(or null for the built-in character tokenizer; built-in ones: "
+                          f"{', '.join(BUILTIN_TOKENIZERS)})")
     return HFTokenizer(path, trust_remote_code=trust_remote_code)

@@ -67,7 +67,8 @@ class ModelConfig:
     seq_length: Optional[int] = None
     """Training sequence length; None takes the shape's own seq_length."""
     tokenizer: Optional[str] = None
-    """A local Hugging Face tokenizer folder; None uses the built-in character tokenizer (tiny CPU tasks)."""
+    """A local Hugging Face tokenizer folder; None uses the built-in character tokenizer (tiny CPU tasks), as
+    builtin:char-ascii does; builtin:char-arabic is its Arabic-script twin (the Arabic synthetic tasks)."""
     trust_remote_code: bool = False
     """Let model.tokenizer run Python code shipped in its folder (tokenizer_config.json `auto_map`, e.g.
     Kimi-K2's tiktoken tokenizer). false (default) refuses such a folder with an error naming this key. Only
