@@ -13,7 +13,7 @@ if __name__ == "__main__":
     from megatron_rl.generation import generate
     from megatron_rl.models.builder import ModelOptions, build_model_chunks
     from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.distributed import current_dims, initialize, job_dims
+    from megatron_rl.runtime.distributed import current_dims, initialize, job_dims, shutdown
 
     path, tp, model, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
     initialize(job_dims(tp=tp), seed=0)
@@ -22,4 +22,8 @@ if __name__ == "__main__":
     ckpt.load_checkpoint(path, chunks=chunks, load_optimizer=False)
     out = generate(chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=8, temperature=0.0)
     if torch.distributed.get_rank() == 0:
-        print(json.dumps({"tokens": out.tokens}))
+        print(json.dumps({"tokens": out.tokens}), flush=True)
+    # leave together and tear the group down: a rank that exits while the other still prints can leave gloo's
+    # threads to a destructor that aborts ("terminate called without an active exception", seen once in CI)
+    torch.distributed.barrier()
+    shutdown()
