@@ -32,15 +32,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def torchrun_check(script: str, out: Path, *args: str, nproc: int = 2) -> list[dict]:
-    """Run ``tests/dist/<script> --out OUT ARGS`` on ``nproc`` local gloo ranks; each rank's ``OUT/rank{R}.json``."""
+def torchrun_check(script: str, out: Path, *args: str, nproc: int = 2, timeout: float = 300) -> list[dict]:
+    """Run ``tests/dist/<script> --out OUT ARGS`` on ``nproc`` local gloo ranks with torchrun's environment
+    (``megatron_rl.spec.local_ranks``, as the local executor starts a job); each rank's ``OUT/rank{R}.json``."""
+    from megatron_rl.spec.local_ranks import kill_leftovers, start_ranks, watch
     from megatron_rl.spec.ports import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(REPO_ROOT / "tests" / "dist" / script), "--out", str(out), *args]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(REPO_ROOT / "tests" / "dist" / script), "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    logs = [(out / f"rank{rank}.log").open("w+") for rank in range(nproc)]
+    procs = start_ranks(cmd, nproc, port=free_port(), env=env, stdout=logs, cwd=str(REPO_ROOT))
+    try:
+        code = watch(procs, timeout=timeout)
+    finally:
+        kill_leftovers(procs)
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    assert code == 0, f"exit code {code}:\n" + "\n".join(f"--- rank {r}\n{t[-4000:]}" for r, t in enumerate(texts))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

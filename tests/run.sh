@@ -20,7 +20,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -c "$supported" || { echo "error: tests/run.sh needs Python >= 3.12 ($PYTHON is $("$PYTHON" --version 2>&1)); set PYTHON=python3.12" >&2; exit 2; }
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e '.[dev]'
+# uv installs the same pinned set in ~30 s where pip takes ~2 minutes (most of it unpacking torch's CUDA build, the
+# only Linux torch PyPI has for Python 3.12); bytecode is compiled up front, as pip does. pip when uv cannot be had.
+if ! { .venv/bin/python -m pip install -q --disable-pip-version-check uv 2>/dev/null && [ -x .venv/bin/uv ] &&
+        .venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode -c constraints/cpu.txt -e '.[dev]'; }; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e '.[dev]'
+fi
 
 export DEV_CLUSTER_DIR="${DEV_CLUSTER_DIR:-/tmp/megatron-rl-dev-cluster}"
 started_cluster=0

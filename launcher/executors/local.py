@@ -1,7 +1,7 @@
 """Local executor: start the job's ranks as processes on this machine (torchrun-style environment).
 
 Rank 0's output goes to the console; every rank writes ``run.dir/logs/rank<N>.log``. When any rank fails,
-the others are stopped within ``STOP_GRACE_S`` seconds instead of waiting on a collective timeout.
+the others are stopped (``megatron_rl.spec.local_ranks``) instead of waiting on a collective timeout.
 The launcher holds ``run.dir/.lock`` (``launcher.lock``) until every rank has ended, so a second launch into the
 folder is refused; everything it writes is private (``megatron_rl.spec.private``).
 """
@@ -14,24 +14,17 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from launcher.job import PreparedJob, check_env
 from launcher.lock import acquire
+from megatron_rl.spec.local_ranks import kill_leftovers, rank_env, start_ranks, stop, watch
 from megatron_rl.spec.ports import free_port
 from megatron_rl.spec.private import make_private_dir, open_private_append
-
-STOP_GRACE_S = 10.0
 
 
 def worker_command(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.main", str(config_path)]
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
 def describe(job: PreparedJob) -> str:
@@ -70,25 +63,20 @@ def _run(job: PreparedJob) -> int:
     make_private_dir(log_dir)
     port = free_port()
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
     print(f"run folder: {job.run_dir}\nstarting {world} local process(es); logs: {log_dir}", flush=True)
-    for rank in range(world):
-        proc = subprocess.Popen(worker_command(config_path), env={**base_env, **rank_env(rank, world, port)},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, log_dir / f"rank{rank}.log", rank == 0),
-                                daemon=True)
+    procs = start_ranks(worker_command(config_path), world, port=port, env=base_env, stdout=subprocess.PIPE)
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, log_dir / f"rank{rank}.log", rank == 0), daemon=True)
+             for rank, proc in enumerate(procs)]
+    for pump in pumps:
         pump.start()
-        procs.append(proc)
-        pumps.append(pump)
     try:
-        code = _watch(procs)
+        code = watch(procs, poll_s=0.2)
     except KeyboardInterrupt:
-        _stop(procs, signal.SIGTERM)
+        stop(procs, signal.SIGTERM)
         code = 130
     for pump in pumps:
         pump.join(timeout=5)
-    _kill_leftovers(procs)
+    kill_leftovers(procs)
     if code not in (0, 130):
         failed = next((i for i, p in enumerate(procs) if p.returncode not in (0, None, -signal.SIGTERM)), 0)
         tail = (log_dir / f"rank{failed}.log").read_text(errors="replace").splitlines()[-15:]
@@ -96,38 +84,3 @@ def _run(job: PreparedJob) -> int:
               file=sys.stderr)
         print("\n".join("  " + line for line in tail), file=sys.stderr)
     return code
-
-
-def _watch(procs: list[subprocess.Popen]) -> int:
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            _stop(procs, signal.SIGTERM)
-            return failed[0] if failed[0] > 0 else 128 - failed[0]
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.2)
-
-
-def _kill_leftovers(procs: list[subprocess.Popen]) -> None:
-    """Each rank runs in its own session; whatever it started and left behind when it ended (a killed rank leaves
-    Megatron's multiprocessing helpers orphaned) is still in its process group: end them too."""
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _stop(procs: list[subprocess.Popen], sig: int) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, sig)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()

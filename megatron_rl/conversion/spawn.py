@@ -1,9 +1,9 @@
-"""Start the conversion worker processes (torchrun) from a torch-free parent and report their errors in one line.
+"""Start the conversion worker processes from a torch-free parent and report their errors in one line.
 
-The parent never imports torch: it writes the task list into a work folder, starts
-``python -m torch.distributed.run --standalone --nproc-per-node N -m megatron_rl.conversion.worker TASKS.json``
-(a single process runs without torchrun), logs everything to ``worker.log`` and turns a failed rank's
-``rank<R>.error`` file into a ``ConfigError`` (exit code 2) or a RuntimeError naming the log.
+The parent never imports torch: it writes the task list into a work folder, starts N processes of
+``python -m megatron_rl.conversion.worker TASKS.json`` with torchrun's environment (``megatron_rl.spec.local_ranks``:
+no torchrun agent, which would cost ~2 s a conversion), logs everything to ``worker.log`` and turns a failed
+rank's ``rank<R>.error`` file into a ``ConfigError`` (exit code 2) or a RuntimeError naming the log.
 Workers always run on the CPU (``CUDA_VISIBLE_DEVICES=''``): conversion moves bytes, it does no math.
 """
 
@@ -19,16 +19,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.local_ranks import kill_leftovers, start_ranks, watch
 from megatron_rl.spec.ports import free_port
 
 
-def worker_command(nproc: int, tasks_file: Path, script: Optional[str] = None) -> list[str]:
-    """The command line of the workers (``script``: another entry point that wraps the worker, e.g. in tests)."""
+def worker_command(tasks_file: Path, script: Optional[str] = None) -> list[str]:
+    """The command line of each worker (``script``: another entry point that wraps the worker, e.g. in tests)."""
     entry = [script] if script else ["-m", "megatron_rl.conversion.worker"]
-    if nproc == 1:
-        return [sys.executable, *entry, str(tasks_file)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            *entry, str(tasks_file)]
+    return [sys.executable, *entry, str(tasks_file)]
 
 
 def run_worker(tasks: list[dict[str, Any]], nproc: int, *, workdir: Optional[Path] = None,
@@ -44,26 +42,27 @@ def run_worker(tasks: list[dict[str, Any]], nproc: int, *, workdir: Optional[Pat
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
         p for p in (repo_root, os.environ.get("PYTHONPATH", "")) if p)}
     env.setdefault("OMP_NUM_THREADS", "1")
-    if nproc == 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     log_path = work / "worker.log"
     failed = False
     try:
         with open(log_path, "w") as log:
+            procs = start_ranks(worker_command(tasks_file, script), nproc, port=free_port(), env=env, stdout=log,
+                                cwd=repo_root)
             try:
-                proc = subprocess.run(worker_command(nproc, tasks_file, script), stdout=log, stderr=subprocess.STDOUT,
-                                      env=env, timeout=timeout, cwd=repo_root)
+                returncode = watch(procs, timeout=timeout)
             except subprocess.TimeoutExpired:
                 failed = True
                 raise RuntimeError(f"conversion workers timed out after {timeout} s (log: {log_path})") from None
+            finally:
+                kill_leftovers(procs)
         errors = sorted(work.glob("rank*.error"), key=lambda p: int(p.stem[4:]))
-        if proc.returncode != 0 or errors:
+        if returncode != 0 or errors:
             failed = True
             reports = [json.loads(p.read_text()) for p in errors]
             config_errors = [r["message"] for r in reports if r["kind"] == "config"]
             if config_errors:
                 raise ConfigError(config_errors[0])
-            detail = reports[0]["message"] if reports else f"exit code {proc.returncode}"
+            detail = reports[0]["message"] if reports else f"exit code {returncode}"
             raise RuntimeError(f"conversion workers failed: {detail} (log: {log_path})")
         result = work / "result.json"
         return json.loads(result.read_text()) if result.is_file() else []

@@ -1,0 +1,79 @@
+"""Ranks as processes on this machine, with torchrun's environment, started and watched without torchrun's agent
+(``python -m torch.distributed.run`` imports torch before it starts anything: ~2 s of every start).
+
+The local executor starts a job's ranks with it (launcher/executors/local.py), the converter its workers
+(megatron_rl/conversion/spawn.py), the tests their torchrun checks (tests/helpers.py). Each rank runs in its own
+session, so stopping it stops what it started too. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Optional, Union
+
+STOP_GRACE_S = 10.0
+"""Seconds a stopped rank gets between SIGTERM and SIGKILL."""
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun sets for a rank of a one-machine job."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+Output = Union[int, IO, None]
+
+
+def start_ranks(cmd: Sequence[str], world: int, *, port: int, env: Mapping[str, str],
+                stdout: Union[Output, Sequence[Output]] = None, cwd: Optional[str] = None) -> list[subprocess.Popen]:
+    """``world`` processes of ``cmd``, rank r with ``env`` and ``rank_env(r, world, port)``; ``stdout`` (stderr
+    joins it): one target for all, or one per rank."""
+    outputs = list(stdout) if isinstance(stdout, (list, tuple)) else [stdout] * world
+    return [subprocess.Popen(list(cmd), env={**env, **rank_env(rank, world, port)}, stdout=outputs[rank],
+                             stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True) for rank in range(world)]
+
+
+def watch(procs: list[subprocess.Popen], *, timeout: Optional[float] = None, poll_s: float = 0.05) -> int:
+    """Wait for the ranks: 0 when all succeed; else the first failing one's code (a signal n as 128 + n), after
+    stopping the others. Past ``timeout`` seconds every rank is stopped and ``subprocess.TimeoutExpired`` raised."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            stop(procs, signal.SIGTERM)
+            return failed[0] if failed[0] > 0 else 128 - failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            stop(procs, signal.SIGTERM)
+            raise subprocess.TimeoutExpired([str(a) for a in procs[0].args], timeout)
+        time.sleep(poll_s)
+
+
+def stop(procs: list[subprocess.Popen], sig: int, grace_s: float = STOP_GRACE_S) -> None:
+    """Send ``sig`` to every rank still running (its whole process group), SIGKILL after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def kill_leftovers(procs: list[subprocess.Popen]) -> None:
+    """Whatever a rank started and left behind when it ended (a killed rank leaves Megatron's multiprocessing
+    helpers orphaned) is still in its process group: end them too."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
