@@ -183,13 +183,15 @@ def test_wandb_config():
 
 
 def test_real_grpo_run_logs_everywhere_and_plots(launch, tmp_path, monkeypatch):
-    """A 4-step GRPO job (5 warm-up steps) with TensorBoard and offline W&B on, then the plotting CLI."""
+    """A 4-step GRPO job (5 warm-up steps) of the Arabic config with TensorBoard, offline W&B and sample logs on,
+    then the plotting CLI: the samples come back in Arabic script, in samples.jsonl, W&B and ``logs --samples``."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_DIR", raising=False)  # W&B files go to the run folder
     run_dir = tmp_path / "run"
-    result = launch("cluster.executor=local", "algorithm.sft_warmup_steps=5", "algorithm.prompts_per_step=4",
+    result = launch("--config", "grpo_arabic_tiny", "algorithm.sft_warmup_steps=5", "algorithm.prompts_per_step=4",
                     "algorithm.group_size=4", "algorithm.global_batch_size=8", "parallel.micro_batch_size=4",
-                    "run.steps=4", "logging.tensorboard=true", "logging.wandb.mode=offline", f"run.dir={run_dir}")
+                    "run.steps=4", "logging.tensorboard=true", "logging.wandb.mode=offline", "logging.sample_every=2",
+                    "logging.samples=2", f"run.dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = read_metrics(run_dir)
     train = [m for m in metrics if "phase" not in m]
@@ -199,6 +201,15 @@ def test_real_grpo_run_logs_everywhere_and_plots(launch, tmp_path, monkeypatch):
     [(run_id, rows)] = _wandb_runs(run_dir)
     assert run_id == (run_dir / "wandb_run_id").read_text().strip()
     assert [row.get("train/reward_mean") for row in rows[5:]] == pytest.approx([m["reward_mean"] for m in train])
+    assert [row["_step"] for row in rows if "samples/_type" in row] == [6, 8]  # the lines of steps 2 and 4
+
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [s["step"] for s in samples] == [2, 2, 4, 4]
+    for sample in samples:  # the Arabic task, whole: prompt, answer and the reward of the completion as decoded
+        assert sample["prompt"].startswith("آخر رقم من ") and sample["answer"] in "٠١٢٣٤٥٦٧٨٩"
+        assert sample["reward"] == float(sample["completion"].strip() == sample["answer"])
+    shown = launch("logs", str(run_dir), "--samples")
+    assert shown.returncode == 0 and samples[-1]["prompt"] in shown.stdout, shown.stderr
 
     plot = subprocess.run([sys.executable, "-m", "megatron_rl.plotting", str(run_dir)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
