@@ -40,8 +40,11 @@ QUICK_LAUNCH_ARGS = frozenset({"--dry-run", "plan", "status", "logs", "cancel", 
 """An argument that makes launch.py start no job."""
 JOB_CALLS = frozenset({"torchrun_check", "run_worker", "import_hf_to_megatron", "verify_export"})
 """Functions that start worker processes."""
-JOB_MODULES = frozenset({"torch.distributed.run", "megatron_rl.main", "megatron_rl.conversion.command"})
+JOB_MODULES = frozenset({"torch.distributed.run", "megatron_rl.main", "megatron_rl.conversion.command",
+                         "megatron_rl.conversion.worker"})
 """``python -m MODULE`` starts a job."""
+DIST_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist") + os.sep
+"""``python tests/dist/SCRIPT`` is a rank of a torchrun check."""
 JOB_PROGRAMS = frozenset({"sbatch", "srun", "torchrun"})
 JOB_FIXTURES = frozenset({"slurm_cluster"})
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -135,7 +138,8 @@ def _is_job(args) -> bool:
     """A command that starts a job itself (what launch.py starts in turn is judged by starts_a_job alone)."""
     argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
     return (any(a == "-m" and b in JOB_MODULES for a, b in zip(argv, argv[1:]))
-            or bool(argv) and os.path.basename(argv[0]) in JOB_PROGRAMS)
+            or bool(argv) and os.path.basename(argv[0]) in JOB_PROGRAMS
+            or any(os.path.abspath(a).startswith(DIST_SCRIPTS) for a in argv[1:2]))
 
 
 @pytest.fixture(autouse=True)

@@ -382,3 +382,21 @@ def test_a_requeued_plain_sbatch_start_finds_the_lock_its_own(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="in use by Slurm job 77"):
         resolve(run_dir=str(run_dir), algorithm="pretrain", config=None, overrides=overrides,
                 env={"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"})
+
+
+def test_a_slurm_jobs_rendezvous_port_is_the_same_on_every_node_and_below_the_ephemeral_ports(tmp_path):
+    """Every task of a Slurm job computes the same MASTER_PORT (launcher/slurm/task.py, and the sbatch templates'
+    srun path in read_dist_env), below the range Linux gives outgoing connections, and a requeued run moves on."""
+    from megatron_rl.runtime.distributed import read_dist_env
+    from megatron_rl.spec.ports import ephemeral_port_floor, rendezvous_port
+
+    floor = ephemeral_port_floor()
+    job = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "56462666", "SLURM_JOB_NODELIST": "n[1-2]"}
+    ports = {read_dist_env({**job, "SLURM_PROCID": str(rank)}).master_port for rank in (0, 1)}
+    assert ports == {rendezvous_port(56462666)} and 20000 <= min(ports) < floor
+    requeued = read_dist_env({**job, "SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "1"}).master_port
+    assert requeued == rendezvous_port(56462666, 1) != min(ports)
+    assert all(20000 <= rendezvous_port(job_id, floor=25000) < 25000 for job_id in range(0, 10**6, 997))
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t60999\n")
+    assert ephemeral_port_floor(str(ranges)) == 40000 and ephemeral_port_floor(str(tmp_path / "none")) == 32768

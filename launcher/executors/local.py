@@ -70,7 +70,7 @@ def _run(job: PreparedJob) -> int:
     for pump in pumps:
         pump.start()
     try:
-        code = watch(procs, poll_s=0.2)
+        code = watch(procs)
     except KeyboardInterrupt:
         stop(procs, signal.SIGTERM)
         code = 130

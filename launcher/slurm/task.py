@@ -39,10 +39,13 @@ class TrainTask:
     def __call__(self) -> dict[str, Any]:
         from submitit.helpers import TorchDistributedEnvironment
 
+        from megatron_rl.spec.ports import rendezvous_port
         from megatron_rl.spec.private import private_umask
 
         private_umask()  # the trainer's checkpoints and submitit's result pickle are 0600
-
+        # every task computes the same port; submitit's own pick (20000-60000) can fall on a port in use
+        os.environ.setdefault("MASTER_PORT", str(rendezvous_port(int(os.environ.get("SLURM_JOB_ID", "0")),
+                                                                 int(os.environ.get("SLURM_RESTART_COUNT", "0")))))
         dist = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         pending = []  # a checkpoint request the trainer could not take yet

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 import torch
 
 from megatron_rl.spec.parallel import ParallelDims
+from megatron_rl.spec.ports import rendezvous_port
 
 T = TypeVar("T")
 JOB_RANK_ENV = "MEGATRON_RL_JOB_RANK"
@@ -63,7 +64,8 @@ def read_dist_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
             rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", "0")),
             master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
-            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000))
+            master_port=int(env.get("MASTER_PORT")
+                            or rendezvous_port(job_id, int(env.get("SLURM_RESTART_COUNT", "0")))))
     return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
                    master_port=int(env.get("MASTER_PORT", "29500")))
 
