@@ -128,6 +128,7 @@ _METADATA_NAMES: dict[tuple[str, str], Any] = {
     (f"{_DCP}.planner", "WriteItemType"): _name,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("pathlib", "PosixPath"): _unread_call,
+    ("pathlib._local", "PosixPath"): _unread_call,  # where Python 3.13 pickles it
 }
 
 
