@@ -144,6 +144,30 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
     return (sums / lengths.clamp(min=1)).unsqueeze(-1).expand_as(logp)
 
 
+def _ratio_inputs(logp, old_logp, advantages, mask, log_ratio, log_ratio_clamp):
+    """(advantages [batch, T], float mask, ratio) of a surrogate's arguments, shapes checked; the log ratio is the
+    token's own unless given, clamped only so exp() cannot overflow."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logp)
+    _check_shapes(mask, logp, old_logp, advantages)
+    log_ratio = logp - old_logp if log_ratio is None else log_ratio
+    _check_shapes(mask, log_ratio)
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    return advantages, mask.to(logp.dtype), torch.exp(log_ratio)
+
+
+def _ratio_stats(ratio, mask, *, clipped, dual_clipped) -> dict[str, torch.Tensor]:
+    """A surrogate's detached stats over the masked tokens (ratio 1.0 when none is masked in)."""
+    with torch.no_grad():
+        in_mask = mask > 0
+        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        return {"clip_fraction": _masked_mean(clipped.to(mask.dtype), mask),
+                "dual_clip_fraction": _masked_mean(dual_clipped.to(mask.dtype), mask),
+                "ratio_min": ratio[in_mask].min() if in_mask.any() else one,
+                "ratio_max": ratio[in_mask].max() if in_mask.any() else one}
+
+
 def policy_ratio_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -165,15 +189,7 @@ def policy_ratio_loss(
     Stats (detached, over masked tokens): clip_fraction = share of tokens where the clipped branch was chosen
     (so its gradient is zero), dual_clip_fraction, ratio_min, ratio_max (1.0 when no token is masked in).
     """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logp)
-    _check_shapes(mask, logp, old_logp, advantages)
-    mask = mask.to(logp.dtype)
-    log_ratio = logp - old_logp if log_ratio is None else log_ratio
-    _check_shapes(mask, log_ratio)
-    if log_ratio_clamp is not None:
-        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
+    advantages, mask, ratio = _ratio_inputs(logp, old_logp, advantages, mask, log_ratio, log_ratio_clamp)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -187,19 +203,7 @@ def policy_ratio_loss(
         dual_active = negative & (per_token > cap)
         per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
 
-    with torch.no_grad():
-        in_mask = mask > 0
-        if in_mask.any():
-            ratio_min, ratio_max = ratio[in_mask].min(), ratio[in_mask].max()
-        else:
-            ratio_min = ratio_max = torch.ones((), dtype=ratio.dtype, device=ratio.device)
-        stats = {
-            "clip_fraction": _masked_mean(clip_active.to(mask.dtype), mask),
-            "dual_clip_fraction": _masked_mean(dual_active.to(mask.dtype), mask),
-            "ratio_min": ratio_min,
-            "ratio_max": ratio_max,
-        }
-    return per_token, stats
+    return per_token, _ratio_stats(ratio, mask, clipped=clip_active, dual_clipped=dual_active)
 
 
 def cispo_loss(
@@ -219,27 +223,11 @@ def cispo_loss(
     gradient). dual_clip must be None: CISPO has no surrogate to cap."""
     if dual_clip is not None:
         raise ValueError("cispo_loss has no dual clip (its weight is bounded by eps_high)")
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logp)
-    _check_shapes(mask, logp, old_logp, advantages)
-    mask = mask.to(logp.dtype)
-    log_ratio = (logp - old_logp if log_ratio is None else log_ratio).detach()
-    _check_shapes(mask, log_ratio)
-    if log_ratio_clamp is not None:
-        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
-    weight = ratio.clamp(max(1.0 - eps_low, 0.0), 1.0 + eps_high)
+    advantages, mask, ratio = _ratio_inputs(logp, old_logp, advantages, mask, log_ratio, log_ratio_clamp)
+    weight = ratio.detach().clamp(max(1.0 - eps_low, 0.0), 1.0 + eps_high)
     per_token = -weight * advantages * logp
-    with torch.no_grad():
-        in_mask = mask > 0
-        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
-        stats = {
-            "clip_fraction": _masked_mean((weight != ratio).to(mask.dtype), mask),
-            "dual_clip_fraction": torch.zeros((), dtype=mask.dtype, device=mask.device),
-            "ratio_min": ratio[in_mask].min() if in_mask.any() else one,
-            "ratio_max": ratio[in_mask].max() if in_mask.any() else one,
-        }
-    return per_token, stats
+    never = torch.zeros_like(mask, dtype=torch.bool)
+    return per_token, _ratio_stats(ratio, mask, clipped=weight != ratio, dual_clipped=never)
 
 
 SURROGATES = {"clip": policy_ratio_loss, "cispo": cispo_loss}
