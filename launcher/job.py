@@ -111,8 +111,8 @@ def check_env(cfg: JobConfig) -> None:
                           f"{unset[0]}=... before launching, or drop it from cluster.env")
 
 
-INPUT_PATHS = ("model.init_from", "algorithm.reward_model", "algorithm.critic_init_from", "data.train_path",
-               "data.eval_path")
+INPUT_PATHS = ("model.init_from", "algorithm.reward_model", "algorithm.critic_init_from", "algorithm.teacher.checkpoint",
+               "data.train_path", "data.eval_path")
 """Config keys naming files or folders a job reads at its start: a local launch checks them first."""
 
 
@@ -121,13 +121,39 @@ def check_input_paths(cfg: JobConfig, config: Optional[str] = None) -> None:
     Slurm job may read paths that only its nodes see). The error names the key, and when the config file's header
     has the ``python launch.py`` command whose run.dir holds the path (a shipped config's recipe), that command."""
     for dotted in INPUT_PATHS:
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
+        value = cfg
+        for key in dotted.split("."):
+            value = getattr(value, key) if value is not None else None
         if value is None or Path(value).expanduser().exists():
             continue
         builder = _building_command(config, value) if config else None
         fix = f"build it first: {builder}" if builder else f"give {dotted} an existing path"
         raise ConfigError(f"{dotted}={value} does not exist; {fix}")
+    if cfg.algorithm.teacher is not None:
+        check_teacher_tokenizer(cfg)
+
+
+def check_teacher_tokenizer(cfg: JobConfig) -> None:
+    """The teacher checkpoint records its model, and a tokenizer that could match model.tokenizer: read from its
+    common state without torch. Two different built-in tokenizers are refused here; two different folders are
+    compared by the job, which loads both (``megatron_rl.runtime.teacher``)."""
+    from megatron_rl.conversion.dist_reader import CheckpointReader
+    from megatron_rl.data.tokenizer import builtin_name
+
+    key = "algorithm.teacher.checkpoint"
+    try:
+        extra = CheckpointReader(Path(cfg.algorithm.teacher.checkpoint).expanduser()).common_state().get("extra") or {}
+    except (ConfigError, OSError) as err:
+        raise ConfigError(f"{key}={cfg.algorithm.teacher.checkpoint}: not a readable checkpoint ({err})") from None
+    record = extra.get("model") if isinstance(extra, dict) else None
+    if not record:
+        raise ConfigError(f"{key}={cfg.algorithm.teacher.checkpoint} does not record its model (a checkpoint of this "
+                          "project's trainers does); give one of those")
+    theirs, ours = builtin_name(record.get("tokenizer_dir")), builtin_name(cfg.model.tokenizer)
+    if theirs and ours and theirs != ours:
+        raise ConfigError(f"{key}: the teacher was trained with tokenizer {theirs}, the student's model.tokenizer is "
+                          f"{ours}; distillation compares log-probs of the same tokens, so give a teacher trained "
+                          "with the student's tokenizer")
 
 
 def _building_command(config: str, missing: str) -> Optional[str]:

@@ -98,6 +98,7 @@ def test_the_grpo_sizing_comes_from_the_config(capsys):
                                            "kv_memory_gib": None, "kv_block_tokens": 256,
                                            "reference_model": True, "recompute_old_logprobs": True,
                                            "reward_model": False, "train_seq_length": 1024 + 2048,
+                                           "teacher_params": 0.0, "teacher_offloaded": True,
                                            "optimizer_steps": 128 * 16 // 512,
                                            "kv_cache_released_for_training": True,
                                            "optimizer_offloaded_for_generation": True}

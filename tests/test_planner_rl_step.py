@@ -267,3 +267,26 @@ def test_nemo_rl_grpo_rows_are_a_sanity_band(name, fields, gpus, avg, step, toke
                 mode="grpo", grpo=sizing, top_k=0).estimate
     assert 1.0 < ours.step_time_s / step < 2.0
     assert 0.5 < ours.tokens_per_s_per_gpu / tokens < 1.0
+
+
+# ---------------- on-policy distillation: a teacher twice the policy's size ----------------
+def test_a_teacher_twice_the_size_by_hand():
+    """A 2x teacher held on the GPUs adds its bf16 weights over tp x pp to memory (2 bytes x 2P / 8) and one forward
+    over the rollout at twice the policy's forward time; offloaded, only what exceeds training's activations, plus
+    two host copies of its weights."""
+    layout = "tp=8,pp=1,cp=1,mbs=1,recompute=full"
+    params = load_model_shape("llama-3.3-70b").num_params()
+    base = _grpo(layout)
+    held = _grpo(layout, teacher_params=2.0 * params, teacher_offloaded=False)
+    parked = _grpo(layout, teacher_params=2.0 * params, teacher_offloaded=True)
+    teacher_bytes = 2.0 * 2.0 * params / 8
+    assert held.teacher_model == pytest.approx(teacher_bytes)
+    assert parked.teacher_model == pytest.approx(max(0.0, teacher_bytes - base.activations))
+    assert base.teacher_model == 0.0 and base.breakdown_s["teacher"] == 0.0
+    # one forward pass over the rollout's mini-batches, the policy's forward time x 2 (the old-log-prob pass is one)
+    passes = base.breakdown_s["logprob_passes"] / int(SIZING.get("reference_model", True) + 1)
+    assert held.breakdown_s["teacher"] == pytest.approx(2.0 * passes, rel=1e-6)
+    host = get_gpu(H100).host_link_gb_s * 1e9 * LINK_EFFICIENCY
+    assert parked.breakdown_s["teacher"] == pytest.approx(2.0 * passes + 2 * teacher_bytes / host, rel=1e-6)
+    # a teacher kept on the GPUs while generating leaves the KV pool less room
+    assert held.kv_pool.budget < base.kv_pool.budget == pytest.approx(parked.kv_pool.budget)

@@ -266,6 +266,7 @@ def _describe(w: Workload) -> dict:
                        "reference_model": g.reference_model and w.mode != "eval",
                        "recompute_old_logprobs": g.recompute_old_logprobs and w.mode != "eval",
                        "reward_model": g.reward_model, "train_seq_length": r.train_seq,
+                       "teacher_params": g.teacher_params, "teacher_offloaded": g.teacher_offloaded,
                        "optimizer_steps": r.steps, "kv_cache_released_for_training": g.kv_cache_released_for_training,
                        "optimizer_offloaded_for_generation": g.optimizer_offloaded_for_generation}
     if w.mode == "dpo":

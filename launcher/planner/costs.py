@@ -167,6 +167,13 @@ class GrpoSizing:
     reward_model: bool = False
     """A colocated reward model (algorithm.reward_model), taken as the policy's shape: bf16 weights on the GPUs
     and one scoring forward over the rollout."""
+    teacher_params: float = 0.0
+    """Parameters of algorithm.teacher's model (0: no teacher): bf16 weights spread evenly over the tp x pp ranks
+    (its embedding's imbalance and expert parallelism left out), and one forward over the rollout per step at the
+    policy's forward time scaled by teacher_params / the policy's parameters."""
+    teacher_offloaded: bool = True
+    """algorithm.teacher.offload: the teacher's weights wait in host memory outside its forward, so they cost two
+    host copies per step and only what exceeds training's activations in memory."""
     kv_cache_bytes: int = 2
     """Bytes per cached K/V element."""
     kv_cache_released_for_training: bool = False
@@ -281,6 +288,7 @@ class Workload:
         self.host_link = self.gpu.host_link_gb_s * 1e9 * LINK_EFFICIENCY
         self.modules = set(self.selective_modules())
         self.active_params = s.num_active_params()
+        self.total_params = s.num_params()
         self._cost_cache: dict = {}
 
     def selective_modules(self) -> tuple[str, ...]:

@@ -34,15 +34,16 @@ from launcher.planner.costs import (
 TRAINING_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all", "pp_p2p", "pp_bubble", "dp_comm",
                   "optimizer")
 """The TIME_PARTS of the optimizer steps (what ``plan --mode pretrain`` of the same layout and tokens prints)."""
-RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch", "reward_model", "critic",
-            "weight_sync", "rollout_wait")
+RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch", "reward_model", "teacher",
+            "critic", "weight_sync", "rollout_wait")
 """The TIME_PARTS an RL step adds (rl_step.py; weight_sync and rollout_wait with split placement)."""
 TIME_PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
               "cp_comm": "CP communication", "ep_all_to_all": "EP all-to-all", "pp_p2p": "PP send/recv",
               "pp_bubble": "PP bubble", "dp_comm": "DP grad reduce/param gather", "optimizer": "optimizer step",
               "logprob_passes": "log-prob passes", "generation_prefill": "generation prefill",
               "generation_decode": "generation decode", "phase_switch": "phase switches (KV, offload)",
-              "reward_model": "reward model scoring", "critic": "critic (values + training)",
+              "reward_model": "reward model scoring", "teacher": "teacher (distillation)",
+              "critic": "critic (values + training)",
               "weight_sync": "weight sync to rollout GPUs", "rollout_wait": "waiting for rollouts"}
 """Estimate.breakdown_s's keys (the parts of a step's time) -> what the plan calls them. The training parts
 (TRAINING_PARTS) are the slowest pipeline rank's, times its micro-batches, times the optimizer steps of the step;
@@ -344,6 +345,9 @@ class Estimate:
     tensors, the prefill forward's working set); shared with training memory like kv_cache."""
     reward_model: float = 0.0
     """Colocated reward model's bf16 weights (0 otherwise)."""
+    teacher_model: float = 0.0
+    """Distillation teacher's bf16 weights (0 otherwise); with its offload, only what its forward phase holds beyond
+    training's activations."""
     critic: float = 0.0
     """PPO critic's weights, gradients and optimizer state (0 otherwise)."""
     training_mfu: float = 0.0
@@ -362,7 +366,8 @@ class Estimate:
     def total(self) -> float:
         """Bytes on the worst GPU."""
         return (self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
-                + self.inference_buffers + self.reference_model + self.reward_model + self.critic + self.overhead)
+                + self.inference_buffers + self.reference_model + self.reward_model + self.teacher_model + self.critic
+                + self.overhead)
 
     @property
     def usable(self) -> float:
@@ -382,7 +387,7 @@ class Estimate:
     def memory_gib(self) -> dict[str, float]:
         """Memory breakdown in GiB (the issue's JSON keys plus the RL ones), the total, capacity and margin."""
         keys = ("weights", "gradients", "optimizer", "activations", "kv_cache", "inference_buffers",
-                "reference_model", "reward_model", "critic", "overhead")
+                "reference_model", "reward_model", "teacher_model", "critic", "overhead")
         out = {k: round(getattr(self, k) / GIB, 3) for k in keys}
         out["kv_cache_generating"] = round(self.kv_cache_generating / GIB, 3)  # not part of the total
         out["total"] = round(self.total / GIB, 3)
@@ -393,7 +398,7 @@ class Estimate:
 
 
 MEMORY_KEYS = ("weights", "gradients", "optimizer", "activations", "kv_cache", "inference_buffers",
-               "reference_model", "reward_model", "critic")
+               "reference_model", "reward_model", "teacher_model", "critic")
 """Estimate's memory parts (bytes) before the overhead; what a memory hook (training_estimate) may fill."""
 _ZEROS = (0.0,) * len(MEMORY_KEYS)
 _NO_MEMORY = dict.fromkeys(MEMORY_KEYS, 0.0)
@@ -581,7 +586,8 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
     return Estimate(layout=layout, weights=parts["weights"], gradients=parts["gradients"],
                     optimizer=parts["optimizer"], activations=parts["activations"], kv_cache=parts["kv_cache"],
                     inference_buffers=parts["inference_buffers"], reference_model=parts["reference_model"],
-                    reward_model=parts["reward_model"], critic=parts["critic"], overhead=worst[3],
+                    reward_model=parts["reward_model"], teacher_model=parts["teacher_model"], critic=parts["critic"],
+                    overhead=worst[3],
                     capacity=w.gpu.memory_gib * GIB, kv_cache_generating=parts.get("kv_cache_generating", 0.0),
                     worst_rank=worst[1], bubble_fraction=bubble, stage_layers=stage_layers,
                     margin=w.runtime.memory_margin, **timing)

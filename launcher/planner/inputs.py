@@ -73,6 +73,27 @@ def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:
     return low_precision or runtime.transformer_engine or shape.is_moe
 
 
+def teacher_sizing(teacher: Any, student: Any) -> dict:
+    """GrpoSizing's teacher fields of ``algorithm.teacher``: its parameters from the model its checkpoint records
+    (read without torch), or, where that checkpoint is not readable here (a cluster path), the student's."""
+    if teacher is None:
+        return {}
+    from pathlib import Path
+
+    from megatron_rl.conversion.dist_reader import CheckpointReader
+    from megatron_rl.spec.model_shape import ModelShape
+
+    params = float(student.num_params())
+    try:
+        record = (CheckpointReader(Path(teacher.checkpoint).expanduser()).common_state().get("extra") or {}).get("model")
+        fields = dict(record["shape"])
+        fields["moe_layers"] = tuple(fields.get("moe_layers") or ())
+        params = float(ModelShape(**fields).num_params())
+    except (ConfigError, OSError, KeyError, TypeError, AttributeError):
+        pass
+    return {"teacher_params": params, "teacher_offloaded": teacher.offload}
+
+
 def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_length: int | None = None) -> GrpoSizing:
     """The GrpoSizing of an RL job: rollout size, response length (generation.max_new_tokens) and mean length
     (``mean_response_length``, else generation.mean_new_tokens), group size, the engine's KV pool
@@ -96,5 +117,6 @@ def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_leng
                       reference_model=algo.kl_coef > 0 and getattr(cfg.model, "lora", None) is None,  # LoRA: the base
                       recompute_old_logprobs=recomputes_old_logprobs(cfg, shape, runtime), epochs=algo.epochs,
                       reward_model=bool(algo.reward_model), kv_cache_released_for_training=True,
+                      **teacher_sizing(algo.teacher, shape),
                       optimizer_offloaded_for_generation=gen.offload_optimizer and not cfg.cluster.rollout_tasks,
                       micro_batch_tokens=cfg.parallel.micro_batch_tokens)

@@ -50,6 +50,9 @@ def _grpo_line(grpo: dict | None) -> list[str]:
     extras = [name for name, on in (("reference model", grpo["reference_model"]),
                                     ("old log-probs recomputed", grpo["recompute_old_logprobs"]),
                                     ("reward model", grpo["reward_model"]),
+                                    (f"teacher of {grpo.get('teacher_params', 0) / 1e9:.3g}B parameters"
+                                     + (", offloaded between its passes" if grpo.get("teacher_offloaded") else ""),
+                                     grpo.get("teacher_params", 0)),
                                     ("KV cache released for training", grpo["kv_cache_released_for_training"]),
                                     ("optimizer offloaded while generating",
                                      grpo["optimizer_offloaded_for_generation"])) if on]
@@ -194,7 +197,7 @@ def explain(result: PlanResult) -> str:
               *(("kv_cache",) if "grpo" in w and e.split is None else ())}
     shared = w.get("grpo", {}).get("kv_cache_released_for_training")
     for key in ("weights", "gradients", "optimizer", "activations", "kv_cache", "inference_buffers", "reference_model",
-                "reward_model", "critic", "overhead"):
+                "reward_model", "teacher_model", "critic", "overhead"):
         if mem[key] or key in always:
             note = (f"  (beyond the memory it shares with training; {mem['kv_cache_generating']:.2f} while generating)"
                     if key == "kv_cache" and shared else "  (beyond the memory it shares with training)"

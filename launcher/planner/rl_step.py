@@ -193,6 +193,8 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
     passes = int(g.recompute_old_logprobs and w.mode != "eval") + int(g.reference_model and w.mode != "eval")
     trainer_parts = {"logprob_passes": passes * r.minibatches * fwd_pass,
                      "reward_model": r.minibatches * fwd_pass if g.reward_model else 0.0,
+                     "teacher": (r.minibatches * fwd_pass * g.teacher_params / w.total_params
+                                 + (2 * _teacher_bytes(w, layout) / w.host_link if g.teacher_offloaded else 0.0)),
                      "critic": (r.minibatches * fwd_pass + r.steps * step_s) if w.mode == "ppo" else 0.0}
     train_time = r.steps * step_s
     split, gpus = None, w.num_gpus
@@ -212,7 +214,7 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
         total = split.step_s
         gpus += w.split.rollout_gpus
     train_flops = r.steps * batch_flops
-    other = (passes + int(g.reward_model)) * r.minibatches * batch_flops / 3
+    other = (passes + int(g.reward_model) + g.teacher_params / w.total_params) * r.minibatches * batch_flops / 3
     if w.mode == "ppo":
         other += r.minibatches * batch_flops / 3 + train_flops
     gen_flops = 2 * w.active_params * r.sequences * (r.prompt / r.group + r.mean_response)
@@ -243,6 +245,8 @@ def _rl_memory(w: Workload, L: Layout, r: Rollout, gr: RankGroup, ne: float, ex:
     bf16 = (ne + ex) * 2.0
     out["reference_model"] = bf16 if g.reference_model and w.mode != "eval" else 0.0
     out["reward_model"] = bf16 if g.reward_model else 0.0
+    teacher = _teacher_bytes(w, L)
+    out["teacher_model"] = max(0.0, teacher - parts["activations"]) if g.teacher_offloaded else teacher
     if w.split is not None:  # the trainer GPUs do not generate (split.rollout_estimate sizes the rollout GPUs)
         return out
     pool = kv_pool(w, L)
@@ -355,13 +359,19 @@ def _generation_resident(w: Workload, L: Layout, gr: RankGroup) -> float:
     wb, gb, _ = w.weight_bytes_per_param(1)
     models = 2 if w.mode == "ppo" else 1
     frozen = 2.0 * ((g.reference_model and w.mode != "eval") + g.reward_model)
-    held = (ne + ex) * (models * wb + frozen)
+    held = (ne + ex) * (models * wb + frozen) + (0.0 if g.teacher_offloaded else _teacher_bytes(w, L))
     if w.mode != "eval" and not g.optimizer_offloaded_for_generation:
         shards = (L.dp * L.cp, L.edp)
         opt = tuple(ADAM_BYTES_PER_PARAM / n for n in shards) if w.runtime.distributed_optimizer else \
             (ADAM_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM)
         held += models * w.runtime.trainable_fraction * ((ne + ex) * gb + ne * opt[0] + ex * opt[1])
     return held
+
+
+def _teacher_bytes(w: Workload, L: Layout) -> float:
+    """The distillation teacher's bf16 weights per GPU (GrpoSizing.teacher_params over tp x pp); 0 without one."""
+    g = w.grpo or GrpoSizing()
+    return 2.0 * g.teacher_params / (L.tp * L.pp) if w.mode != "eval" else 0.0
 
 
 def _groups(w: Workload, L: Layout) -> tuple:

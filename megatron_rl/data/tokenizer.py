@@ -62,6 +62,11 @@ class CharTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's id, special tokens included (``same_tokenizer`` compares these)."""
+        return {**{name: i for i, name in enumerate(SPECIAL_TOKENS)},
+                **{char: i for i, char in self._id_to_char.items()}}
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer from a local folder (no hub access), with CharTokenizer's interface."""
@@ -107,6 +112,17 @@ class HFTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's id, added tokens included."""
+        return self.hf.get_vocab()
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two loaded tokenizers give every text the same ids: the same vocabulary and special ids (what a
+    teacher's log-probs of a student's tokens need)."""
+    return (a.vocabulary() == b.vocabulary() and (a.eos_id, a.bos_id, a.pad_id) == (b.eos_id, b.bos_id, b.pad_id)
+            and type(a) is type(b))
+
 
 def ships_tokenizer_code(path: str) -> bool:
     """True when the folder's tokenizer_config.json maps its tokenizer to Python code in the folder (`auto_map`)."""
@@ -131,6 +147,13 @@ def remote_code_refused(path: str):
 BUILTIN_TOKENIZERS = {"builtin:char-ascii": lambda: CharTokenizer(),
                       "builtin:char-arabic": lambda: CharTokenizer(ARABIC_CHARACTERS, name="char-arabic-v1")}
 """The character tokenizers ``model.tokenizer`` may name instead of a folder."""
+
+
+def builtin_name(path: str | None) -> str | None:
+    """The built-in tokenizer that ``model.tokenizer=path`` loads (null: builtin:char-ascii), or None for a folder."""
+    if path is None:
+        return "builtin:char-ascii"
+    return path if path in BUILTIN_TOKENIZERS else None
 
 
 def load_tokenizer(path: str | None, *, trust_remote_code: bool = False):

@@ -20,11 +20,10 @@ Test: `.venv/bin/python -m pytest tests/test_rm.py -q -k scorer`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -40,6 +39,7 @@ from megatron_rl.models.reward_model import (
     right_padded_batch,
 )
 from megatron_rl.rewards.registry import register_reward, registered_rewards
+from megatron_rl.runtime.checkpoint import preserved_rng
 from megatron_rl.runtime.distributed import current_dims
 from megatron_rl.spec.config.schema import LoraConfig
 from megatron_rl.spec.errors import ConfigError
@@ -70,23 +70,6 @@ def shape_from_metadata(meta: dict) -> ModelShape:
     fields = dict(meta["shape"])
     fields["moe_layers"] = tuple(fields.get("moe_layers") or ())
     return ModelShape(**fields)
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Leave the CPU/CUDA generators and Megatron's RNG tracker as they were (building weights draws from them)."""
-    from megatron.core import tensor_parallel
-
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    cpu_state, tracker_states = torch.get_rng_state(), tracker.get_states()
-    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        tracker.set_states(tracker_states)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state)
 
 
 class RewardModelScorer:

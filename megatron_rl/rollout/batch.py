@@ -23,6 +23,8 @@ from megatron_rl.models.packed_sequences import as_rows
 REPORTS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_min", "ratio_max")
 OFF_POLICY_REPORTS = ("behav_weight_mean", "behav_capped_fraction", "behav_weight_max")
 """Reported besides REPORTS when the loss corrects for the behaviour policy (``algorithm.off_policy_correction``)."""
+TEACHER_REPORTS = ("teacher_kl",)
+"""Reported besides REPORTS with on-policy distillation (``algorithm.teacher``)."""
 
 
 @dataclass
@@ -162,7 +164,7 @@ def make_grpo_loss(config: GRPOLossConfig):
                                       ref_logp=batch.get("ref_logp"), entropy=entropy,
                                       global_num_tokens=1, global_num_seqs=1, seq_lengths=seq_lengths,
                                       sum_over_parts=None if seq_lengths is None else sum_over_context_parallel,
-                                      behav_logp=batch.get("behav_logp"))
+                                      behav_logp=batch.get("behav_logp"), teacher_logp=batch.get("teacher_logp"))
         tokens = metrics["num_tokens"]
         sequences = metrics["num_seqs"] if counts_sequences else torch.zeros_like(metrics["num_seqs"])
         denominator = (tokens if config.loss_agg_mode == "token-mean" else sequences).to(torch.int)
@@ -172,6 +174,8 @@ def make_grpo_loss(config: GRPOLossConfig):
             **{name: (metrics[name] * tokens, tokens) for name in ("kl", "entropy", "clip_fraction")},
             "ratio_min": (metrics["ratio_min"], one), "ratio_max": (metrics["ratio_max"], one),
         }
+        if config.teacher_coef > 0:
+            reports["teacher_kl"] = (metrics["teacher_kl"] * tokens, tokens)
         if config.off_policy_correction != "none":
             reports.update({name: (metrics[name] * tokens, tokens)
                             for name in ("behav_weight_mean", "behav_capped_fraction")},

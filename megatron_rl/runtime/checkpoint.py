@@ -26,6 +26,7 @@ the folder's files, sorted by relative path).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -35,7 +36,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from megatron_rl.models import unwrap
 
@@ -277,6 +278,24 @@ def layout_signature() -> dict[str, int]:
             "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
 
 
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Leave the CPU/CUDA generators and Megatron's RNG tracker as they were (building weights draws from them)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    cpu_state, tracker_states = torch.get_rng_state(), tracker.get_states()
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        tracker.set_states(tracker_states)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+
+
 def _rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
@@ -375,8 +394,9 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
 
 
 def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler=None,
-                    load_optimizer: bool = True) -> dict[str, Any]:
-    """Load model (and optimizer, scheduler, RNG when present and compatible) from a step folder.
+                    load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any]:
+    """Load model (and optimizer, scheduler, RNG when present and compatible) from a step folder. ``load_rng``
+    false: leave this process's random state alone (a frozen model of another run).
 
     Returns ``{"step": int, "extra": dict, "layout_changed": bool}``.
     """
@@ -402,7 +422,7 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
         _allocate_optimizer_state(optimizer)
         _skip_step_in_reshardable_load()
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
-    if same_layout:
+    if same_layout and load_rng:
         request["rng_state"] = _rng_sharded_object(None)
     loaded = dist_checkpointing.load(request, str(folder))
     for i, chunk in enumerate(chunks):
@@ -415,7 +435,7 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
         _unshare_adam_steps(optimizer)
     if scheduler is not None and "scheduler" in common:
         scheduler.load_state_dict(common["scheduler"])
-    if same_layout and loaded.get("rng_state") is not None:
+    if "rng_state" in request and loaded.get("rng_state") is not None:
         _set_rng_state(loaded["rng_state"])
     return {"step": int(common["step"]), "extra": common.get("extra", {}), "layout_changed": not same_layout,
             "folder": folder}

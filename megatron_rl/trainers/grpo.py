@@ -32,7 +32,8 @@ from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
-from megatron_rl.rollout.batch import REPORTS, Rollout, collate_rollout, make_grpo_loss, rollout_rows
+from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, collate_rollout, make_grpo_loss,
+                                       rollout_rows)
 from megatron_rl.rollout.packing import ROW_IDS, pack_minibatch, row_tokens
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
@@ -105,10 +106,15 @@ class GrpoRun:
                                                                     max_response_len=cfg.generation.max_new_tokens))
         self.engine: Engine = build_engine(cfg, shape)
         self.reference = None
+        self.teacher = None
+        if self.algo.teacher is not None:  # on-policy distillation: built once, its weights parked between passes
+            from megatron_rl.runtime.teacher import Teacher
+
+            self.teacher = Teacher(self.algo.teacher, engine=self.engine, tokenizer=self.tokenizer)
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
         self.warmup_done = 0
         self.recompute_old_logprobs = wants_recomputed_old_logprobs(cfg, shape, self.engine)
-        self.report_names = REPORTS
+        self.report_names = REPORTS + (TEACHER_REPORTS if self.teacher is not None else ())
         self.packing = PackingFigures()
         """The last rollout's training tokens against its rows' own (``minibatches``)."""
         ctx.extra_state = self.extra_state
@@ -304,13 +310,15 @@ class GrpoRun:
                               thd=self.engine.opts.takes_packed_sequences(self.shape))
 
     def old_and_reference_logprobs(self, minibatches: list[list[dict]]) -> None:
-        """The old policy's log-probs (when recomputed) and the reference's, from the weights that sampled the
-        rollout: call before its first optimizer step."""
+        """The old policy's log-probs (when recomputed), the reference's and the teacher's, from the weights that
+        sampled the rollout: call before its first optimizer step."""
         for batches in minibatches:
             if self.recompute_old_logprobs:
                 self.engine.recompute_old_logprobs(batches, seq_length=forward_length(batches))
             if self.reference is not None:
                 self.engine.reference_logprobs(self.reference, batches, seq_length=forward_length(batches))
+        if self.teacher is not None:
+            self.teacher.store_logprobs(minibatches)
 
     def record_policy_step(self, totals: dict[str, list[float]], epoch: int, metrics: dict[str, float]) -> None:
         """Add one policy optimizer step's metrics to ``totals``: the first step's ratio range, and per-epoch

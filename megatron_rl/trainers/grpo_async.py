@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 
 from megatron_rl.data.prompts import encode_prompt
-from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, REPORTS, Rollout
+from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
@@ -75,7 +75,7 @@ class SplitGrpoRun(GrpoRun):
                                     stale_policy="wait")
         self.recompute_old_logprobs = True  # pi_prox: the weights the step starts from
         if self.algo.off_policy_correction != "none":
-            self.report_names = REPORTS + OFF_POLICY_REPORTS
+            self.report_names = self.report_names + OFF_POLICY_REPORTS
         self.version = 0
         self.consumed: set[int] = set()
         self.repeated = 0

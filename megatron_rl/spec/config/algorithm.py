@@ -30,6 +30,38 @@ class OverlongConfig:
 
 
 @dataclass(kw_only=True)
+class TeacherConfig:
+    """On-policy distillation (GRPO): a frozen teacher scores the student's own samples, token by token, and each
+    response token's advantage is -coef x the estimated KL(student || teacher) at that token
+    (megatron_rl/algorithms/policy_loss.py ``distillation_advantages``), alone or added to the rewards' group
+    advantage. The teacher runs in the training processes at the job's tp/pp/cp (its own pipeline split of its
+    layers), its weights parked in host memory outside its forward (``offload``)."""
+
+    checkpoint: str
+    """A checkpoint folder of any run of this project (a run's checkpoints/ or one step folder): its model is read
+    from what the run recorded; it may be larger than the student, and must use the same tokenizer."""
+    coef: float = 1.0
+    """Weight of the per-token distillation advantage (> 0)."""
+    kl_estimator: str = "k1"
+    """How the per-token reverse KL is estimated at the sampled token, with s = log pi_student, t = log
+    pi_teacher: k1 = s - t (on-policy distillation's per-token reverse KL, Agarwal et al. 2024; Thinking Machines
+    2025), k2 = (s - t)^2 / 2, k3 = exp(t - s) - (t - s) - 1."""
+    with_rewards: bool = False
+    """false: the teacher's advantage alone (rewards are still scored and logged); true: added to the group
+    advantage of algorithm.rewards."""
+    offload: bool = True
+    """Park the teacher's weights in host memory outside its forward, so generation and training have the
+    device memory (costs two host copies of its weights per step); false: keep them on the device."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.checkpoint, str) or not self.checkpoint:
+            raise ConfigError("algorithm.teacher.checkpoint must name a checkpoint folder of a run (its "
+                              "checkpoints/ folder or a step folder)")
+        _positive("algorithm.teacher", coef=self.coef)
+        _one_of("algorithm.teacher", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+
+
+@dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "grpo"
     """What the job trains: grpo, ppo (with a critic), rm (reward model), sft, pretrain (next-token prediction) or
@@ -105,6 +137,9 @@ class AlgorithmConfig:
     `rm`, or a dotted path `package.module:function`. Empty means {exact: 1.0}, the synthetic tasks' verifier."""
     reward_model: Optional[str] = None
     """Checkpoint folder of a trained reward model, used by the `rm` reward."""
+    teacher: Optional[TeacherConfig] = None
+    """GRPO: on-policy distillation from a teacher checkpoint {checkpoint, coef, kl_estimator, with_rewards,
+    offload}; null: off."""
     rm_margin: float = 0.0
     """RM: margin subtracted in -log sigmoid(r_chosen - r_rejected - margin)."""
     rm_centering_coef: float = 0.0
@@ -181,6 +216,9 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.clip_eps_low={self.clip_eps_low} must be below 1 (the ratio is clipped "
                               "at 1 - clip_eps_low)")
         self._check_ppo()
+        if self.teacher is not None and self.name != "grpo":
+            raise ConfigError(f"algorithm.teacher distils into GRPO's samples; algorithm.name={self.name} takes none, "
+                              "so set algorithm.teacher=null")
         if self.name in ("grpo", "ppo"):
             completions = self.prompts_per_step * self.group_size
             if completions % self.global_batch_size:
