@@ -119,3 +119,14 @@ def test_teacher_not_a_checkpoint(tmp_path):
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "algorithm.teacher.checkpoint" in refused.stderr and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "run" / "logs").exists()
+
+
+def test_the_shipped_distillation_pipeline_resolves_its_teacher(tmp_path):
+    """configs/pipeline_distill_tiny.yaml: the student stage distils from the teacher stage's checkpoint folder
+    (its learning is the README's figure, measured at three seeds; CI keeps the short runs above)."""
+    shown = run_launch("pipeline", "--config", "configs/pipeline_distill_tiny.yaml", f"pipeline.dir={tmp_path}",
+                       "--dry-run")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    student = shown.stdout.split("# ---- stage 3/6: student ")[1].split("# ---- stage 4/6")[0]
+    assert f"checkpoint: {tmp_path / 'teacher' / 'checkpoints'}" in student
+    assert f"init_from: {tmp_path / 'student_base' / 'checkpoints'}" in student

@@ -400,3 +400,29 @@ def test_a_slurm_jobs_rendezvous_port_is_the_same_on_every_node_and_below_the_ep
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("40000\t60999\n")
     assert ephemeral_port_floor(str(ranges)) == 40000 and ephemeral_port_floor(str(tmp_path / "none")) == 32768
+
+
+def test_a_local_jobs_rendezvous_port_is_free_and_below_the_ephemeral_ports():
+    """The local executor's MASTER_PORT (spec.ports.free_port): free when drawn, and below the ports Linux gives
+    outgoing connections, which a running job's gloo sockets could otherwise take before the store listens (a local
+    PPO run failed with EADDRINUSE that way); a taken port is skipped."""
+    import socket
+
+    from megatron_rl.spec.ports import ephemeral_port_floor, free_port
+
+    floor = ephemeral_port_floor()
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= port < floor for port in ports) and len(ports) > 1
+    held = []
+    try:  # 20 of the 1001 ports of a small range taken: 500 draws would hit one with probability 1 - e^-10
+        for port in range(20000, 21001, 50):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        taken = {sock.getsockname()[1] for sock in held}
+        drawn = {free_port(floor=21001) for _ in range(500)}
+        assert not drawn & taken and all(20000 <= port < 21001 for port in drawn)
+    finally:
+        for sock in held:
+            sock.close()

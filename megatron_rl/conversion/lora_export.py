@@ -70,6 +70,10 @@ def export_peft_adapter(ckpt: Union[str, Path], out_dir: Union[str, Path], *, ba
     if settings is None or not adapted:
         raise ConfigError(f"--lora-adapter: --ckpt {reader.folder} holds no LoRA adapters (its run had no "
                           "model.lora); export it without --lora-adapter")
+    if any(ref.expert is not None for ref in adapted):
+        raise ConfigError(f"--lora-adapter: --ckpt {reader.folder} has adapters on routed experts, which transformers "
+                          "holds fused (one parameter for all experts) and PEFT adapts only through target_parameters, "
+                          "not written yet; export it merged (without --lora-adapter)")
     if any(ref.name == REWARD_HEAD_WEIGHT for ref in reader.index):
         raise ConfigError("--lora-adapter writes causal-LM adapters; this is a reward-model checkpoint: export "
                           "it merged (without --lora-adapter)")

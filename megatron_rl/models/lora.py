@@ -17,6 +17,13 @@ adapters only. Sharding follows the base:
 * row-parallel (proj, fc2): A [r, in/tp] sharded on dim 1, B [out, r] replicated; A's partial product is
   all-reduced (under SP reduce-scattered over the sequence, B tagged ``sequence_parallel``).
 
+* a routed expert's linears (``experts.linear_fc1/fc2``, SequentialMLP's local experts): the token dispatcher
+  does the expert-TP communication (Megatron's ``explicit_expert_comm``), so the adapter reduces no activation;
+  its replicated matrix (column: A, row: B) gets its gradient summed over the expert-TP group instead
+  (``LoraAdapter._expert_output``), and its parameters are reduced over the expert-data-parallel group, as the
+  expert's weights. Shared experts (``shared_experts.linear_fc1/fc2``) are dense linears. Transformer Engine's
+  grouped-GEMM experts take no adapters yet.
+
 A is drawn as PEFT does (kaiming-uniform, a=sqrt(5)) on the whole [r, in] matrix from a seed of its global layer
 and target, then sliced, so the initial adapters do not depend on the layout; B starts at zero, so step 0 is the
 base. Checkpoints store ``<linear>.lora.A`` / ``.lora.B`` under global keys next to the base weights (the fc1 B
@@ -62,7 +69,10 @@ TRAINABLE_HEADS = ("rm_head.",)
 SAVED_MODULES = {"embedding": "embedding.word_embeddings.", "output_layer": "output_layer.",
                  "final_layernorm": "decoder.final_layernorm."}
 """model.lora.modules_to_save name -> parameter-name prefix of the base module trained in full."""
-_TARGET = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)$")
+_TARGET = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\."
+                     r"(?:(?P<group>shared_experts|experts)\.(?:local_experts\.(?P<expert>\d+)\.)?)?"
+                     r"(?P<linear>linear_qkv|linear_proj|linear_fc1|linear_fc2)$")
+"""An adaptable linear: a dense layer's, a shared expert's, or a routed expert's (SequentialMLP's local experts)."""
 
 
 def is_adapter_key(key: str) -> bool:
@@ -74,11 +84,13 @@ class LoraAdapter(torch.nn.Module):
     """A [r, in_local] and B [out_local, r] of one linear; ``forward(x)`` is the adapter's share of its output."""
 
     def __init__(self, *, settings: dict, parallel: str, in_local: int, out_local: int, rank: int, alpha: float, dropout: float,
-                 sequence_parallel: bool, tp_group=None, gated: bool = False, dtype=torch.float32, device=None):
+                 sequence_parallel: bool, tp_group=None, gated: bool = False, expert: bool = False,
+                 dtype=torch.float32, device=None):
         super().__init__()
         self.settings = settings  # model.lora, recorded in checkpoints (extra["lora"]) for the exports
         self.parallel, self.rank, self.scale = parallel, rank, alpha / rank
-        self.sequence_parallel, self.tp_group, self.gated = sequence_parallel, tp_group, gated
+        self.sequence_parallel, self.tp_group, self.gated = sequence_parallel and not expert, tp_group, gated
+        self.expert = expert
         self.enabled = True
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
         self.A = torch.nn.Parameter(torch.empty(rank, in_local, dtype=dtype, device=device))
@@ -88,6 +100,8 @@ class LoraAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
+        if self.expert:  # the token dispatcher does the expert-TP communication of the base: see _expert_output
+            return self._expert_output(self.dropped(x))
         h = F.linear(self.dropped(x), self.A)
         if self.parallel == "column":
             h = (mappings.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
@@ -96,6 +110,21 @@ class LoraAdapter(torch.nn.Module):
             h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
                  if self.sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
         return F.linear(h, self.B) * self.scale
+
+    def _expert_output(self, x: torch.Tensor) -> torch.Tensor:
+        """A routed expert's linear (Megatron's ``explicit_expert_comm``): its input is whole over the expert-TP
+        group (column) or sharded on features (row), its output this rank's shard (column) or partial sum (row),
+        and the dispatcher gathers or sums outputs and input gradients over the group. So no activation is
+        reduced here (the dispatcher's sum of the input gradients would count a reduced one once per rank);
+        instead the replicated matrix (column: A, row: B) sees only this rank's share of its gradient, which
+        ``copy_to_tensor_model_parallel_region`` on the matrix itself sums over the group in backward, keeping the
+        copies equal."""
+        from megatron.core.tensor_parallel import mappings
+
+        shared = lambda m: mappings.copy_to_tensor_model_parallel_region(m, group=self.tp_group)  # noqa: E731
+        if self.parallel == "column":
+            return F.linear(F.linear(x, shared(self.A)), self.B) * self.scale
+        return F.linear(F.linear(x, self.A), shared(self.B)) * self.scale
 
     def dropped(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout of the adapter's input in training mode, from one of Megatron's tracked (checkpointed, recompute-
@@ -108,7 +137,7 @@ class LoraAdapter(torch.nn.Module):
         from megatron.core.tensor_parallel import get_cuda_rng_tracker, get_data_parallel_rng_tracker_name
 
         tracker = get_cuda_rng_tracker()
-        replicated = self.parallel == "column" and not self.sequence_parallel
+        replicated = self.parallel == "column" and not self.sequence_parallel and not self.expert
         with tracker.fork(get_data_parallel_rng_tracker_name()) if replicated else tracker.fork():
             return self.dropout(x)
 
@@ -152,7 +181,9 @@ def _sharded_state_dict(module, prefix: str = "", sharded_offsets: tuple = (), m
     adapter = module.lora
     axes = {"B": 0} if adapter.parallel == "column" else {"A": 1}
     tensors = {"A": adapter.A, "B": adapter.B}
-    sharded = make_sharded_tensors_for_checkpoint(tensors, adapter_prefix, axes, sharded_offsets)
+    sharded = make_sharded_tensors_for_checkpoint(tensors, adapter_prefix, axes, sharded_offsets,
+                                                  tp_group=getattr(module, "tp_group", None),
+                                                  dp_cp_group=(metadata or {}).get("dp_cp_group"))
     if adapter.gated:
         key = f"{adapter_prefix}B"
         sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
@@ -175,16 +206,21 @@ class _CpuForkNotice(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
-def adapter_seed(seed: int, layer: int, target: str) -> int:
-    """Seed of A's initial draw for global decoder layer ``layer`` (1-based) and ``target``."""
-    return (seed * 1000 + layer) * 10 + 7_000_003 + ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2").index(target)
+def adapter_seed(seed: int, layer: int, target: str, expert: Optional[int] = None) -> int:
+    """Seed of A's initial draw for global decoder layer ``layer`` (1-based), ``target`` (one of LORA_TARGETS) and,
+    for a routed expert, its global index."""
+    from megatron_rl.spec.config.schema import LORA_TARGETS
+
+    base = (seed * 1000 + layer) * 10 + 7_000_003 + LORA_TARGETS.index(target)
+    return base if expert is None else base + (expert + 1) * 100_000_007
 
 
 def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
     """Give ``model``'s target linears adapters and freeze everything else but ``TRAINABLE_HEADS`` and the
-    modules_to_save (their parameters tagged ``lora_saved``); returns how
-    many linears were adapted. Multi-latent attention and MoE layers keep their linears unadapted when their
-    names do not match (MoE experts and MLA's projections are not targets)."""
+    modules_to_save (their parameters tagged ``lora_saved``); returns how many linears were adapted. Routed experts
+    (SequentialMLP's, each seeded by its global index; their adapters reduced over the expert-data-parallel group as
+    their weights) and shared experts are adapted when ``experts.*`` / ``shared_experts.*`` are targets; MLA's
+    projections other than linear_proj are not targets yet."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -196,30 +232,43 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
                 "modules_to_save": list(lora.modules_to_save)}
     for name, module in list(model.named_modules()):
         match = _TARGET.match(name)
-        if match is None or match.group(3) not in lora.targets:
+        target = match and (f"{match['group']}.{match['linear']}" if match["group"] else match["linear"])
+        if match is None or target not in lora.targets:
             continue
         parallel = _parallel_mode(module)
-        if parallel is None:
-            raise NotImplementedError(f"LoRA: {name} is a {type(module).__name__}, not a parallel linear")
+        if parallel is None or (match["group"] == "experts" and match["expert"] is None):
+            from megatron_rl.spec.errors import ConfigError
+
+            raise ConfigError(f"model.lora.targets: {name} is a {type(module).__name__}, not a parallel linear of one "
+                              "expert (grouped-GEMM experts take no adapters yet): leave experts.* out of the targets, "
+                              "or run with runtime.transformer_engine=false")
         out_local, in_local = module.weight.shape
-        layer_number = model.decoder.layers[int(match.group(1))].layer_number
+        layer = model.decoder.layers[int(match.group(1))]
+        expert = None
+        if match["expert"] is not None:  # global index: this EP rank's first expert + the local one
+            experts = layer.mlp.experts
+            expert = experts.ep_group.rank() * experts.num_local_experts + int(match["expert"])
+        explicit = bool(getattr(module, "explicit_expert_comm", False))
+        group = getattr(module, "tp_group", None)
         adapter = LoraAdapter(settings=settings, parallel=parallel, in_local=in_local, out_local=out_local, rank=lora.rank,
                               alpha=lora.alpha, dropout=lora.dropout, sequence_parallel=config.sequence_parallel,
-                              tp_group=getattr(module, "tp_group", None),
-                              gated=match.group(3) == "linear_fc1" and config.gated_linear_unit,
-                              dtype=module.weight.dtype, device=module.weight.device)
-        in_full = in_local * (tp if parallel == "row" else 1)
-        generator = torch.Generator().manual_seed(adapter_seed(seed, layer_number, match.group(3)))
+                              tp_group=group, gated=match["linear"] == "linear_fc1" and config.gated_linear_unit,
+                              expert=explicit, dtype=module.weight.dtype, device=module.weight.device)
+        size, index = (group.size(), group.rank()) if group is not None else (tp, tp_rank)
+        in_full = in_local * (size if parallel == "row" else 1)
+        generator = torch.Generator().manual_seed(adapter_seed(seed, layer.layer_number, target, expert))
         full_a = torch.empty(lora.rank, in_full)
         torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
-            adapter.A.copy_(full_a[:, tp_rank * in_local:(tp_rank + 1) * in_local] if parallel == "row" else full_a)
+            adapter.A.copy_(full_a[:, index * in_local:(index + 1) * in_local] if parallel == "row" else full_a)
         if parallel == "column":
             set_tensor_model_parallel_attributes(adapter.B, True, 0, 1)
         else:
             set_tensor_model_parallel_attributes(adapter.A, True, 1, 1)
-        if config.sequence_parallel:  # grads cover this rank's tokens only: summed over TP by finalize_model_grads
+        if adapter.sequence_parallel:  # grads cover this rank's tokens only: summed over TP by finalize_model_grads
             (adapter.A if parallel == "column" else adapter.B).sequence_parallel = True
+        for param in (adapter.A, adapter.B):  # an expert's: reduced over the expert-data-parallel group, as its weight
+            param.allreduce = getattr(module.weight, "allreduce", True)
         if parallel == "column":
             adapter.norm = te_fused_norm(module)
         module.add_module(ADAPTER, adapter)
@@ -331,16 +380,22 @@ def adapters_disabled(chunks):
 
 def trainable_fraction(chunks) -> float:
     """Trainable share of the model's parameters, over the whole model (every TP/PP rank's own parameters,
-    TP-replicated ones and a tied embedding once), so it is the same at every layout."""
-    from megatron.core import parallel_state
+    TP-replicated ones and a tied embedding once; routed experts' over the expert-parallel ranks, expert-TP
+    replicas once), so it is the same at every layout."""
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    counts = torch.zeros(2, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dense, expert = (torch.zeros(2, dtype=torch.float64, device=device) for _ in range(2))
+    expert_tp = ps.get_expert_tensor_parallel_group()
     for chunk in chunks:
         for param in chunk.parameters():  # a tied output layer's copy on the last pipeline stage is Megatron's `shared`
-            if param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
+            counts = dense if getattr(param, "allreduce", True) else expert
+            if param_is_not_tensor_parallel_duplicate(param, expert_tp_group=expert_tp) and param_is_not_shared(param):
                 counts[0] += param.numel() if param.requires_grad else 0
                 counts[1] += param.numel()
-    torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
+    torch.distributed.all_reduce(dense, group=ps.get_model_parallel_group())
+    torch.distributed.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    counts = dense + expert
     return float(counts[0] / counts[1])

@@ -3,14 +3,29 @@ every node computes alike."""
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
 LOWEST_RENDEZVOUS_PORT = 20000
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that the OS just handed out (free now; another process could still take it first)."""
+def free_port(*, floor: int | None = None) -> int:
+    """A port on 127.0.0.1 that is free now, in [20000, the ephemeral floor): the OS never hands those to outgoing
+    connections, so the hundreds that a running job's gloo opens cannot take it before the store listens (a local
+    job got EADDRINUSE on a port the OS had just handed out while another job ran). Only a process binding that
+    very port could; after 200 taken draws, the OS's pick."""
+    floor = ephemeral_port_floor() if floor is None else floor
+    span = floor - LOWEST_RENDEZVOUS_PORT if floor > LOWEST_RENDEZVOUS_PORT + 1000 else 10000
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = LOWEST_RENDEZVOUS_PORT + draw.randrange(span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

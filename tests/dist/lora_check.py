@@ -20,7 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sequence_parallel": True}}
+LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sequence_parallel": True},
+           # tiny-cpu-moe (4 routed experts, top-2): adapters on every expert's fc1 and fc2 and on attention; at
+           # TP2 with SP the experts are split over the expert-TP group (etp 2), at TP2 x EP2 with SP each rank
+           # holds two whole experts (etp 1)
+           "moe_dp2": {"model": "tiny-cpu-moe"},
+           "moe_tp2sp": {"model": "tiny-cpu-moe", "tp": 2, "sequence_parallel": True},
+           "moe_tp2ep2sp": {"model": "tiny-cpu-moe", "tp": 2, "ep": 2, "sequence_parallel": True}}
 OVERRIDES = ["algorithm.name=pretrain", "model.lora={rank: 4, alpha: 8}", "optimizer.lr=2e-2",
              "optimizer.lr_warmup_steps=0", "optimizer.clip_grad=1.0", "run.steps=4"]
 
@@ -48,9 +54,14 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    sizes = dict(sizes)
+    model = sizes.pop("model", "tiny-cpu")
     initialize(job_dims(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}), seed=1234)
-    cfg = load_config(None, [*OVERRIDES, *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
-    shape = load_model_shape("tiny-cpu")
+    lora = ["model.lora={rank: 4, alpha: 8, targets: [linear_qkv, linear_proj, experts.linear_fc1, experts.linear_fc2]}"
+            ] if model != "tiny-cpu" else []
+    cfg = load_config(None, [*OVERRIDES, *lora, f"model.name={model}",
+                             *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
+    shape = load_model_shape(model)
     engine = build_engine(cfg, shape)
     tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
 
@@ -72,6 +83,8 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     result["total_numel"] = sum(p.numel() for p in chunk.parameters())
     result["optimizer_state_numel"] = optimizer_state_numel(engine.optimizer)
     result["dp"] = parallel_state.get_data_parallel_world_size()
+    result["edp"] = parallel_state.get_expert_data_parallel_world_size()
+    result["expert_adapter_numel"] = sum(p.numel() for a in adapters(engine.chunks) if a.expert for p in a.parameters())
     folder = out / f"ckpt_{name}"
     ckpt.save_checkpoint(folder, step=3, chunks=engine.chunks, optimizer=engine.optimizer, scheduler=engine.scheduler)
     result["step4"] = train_step(4)

@@ -22,7 +22,10 @@ from megatron_rl.spec.config.fields import (  # noqa: F401 (ALGORITHMS and DPO_L
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.parallel import interleave_error, sequence_parallel_error
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2",
+                "shared_experts.linear_fc1", "shared_experts.linear_fc2")
+LORA_DEFAULT_TARGETS = LORA_TARGETS[:4]
+"""model.lora.targets when none are given: the dense layers' attention and MLP linears (MoE experts are named)."""
 LORA_MODULES_TO_SAVE = ("embedding", "output_layer", "final_layernorm")
 
 
@@ -36,8 +39,11 @@ class LoraConfig:
     """Scale numerator: the adapter adds (x A^T B^T) * alpha / rank."""
     dropout: float = 0.0
     """Dropout on the adapter's input, in [0, 1)."""
-    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Megatron module names to adapt, a subset of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Megatron module names to adapt, a subset of linear_qkv, linear_proj, linear_fc1, linear_fc2 (the dense
+    layers' attention and MLP; MLA's output projection is its linear_proj), experts.linear_fc1/fc2 (an MoE layer's
+    routed experts, every one; sequential experts only, not Transformer Engine's grouped GEMM) and
+    shared_experts.linear_fc1/fc2. Default: the first four."""
     modules_to_save: list[str] = field(default_factory=list)
     """Base modules trained in full beside the adapters (PEFT's modules_to_save), a subset of embedding (word
     embeddings), output_layer, final_layernorm; with tied embeddings either trains the shared weight. The KL
