@@ -134,22 +134,21 @@ def check_input_paths(cfg: JobConfig, config: Optional[str] = None) -> None:
 
 
 def check_teacher_tokenizer(cfg: JobConfig) -> None:
-    """The teacher checkpoint records its model, and a tokenizer that could match model.tokenizer: read from its
-    common state without torch. Two different built-in tokenizers are refused here; two different folders are
+    """The teacher's tokenizer, as its run's config.yaml beside the checkpoint names it, against model.tokenizer:
+    two different built-in ones are refused here; folders (and checkpoints without their run's config) are
     compared by the job, which loads both (``megatron_rl.runtime.teacher``)."""
-    from megatron_rl.conversion.dist_reader import CheckpointReader
-    from megatron_rl.data.tokenizer import builtin_name
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.run_files import builtin_tokenizer, run_config_of_checkpoint
 
     key = "algorithm.teacher.checkpoint"
+    found = run_config_of_checkpoint(cfg.algorithm.teacher.checkpoint)
+    if found is None:
+        return
     try:
-        extra = CheckpointReader(Path(cfg.algorithm.teacher.checkpoint).expanduser()).common_state().get("extra") or {}
-    except (ConfigError, OSError) as err:
-        raise ConfigError(f"{key}={cfg.algorithm.teacher.checkpoint}: not a readable checkpoint ({err})") from None
-    record = extra.get("model") if isinstance(extra, dict) else None
-    if not record:
-        raise ConfigError(f"{key}={cfg.algorithm.teacher.checkpoint} does not record its model (a checkpoint of this "
-                          "project's trainers does); give one of those")
-    theirs, ours = builtin_name(record.get("tokenizer_dir")), builtin_name(cfg.model.tokenizer)
+        teacher = load_config(str(found), [])
+    except ConfigError:
+        return  # the job reads what the checkpoint itself records
+    theirs, ours = builtin_tokenizer(teacher.model.tokenizer), builtin_tokenizer(cfg.model.tokenizer)
     if theirs and ours and theirs != ours:
         raise ConfigError(f"{key}: the teacher was trained with tokenizer {theirs}, the student's model.tokenizer is "
                           f"{ours}; distillation compares log-probs of the same tokens, so give a teacher trained "

@@ -78,23 +78,21 @@ def recomputes_old_logprobs(cfg: Any, shape: Any, runtime: Runtime) -> bool:
 
 
 def teacher_sizing(teacher: Any, student: Any) -> dict:
-    """GrpoSizing's teacher fields of ``algorithm.teacher``: its parameters from the model its checkpoint records
-    (read without torch), or, where that checkpoint is not readable here (a cluster path), the student's."""
+    """GrpoSizing's teacher fields of ``algorithm.teacher``: its parameters from its run's model (the config.yaml
+    beside its checkpoint), or the student's where that is not on this machine (a cluster path, an import)."""
     if teacher is None:
         return {}
-    from pathlib import Path
-
-    from megatron_rl.conversion.dist_reader import CheckpointReader
-    from megatron_rl.spec.model_shape import ModelShape
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
+    from megatron_rl.spec.run_files import run_config_of_checkpoint
 
     params = float(student.num_params())
-    try:
-        record = (CheckpointReader(Path(teacher.checkpoint).expanduser()).common_state().get("extra") or {}).get("model")
-        fields = dict(record["shape"])
-        fields["moe_layers"] = tuple(fields.get("moe_layers") or ())
-        params = float(ModelShape(**fields).num_params())
-    except (ConfigError, OSError, KeyError, TypeError, AttributeError):
-        pass
+    found = run_config_of_checkpoint(teacher.checkpoint)
+    if found is not None:
+        try:
+            params = float(load_model_shape(load_config(str(found), []).model.name).num_params())
+        except ConfigError:
+            pass
     return {"teacher_params": params, "teacher_offloaded": teacher.offload}
 
 

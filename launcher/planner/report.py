@@ -44,13 +44,17 @@ def _row(e: Estimate) -> str:
             f"{lay.recompute:>10} {e.step_time_s:>9.3f} {100 * e.mfu:>6.1f} {e.total / 1024**3:>8.1f}")
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def _grpo_line(grpo: dict | None) -> list[str]:
     if not grpo:
         return []
     extras = [name for name, on in (("reference model", grpo["reference_model"]),
                                     ("old log-probs recomputed", grpo["recompute_old_logprobs"]),
                                     ("reward model", grpo["reward_model"]),
-                                    (f"teacher of {grpo.get('teacher_params', 0) / 1e9:.3g}B parameters"
+                                    (f"teacher of {_count(grpo.get('teacher_params', 0))} parameters"
                                      + (", offloaded between its passes" if grpo.get("teacher_offloaded") else ""),
                                      grpo.get("teacher_params", 0)),
                                     ("KV cache released for training", grpo["kv_cache_released_for_training"]),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from megatron_rl.spec.run_files import BUILTIN_TOKENIZER_NAMES
+
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARACTERS: str = "\n" + "".join(chr(code) for code in range(32, 127))
 ARABIC_CHARACTERS: str = ("\n 0123456789=+-.:" + "".join(chr(code) for code in range(0x0621, 0x063B))
@@ -144,16 +146,9 @@ def remote_code_refused(path: str):
                        "e.g. a tiktoken tokenizer); set model.trust_remote_code=true to run it, if you trust it")
 
 
-BUILTIN_TOKENIZERS = {"builtin:char-ascii": lambda: CharTokenizer(),
-                      "builtin:char-arabic": lambda: CharTokenizer(ARABIC_CHARACTERS, name="char-arabic-v1")}
-"""The character tokenizers ``model.tokenizer`` may name instead of a folder."""
-
-
-def builtin_name(path: str | None) -> str | None:
-    """The built-in tokenizer that ``model.tokenizer=path`` loads (null: builtin:char-ascii), or None for a folder."""
-    if path is None:
-        return "builtin:char-ascii"
-    return path if path in BUILTIN_TOKENIZERS else None
+BUILTIN_TOKENIZERS = dict(zip(BUILTIN_TOKENIZER_NAMES, (lambda: CharTokenizer(),
+                                                          lambda: CharTokenizer(ARABIC_CHARACTERS, name="char-arabic-v1"))))
+"""The character tokenizers ``model.tokenizer`` may name instead of a folder (their names: the spec's)."""
 
 
 def load_tokenizer(path: str | None, *, trust_remote_code: bool = False):

@@ -6,8 +6,13 @@ and the audit record
 ``manifest.json`` (``megatron_rl/runtime/manifest.py``).
 """
 
+from pathlib import Path
+
 CONFIG_FILE = "config.yaml"
 """The resolved config, as the launcher wrote it (``${oc.env:...}`` references left unresolved)."""
+BUILTIN_TOKENIZER_NAMES = ("builtin:char-ascii", "builtin:char-arabic")
+"""The character tokenizers ``model.tokenizer`` may name (``megatron_rl/data/tokenizer.py`` builds them); null is
+the first."""
 METRICS_FILE = "metrics.jsonl"
 """One JSON line per step, written by rank 0."""
 SAMPLES_FILE = "samples.jsonl"
@@ -27,3 +32,20 @@ JOB_EXIT_CODES = {0: "done", 1: "a rank failed", 2: "a config error (ConfigError
                   "checkpoint saved, requeue", GATE_EXIT_CODE: "the evaluation gate (eval.min_pass_at_1) was missed"}
 """Every code a job ends with, and what it means; distinct by construction (tests/test_sbatch_render.py checks the
 job script's literals against them)."""
+
+
+def builtin_tokenizer(path: str | None) -> str | None:
+    """The built-in tokenizer that ``model.tokenizer=path`` loads (null: builtin:char-ascii), or None for a folder."""
+    if path is None:
+        return BUILTIN_TOKENIZER_NAMES[0]
+    return path if path in BUILTIN_TOKENIZER_NAMES else None
+
+
+def run_config_of_checkpoint(checkpoint: str) -> Path | None:
+    """The ``config.yaml`` of the run that wrote ``checkpoint`` (its checkpoints folder or a step folder in it), when
+    it is beside it on this machine; None otherwise (a cluster path, an imported checkpoint)."""
+    path = Path(checkpoint).expanduser()
+    for folder in (path.parent, path.parent.parent):
+        if (folder / CONFIG_FILE).is_file():
+            return folder / CONFIG_FILE
+    return None
