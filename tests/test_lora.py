@@ -157,6 +157,31 @@ def test_routed_expert_adapters_train_alike_split_over_expert_tp_and_over_ep(lay
 
 
 @slow
+def test_shared_and_routed_expert_adapters_on_an_mla_model_train_alike(tmp_path):
+    """tiny-cpu-deepseek-v3 (MLA, a dense first layer, 8 routed experts + 1 shared expert) with adapters on MLA's
+    linear_proj, every routed expert and the shared expert: TP1 x DP2, TP2 with SP and TP2 x EP2 with SP agree step
+    by step; merged = adapter forward; the planner's trainable fraction is the engine's."""
+    ranks = torchrun_check("lora_shared_experts_check.py", tmp_path)
+    ref = ranks[0]["dp2"]
+    assert ref["shared_adapters"] == 2 * 2 * 2  # 2 MoE layers x (fc1, fc2) x (A, B)
+    for name, result in ranks[0].items():
+        for ours, theirs in zip(result["steps"], ref["steps"], strict=True):
+            assert abs(ours["loss"] - theirs["loss"]) < 1e-5, name
+            assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5, name
+        assert _max_diff(result["on"], ref["on"]) < 1e-4 and _max_diff(result["on"], result["off"]) > 1e-2, name
+        assert _max_diff(result["merged"], result["on"]) < 1e-5, name
+    assert ranks[0]["tp2sp"]["expert_adapters"] > 0 and ranks[0]["tp2ep2sp"]["expert_adapters"] > 0
+    from megatron_rl.spec.config.schema import LoraConfig
+    from megatron_rl.spec.model_shape import load_model_shape
+    from launcher.planner.inputs import lora_trainable_fraction
+
+    lora = LoraConfig(rank=4, alpha=8, targets=["linear_proj", "experts.linear_fc1", "experts.linear_fc2",
+                                                "shared_experts.linear_fc1", "shared_experts.linear_fc2"])
+    planned = lora_trainable_fraction(load_model_shape("tiny-cpu-deepseek-v3"), lora)
+    assert all(result["trainable_fraction"] == pytest.approx(planned, abs=1e-12) for result in ranks[0].values())
+
+
+@slow
 def test_optimizer_state_is_the_adapters_only(layouts):
     _, ranks = layouts
     for name, result in _layouts(ranks[0]).items():

@@ -1,0 +1,83 @@
+"""LoRA on tiny-cpu-deepseek-v3 (MLA attention, a dense first layer, 8 routed experts + 1 shared expert), in ONE
+torchrun job of 2 processes: adapters on MLA's linear_proj, every routed expert's fc1/fc2 and the shared expert's
+fc1/fc2, at TP1 x DP2, TP2 with SP and TP2 x EP2 with SP: three optimizer steps, then the log-probs of fixed tokens
+with the adapters on, off and merged into their base weights.
+
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/lora_shared_experts_check.py --out OUT_DIR
+
+Every rank writes OUT/rank{R}.json; tests/test_lora.py compares the layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LAYOUTS = {"dp2": {}, "tp2sp": {"tp": 2, "sequence_parallel": True},
+           "tp2ep2sp": {"tp": 2, "ep": 2, "sequence_parallel": True}}
+TARGETS = ["linear_proj", "experts.linear_fc1", "experts.linear_fc2", "shared_experts.linear_fc1",
+           "shared_experts.linear_fc2"]
+OVERRIDES = ["algorithm.name=pretrain", f"model.lora={{rank: 4, alpha: 8, targets: [{', '.join(TARGETS)}]}}",
+             "model.name=tiny-cpu-deepseek-v3", "optimizer.lr=2e-2", "optimizer.lr_warmup_steps=0",
+             "optimizer.clip_grad=1.0", "run.steps=4"]
+
+
+def run_layout(sizes: dict) -> dict:
+    import torch
+    from megatron.core import parallel_state
+
+    from dist_common import progression_trainer
+    from megatron_rl.models.lora import adapters, adapters_disabled
+    from megatron_rl.runtime.distributed import initialize, job_dims
+    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.spec.config.loader import load_config
+    from megatron_rl.spec.model_shape import load_model_shape
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize(job_dims(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}), seed=1234)
+    cfg = load_config(None, [*OVERRIDES, *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
+    shape = load_model_shape("tiny-cpu-deepseek-v3")
+    engine = build_engine(cfg, shape)
+    tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+
+    def logprobs() -> list:
+        return sequence_logprobs(engine.chunks, tokens).tolist()
+
+    chunk = engine.chunks[0]
+    adapted = sorted({name.split(".lora.")[0].split(".", 3)[-1] for name, _ in chunk.named_parameters()
+                      if ".lora." in name})
+    train_step = progression_trainer(engine, micro_batch_size=2)
+    result = {"trainable_fraction": engine.trainable_fraction, "adapted": adapted,
+              "shared_adapters": sum(1 for name, _ in chunk.named_parameters()
+                                     if ".shared_experts." in name and ".lora." in name),
+              "steps": [train_step(step) for step in (1, 2, 3)], "on": logprobs()}
+    with adapters_disabled(engine.chunks):
+        result["off"] = logprobs()
+    with torch.no_grad():
+        for module in chunk.modules():
+            if hasattr(module, "lora") and hasattr(module, "weight"):
+                module.weight += module.lora.delta_weight()
+    with adapters_disabled(engine.chunks):
+        result["merged"] = logprobs()
+    result["expert_adapters"] = sum(1 for a in adapters(engine.chunks) if a.expert)
+    return result
+
+
+def main() -> None:
+    import torch
+
+    from dist_common import write_rank_result
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = Path(parser.parse_args().out)
+    write_rank_result(out, {name: run_layout(sizes) for name, sizes in LAYOUTS.items()})
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
