@@ -34,14 +34,14 @@ def runtime_of(cfg: Any, shape: Any = None) -> Runtime:
 def lora_trainable_fraction(shape: Any, lora: Any) -> float:
     """Trainable parameters over all parameters (frozen base plus adapters) for model.lora on ``shape``: rank x
     (in + out) per adapted linear, as megatron_rl/models/lora.py builds them (every routed expert's and the shared
-    expert's fc1 and fc2 when named; MLA's projections get none, linear_proj does), plus the modules_to_save (vocab x hidden per untied embedding or output layer, once
-    when tied; hidden for the final norm)."""
+    expert's fc1 and fc2 when named; MLA's projections get none, linear_proj does), plus the modules_to_save
+    (vocab x hidden per untied embedding or output layer, once when tied; hidden for the final norm)."""
     h, d, r = shape.hidden_size, shape.kv_channels, lora.rank
     n, g, f = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
     attention = {"linear_qkv": 0 if shape.is_mla else h + (n + 2 * g) * d, "linear_proj": n * d + h}
-    mlp = {"linear_fc1": h + f * (2 if shape.gated_linear_unit else 1), "linear_fc2": f + h}
-    per_dense = sum(v for k, v in {**attention, **mlp}.items() if k in lora.targets)
     gate = 2 if shape.gated_linear_unit else 1
+    mlp = {"linear_fc1": h + f * gate, "linear_fc2": f + h}
+    per_dense = sum(v for k, v in {**attention, **mlp}.items() if k in lora.targets)
     e, s = shape.moe_ffn_hidden_size or 0, shape.moe_shared_expert_intermediate_size or 0
     experts = {"experts.linear_fc1": shape.num_experts * (h + e * gate), "experts.linear_fc2": shape.num_experts * (e + h),
                "shared_experts.linear_fc1": (h + s * gate) if s else 0, "shared_experts.linear_fc2": (s + h) if s else 0}

@@ -82,12 +82,6 @@ def model_metadata(shape: ModelShape, hf_config: Optional[dict] = None, tokenize
     return {"shape": shape.to_dict(), "hf_config": hf_config, "tokenizer_dir": tokenizer_dir}
 
 
-def _shape_from_dict(d: dict) -> ModelShape:
-    d = dict(d)
-    d["moe_layers"] = tuple(d.get("moe_layers") or ())
-    return ModelShape(**d)
-
-
 def resolve_model_source(step_folder: Path, model: Union[None, str, Path, ModelShape, dict],
                          common: dict, hf_source: Optional[Path] = None) -> ModelSource:
     """Model description: explicit ``model`` > files stored in the checkpoint > ``extra["model"]`` of the common state."""
@@ -125,7 +119,7 @@ def resolve_model_source(step_folder: Path, model: Union[None, str, Path, ModelS
             cfg = recorded["hf_config"]
             return ModelSource(shape=shape_from_config(cfg, "checkpoint extra.model"), hf_config=cfg,
                                tokenizer_dir=tok_dir, origin="checkpoint extra.model.hf_config")
-        shape = _shape_from_dict(recorded["shape"])
+        shape = ModelShape.from_dict(recorded["shape"])
         return ModelSource(shape=shape, hf_config=hf_config_from_shape(shape), tokenizer_dir=tok_dir,
                            origin="checkpoint extra.model.shape")
     raise ConfigError(f"--ckpt {step_folder}: the checkpoint does not record its model; pass --model "

@@ -66,12 +66,6 @@ def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict, Opti
     return folder, meta, stored_lora_config(common.get("extra"))
 
 
-def shape_from_metadata(meta: dict) -> ModelShape:
-    fields = dict(meta["shape"])
-    fields["moe_layers"] = tuple(fields.get("moe_layers") or ())
-    return ModelShape(**fields)
-
-
 class RewardModelScorer:
     """A frozen reward model colocated with the policy; ``scorer(prompts, completions, answers) -> list[float]``."""
 
@@ -87,7 +81,7 @@ class RewardModelScorer:
         if micro_batch_size < 1:
             raise ConfigError(f"reward model scorer: micro_batch_size={micro_batch_size} must be >= 1")
         self.folder, meta, lora = read_reward_model_metadata(checkpoint)
-        self.shape = shape_from_metadata(meta)
+        self.shape = ModelShape.from_dict(meta["shape"])
         self.max_length = int(max_length or meta["max_length"])
         loaded = load_tokenizer(tokenizer if tokenizer is not None else meta.get("tokenizer"),
                                 trust_remote_code=bool(meta.get("trust_remote_code", False)))

@@ -37,7 +37,7 @@ KEY = "algorithm.teacher.checkpoint"
 
 
 def read_teacher_record(checkpoint: str) -> tuple:
-    """(step folder, the model record ``extra["model"]``, the checkpoint's ``extra``) of a teacher checkpoint;
+    """(step folder, the checkpoint's ``extra``, which records the model under "model") of a teacher checkpoint;
     ConfigError naming the key when it is missing, not a policy, or does not record its model."""
     from megatron.core import dist_checkpointing
 
@@ -54,7 +54,7 @@ def read_teacher_record(checkpoint: str) -> tuple:
     if not extra.get("model"):
         raise ConfigError(f"{KEY}={checkpoint}: {folder} does not record its model (a checkpoint of this "
                           "project's trainers does); give one, or import the teacher (launch.py convert hf-to-megatron)")
-    return folder, extra["model"], extra
+    return folder, extra
 
 
 class Teacher:
@@ -66,11 +66,9 @@ class Teacher:
         from megatron_rl.models.lora import stored_lora_config
         from megatron_rl.runtime.checkpoint import load_checkpoint, preserved_rng
 
-        self.folder, record, extra = read_teacher_record(settings.checkpoint)
-        fields = dict(record["shape"])
-        fields["moe_layers"] = tuple(fields.get("moe_layers") or ())
-        self.shape = ModelShape(**fields)
-        recorded_tokenizer = record.get("tokenizer_dir")
+        self.folder, extra = read_teacher_record(settings.checkpoint)
+        self.shape = ModelShape.from_dict(extra["model"]["shape"])
+        recorded_tokenizer = extra["model"].get("tokenizer_dir")
         teacher_tokenizer = load_tokenizer(recorded_tokenizer, trust_remote_code=False)
         if not same_tokenizer(teacher_tokenizer, tokenizer):
             raise ConfigError(f"{KEY}={settings.checkpoint}: the teacher's tokenizer ({recorded_tokenizer or 'the '

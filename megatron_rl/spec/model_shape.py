@@ -258,6 +258,11 @@ class ModelShape:
         out["moe_layers"] = list(self.moe_layers)
         return out
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "ModelShape":
+        """The shape ``to_dict`` wrote (as checkpoints record it in ``extra``)."""
+        return cls(**{**fields, "moe_layers": tuple(fields.get("moe_layers") or ())})
+
 
 YAML_KEYS = {
     "name", "family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",

@@ -44,7 +44,7 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from dist_common import progression_trainer
+    from dist_common import merge_adapters, progression_trainer
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.lora import adapters, adapters_disabled
@@ -92,11 +92,7 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     ckpt.load_checkpoint(folder, chunks=fresh.chunks, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
     result["resumed_step4"] = progression_trainer(fresh, micro_batch_size=2)(4)
     result["on4"] = logprobs()
-    # the adapters merged into each base shard (W + B A alpha / r), run without them
-    with torch.no_grad():
-        for module in chunk.modules():
-            if hasattr(module, "lora") and hasattr(module, "weight"):
-                module.weight += module.lora.delta_weight()
+    merge_adapters(chunk)  # the adapters merged into each base shard (W + B A alpha / r), run without them
     with adapters_disabled(engine.chunks):
         result["merged"] = logprobs()
     return result

@@ -29,7 +29,7 @@ def run_layout(sizes: dict) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from dist_common import progression_trainer
+    from dist_common import merge_adapters, progression_trainer
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
@@ -57,10 +57,7 @@ def run_layout(sizes: dict) -> dict:
               "steps": [train_step(step) for step in (1, 2, 3)], "on": logprobs()}
     with adapters_disabled(engine.chunks):
         result["off"] = logprobs()
-    with torch.no_grad():
-        for module in chunk.modules():
-            if hasattr(module, "lora") and hasattr(module, "weight"):
-                module.weight += module.lora.delta_weight()
+    merge_adapters(chunk)
     with adapters_disabled(engine.chunks):
         result["merged"] = logprobs()
     result["expert_adapters"] = sum(1 for a in adapters(engine.chunks) if a.expert)
