@@ -226,20 +226,32 @@ def packing_check(exact_yaml: str, device: torch.device) -> dict:
 def lora_check(exact_yaml: str, device: torch.device) -> dict:
     """model.lora on this device's layers (Transformer Engine's linears, LayerNorm-fused ones included, on a GPU
     with TE), fp32: zero-initialised adapters leave the base's log-probs unchanged, and with random B the
-    adapters' forward equals the base with B A alpha / r merged into each weight."""
-    from megatron_rl.spec.config.schema import LoraConfig
+    adapters' forward equals the base with B A alpha / r merged into each weight. Twice: the exact model with the
+    default targets, and tiny-cpu-deepseek-v3 with every MLA projection (TE's TP-replicated ``TELinear`` down
+    projections, its norm-fused up projections) and the shared expert."""
+    from megatron_rl.spec.config.schema import LORA_TARGETS, LoraConfig
+
+    mla = [t for t in LORA_TARGETS if t.startswith("linear_q") or t.startswith("linear_kv")]
+    checks = {"dense": _lora_numerics(str(REPO_ROOT / exact_yaml), LoraConfig(rank=4), device),
+              "mla": _lora_numerics("tiny-cpu-deepseek-v3", LoraConfig(rank=4, targets=[
+                  "linear_proj", *(t for t in mla if t != "linear_q_proj"), "shared_experts.linear_fc1",
+                  "shared_experts.linear_fc2"]), device)}
+    return {**checks, "passed": all(check["passed"] for check in checks.values())}
+
+
+def _lora_numerics(model_name: str, lora, device: torch.device) -> dict:
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import sequence_logprobs
 
-    shape = load_model_shape(str(REPO_ROOT / exact_yaml))
+    shape = load_model_shape(model_name)
     tokens = torch.randint(3, shape.vocab_size, (4, 32), generator=torch.Generator().manual_seed(6)).to(device)
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7, lora=LoraConfig(rank=4)))
+        model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7, lora=lora))
         chunks = [model]
         with torch.no_grad():
             at_init = sequence_logprobs(model, tokens)
@@ -256,11 +268,11 @@ def lora_check(exact_yaml: str, device: torch.device) -> dict:
                 merged = sequence_logprobs(model, tokens)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
-    linear = type(unwrap(model).decoder.layers[0].self_attention.linear_qkv).__name__
+    linears = sorted({type(module).__name__ for module in unwrap(model).modules() if hasattr(module, "lora")})
     init_diff = float((at_init - base).abs().max())
     merged_diff = float((with_adapters - merged).abs().max())
     moved = float((with_adapters - base).abs().max())
-    return {"model": f"{shape.name}, fp32, rank 4", "linear_qkv": linear, "init_vs_base_max_abs_diff": init_diff,
+    return {"model": f"{shape.name}, fp32, rank 4", "adapted_linears": linears, "init_vs_base_max_abs_diff": init_diff,
             "adapters_vs_merged_max_abs_diff": merged_diff, "adapters_moved_logprobs": moved,
             "passed": bool(init_diff == 0.0 and merged_diff < 1e-4 < moved)}
 

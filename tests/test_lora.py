@@ -157,14 +157,22 @@ def test_routed_expert_adapters_train_alike_split_over_expert_tp_and_over_ep(lay
 
 
 @slow
-def test_shared_and_routed_expert_adapters_on_an_mla_model_train_alike(tmp_path):
-    """tiny-cpu-deepseek-v3 (MLA, a dense first layer, 8 routed experts + 1 shared expert) with adapters on MLA's
-    linear_proj, every routed expert and the shared expert: TP1 x DP2, TP2 with SP and TP2 x EP2 with SP agree step
-    by step; merged = adapter forward; the planner's trainable fraction is the engine's."""
-    ranks = torchrun_check("lora_shared_experts_check.py", tmp_path)
+def test_mla_and_expert_adapters_on_deepseek_v3_train_alike_and_load_in_peft(tmp_path):
+    """tiny-cpu-deepseek-v3 (MLA with q-LoRA, a dense first layer, 8 routed experts + 1 shared expert) with adapters
+    on every MLA projection (the TP-replicated down projections included), the dense MLP, every routed expert and the
+    shared expert: TP1 x DP2, TP2 with SP and TP2 x EP2 with SP agree step by step; merged = adapter forward; the
+    planner's trainable fraction is the engine's; the merged export is transformers' DeepseekV3 with our log-probs,
+    and the PEFT adapter (MLA and shared experts by target_modules, the fused routed experts by target_parameters) on
+    the base export gives the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+
+    ranks = torchrun_check("lora_deepseek_check.py", tmp_path)
     ref = ranks[0]["dp2"]
     assert ref["shared_adapters"] == 2 * 2 * 2  # 2 MoE layers x (fc1, fc2) x (A, B)
     for name, result in ranks[0].items():
+        assert result["kinds"] == ["column", "duplicated", "row"], name
         for ours, theirs in zip(result["steps"], ref["steps"], strict=True):
             assert abs(ours["loss"] - theirs["loss"]) < 1e-5, name
             assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5, name
@@ -175,10 +183,35 @@ def test_shared_and_routed_expert_adapters_on_an_mla_model_train_alike(tmp_path)
     from megatron_rl.spec.model_shape import load_model_shape
     from launcher.planner.inputs import lora_trainable_fraction
 
-    lora = LoraConfig(rank=4, alpha=8, targets=["linear_proj", "experts.linear_fc1", "experts.linear_fc2",
-                                                "shared_experts.linear_fc1", "shared_experts.linear_fc2"])
-    planned = lora_trainable_fraction(load_model_shape("tiny-cpu-deepseek-v3"), lora)
+    from lora_deepseek_check import TARGETS
+
+    planned = lora_trainable_fraction(load_model_shape("tiny-cpu-deepseek-v3"), LoraConfig(rank=4, alpha=8,
+                                                                                          targets=TARGETS))
     assert all(result["trainable_fraction"] == pytest.approx(planned, abs=1e-12) for result in ranks[0].values())
+
+    from megatron_rl.conversion.export import export_checkpoint_to_hf
+    from megatron_rl.conversion.lora_export import export_peft_adapter
+
+    for ckpt, out in (("ckpt_base", "hf_base"), ("ckpt", "hf_merged")):  # in this process: the CLI is tested above
+        export_checkpoint_to_hf(tmp_path / ckpt, tmp_path / out, model="tiny-cpu-deepseek-v3")
+    export_peft_adapter(tmp_path / "ckpt", tmp_path / "adapter", base_hf=tmp_path / "hf_base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    # PEFT on transformers 5 reads gate/up/down_proj target_modules of a MoE model as its fused experts': the dense
+    # layer's and the shared expert's are adapted through their weights
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", *sorted(
+        f"{parent}.{linear}.weight" for parent in ("mlp", "shared_experts") for linear in ("gate_proj", "up_proj",
+                                                                                         "down_proj"))]
+    assert config["target_modules"] == sorted(["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                                               "self_attn.kv_b_proj", "self_attn.o_proj"])
+    tokens = torch.randint(1, 128, (4, 17), generator=torch.Generator().manual_seed(3))  # the check's tokens
+    load = lambda folder: transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    merged = load(tmp_path / "hf_merged")
+    adapted = peft.PeftModel.from_pretrained(load(tmp_path / "hf_base"), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        merged_logits, peft_logits = merged(tokens[:, :-1]).logits, adapted(tokens[:, :-1]).logits
+    logp = torch.log_softmax(merged_logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert _max_diff(logp.tolist(), ranks[0]["tp2ep2sp"]["on"]) < 1e-4
+    assert float((peft_logits - merged_logits).abs().max()) < 1e-4
 
 
 @slow
@@ -349,21 +382,32 @@ def test_merged_export_matches_our_engine_at_every_layout(layouts, tmp_path, lau
 
     out, ranks = layouts
     tokens = torch.randint(1, 128, (4, 17), generator=torch.Generator().manual_seed(3))  # lora_check's tokens
+    merged = {}
     for name, model_name in (("dp2", "tiny-cpu"), ("tp2sp", "tiny-cpu"), ("moe_tp2ep2sp", "tiny-cpu-moe")):
         hf_dir = tmp_path / f"hf_{name}"
         result = launch("convert", "megatron-to-hf", "--ckpt", str(out / f"ckpt_{name}"), "--out", str(hf_dir),
                         "--model", model_name)
         assert result.returncode == 0, result.stderr[-3000:]
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        model = merged[name] = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             logp = torch.log_softmax(model(tokens[:, :-1]).logits.float(), -1)
         hf = logp.gather(-1, tokens[:, 1:, None])[..., 0].tolist()
         assert _max_diff(hf, ranks[0][name]["on"]) < 1e-4, name
-    # transformers holds a MoE layer's experts fused, which PEFT adapts only through target_parameters: refused
-    refused = launch("convert", "megatron-to-hf", "--ckpt", str(out / "ckpt_moe_tp2ep2sp"), "--out",
-                     str(tmp_path / "moe_adapter"), "--lora-adapter", "--base-hf", str(tmp_path / "hf_moe_tp2ep2sp"))
-    assert refused.returncode == 2 and "routed experts" in refused.stderr and "Traceback" not in refused.stderr
-    assert not (tmp_path / "moe_adapter").exists()
+    # Qwen3-MoE's PEFT adapter (experts through target_parameters) on the export of the untrained checkpoint (zero
+    # B: the base) gives the merged export's logits
+    peft = pytest.importorskip("peft")
+    from megatron_rl.conversion.export import export_checkpoint_to_hf
+    from megatron_rl.conversion.lora_export import export_peft_adapter
+
+    export_checkpoint_to_hf(out / "ckpt_base_moe_tp2ep2sp", tmp_path / "hf_moe_base", model="tiny-cpu-moe")
+    export_peft_adapter(out / "ckpt_moe_tp2ep2sp", tmp_path / "moe_adapter", base_hf=tmp_path / "hf_moe_base")
+    config = json.loads((tmp_path / "moe_adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_moe_base", dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "moe_adapter")).eval()
+    with torch.no_grad():
+        assert float((adapted(tokens).logits - merged["moe_tp2ep2sp"](tokens).logits).abs().max()) < 1e-4
 
 
 # ------------------------------------------------------------------ PEFT round trip from an HF-imported model
@@ -414,8 +458,8 @@ def test_peft_adapter_on_the_hf_base_equals_the_merged_export(peft_round_trip):
     config = json.loads((root / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert config["lora_dropout"] == 0.1
-    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj"])
+    assert config["target_modules"] == sorted(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
     weights = load_file(str(root / "adapter" / "adapter_model.safetensors"))
     attn = "base_model.model.model.layers.1.self_attn."
     assert torch.equal(weights[attn + "q_proj.lora_A.weight"], weights[attn + "k_proj.lora_A.weight"])  # shared A

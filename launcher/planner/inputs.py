@@ -34,11 +34,18 @@ def runtime_of(cfg: Any, shape: Any = None) -> Runtime:
 def lora_trainable_fraction(shape: Any, lora: Any) -> float:
     """Trainable parameters over all parameters (frozen base plus adapters) for model.lora on ``shape``: rank x
     (in + out) per adapted linear, as megatron_rl/models/lora.py builds them (every routed expert's and the shared
-    expert's fc1 and fc2 when named; MLA's projections get none, linear_proj does), plus the modules_to_save
-    (vocab x hidden per untied embedding or output layer, once when tied; hidden for the final norm)."""
+    expert's fc1 and fc2 when named; MLA's query and key/value projections by their own names), plus the
+    modules_to_save (vocab x hidden per untied embedding or output layer, once when tied; hidden for the final
+    norm)."""
     h, d, r = shape.hidden_size, shape.kv_channels, lora.rank
     n, g, f = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
     attention = {"linear_qkv": 0 if shape.is_mla else h + (n + 2 * g) * d, "linear_proj": n * d + h}
+    if shape.is_mla:
+        q, kv, rope = shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim
+        q_heads = n * (shape.qk_nope_head_dim + rope)
+        attention.update({"linear_q_proj": 0 if q else h + q_heads, "linear_q_down_proj": h + q if q else 0,
+                          "linear_q_up_proj": q + q_heads if q else 0, "linear_kv_down_proj": h + kv + rope,
+                          "linear_kv_up_proj": kv + n * (shape.qk_nope_head_dim + shape.v_head_dim)})
     gate = 2 if shape.gated_linear_unit else 1
     mlp = {"linear_fc1": h + f * gate, "linear_fc2": f + h}
     per_dense = sum(v for k, v in {**attention, **mlp}.items() if k in lora.targets)

@@ -55,7 +55,8 @@ def _lora_adapter(args) -> int:
 
     result = export_peft_adapter(args.ckpt, args.out, base_hf=args.base_hf, overwrite=args.overwrite)
     print(f"wrote {result['out_dir']}: PEFT LoRA adapter (r={result['r']}, {result['tensors']} tensors, "
-          f"target_modules {', '.join(result['target_modules'])}"
+          f"target_modules {', '.join(result['target_modules']) or '-'}"
+          + (f", target_parameters {', '.join(result['target_parameters'])}" if result["target_parameters"] else "")
           + (f", modules_to_save {', '.join(result['modules_to_save'])}" if result["modules_to_save"] else "")
           + f") for {args.base_hf}")
     return 0

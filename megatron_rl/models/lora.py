@@ -15,14 +15,17 @@ adapters only. Sharding follows the base:
   grad then covers the rank's tokens only: it is tagged ``sequence_parallel``, so Megatron's
   ``finalize_model_grads`` sums it over TP, as it does the norms');
 * row-parallel (proj, fc2): A [r, in/tp] sharded on dim 1, B [out, r] replicated; A's partial product is
-  all-reduced (under SP reduce-scattered over the sequence, B tagged ``sequence_parallel``).
+  all-reduced (under SP reduce-scattered over the sequence, B tagged ``sequence_parallel``);
+* replicated ("duplicated": MLA's q and kv down projections, replicated over TP as their base): A and B whole,
+  no communication; under SP each rank's input is its chunk of the sequence, so both are tagged
+  ``sequence_parallel``. MLA's up projections (and linear_q_proj without q-LoRA) are column-parallel.
 
 * a routed expert's linears (``experts.linear_fc1/fc2``, SequentialMLP's local experts): the token dispatcher
   does the expert-TP communication (Megatron's ``explicit_expert_comm``), so the adapter reduces no activation;
   its replicated matrix (column: A, row: B) gets its gradient summed over the expert-TP group instead
   (``LoraAdapter._expert_output``), and its parameters are reduced over the expert-data-parallel group, as the
   expert's weights. Shared experts (``shared_experts.linear_fc1/fc2``) are dense linears. Transformer Engine's
-  grouped-GEMM experts take no adapters yet.
+  grouped-GEMM experts take no adapters yet (refused in one line).
 
 A is drawn as PEFT does (kaiming-uniform, a=sqrt(5)) on the whole [r, in] matrix from a seed of its global layer
 and target, then sliced, so the initial adapters do not depend on the layout; B starts at zero, so step 0 is the
@@ -71,8 +74,10 @@ SAVED_MODULES = {"embedding": "embedding.word_embeddings.", "output_layer": "out
 """model.lora.modules_to_save name -> parameter-name prefix of the base module trained in full."""
 _TARGET = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\."
                      r"(?:(?P<group>shared_experts|experts)\.(?:local_experts\.(?P<expert>\d+)\.)?)?"
-                     r"(?P<linear>linear_qkv|linear_proj|linear_fc1|linear_fc2)$")
-"""An adaptable linear: a dense layer's, a shared expert's, or a routed expert's (SequentialMLP's local experts)."""
+                     r"(?P<linear>linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_q_proj|linear_q_down_proj|"
+                     r"linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj)$")
+"""An adaptable linear: a dense layer's, MLA's, a shared expert's, or a routed expert's (SequentialMLP's local
+experts)."""
 
 
 def is_adapter_key(key: str) -> bool:
@@ -103,6 +108,8 @@ class LoraAdapter(torch.nn.Module):
         if self.expert:  # the token dispatcher does the expert-TP communication of the base: see _expert_output
             return self._expert_output(self.dropped(x))
         h = F.linear(self.dropped(x), self.A)
+        if self.parallel == "duplicated":  # replicated over TP, as its base: no communication
+            return F.linear(h, self.B) * self.scale
         if self.parallel == "column":
             h = (mappings.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
                  if self.sequence_parallel else mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group))
@@ -137,7 +144,7 @@ class LoraAdapter(torch.nn.Module):
         from megatron.core.tensor_parallel import get_cuda_rng_tracker, get_data_parallel_rng_tracker_name
 
         tracker = get_cuda_rng_tracker()
-        replicated = self.parallel == "column" and not self.sequence_parallel and not self.expert
+        replicated = self.parallel in ("column", "duplicated") and not self.sequence_parallel and not self.expert
         with tracker.fork(get_data_parallel_rng_tracker_name()) if replicated else tracker.fork():
             return self.dropout(x)
 
@@ -147,14 +154,19 @@ class LoraAdapter(torch.nn.Module):
 
 
 def _parallel_mode(module) -> Optional[str]:
+    """column, row, or duplicated (replicated over TP: MLA's down projections, TE's ``TELinear`` or Megatron's
+    plain ``Linear`` the local MLA spec uses)."""
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(module, ColumnParallelLinear):
         return "column"
     if isinstance(module, RowParallelLinear):
         return "row"
+    if isinstance(module, Linear):
+        return "duplicated"
     mode = getattr(module, "parallel_mode", None)  # Transformer Engine linears
-    return mode if mode in ("column", "row") else None
+    return mode if mode in ("column", "row", "duplicated") else None
 
 
 def _add_adapter_output(module, args, kwargs, output):
@@ -179,7 +191,7 @@ def _sharded_state_dict(module, prefix: str = "", sharded_offsets: tuple = (), m
     state = {k: v for k, v in type(module).sharded_state_dict(module, prefix, sharded_offsets, metadata).items()
              if not k.startswith(adapter_prefix)}
     adapter = module.lora
-    axes = {"B": 0} if adapter.parallel == "column" else {"A": 1}
+    axes = {"column": {"B": 0}, "row": {"A": 1}, "duplicated": {}}[adapter.parallel]
     tensors = {"A": adapter.A, "B": adapter.B}
     sharded = make_sharded_tensors_for_checkpoint(tensors, adapter_prefix, axes, sharded_offsets,
                                                   tp_group=getattr(module, "tp_group", None),
@@ -219,8 +231,9 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
     """Give ``model``'s target linears adapters and freeze everything else but ``TRAINABLE_HEADS`` and the
     modules_to_save (their parameters tagged ``lora_saved``); returns how many linears were adapted. Routed experts
     (SequentialMLP's, each seeded by its global index; their adapters reduced over the expert-data-parallel group as
-    their weights) and shared experts are adapted when ``experts.*`` / ``shared_experts.*`` are targets; MLA's
-    projections other than linear_proj are not targets yet."""
+    their weights) and shared experts are adapted when ``experts.*`` / ``shared_experts.*`` are targets, MLA's
+    projections when named (linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj,
+    linear_kv_up_proj; its output projection is linear_proj)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -263,13 +276,15 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
             adapter.A.copy_(full_a[:, index * in_local:(index + 1) * in_local] if parallel == "row" else full_a)
         if parallel == "column":
             set_tensor_model_parallel_attributes(adapter.B, True, 0, 1)
-        else:
+        elif parallel == "row":
             set_tensor_model_parallel_attributes(adapter.A, True, 1, 1)
         if adapter.sequence_parallel:  # grads cover this rank's tokens only: summed over TP by finalize_model_grads
-            (adapter.A if parallel == "column" else adapter.B).sequence_parallel = True
+            replicated = {"column": [adapter.A], "row": [adapter.B], "duplicated": [adapter.A, adapter.B]}[parallel]
+            for param in replicated:
+                param.sequence_parallel = True
         for param in (adapter.A, adapter.B):  # an expert's: reduced over the expert-data-parallel group, as its weight
             param.allreduce = getattr(module.weight, "allreduce", True)
-        if parallel == "column":
+        if parallel != "row":
             adapter.norm = te_fused_norm(module)
         module.add_module(ADAPTER, adapter)
         module.register_forward_hook(_add_adapter_output, with_kwargs=True)

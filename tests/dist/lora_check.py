@@ -69,6 +69,9 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
         return sequence_logprobs(engine.chunks, tokens).tolist()
 
     result = {"trainable_fraction": engine.trainable_fraction}
+    if name == "moe_tp2ep2sp":  # the base model for the PEFT export (B is zero before training)
+        ckpt.save_checkpoint(out / f"ckpt_base_{name}", step=0, chunks=engine.chunks, optimizer=engine.optimizer,
+                             scheduler=engine.scheduler)
     with adapters_disabled(engine.chunks):
         result["init_off"] = logprobs()
     result["init_on"] = logprobs()

@@ -23,7 +23,9 @@ from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.parallel import interleave_error, sequence_parallel_error
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2",
-                "shared_experts.linear_fc1", "shared_experts.linear_fc2")
+                "shared_experts.linear_fc1", "shared_experts.linear_fc2", "linear_q_proj", "linear_q_down_proj",
+                "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+"""Adaptable Megatron linears; the order fixes each target's seed (models/lora.py:adapter_seed): append only."""
 LORA_DEFAULT_TARGETS = LORA_TARGETS[:4]
 """model.lora.targets when none are given: the dense layers' attention and MLP linears (MoE experts are named)."""
 LORA_MODULES_TO_SAVE = ("embedding", "output_layer", "final_layernorm")
@@ -41,9 +43,10 @@ class LoraConfig:
     """Dropout on the adapter's input, in [0, 1)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
     """Megatron module names to adapt, a subset of linear_qkv, linear_proj, linear_fc1, linear_fc2 (the dense
-    layers' attention and MLP; MLA's output projection is its linear_proj), experts.linear_fc1/fc2 (an MoE layer's
-    routed experts, every one; sequential experts only, not Transformer Engine's grouped GEMM) and
-    shared_experts.linear_fc1/fc2. Default: the first four."""
+    layers' attention and MLP), experts.linear_fc1/fc2 (an MoE layer's routed experts, every one; sequential experts
+    only, not Transformer Engine's grouped GEMM), shared_experts.linear_fc1/fc2 and multi-latent attention's
+    linear_q_proj (without q-LoRA), linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj
+    (its output projection is linear_proj; linear_qkv names nothing there). Default: the first four."""
     modules_to_save: list[str] = field(default_factory=list)
     """Base modules trained in full beside the adapters (PEFT's modules_to_save), a subset of embedding (word
     embeddings), output_layer, final_layernorm; with tied embeddings either trains the shared weight. The KL

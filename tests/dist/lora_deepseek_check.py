@@ -1,9 +1,12 @@
-"""LoRA on tiny-cpu-deepseek-v3 (MLA attention, a dense first layer, 8 routed experts + 1 shared expert), in ONE
-torchrun job of 2 processes: adapters on MLA's linear_proj, every routed expert's fc1/fc2 and the shared expert's
-fc1/fc2, at TP1 x DP2, TP2 with SP and TP2 x EP2 with SP: three optimizer steps, then the log-probs of fixed tokens
-with the adapters on, off and merged into their base weights.
+"""LoRA on tiny-cpu-deepseek-v3 (MLA attention with q-LoRA, a dense first layer, 8 routed experts + 1 shared
+expert), in ONE torchrun job of 2 processes: adapters on every MLA projection (the TP-replicated q and kv down
+projections, the column-parallel up projections, linear_proj), the dense layer's fc1/fc2, every routed expert's
+fc1/fc2 and the shared expert's fc1/fc2, at TP1 x DP2, TP2 with SP and TP2 x EP2 with SP: three optimizer steps,
+then the log-probs of fixed tokens with the adapters on, off and merged into their base weights. The TP2 x EP2
+layout also saves its checkpoint before training (OUT/ckpt_base: zero B, so its merged export is the base model)
+and after (OUT/ckpt), for the Hugging Face and PEFT exports.
 
-    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/lora_shared_experts_check.py --out OUT_DIR
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/lora_deepseek_check.py --out OUT_DIR
 
 Every rank writes OUT/rank{R}.json; tests/test_lora.py compares the layouts.
 """
@@ -18,19 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LAYOUTS = {"dp2": {}, "tp2sp": {"tp": 2, "sequence_parallel": True},
            "tp2ep2sp": {"tp": 2, "ep": 2, "sequence_parallel": True}}
-TARGETS = ["linear_proj", "experts.linear_fc1", "experts.linear_fc2", "shared_experts.linear_fc1",
+TARGETS = ["linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+           "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2", "shared_experts.linear_fc1",
            "shared_experts.linear_fc2"]
 OVERRIDES = ["algorithm.name=pretrain", f"model.lora={{rank: 4, alpha: 8, targets: [{', '.join(TARGETS)}]}}",
              "model.name=tiny-cpu-deepseek-v3", "optimizer.lr=2e-2", "optimizer.lr_warmup_steps=0",
              "optimizer.clip_grad=1.0", "run.steps=4"]
 
 
-def run_layout(sizes: dict) -> dict:
+def run_layout(sizes: dict, out: Path, *, save: bool) -> dict:
     import torch
     from megatron.core import parallel_state
 
     from dist_common import merge_adapters, progression_trainer
     from megatron_rl.models.lora import adapters, adapters_disabled
+    from megatron_rl.runtime import checkpoint as ckpt
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
     from megatron_rl.spec.config.loader import load_config
@@ -51,12 +56,21 @@ def run_layout(sizes: dict) -> dict:
     adapted = sorted({name.split(".lora.")[0].split(".", 3)[-1] for name, _ in chunk.named_parameters()
                       if ".lora." in name})
     train_step = progression_trainer(engine, micro_batch_size=2)
+
+    def saved(folder: str, step: int) -> None:
+        if save:
+            ckpt.save_checkpoint(out / folder, step=step, chunks=engine.chunks, optimizer=engine.optimizer,
+                                 scheduler=engine.scheduler)
+
+    saved("ckpt_base", 0)
     result = {"trainable_fraction": engine.trainable_fraction, "adapted": adapted,
               "shared_adapters": sum(1 for name, _ in chunk.named_parameters()
                                      if ".shared_experts." in name and ".lora." in name),
               "steps": [train_step(step) for step in (1, 2, 3)], "on": logprobs()}
     with adapters_disabled(engine.chunks):
         result["off"] = logprobs()
+    saved("ckpt", 3)
+    result["kinds"] = sorted({a.parallel for a in adapters(engine.chunks)})
     merge_adapters(chunk)
     with adapters_disabled(engine.chunks):
         result["merged"] = logprobs()
@@ -72,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     out = Path(parser.parse_args().out)
-    write_rank_result(out, {name: run_layout(sizes) for name, sizes in LAYOUTS.items()})
+    write_rank_result(out, {name: run_layout(sizes, out, save=name == "tp2ep2sp") for name, sizes in LAYOUTS.items()})
     torch.distributed.destroy_process_group()
 
 
