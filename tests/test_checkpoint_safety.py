@@ -166,6 +166,40 @@ def test_files_and_folders_are_fsynced_before_the_rename_and_the_latest_write(tm
     assert ("fsync", "dir", root) in events[pointer + 1:]
 
 
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_with_one_warning(tmp_path):
+    """saved.json lists every file's size; a truncated or deleted file marks the folder damaged (stats only), and
+    the resume takes the newest undamaged one, one warning line per damaged one; a companion's (PPO's critic's)
+    save of the same step counts; all damaged: one-line error, never a fresh start."""
+    for step in (2, 4, 6):
+        _fake_save(tmp_path, step, content="abc", keep_last=3)
+    assert [ckpt.damage(tmp_path / ckpt.step_dir_name(s)) for s in (2, 4, 6)] == [None] * 3
+    (tmp_path / "step_00000006" / "shard" / "0.distcp").write_text("a")  # truncated
+    (tmp_path / "step_00000004" / "common.pt").unlink()
+    warnings = []
+    assert ckpt.resumable_checkpoint(tmp_path, warn=warnings.append) == tmp_path / "step_00000002"
+    assert warnings == [f"warning: checkpoint {tmp_path / 'step_00000006'} is damaged (shard/0.distcp holds 1 of its "
+                        "3 bytes); resuming from the one before it",
+                        f"warning: checkpoint {tmp_path / 'step_00000004'} is damaged (common.pt is missing); "
+                        "resuming from the one before it"]
+    critic = tmp_path / "critic"
+    critic.mkdir()
+    _fake_save(critic, 2)
+    assert ckpt.resumable_checkpoint(tmp_path, companions=("critic",), warn=warnings.append) == tmp_path / "step_00000002"
+    (critic / "step_00000002" / "common.pt").write_text("")
+    from megatron_rl.spec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"every checkpoint is damaged \(step_00000006 .*step_00000002 \(critic: "
+                                          r"common.pt holds 0 of its 1 bytes\)\); nothing to resume from"):
+        ckpt.resumable_checkpoint(tmp_path, companions=("critic",), warn=warnings.append)
+    legacy = tmp_path / "legacy"  # a save of an older version lists no files: its .metadata is what is checked
+    _fake_save(legacy, 2)
+    (legacy / "step_00000002" / "saved.json").write_text('{"step": 2, "seq": 1}')
+    assert ckpt.damage(legacy / "step_00000002") == "no .metadata"
+    (legacy / "step_00000002" / ".metadata").write_text("m")
+    assert ckpt.resumable_checkpoint(legacy) == legacy / "step_00000002"
+    assert ckpt.resumable_checkpoint(tmp_path / "none") is None
+
+
 def test_parallel_timeout_is_a_config_key():
     from megatron_rl.spec.config.schema import ParallelConfig
     from megatron_rl.spec.errors import ConfigError
@@ -252,6 +286,23 @@ def test_sigkill_during_the_retention_delete_resumes(launch, tmp_path, whole):
     assert "step_00000004 (step 4" in resumed.stdout
     assert _stable(read_metrics(run_dir)) == whole
     assert not [name for name in _names(ckpts) if name.startswith(".")]
+
+
+def test_a_truncated_shard_in_the_newest_checkpoint_resumes_exactly_from_the_one_before(launch, tmp_path, whole):
+    """Saves at steps 2 and 4, stopped after 4; the largest file of step 4 loses its second half: the rerun warns
+    in one line, resumes from step 2, and ends with the metrics of the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    args = ("checkpoint.save_interval=2", "checkpoint.keep_last=2")
+    _launch(launch, run_dir, *args, env={"MEGATRON_RL_STOP_AFTER_STEP": "4"}, expect=3)
+    newest = run_dir / "checkpoints" / "step_00000004"
+    shard = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    resumed = _launch(launch, run_dir, *args)
+    assert f"warning: checkpoint {newest} is damaged ({shard.relative_to(newest)} holds" in resumed.stdout
+    assert "step_00000002 (step 2" in resumed.stdout and "Traceback" not in resumed.stdout + resumed.stderr
+    assert _stable(read_metrics(run_dir)) == whole
+    assert ckpt.damage(newest) is None  # saved again whole
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 Layout of ``checkpoint.dir``::
 
     step_00000010/      a complete checkpoint (model, optimizer, scheduler, step, data position, RNG states,
-                        and ``saved.json``: its place in the save order)
+                        and ``saved.json``: its place in the save order and the size of every file it holds)
     step_00000020/
     latest              text file naming the newest complete step folder, written last
     .tmp-step_...       a save in progress (or one a crash interrupted; removed on the next start)
@@ -17,7 +17,10 @@ at every moment ``latest`` names a complete checkpoint or its ``.old-`` copy (``
 renames it back). Retention keeps the last ``keep_last`` in save order (not step order: a ``resume=false``
 run into an old folder saves low steps after high ones), never the target of ``latest``; old folders are
 renamed to ``.del-`` and deleted by a background thread of rank 0 after the publishing barrier, so no rank
-waits on the deletes inside a collective. Model and optimizer tensors are stored by their global
+waits on the deletes inside a collective. A resume takes the newest checkpoint whose files are all there at their
+saved sizes (``resumable_checkpoint``): a truncated shard or a deleted file in the newest one (a full disk, a
+storage fault, a hand) costs one warning line and the steps since the previous one, never a traceback, and a run
+whose checkpoints are all damaged is refused in one line rather than started again from step 0 over them. Model and optimizer tensors are stored by their global
 (layout-free) keys, so a checkpoint loads at any TP/PP/DP. RNG states are per rank and are restored only
 when the layout is unchanged. Every published step folder is listed, with its content hash, in the run's
 ``manifest.json`` (``megatron_rl/runtime/manifest.py`` defines the hash: SHA-256 of the ``sha256sum`` lines of
@@ -71,6 +74,72 @@ def _save_seq(folder: Path) -> int:
         return int(json.loads((folder / SAVE_ORDER_FILE).read_text())["seq"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    """Relative path -> size of every file under ``folder`` but the save-order file (which lists them)."""
+    sizes = {}
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            path = Path(dirpath) / name
+            relative = path.relative_to(folder).as_posix()
+            if relative != SAVE_ORDER_FILE:
+                sizes[relative] = path.stat().st_size
+    return sizes
+
+
+def damage(folder: Path) -> Optional[str]:
+    """Why the published step folder ``folder`` cannot be loaded whole, or None: a file listed when it was saved
+    is missing or has another size, or (a save of an older version, which lists none) its ``.metadata`` is
+    missing. Stats only: no file is read, whatever the checkpoint's size."""
+    try:
+        listed = json.loads((folder / SAVE_ORDER_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if not isinstance(listed, dict):
+        return None if (folder / ".metadata").is_file() else "no .metadata"
+    for relative, size in sorted(listed.items()):
+        path = folder / relative
+        if not path.is_file():
+            return f"{relative} is missing"
+        if path.stat().st_size != size:
+            return f"{relative} holds {path.stat().st_size} of its {size} bytes"
+    return None
+
+
+def _damage_with_companions(root: Path, folder: Path, companions: tuple[str, ...]) -> Optional[str]:
+    """``damage`` of ``folder`` or of a companion's save of the same step (which must exist)."""
+    if (why := damage(folder)) is not None:
+        return why
+    for name in companions:
+        twin = root / name / folder.name
+        why = damage(twin) if twin.is_dir() else "not saved"
+        if why is not None:
+            return f"{name}: {why}"
+    return None
+
+
+def resumable_checkpoint(ckpt_dir: str | Path, *, companions: tuple[str, ...] = (),
+                         warn=print) -> Optional[Path]:
+    """The newest checkpoint to resume from: ``latest``, or when it (or a companion's save of the same step,
+    ``<ckpt_dir>/<companion>/step_N``) is damaged, the newest undamaged one before it in save order, after one
+    ``warn`` line per damaged one. None when there is none at all; a ``ConfigError`` when every one is damaged."""
+    root = Path(ckpt_dir)
+    newest = latest_checkpoint(root)
+    if newest is None:
+        return None
+    older = [p for p in reversed(complete_checkpoints(root)) if p != newest]
+    reasons = []
+    for folder in [newest, *older]:
+        why = _damage_with_companions(root, folder, companions)
+        if why is None:
+            return folder
+        reasons.append(f"{folder.name} ({why})")
+        warn(f"warning: checkpoint {folder} is damaged ({why}); resuming from the one before it")
+    from megatron_rl.spec.errors import ConfigError
+
+    raise ConfigError(f"{root}: every checkpoint is damaged ({'; '.join(reasons)}); nothing to resume from. "
+                      "Restore one, or start a new run in another run.dir")
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
@@ -185,7 +254,8 @@ def publish_checkpoint(root: Path, tmp: Path, step: int, *, keep_last: int) -> l
     """
     final = root / step_dir_name(step)
     seq = 1 + max((_save_seq(p) for p in complete_checkpoints(root)), default=0)
-    write_durably(tmp / SAVE_ORDER_FILE, json.dumps({"step": step, "seq": seq, "saved_at": time.time()}) + "\n")
+    write_durably(tmp / SAVE_ORDER_FILE, json.dumps({"step": step, "seq": seq, "saved_at": time.time(),
+                                                     "files": _file_sizes(tmp)}) + "\n")
     doomed = []
     if final.exists():  # a re-save: the old copy stays whole, aside, until the new one is published
         aside = root / f"{ASIDE_PREFIX}{final.name}"

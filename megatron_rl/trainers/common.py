@@ -147,7 +147,8 @@ class TrainerContext:
         ckpt.remove_partial_saves(self.ckpt_dir)
         if engine.trainable_fraction is not None:  # LoRA
             self.say(f"LoRA: {engine.trainable_fraction:.4%} of the parameters are trainable")
-        found = ckpt.latest_checkpoint(self.ckpt_dir) if self.cfg.checkpoint.resume else None
+        found = (ckpt.resumable_checkpoint(self.ckpt_dir, companions=tuple(self.companions), warn=self.say)
+                 if self.cfg.checkpoint.resume else None)
         if found is not None:
             state = ckpt.load_checkpoint(found, chunks=engine.chunks, optimizer=engine.optimizer,
                                          scheduler=engine.scheduler)
