@@ -18,10 +18,10 @@ renames it back). Retention keeps the last ``keep_last`` in save order (not step
 run into an old folder saves low steps after high ones), never the target of ``latest``; old folders are
 renamed to ``.del-`` and deleted by a background thread of rank 0 after the publishing barrier, so no rank
 waits on the deletes inside a collective. A resume takes the newest checkpoint whose files are all there at their
-saved sizes (``resumable_checkpoint``): a truncated shard or a deleted file in the newest one (a full disk, a
-storage fault, a hand) costs one warning line and the steps since the previous one, never a traceback, and a run
-whose checkpoints are all damaged is refused in one line rather than started again from step 0 over them. Model and optimizer tensors are stored by their global
-(layout-free) keys, so a checkpoint loads at any TP/PP/DP. RNG states are per rank and are restored only
+saved sizes (``resumable_checkpoint``): a truncated shard or a deleted file in the newest one (a storage fault, a
+file removed by hand) costs one warning line and the steps since the previous one, never a traceback, and a run
+whose checkpoints are all damaged is refused in one line rather than started again from step 0 over them.
+Model and optimizer tensors are stored by their global (layout-free) keys, so a checkpoint loads at any TP/PP/DP. RNG states are per rank and are restored only
 when the layout is unchanged. Every published step folder is listed, with its content hash, in the run's
 ``manifest.json`` (``megatron_rl/runtime/manifest.py`` defines the hash: SHA-256 of the ``sha256sum`` lines of
 the folder's files, sorted by relative path).
