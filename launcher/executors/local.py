@@ -18,7 +18,7 @@ from pathlib import Path
 
 from launcher.job import PreparedJob, check_env
 from launcher.lock import acquire
-from megatron_rl.spec.local_ranks import kill_leftovers, rank_env, start_ranks, stop, watch
+from megatron_rl.spec.local_ranks import kill_leftovers, rank_env, start_ranks, stop, watch_ranks
 from megatron_rl.spec.ports import free_port
 from megatron_rl.spec.private import make_private_dir, open_private_append
 
@@ -70,17 +70,17 @@ def _run(job: PreparedJob) -> int:
     for pump in pumps:
         pump.start()
     try:
-        code = watch(procs)
+        code, failed = watch_ranks(procs)
     except KeyboardInterrupt:
         stop(procs, signal.SIGTERM)
-        code = 130
+        code, failed = 130, None
     for pump in pumps:
         pump.join(timeout=5)
     kill_leftovers(procs)
-    if code not in (0, 130):
-        failed = next((i for i, p in enumerate(procs) if p.returncode not in (0, None, -signal.SIGTERM)), 0)
+    if failed is not None:
         tail = (log_dir / f"rank{failed}.log").read_text(errors="replace").splitlines()[-15:]
-        print(f"rank {failed} failed with exit code {code}; last lines of {log_dir / f'rank{failed}.log'}:",
-              file=sys.stderr)
+        signalled = procs[failed].returncode < 0
+        how = f"was killed by signal {-procs[failed].returncode}" if signalled else f"failed with exit code {code}"
+        print(f"rank {failed} {how}; last lines of {log_dir / f'rank{failed}.log'}:", file=sys.stderr)
         print("\n".join("  " + line for line in tail), file=sys.stderr)
     return code

@@ -40,15 +40,25 @@ def start_ranks(cmd: Sequence[str], world: int, *, port: int, env: Mapping[str, 
 def watch(procs: list[subprocess.Popen], *, timeout: Optional[float] = None, poll_s: float = 0.05) -> int:
     """Wait for the ranks: 0 when all succeed; else the first failing one's code (a signal n as 128 + n), after
     stopping the others. Past ``timeout`` seconds every rank is stopped and ``subprocess.TimeoutExpired`` raised."""
+    return watch_ranks(procs, timeout=timeout, poll_s=poll_s)[0]
+
+
+def watch_ranks(procs: list[subprocess.Popen], *, timeout: Optional[float] = None,
+                poll_s: float = 0.05) -> tuple[int, Optional[int]]:
+    """``watch``'s exit code and the rank that failed first (None when all succeeded). A rank that dies makes
+    the others fail in their next collective: the first failure seen is the cause, and of failures seen in the
+    same poll, a death by a signal (SIGKILL, SIGSEGV, the OOM killer) is taken over an exit with an error."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
+        failed = [rank for rank, c in enumerate(codes) if c not in (None, 0)]
         if failed:
+            first = min(failed, key=lambda rank: (codes[rank] > 0, rank))
             stop(procs, signal.SIGTERM)
-            return failed[0] if failed[0] > 0 else 128 - failed[0]
+            code = codes[first]
+            return (code if code > 0 else 128 - code), first
         if all(c == 0 for c in codes):
-            return 0
+            return 0, None
         if deadline is not None and time.monotonic() > deadline:
             stop(procs, signal.SIGTERM)
             raise subprocess.TimeoutExpired([str(a) for a in procs[0].args], timeout)
