@@ -288,21 +288,39 @@ def test_sigkill_during_the_retention_delete_resumes(launch, tmp_path, whole):
     assert not [name for name in _names(ckpts) if name.startswith(".")]
 
 
-def test_a_truncated_shard_in_the_newest_checkpoint_resumes_exactly_from_the_one_before(launch, tmp_path, whole):
-    """Saves at steps 2 and 4, stopped after 4; the largest file of step 4 loses its second half: the rerun warns
-    in one line, resumes from step 2, and ends with the metrics of the uninterrupted run."""
+def test_a_truncated_newest_checkpoint_and_a_save_that_cannot_be_written(launch, tmp_path, whole):
+    """Saves at steps 2 and 4, stopped after 4; the largest file of step 4 loses its second half. A rerun under a
+    1 MiB file-size limit (a save that cannot be written, as on a full disk) warns in one line, resumes from step 2
+    exactly, and ends at step 4's save with one line and exit 2, its partial save removed, the saved checkpoints
+    untouched."""
+    import resource
+
     run_dir = tmp_path / "run"
     args = ("checkpoint.save_interval=2", "checkpoint.keep_last=2")
     _launch(launch, run_dir, *args, env={"MEGATRON_RL_STOP_AFTER_STEP": "4"}, expect=3)
-    newest = run_dir / "checkpoints" / "step_00000004"
+    ckpts = run_dir / "checkpoints"
+    newest = ckpts / "step_00000004"
     shard = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    assert shard.stat().st_size > 2**20  # beyond the limit below
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    resumed = _launch(launch, run_dir, *args)
-    assert f"warning: checkpoint {newest} is damaged ({shard.relative_to(newest)} holds" in resumed.stdout
-    assert "step_00000002 (step 2" in resumed.stdout and "Traceback" not in resumed.stdout + resumed.stderr
-    assert _stable(read_metrics(run_dir)) == whole
-    assert ckpt.damage(newest) is None  # saved again whole
+    warning = f"warning: checkpoint {newest} is damaged ({shard.relative_to(newest)} holds"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+    limited = subprocess.run([sys.executable, "launch.py", *ONE_RANK, f"run.dir={run_dir}", *args], cwd=REPO_ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+                             preexec_fn=limit)
+    assert limited.returncode == 2, limited.stdout[-3000:] + limited.stderr[-3000:]
+    assert warning in limited.stdout and "step_00000002 (step 2" in limited.stdout
+    errors = [line.strip() for line in limited.stderr.splitlines() if line.strip().startswith("error:")]  # the tail
+    assert len(errors) == 1 and "saving step 4 failed (rank 0: " in errors[0], limited.stderr[-3000:]
+    assert "Traceback" not in limited.stdout + limited.stderr
+    assert _names(ckpts) == ["latest", "step_00000002", "step_00000004"]  # no partial save left
+    assert ckpt.damage(ckpts / "step_00000002") is None
+    # steps 3 and 4 of the limited run were the uninterrupted run's (resumed exactly from step 2)
+    assert _stable(read_metrics(run_dir)) == whole[:len(read_metrics(run_dir))]
 
 
 @pytest.fixture(scope="module")

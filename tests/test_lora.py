@@ -160,7 +160,7 @@ def test_routed_expert_adapters_train_alike_split_over_expert_tp_and_over_ep(lay
 def test_mla_and_expert_adapters_on_deepseek_v3_train_alike_and_load_in_peft(tmp_path):
     """tiny-cpu-deepseek-v3 (MLA with q-LoRA, a dense first layer, 8 routed experts + 1 shared expert) with adapters
     on every MLA projection (the TP-replicated down projections included), the dense MLP, every routed expert and the
-    shared expert: TP1 x DP2, TP2 with SP and TP2 x EP2 with SP agree step by step; merged = adapter forward; the
+    shared expert: TP1 x DP2 and TP2 x EP2 with SP agree step by step; merged = adapter forward; the
     planner's trainable fraction is the engine's; the merged export is transformers' DeepseekV3 with our log-probs,
     and the PEFT adapter (MLA and shared experts by target_modules, the fused routed experts by target_parameters) on
     the base export gives the merged export's logits."""
@@ -178,7 +178,7 @@ def test_mla_and_expert_adapters_on_deepseek_v3_train_alike_and_load_in_peft(tmp
             assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5, name
         assert _max_diff(result["on"], ref["on"]) < 1e-4 and _max_diff(result["on"], result["off"]) > 1e-2, name
         assert _max_diff(result["merged"], result["on"]) < 1e-5, name
-    assert ranks[0]["tp2sp"]["expert_adapters"] > 0 and ranks[0]["tp2ep2sp"]["expert_adapters"] > 0
+    assert ranks[0]["tp2ep2sp"]["expert_adapters"] > 0
     from megatron_rl.spec.config.schema import LoraConfig
     from megatron_rl.spec.model_shape import load_model_shape
     from launcher.planner.inputs import lora_trainable_fraction

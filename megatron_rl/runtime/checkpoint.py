@@ -452,15 +452,39 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
-    if _local_rank() == 0:
-        fsync_tree(tmp)  # one rank per node flushes what that node's ranks wrote (shared page cache)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
+        if _local_rank() == 0:
+            fsync_tree(tmp)  # one rank per node flushes what that node's ranks wrote (shared page cache)
+    except (OSError, CheckpointException) as exc:  # Megatron raises a write failure on every rank (its broadcast)
+        raise _save_failed(root, tmp, step, exc) from None
     _barrier()
     _fault("kill-during-save", step)
     doomed = publish_checkpoint(root, tmp, step, keep_last=keep_last) if _rank() == 0 else []
     _barrier()
     delete_later(doomed, step=step)
     return final
+
+
+def _save_failed(root: Path, tmp: Path, step: int, exc: BaseException):
+    """The one-line error of a save that could not be written (a full disk, a file-size or quota limit), after rank 0
+    removed the partial save (freeing its space): the published checkpoints and ``latest`` are untouched."""
+    from megatron_rl.spec.errors import ConfigError
+
+    failures = getattr(exc, "failures", None)
+    if failures:  # Megatron's CheckpointException: {rank: (exception, traceback)}, on the coordinating rank
+        rank, (cause, _) = min(failures.items())
+        while cause.__cause__ is not None or cause.__context__ is not None:  # the writer wraps the OS's error
+            cause = cause.__cause__ or cause.__context__
+        cause = f"rank {rank}: {str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__}"
+    else:
+        cause = str(exc).strip().splitlines()[0] if failures is None else "a write failed on another rank"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ConfigError(f"checkpoint.dir {root}: saving step {step} failed ({cause}); the checkpoints saved before "
+                       "are untouched. Free space there (or set checkpoint.dir elsewhere) and rerun to resume")
 
 
 def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler=None,

@@ -1,7 +1,7 @@
 """LoRA on tiny-cpu-deepseek-v3 (MLA attention with q-LoRA, a dense first layer, 8 routed experts + 1 shared
 expert), in ONE torchrun job of 2 processes: adapters on every MLA projection (the TP-replicated q and kv down
 projections, the column-parallel up projections, linear_proj), the dense layer's fc1/fc2, every routed expert's
-fc1/fc2 and the shared expert's fc1/fc2, at TP1 x DP2, TP2 with SP and TP2 x EP2 with SP: three optimizer steps,
+fc1/fc2 and the shared expert's fc1/fc2, at TP1 x DP2 and TP2 x EP2 with SP: three optimizer steps,
 then the log-probs of fixed tokens with the adapters on, off and merged into their base weights. The TP2 x EP2
 layout also saves its checkpoint before training (OUT/ckpt_base: zero B, so its merged export is the base model)
 and after (OUT/ckpt), for the Hugging Face and PEFT exports.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LAYOUTS = {"dp2": {}, "tp2sp": {"tp": 2, "sequence_parallel": True},
-           "tp2ep2sp": {"tp": 2, "ep": 2, "sequence_parallel": True}}
+LAYOUTS = {"dp2": {}, "tp2ep2sp": {"tp": 2, "ep": 2, "sequence_parallel": True}}
+"""TP2 with SP splitting experts over expert-TP is tiny-cpu-moe's case (tests/dist/lora_check.py)."""
 TARGETS = ["linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
            "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2", "shared_experts.linear_fc1",
            "shared_experts.linear_fc2"]
