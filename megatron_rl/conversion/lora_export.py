@@ -147,7 +147,7 @@ def expert_adapter_tensors(reader, adapted, num_experts: int) -> tuple[dict, lis
         if ref.expert is not None:
             param = EXPERT_PARAMETERS[(EXPERT_FC1, EXPERT_FC2).index(ref.name)]
             by_layer.setdefault(ref.layer, {}).setdefault(param, {})[ref.expert] = ref
-    tensors, parameters = {}, set()
+    tensors = {}
     for layer, params in sorted(by_layer.items()):
         present = [p for p in EXPERT_PARAMETERS if p in params]
         for depth, param in enumerate(present):
@@ -162,8 +162,7 @@ def expert_adapter_tensors(reader, adapted, num_experts: int) -> tuple[dict, lis
             prefix = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts." + "base_layer." * (len(present) - 1 - depth)
             tensors[prefix + "lora_A.weight"] = lora_a.contiguous()
             tensors[prefix + "lora_B.weight"] = lora_b.reshape(lora_b.shape[0], -1).contiguous()
-            parameters.add(f"mlp.experts.{param}")
-    return tensors, sorted(parameters, key=lambda name: EXPERT_PARAMETERS.index(name.rsplit(".", 1)[1]))
+    return tensors, [f"mlp.experts.{p}" for p in EXPERT_PARAMETERS if any(p in params for params in by_layer.values())]
 
 
 HF_SAVED_MODULES = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head",

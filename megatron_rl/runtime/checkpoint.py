@@ -21,8 +21,8 @@ waits on the deletes inside a collective. A resume takes the newest checkpoint w
 saved sizes (``resumable_checkpoint``): a truncated shard or a deleted file in the newest one (a storage fault, a
 file removed by hand) costs one warning line and the steps since the previous one, never a traceback, and a run
 whose checkpoints are all damaged is refused in one line rather than started again from step 0 over them.
-Model and optimizer tensors are stored by their global (layout-free) keys, so a checkpoint loads at any TP/PP/DP. RNG states are per rank and are restored only
-when the layout is unchanged. Every published step folder is listed, with its content hash, in the run's
+Model and optimizer tensors are stored by their global (layout-free) keys, so a checkpoint loads at any TP/PP/DP.
+RNG states are per rank and are restored only when the layout is unchanged. Every published step folder is listed, with its content hash, in the run's
 ``manifest.json`` (``megatron_rl/runtime/manifest.py`` defines the hash: SHA-256 of the ``sha256sum`` lines of
 the folder's files, sorted by relative path).
 """
@@ -102,8 +102,8 @@ def damage(folder: Path) -> Optional[str]:
         path = folder / relative
         if not path.is_file():
             return f"{relative} is missing"
-        if path.stat().st_size != size:
-            return f"{relative} holds {path.stat().st_size} of its {size} bytes"
+        if (found := path.stat().st_size) != size:
+            return f"{relative} holds {found} of its {size} bytes"
     return None
 
 
@@ -473,18 +473,25 @@ def _save_failed(root: Path, tmp: Path, step: int, exc: BaseException):
     removed the partial save (freeing its space): the published checkpoints and ``latest`` are untouched."""
     from megatron_rl.spec.errors import ConfigError
 
-    failures = getattr(exc, "failures", None)
-    if failures:  # Megatron's CheckpointException: {rank: (exception, traceback)}, on the coordinating rank
-        rank, (cause, _) = min(failures.items())
-        while cause.__cause__ is not None or cause.__context__ is not None:  # the writer wraps the OS's error
-            cause = cause.__cause__ or cause.__context__
-        cause = f"rank {rank}: {str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__}"
+    failures = getattr(exc, "failures", None)  # Megatron's CheckpointException: {rank: (exception, traceback)}
+    if failures is None:
+        cause = _first_line(exc)
+    elif failures:  # the coordinating rank holds every rank's failure
+        rank, (inner, _) = min(failures.items())
+        while inner.__cause__ is not None or inner.__context__ is not None:  # the writer wraps the OS's error
+            inner = inner.__cause__ or inner.__context__
+        cause = f"rank {rank}: {_first_line(inner)}"
     else:
-        cause = str(exc).strip().splitlines()[0] if failures is None else "a write failed on another rank"
+        cause = "a write failed on another rank"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     return ConfigError(f"checkpoint.dir {root}: saving step {step} failed ({cause}); the checkpoints saved before "
                        "are untouched. Free space there (or set checkpoint.dir elsewhere) and rerun to resume")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler=None,
