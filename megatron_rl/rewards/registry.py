@@ -63,7 +63,7 @@ register_reward("format", FormatReward)
 register_reward("exact", ExactMatchReward)
 
 
-def _import_module(module_name: str, spec: str) -> Any | None:
+def _import_module(module_name: str, spec: str, what: str) -> Any | None:
     """The module, None when module_name itself (or a parent) does not exist; other import errors -> ConfigError."""
     try:
         return importlib.import_module(module_name)
@@ -71,29 +71,29 @@ def _import_module(module_name: str, spec: str) -> Any | None:
         missing = error.name or ""
         if missing == module_name or module_name.startswith(missing + "."):
             return None
-        raise ConfigError(f"reward function {spec!r}: importing {module_name!r} failed: {error}") from None
+        raise ConfigError(f"{what} {spec!r}: importing {module_name!r} failed: {error}") from None
     except Exception as error:  # the user's module raised while importing
         raise ConfigError(
-            f"reward function {spec!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
+            f"{what} {spec!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
         ) from None
 
 
-def load_reward_fn(path: str) -> Any:
-    """The object named by "package.module:attr" or "package.module.attr" (attr may be dotted: "Class.method").
+def load_dotted(path: str, *, what: str) -> Any:
+    """The callable named by "package.module:attr" or "package.module.attr" (attr may be dotted: "Class.method").
 
-    Raises ConfigError naming the path when the module or attribute is missing or the object is not callable.
+    Raises ConfigError naming ``what`` and the path when the module or attribute is missing or the object is not callable.
     """
     spec = path.strip()
     if not spec or spec.startswith((".", ":")) or spec.count(":") > 1:
         raise ConfigError(
-            f"reward function {path!r}: write it as 'package.module:function' or 'package.module.function'"
+            f"{what} {path!r}: write it as 'package.module:function' or 'package.module.function'"
         )
     if ":" in spec:
         module_name, attr_path = spec.split(":")
-        module = _import_module(module_name, spec)
+        module = _import_module(module_name, spec, what)
         if module is None:
             raise ConfigError(
-                f"reward function {spec!r}: module {module_name!r} not found (check the path, and that its "
+                f"{what} {spec!r}: module {module_name!r} not found (check the path, and that its "
                 "directory is on PYTHONPATH on every node)"
             )
     else:
@@ -101,26 +101,31 @@ def load_reward_fn(path: str) -> Any:
         module = None
         for split in range(len(parts) - 1, 0, -1):
             module_name = ".".join(parts[:split])
-            module = _import_module(module_name, spec)
+            module = _import_module(module_name, spec, what)
             if module is not None:
                 attr_path = ".".join(parts[split:])
                 break
         if module is None:
             raise ConfigError(
-                f"reward function {spec!r}: no importable module in it (check the path, and that its directory "
+                f"{what} {spec!r}: no importable module in it (check the path, and that its directory "
                 "is on PYTHONPATH on every node)"
             )
     target: Any = module
     for attr in attr_path.split("."):
         if not attr or not hasattr(target, attr):
-            raise ConfigError(f"reward function {spec!r}: {module_name!r} has no attribute {attr_path!r}")
+            raise ConfigError(f"{what} {spec!r}: {module_name!r} has no attribute {attr_path!r}")
         target = getattr(target, attr)
     if not callable(target):
-        raise ConfigError(f"reward function {spec!r}: {type(target).__name__} object is not callable")
+        raise ConfigError(f"{what} {spec!r}: {type(target).__name__} object is not callable")
     return target
 
 
-def _check_options(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> None:
+def load_reward_fn(path: str) -> Any:
+    """The reward function (or factory) named by "package.module:attr" or "package.module.attr"."""
+    return load_dotted(path, what="reward function")
+
+
+def check_factory_options(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> None:
     """ConfigError naming label when options are not the factory's keyword parameters (listing those)."""
     try:
         signature = inspect.signature(factory)
@@ -142,7 +147,7 @@ def _check_options(factory: Callable[..., Any], options: Mapping[str, Any], labe
 
 
 def _call_factory(factory: Callable[..., Any], options: Mapping[str, Any], label: str) -> Any:
-    _check_options(factory, options, f"reward {label!r}")
+    check_factory_options(factory, options, f"reward {label!r}")
     return factory(**options)
 
 

@@ -1,0 +1,168 @@
+"""The environment interface, and an episode: one conversation of a policy with an environment, within limits.
+
+An environment is a class (named by a registered name or a dotted path, built with its options once per episode):
+
+    class MyEnv:
+        stop = ("</calc>",)                  # strings that end a policy turn besides end-of-sequence (tool calls)
+        def reset(self, record) -> list[dict]:        # the prompt record -> the first messages
+        def step(self, assistant_text) -> StepResult: # the policy's turn -> (messages or None, reward, done, info)
+
+``step`` returns the messages the environment says back (a tool's result, the user's next turn) or None when it
+has nothing to add, the turn's reward (an episode's reward is the sum of its turns'), whether the episode is done,
+and an info dict that goes to the sample log. ``Episode`` holds the limits (``EpisodeLimits``): the turns, the
+tokens of one turn and of the whole episode, and seconds per step; an episode that hits one ends with that reason.
+A step that raises ends the episode with reason "env_error" (the trainer goes on; the sample log shows the error).
+
+Test: ``.venv/bin/python -m pytest tests/test_environments.py -q``
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence
+
+Messages = list[dict]
+
+END_REASONS = ("done", "no_reply", "max_turns", "turn_tokens", "episode_tokens", "step_timeout", "env_error")
+"""Why an episode ended: the environment said done; it had nothing to say back; the turn limit; a turn reached
+``max_turn_tokens`` without stopping; the conversation reached ``max_episode_tokens``; a step ran past
+``step_timeout_s``; a step raised."""
+
+
+class StepResult(NamedTuple):
+    messages: Optional[Messages]
+    """What the environment says back (roles "user", "tool" or "system"); None: nothing, the episode ends."""
+    reward: float = 0.0
+    done: bool = False
+    info: dict = {}
+
+
+class Environment(Protocol):
+    stop: Sequence[str]
+
+    def reset(self, record: Mapping[str, Any]) -> Messages: ...
+
+    def step(self, assistant_text: str) -> StepResult: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeLimits:
+    """How long one episode may run."""
+
+    max_turns: int = 4
+    """Policy turns in an episode."""
+    max_turn_tokens: int = 64
+    """Tokens the policy may generate in one turn."""
+    max_episode_tokens: int = 512
+    """Tokens of the whole conversation (prompt, turns and the environment's messages)."""
+    step_timeout_s: float = 30.0
+    """Seconds one ``step`` may take (its tools have their own, shorter limits)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"environment.{name} must be at least 1, got {getattr(self, name)}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"environment.step_timeout_s must be positive, got {self.step_timeout_s}")
+
+
+@dataclass
+class Turn:
+    """One policy turn and what followed it."""
+
+    text: str
+    tokens: int
+    reward: float = 0.0
+    reply: Optional[Messages] = None
+    info: dict = field(default_factory=dict)
+
+
+class Episode:
+    """One environment instance driven turn by turn: ``start`` gives the first messages; ``advance`` takes a policy
+    turn and gives what to append (None when the episode has ended, ``end_reason`` says why)."""
+
+    def __init__(self, env: Environment, limits: EpisodeLimits,
+                 executor: Optional[concurrent.futures.Executor] = None) -> None:
+        self.env = env
+        self.limits = limits
+        self._executor = executor
+        self.turns: list[Turn] = []
+        self.tokens = 0
+        self.end_reason: Optional[str] = None
+        self.error: Optional[str] = None
+
+    @property
+    def reward(self) -> float:
+        return sum(turn.reward for turn in self.turns)
+
+    @property
+    def done(self) -> bool:
+        return self.end_reason is not None
+
+    def start(self, record: Mapping[str, Any], prompt_tokens: int) -> Messages:
+        self.tokens = prompt_tokens
+        return self.env.reset(record)
+
+    def advance(self, text: str, *, tokens: int, stopped: bool) -> Optional[Messages]:
+        """The policy's turn (``tokens`` long; ``stopped``: it ended at a stop or end-of-sequence rather than at the
+        turn limit) -> the messages to append, or None when the episode is over."""
+        if self.done:
+            raise RuntimeError("advance() on an episode that has ended")
+        turn = Turn(text=text, tokens=tokens)
+        self.turns.append(turn)
+        self.tokens += tokens
+        if not stopped and tokens >= self.limits.max_turn_tokens:
+            return self._end("turn_tokens")
+        try:
+            result = self._step(text)
+        except concurrent.futures.TimeoutError:
+            return self._end("step_timeout")
+        except Exception as error:  # noqa: BLE001 - an environment's bug ends its episode, not the job
+            self.error = f"{type(error).__name__}: {error}"
+            return self._end("env_error")
+        messages, reward, done, info = result
+        turn.reward, turn.reply, turn.info = float(reward), messages, dict(info or {})
+        if done:
+            return self._end("done")
+        if not messages:
+            return self._end("no_reply")
+        if len(self.turns) >= self.limits.max_turns:
+            return self._end("max_turns")
+        return messages
+
+    def count_reply(self, tokens: int) -> bool:
+        """Count the rendered reply's tokens; False (and the episode ends) when the conversation, with room for one
+        more token of the policy, would pass ``max_episode_tokens``."""
+        self.tokens += tokens
+        if self.tokens + 1 > self.limits.max_episode_tokens:
+            self._end("episode_tokens")
+            return False
+        return True
+
+    def _step(self, text: str) -> StepResult:
+        if self._executor is None:
+            return _as_step_result(self.env.step(text))
+        future = self._executor.submit(self.env.step, text)
+        return _as_step_result(future.result(timeout=self.limits.step_timeout_s))
+
+    def _end(self, reason: str) -> None:
+        assert reason in END_REASONS
+        self.end_reason = reason
+        return None
+
+    def log(self) -> dict:
+        """The episode for the sample log: each turn's text, tokens, reward and reply, and how it ended."""
+        return {"turns": [{"text": t.text, "tokens": t.tokens, "reward": t.reward, "reply": t.reply,
+                           **({"info": t.info} if t.info else {})} for t in self.turns],
+                "reward": self.reward, "end": self.end_reason, **({"error": self.error} if self.error else {})}
+
+
+def _as_step_result(value: Any) -> StepResult:
+    if isinstance(value, StepResult):
+        return value
+    try:
+        messages, reward, done, info = value
+    except (TypeError, ValueError):
+        raise TypeError(f"step() must return (messages or None, reward, done, info), got {value!r:.80}") from None
+    return StepResult(messages, float(reward), bool(done), dict(info or {}))
