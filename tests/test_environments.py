@@ -42,14 +42,14 @@ def test_a_calculator_episode_calls_the_tool_then_answers():
     assert episode.start({"prompt": "37*58=", "answer": 2146}, prompt_tokens=6) == [
         {"role": "user", "content": "37*58="}]
     assert episode.env.stop == ("</c>",)
-    assert episode.advance("<c>37*58</c>", tokens=11, stopped=True) == [{"role": "tool", "content": "2146"}]
-    assert episode.advance("2146", tokens=4, stopped=True) is None
+    assert episode.advance("<c>37*58</c>", tokens=11) == [{"role": "tool", "content": "2146"}]
+    assert episode.advance("2146", tokens=4) is None
     assert (episode.end_reason, episode.reward, len(episode.turns)) == ("done", 1.0, 2)
     assert episode.log()["turns"][0]["info"] == {"tool_calls": 1}
 
     wrong = Episode(CalculatorEnv(), EpisodeLimits())
     wrong.start({"prompt": "37*58=", "answer": 2146}, prompt_tokens=6)
-    assert wrong.advance("2000", tokens=4, stopped=True) is None
+    assert wrong.advance("2000", tokens=4) is None
     assert (wrong.end_reason, wrong.reward) == ("done", 0.0)
 
 
@@ -63,20 +63,20 @@ def test_each_limit_ends_an_episode_with_its_reason():
         return run
 
     turns = episode(max_turns=2)
-    assert turns.advance(calls, tokens=8, stopped=True) is not None
-    assert turns.advance(calls, tokens=8, stopped=True) is None and turns.end_reason == "max_turns"
+    assert turns.advance(calls, tokens=8) is not None
+    assert turns.advance(calls, tokens=8) is None and turns.end_reason == "max_turns"
 
     long_turn = episode(max_turn_tokens=8)
-    assert long_turn.advance("1111111111", tokens=8, stopped=False) is None
+    assert long_turn.advance("1111111111", tokens=8, cut="turn") is None
     assert long_turn.end_reason == "turn_tokens" and long_turn.turns[-1].reward == 0.0
 
     long_episode = episode(max_episode_tokens=20)
-    assert long_episode.advance(calls, tokens=8, stopped=True) is not None
+    assert long_episode.advance(calls, tokens=8) is not None
     assert long_episode.count_reply(4) is True
-    assert long_episode.advance(calls, tokens=8, stopped=True) is not None
+    assert long_episode.advance(calls, tokens=8) is not None
     assert long_episode.count_reply(4) is False and long_episode.end_reason == "episode_tokens"
     with pytest.raises(RuntimeError, match="has ended"):
-        long_episode.advance("2", tokens=1, stopped=True)
+        long_episode.advance("2", tokens=1)
 
 
 class _Slow:
@@ -99,17 +99,17 @@ def test_a_slow_step_times_out_and_a_failing_one_ends_only_its_episode():
         slow = Episode(_Slow(), EpisodeLimits(step_timeout_s=0.2), executor=pool)
         slow.start({}, prompt_tokens=2)
         started = time.monotonic()
-        assert slow.advance("wait", tokens=1, stopped=True) is None
+        assert slow.advance("wait", tokens=1) is None
         assert slow.end_reason == "step_timeout" and time.monotonic() - started < 2.0
 
         broken = Episode(_Slow(), EpisodeLimits(), executor=pool)
         broken.start({}, prompt_tokens=2)
-        assert broken.advance("raise", tokens=1, stopped=True) is None
+        assert broken.advance("raise", tokens=1) is None
         assert broken.end_reason == "env_error" and broken.log()["error"] == "KeyError: 'missing field'"
 
         silent = Episode(_Slow(), EpisodeLimits())
         silent.start({}, prompt_tokens=2)
-        assert silent.advance("silent", tokens=1, stopped=True) is None
+        assert silent.advance("silent", tokens=1) is None
         assert (silent.end_reason, silent.reward) == ("no_reply", 0.5)
 
 
@@ -170,12 +170,12 @@ def test_a_bad_environment_is_one_line_naming_it(user_envs, name, options, messa
 def test_python_math_runs_the_code_in_the_sandbox_and_scores_the_boxed_answer():
     episode = Episode(PythonMathEnv(wall_s=5.0), EpisodeLimits())
     episode.start({"prompt": "What is 2^10 + 7?", "answer": "1031"}, prompt_tokens=10)
-    reply = episode.advance("Let me compute.\n<python>print(2**10 + 7)</python>", tokens=30, stopped=True)
+    reply = episode.advance("Let me compute.\n<python>print(2**10 + 7)</python>", tokens=30)
     assert reply == [{"role": "tool", "content": "1031"}]
-    assert episode.advance("So the answer is \\boxed{1031}.", tokens=12, stopped=True) is None
+    assert episode.advance("So the answer is \\boxed{1031}.", tokens=12) is None
     assert (episode.end_reason, episode.reward) == ("done", 1.0)
 
     hostile = Episode(PythonMathEnv(wall_s=1.0, cpu_s=1), EpisodeLimits())
     hostile.start({"prompt": "loop", "answer": "1"}, prompt_tokens=4)
-    reply = hostile.advance("<python>while True: pass</python>", tokens=20, stopped=True)
+    reply = hostile.advance("<python>while True: pass</python>", tokens=20)
     assert reply is not None and reply[0]["content"] in ("[timed out]", "[killed: out of CPU time or memory]")

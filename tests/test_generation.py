@@ -297,6 +297,24 @@ def test_offload_round_trip_and_training_after_generation(request, layout):
         assert math.isfinite(rank["train_after_generation"]["loss"])
 
 
+def test_multi_turn_replies_are_context_fed_onto_the_rows_own_blocks(tp1_dp2):
+    """engine.py ``TurnEnded``: a scripted 3-token reply after a 4-token turn, then a second turn (groups of 2,
+    4-token blocks). The policy mask marks the turns; the replies' log-probs are placeholders; the policy tokens'
+    log-probs equal the training forward of the whole conversation; each turn equals a single-turn generation of
+    the conversation so far with the same seed; and every token was fed once (the reply onto the row's blocks,
+    not the conversation again)."""
+    for rank in tp1_dp2:
+        run = rank["multi_turn"]
+        assert run["policy_mask"] == [[1] * 4 + [0] * 3 + [1] * 4] * len(run["policy_mask"])
+        assert sorted(i for i, _, finish in run["calls"] if finish == "length") == sorted(
+            list(range(len(run["policy_mask"]))) * 2)
+        assert run["finish_reasons"] == ["length"] * len(run["policy_mask"])
+        assert run["reply_in_place"] and set(run["reply_logprobs"]) == {0.0}
+        assert run["first_turn_equal"] and run["second_turn_equal"]
+        assert run["vs_sequence_logprobs"] < LOGPROB_TOL
+        assert run["fed_tokens"] == run["fed_once"]
+
+
 def test_training_after_generation_is_layout_independent(tp1_dp2, tp2):
     a, b = tp1_dp2[0]["train_after_generation"], tp2[0]["train_after_generation"]
     assert a["loss"] == pytest.approx(b["loss"], abs=2e-5)

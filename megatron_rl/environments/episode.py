@@ -104,16 +104,17 @@ class Episode:
         self.tokens = prompt_tokens
         return self.env.reset(record)
 
-    def advance(self, text: str, *, tokens: int, stopped: bool) -> Optional[Messages]:
-        """The policy's turn (``tokens`` long; ``stopped``: it ended at a stop or end-of-sequence rather than at the
-        turn limit) -> the messages to append, or None when the episode is over."""
+    def advance(self, text: str, *, tokens: int, cut: Optional[str] = None) -> Optional[Messages]:
+        """The policy's turn (``tokens`` long) -> the messages to append, or None when the episode is over.
+        ``cut``: None when the turn ended by itself (a stop string, end-of-sequence), "turn" when generation cut it
+        at ``max_turn_tokens``, "episode" when at ``max_episode_tokens`` (the turn is not stepped then)."""
         if self.done:
             raise RuntimeError("advance() on an episode that has ended")
         turn = Turn(text=text, tokens=tokens)
         self.turns.append(turn)
         self.tokens += tokens
-        if not stopped and tokens >= self.limits.max_turn_tokens:
-            return self._end("turn_tokens")
+        if cut is not None:
+            return self._end({"turn": "turn_tokens", "episode": "episode_tokens"}[cut])
         try:
             result = self._step(text)
         except concurrent.futures.TimeoutError:

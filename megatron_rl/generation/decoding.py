@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, GenerationStopped, generate_paged
+from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, GenerationStopped, TurnEnded, generate_paged
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.pipeline import StageChain
 from megatron_rl.generation.sampling import SamplingParams, draw_seed
@@ -55,6 +55,9 @@ class GenerationOutput:
     sampling_logprobs: list[list[float]]
     """Per response token: log-prob under the distribution it was drawn from (temperature/top-k/top-p);
     0.0 for greedy decoding."""
+    policy_mask: list[list[int]]
+    """Per response token: 1 when the policy sampled it, 0 for a multi-turn reply's tokens (whose log-probs are
+    0.0 placeholders)."""
     lengths: list[int]
     """Response lengths (len of each ``tokens`` row)."""
     finish_reasons: list[str]
@@ -64,6 +67,8 @@ class GenerationOutput:
     prefill_rows: int
     """Rows whose forward fed more than one token: each group's prompt once (``share_prefill``), and the rows
     prefilled again after an eviction."""
+    fed_tokens: int
+    """Tokens the forwards fed (each row's once, a group's prompt once, more after evictions)."""
     kv_cache_bytes: int
     """Bytes of the KV block pool on this rank; released before ``generate`` returned."""
     decode_attention: str
@@ -132,7 +137,9 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              record_routes: bool = False, share_prefill: bool = True,
              max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None,
              kv_memory_gib: Optional[float] = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
-             stop_requested: Optional[Callable[[bool], tuple]] = None) -> GenerationOutput:
+             stop_requested: Optional[Callable[[bool], tuple]] = None,
+             turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
+             max_total_tokens: Optional[int] = None) -> GenerationOutput:
     """Generate a response for every prompt; see the module docstring and engine.py.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
@@ -148,6 +155,11 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     at once. ``pipeline_microbatches`` (default pp): under PP, the parts the rows decode in. ``stop_requested
     (generating) -> (stop, anyone generating)`` is asked every ``engine.STOP_POLL_STEPS`` steps (a collective);
     a yes raises ``GenerationStopped``. Returns on every rank of the model-parallel group.
+
+    Multi-turn (``turn_ended``, engine.py ``TurnEnded``; TP = PP = 1): a response is the whole conversation after
+    the prompt, turns of at most ``max_turn_tokens`` and the replies between them, at most ``max_new_tokens`` in
+    all and at most ``max_total_tokens`` with the prompt; ``policy_mask`` tells the policy's tokens from the
+    replies'.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
@@ -160,7 +172,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     check_generation_layout(chunks)
     device = next(chunks[0].parameters()).device
     longest = max(len(p) for p in prompts)
-    total = longest + max_new_tokens
+    total = min(longest + max_new_tokens, max_total_tokens or longest + max_new_tokens)
     max_positions = getattr(chunks[0], "max_sequence_length", None)
     if max_positions is not None and total > max_positions:
         raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
@@ -177,13 +189,16 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 lockstep=Lockstep(chunks, device), block_tokens=kv_block_tokens,
                 kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
                 max_concurrent=max_concurrent, share_prompts=share_prefill, record_routes=record_routes,
-                stop_requested=stop_requested)
+                stop_requested=stop_requested, turn_ended=turn_ended, max_turn_tokens=max_turn_tokens,
+                max_total_tokens=max_total_tokens)
         finally:
             drop_inference_tensors_from_megatron_caches(chunks)
     return GenerationOutput(
         tokens=[row.tokens[row.prompt_len:] for row in rows], logprobs=[row.policy_lp for row in rows],
-        sampling_logprobs=[row.sampling_lp for row in rows], lengths=[len(row.tokens) - row.prompt_len for row in rows],
+        sampling_logprobs=[row.sampling_lp for row in rows], policy_mask=[row.policy_mask for row in rows],
+        lengths=[len(row.tokens) - row.prompt_len for row in rows],
         finish_reasons=[row.finish for row in rows], forward_passes=stats.steps, prefill_rows=stats.prefills,
+        fed_tokens=stats.fed_tokens,
         kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}",
         kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
         kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions, routes=stats.routes)

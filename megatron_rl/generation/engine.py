@@ -75,6 +75,10 @@ class _Row:
     admitted: int = -1
     policy_lp: list = field(default_factory=list)
     sampling_lp: list = field(default_factory=list)
+    policy_mask: list = field(default_factory=list)
+    """Per response token: 1 when the policy sampled it, 0 for a multi-turn reply's tokens (context)."""
+    turn_start: int = 0
+    """Where the current policy turn began (the prompt's end, then after each reply)."""
     finish: Optional[str] = None
 
 
@@ -110,7 +114,9 @@ class PagedStats:
     """The K/V positions those blocks held at that moment (a block shared by a group counted once)."""
     evictions: int
     prefills: int
-    """Rows whose forward fed more than one token (prompts, and rows prefilled again after an eviction)."""
+    """Rows whose forward fed more than one token (prompts, rows prefilled again after an eviction, replies)."""
+    fed_tokens: int
+    """Tokens fed to forwards (padding rows of a lockstep left out)."""
     steps: int
     """Forwards run (PP=1), or pipelined steps (PP > 1)."""
     kernels: str
@@ -118,11 +124,17 @@ class PagedStats:
     """With ``record_routes``: per row, ``[positions, slots, topk]`` int16 on the CPU."""
 
 
+TurnEnded = Callable[[int, list, str], Optional[list]]
+"""Multi-turn generation: ``turn_ended(row index, the turn's tokens, "stop" or "length")`` is called when a row's
+turn ends, and returns the tokens to append (the environment's reply, rendered, ending where the policy goes on)
+or None to end the row."""
+
+
 def _stop_hit(row: _Row, stop_ids: set, stop_sequences: list) -> bool:
     if row.tokens[-1] in stop_ids:
         return True
     for seq in stop_sequences:
-        if len(row.tokens) - len(seq) >= row.prompt_len and row.tokens[-len(seq):] == seq:
+        if len(row.tokens) - len(seq) >= row.turn_start and row.tokens[-len(seq):] == seq:
             return True
     return False
 
@@ -134,7 +146,8 @@ class _Part:
 
     def __init__(self, units: list, *, layers: dict, num_blocks: int, block_tokens: int, dtype: torch.dtype,
                  device: torch.device, rows: int, longest: int, lockstep, max_concurrent: Optional[int],
-                 counters: dict, recorder, stops: tuple) -> None:
+                 counters: dict, recorder, stops: tuple, turn_ended: Optional[TurnEnded] = None,
+                 max_turn_tokens: Optional[int] = None) -> None:
         self.block_tokens, self.num_blocks, self.device, self.lockstep = block_tokens, num_blocks, device, lockstep
         self.pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens,
                               dtype=dtype, device=device)
@@ -145,6 +158,7 @@ class _Part:
         self.waiting, self.running = deque(units), []
         self.max_concurrent, self.counters, self.recorder = max_concurrent, counters, recorder
         self.stop_ids, self.stop_seqs = stops
+        self.turn_ended, self.max_turn_tokens = turn_ended, max_turn_tokens
         self.peak_blocks, self.peak_held = 0, 0
         self.live, self.in_flight, self.awaiting = True, False, False
         self.fresh: list = []
@@ -241,6 +255,7 @@ class _Part:
                 self.source.append(i)
         self.counters["forwards"] += 1
         self.counters["prefills"] += sum(q > 1 for q in q_lens)
+        self.counters["fed"] += sum(q_lens)
         return True
 
     def take_routes(self, chunk: Optional[int] = None) -> None:
@@ -291,14 +306,34 @@ class _Part:
             row.tokens.append(token)
             row.policy_lp.append(lp)
             row.sampling_lp.append(slp)
+            row.policy_mask.append(1)
             if _stop_hit(row, self.stop_ids, self.stop_seqs):
                 row.finish = "stop"
-            elif len(row.tokens) >= row.max_len:
+            elif len(row.tokens) >= row.max_len or (self.max_turn_tokens is not None
+                                                    and len(row.tokens) - row.turn_start >= self.max_turn_tokens):
                 row.finish = "length"
+            if row.finish is not None and self.turn_ended is not None:
+                self._next_turn(row)
             if row.finish is not None:
                 pool.release(row.blocks)
                 row.blocks = []
                 self.running.remove(row)
+
+
+    def _next_turn(self, row: _Row) -> None:
+        """Multi-turn: the environment's reply joins the row as context (fed at the next step onto the row's own
+        blocks, no prefill of the conversation again), and the row goes on; or the row ends."""
+        reply = self.turn_ended(row.index, row.tokens[row.turn_start:], row.finish)
+        if not reply:
+            return
+        if len(row.tokens) + len(reply) >= row.max_len:
+            raise ValueError(f"a reply of {len(reply)} tokens leaves row {row.index} no room under its "
+                             f"{row.max_len}-token limit: end the episode instead")
+        row.tokens.extend(reply)
+        row.policy_lp.extend([0.0] * len(reply))
+        row.sampling_lp.extend([0.0] * len(reply))
+        row.policy_mask.extend([0] * len(reply))
+        row.turn_start, row.finish = len(row.tokens), None
 
 
 def _split_units(units: list, parts: int) -> list:
@@ -317,14 +352,18 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                    seed: int, chain, device: torch.device, lockstep,
                    kv_memory_bytes: Optional[int] = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                    max_concurrent: Optional[int] = None, share_prompts: bool = True, record_routes: bool = False,
-                   stop_requested: Optional[Callable[[bool], tuple]] = None) -> tuple[list, PagedStats]:
+                   stop_requested: Optional[Callable[[bool], tuple]] = None,
+                   turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
+                   max_total_tokens: Optional[int] = None) -> tuple[list, PagedStats]:
     """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``chain`` (a
     pipeline.py ``StageChain``) runs forwards across pipeline stages and hands TP rank 0's choice to every rank;
     ``stop_requested(generating) -> (stop, anyone generating)`` is the stop question (a collective).
     ``record_routes``: each row's expert routes go to ``PagedStats.routes`` (``[positions, slots, topk]`` per row,
     the positions a training forward feeds). ``lockstep`` (layout.py ``Lockstep``): when the experts span rollout
     workers, every worker runs the same forwards with the same token count (``_padding_rows``) until no worker
-    generates. Under PP the rows decode in ``chain.microbatches`` parts, each with 1/parts of the KV budget."""
+    generates. Under PP the rows decode in ``chain.microbatches`` parts, each with 1/parts of the KV budget.
+    Multi-turn (``turn_ended``, TP = PP = 1): a turn ends at a stop or after ``max_turn_tokens``; the reply's
+    tokens are context (``policy_mask`` 0); a row never passes ``max_total_tokens`` (prompt, turns and replies)."""
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
@@ -332,8 +371,12 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         raise NotImplementedError("generation needs self-attention layers in the model chunks")
     dtype = chunks[0].config.params_dtype
     block_bytes = BlockPool.block_bytes(layers, block_tokens=block_tokens, dtype=dtype)
-    rows = [_Row(index=i, tokens=list(p), prompt_len=len(p), max_len=len(p) + max_new_tokens)
-            for i, p in enumerate(prompts)]
+    if turn_ended is not None and (chain.pp_size > 1 or chain.tp_size > 1 or lockstep.enabled):
+        raise NotImplementedError("multi-turn generation runs at tp = pp = 1 without an expert-parallel lockstep "
+                                  "for now")
+    cap = max_total_tokens or 1 << 62
+    rows = [_Row(index=i, tokens=list(p), prompt_len=len(p), max_len=min(len(p) + max_new_tokens, cap),
+                 turn_start=len(p)) for i, p in enumerate(prompts)]
     blocks_of = lambda length: -(-length // block_tokens)  # noqa: E731
     longest = max(row.max_len for row in rows)
     if share_prompts:
@@ -366,11 +409,12 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         from megatron_rl.models.router_replay import RouteRecorder
 
         recorder = RouteRecorder(chunks, batch=len(rows), total=longest, device=device)
-    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "forwards": 0}
+    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "forwards": 0, "fed": 0}
     stops = (set(stop_ids), [list(s) for s in stop_sequences if len(s)])
     parts = [_Part(units_of_part, layers=layers, num_blocks=budget, block_tokens=block_tokens, dtype=dtype,
                    device=device, rows=len(rows), longest=longest, lockstep=lockstep, max_concurrent=max_concurrent,
-                   counters=counters, recorder=recorder, stops=stops)
+                   counters=counters, recorder=recorder, stops=stops, turn_ended=turn_ended,
+                   max_turn_tokens=max_turn_tokens)
              for units_of_part, budget in zip(split, budgets)]
     kernels = paged_kernels(device)
     choose = dict(seed=seed, params=params, vocab_size=vocab_size)
@@ -414,7 +458,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     stats = PagedStats(pool_bytes=sum(budgets) * block_bytes, block_bytes=block_bytes, block_tokens=block_tokens,
                        peak_blocks=sum(part.peak_blocks for part in parts),
                        peak_held_tokens=sum(part.peak_held for part in parts), evictions=counters["evictions"],
-                       prefills=counters["prefills"], steps=counters["forwards"] if count == 1 else steps,
+                       prefills=counters["prefills"], fed_tokens=counters["fed"], steps=counters["forwards"] if count == 1 else steps,
                        kernels=kernels.name, routes=routes)
     return rows, stats
 

@@ -19,6 +19,7 @@ import torch
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
 from megatron_rl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_rl.models.packed_sequences import as_rows
+from megatron_rl.rollout.packing import response_loss_mask
 
 REPORTS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_min", "ratio_max")
 OFF_POLICY_REPORTS = ("behav_weight_mean", "behav_capped_fraction", "behav_weight_max")
@@ -51,6 +52,14 @@ class Rollout:
     seq_multiple: int = 1
     """The training length is rounded up to a multiple of this (``Engine.sequence_multiple``: 2*cp under
     context parallelism, tp (times cp) under sequence parallelism); the extra positions are masked padding."""
+    response_mask: list[list[int]] = field(default_factory=list)
+    """Multi-turn: per response token, 1 when the policy sampled it, 0 for an environment's reply (context, out
+    of the loss; its ``logprobs`` are 0.0 placeholders). Empty for single-turn rollouts (every token the
+    policy's)."""
+    env_rewards: list[float] = field(default_factory=list)
+    """Multi-turn: each episode's reward from its environment (the sum of its turns')."""
+    episodes: list[dict] = field(default_factory=list)
+    """Multi-turn: each episode's log (``Episode.log``: turns, replies, rewards, how it ended)."""
 
     def select(self, rows: list[int]) -> "Rollout":
         """The completions ``rows`` (in that order), with their scores."""
@@ -62,7 +71,10 @@ class Rollout:
                        rewards=None if self.rewards is None else self.rewards[index],
                        per_fn={name: pick(values) for name, values in self.per_fn.items()},
                        advantages=None if self.advantages is None else self.advantages[index],
-                       routes=pick(self.routes) if self.routes else [], seq_multiple=self.seq_multiple)
+                       routes=pick(self.routes) if self.routes else [], seq_multiple=self.seq_multiple,
+                       response_mask=pick(self.response_mask) if self.response_mask else [],
+                       env_rewards=pick(self.env_rewards) if self.env_rewards else [],
+                       episodes=pick(self.episodes) if self.episodes else [])
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
@@ -74,12 +86,15 @@ class Rollout:
                        rewards=None if parts[0].rewards is None else torch.cat([part.rewards for part in parts]),
                        per_fn={name: [v for part in parts for v in part.per_fn[name]] for name in parts[0].per_fn},
                        advantages=None if parts[0].advantages is None else torch.cat([p.advantages for p in parts]),
-                       routes=joined("routes"), seq_multiple=parts[0].seq_multiple)
+                       routes=joined("routes"), seq_multiple=parts[0].seq_multiple,
+                       response_mask=joined("response_mask"), env_rewards=joined("env_rewards"),
+                       episodes=joined("episodes"))
 
     def sample_records(self, count: int) -> list[dict]:
         """``count`` completions spread evenly over the rollout (so over its prompts), as JSON-ready records for the
         sample log: prompt, completion, reference answer, reward (total and per function), advantage, response
-        tokens and whether generation cut it at the length limit."""
+        tokens and whether generation cut it at the length limit; for an episode, its turns (each the policy's
+        text, trained, and the reply that followed, context) and the count of trained tokens."""
         total = len(self.completions)
         rows = sorted({i * total // count for i in range(count)}) if total else []
         plain = lambda value: value if value is None or isinstance(value, (str, int, float, bool)) else str(value)  # noqa: E731
@@ -88,7 +103,9 @@ class Rollout:
                  "rewards": {name: float(values[i]) for name, values in self.per_fn.items()},
                  "advantage": None if self.advantages is None else float(self.advantages[i]),
                  "response_tokens": len(self.response_ids[i]),
-                 "truncated": bool(self.truncated[i]) if self.truncated else False} for i in rows]
+                 "truncated": bool(self.truncated[i]) if self.truncated else False,
+                 **({"episode": self.episodes[i], "trained_tokens": sum(self.response_mask[i])}
+                    if self.episodes else {})} for i in rows]
 
     @property
     def seq_length(self) -> int:
@@ -113,7 +130,7 @@ def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
         seq = prompt + response
         tokens[i, :len(seq)] = torch.tensor(seq)
         start, end = len(prompt) - 1, len(seq) - 1  # label positions of the response tokens
-        loss_mask[i, start:end] = 1.0 if row.get("in_loss", True) else 0.0
+        loss_mask[i, start:end] = response_loss_mask(row)
         old_logp[i, start:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
         advantages[i] = row["advantage"]
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
@@ -144,6 +161,7 @@ def rollout_rows(rollout: Rollout, *, mask_truncated: bool = False) -> list[dict
         rows.append({"prompt_ids": rollout.prompt_ids[i], "response_ids": rollout.response_ids[i],
                      "logprobs": rollout.logprobs[i], "advantage": float(rollout.advantages[i]),
                      "in_loss": not (mask_truncated and rollout.truncated[i]),
+                     **({"response_mask": rollout.response_mask[i]} if rollout.response_mask else {}),
                      **({"routes": rollout.routes[i]} if rollout.routes else {})})
     return rows
 

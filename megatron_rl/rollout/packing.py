@@ -31,6 +31,15 @@ def row_tokens(row: dict) -> int:
     return len(row["prompt_ids"]) + len(row["response_ids"]) - 1
 
 
+def response_loss_mask(row: dict) -> torch.Tensor:
+    """The loss weight of each response token of a rollout row: 1, or 0 for the row kept out of the loss
+    (``in_loss``) and for a multi-turn reply's tokens (``response_mask`` 0: context the policy did not sample)."""
+    mask = torch.full((len(row["response_ids"]),), 1.0 if row.get("in_loss", True) else 0.0)
+    if row.get("response_mask"):
+        mask = mask * torch.tensor(row["response_mask"], dtype=torch.float32)
+    return mask
+
+
 def pack_rows(lengths: list[int], *, dp: int, token_budget: int, multiple: int = 1,
               count_multiple: int = 1) -> tuple[list[list[list[int]]], int]:
     """(per data-parallel rank, its micro-batches as lists of row indices; the packed length T). Index -1 - i
@@ -147,7 +156,7 @@ def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bo
         row_index[i, :n] = torch.arange(start, start + n)
         row_valid[i, :n] = True
         first, end = len(row["prompt_ids"]) - 1, n  # label positions of the response tokens
-        loss_mask[i, first:end] = 1.0 if row.get("in_loss", True) else 0.0
+        loss_mask[i, first:end] = response_loss_mask(row)
         old_logp[i, first:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
         advantages[i] = row["advantage"]
         starts.append(start + n)

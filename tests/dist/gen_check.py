@@ -109,6 +109,43 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)), default=0.0)
 
 
+def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
+    """Two sampled turns of 4 tokens with a scripted 3-token reply between them (engine.py ``TurnEnded``), in
+    groups of 2 and 4-token blocks: the policy mask; the policy tokens' log-probs against the training forward of the
+    whole conversation; each turn against a single-turn ``generate`` of the conversation so far (same seed: a
+    row's draws depend on its place and position only), which the reply fed onto the row's own blocks must
+    equal; and the tokens the engine fed (each once: no prefill of the conversation again)."""
+    from megatron_rl.generation import generate
+    from megatron_rl.runtime.training import sequence_logprobs
+
+    reply, turn_tokens, seed = [7, 8, 9], 4, 23
+    rows = [p for p in prompts for _ in range(2)]
+    calls = []
+
+    def turn_ended(index, turn, finish):
+        calls.append((index, list(turn), finish))
+        return list(reply) if sum(1 for i, *_ in calls if i == index) == 1 else None
+
+    out = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
+                   kv_block_tokens=4, turn_ended=turn_ended, max_turn_tokens=turn_tokens)
+    first = generate(chunks, rows, vocab_size=vocab, max_new_tokens=turn_tokens, temperature=0.9, seed=seed,
+                     kv_block_tokens=4)
+    second = generate(chunks, [r + t[:turn_tokens] + reply for r, t in zip(rows, out.tokens)], vocab_size=vocab,
+                      max_new_tokens=turn_tokens, temperature=0.9, seed=seed, kv_block_tokens=4)
+    full = sequence_logprobs(chunks, padded(rows, out.tokens))
+    whole = response_slice(full, rows, out.lengths)
+    policy = lambda values: [[v for v, m in zip(row, mask) if m] for row, mask in zip(values, out.policy_mask)]  # noqa: E731
+    return {"policy_mask": out.policy_mask, "calls": calls, "finish_reasons": out.finish_reasons,
+            "first_turn_equal": [t[:turn_tokens] for t in out.tokens] == first.tokens,
+            "second_turn_equal": [t[turn_tokens + len(reply):] for t in out.tokens] == second.tokens,
+            "reply_in_place": all(t[turn_tokens:turn_tokens + len(reply)] == reply for t in out.tokens),
+            "reply_logprobs": [v for row, mask in zip(out.logprobs, out.policy_mask) for v, m in zip(row, mask)
+                               if not m],
+            "vs_sequence_logprobs": max_abs_diff(policy(out.logprobs), policy(whole)),
+            "fed_tokens": out.fed_tokens,
+            "fed_once": sum(len(r) + len(t) - 1 for r, t in zip(rows, out.tokens)) - sum(len(p) for p in prompts)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
@@ -230,6 +267,9 @@ def main() -> None:
                          "logprob_diff": max_abs_diff(out.logprobs, unbounded.logprobs),
                          "sampling_logprob_diff": max_abs_diff(out.sampling_logprobs, unbounded.sampling_logprobs)}
                for variant, out in variants.items()}}
+
+    if args.pp == 1 and args.tp == 1:
+        result["multi_turn"] = multi_turn_check(chunks, prompts, vocab)
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]

@@ -1,0 +1,120 @@
+"""Multi-turn rollouts: each completion is an episode of the policy with an environment (megatron_rl/environments).
+
+``sample_episodes`` is ``sample_rollout`` for a job with an ``environment``: every completion of a prompt starts
+an episode (``env.reset(record)`` gives the first messages, rendered like any prompt; a GRPO group shares the
+prompt's KV blocks), and whenever a turn ends (a stop string such as ``</calc>``, end-of-sequence, or
+``max_turn_tokens``) the engine hands it to the episode, whose reply is rendered through the chat format and fed
+onto the row's own KV blocks (engine.py ``TurnEnded``). The response is the whole conversation after the prompt;
+``Rollout.response_mask`` marks the policy's tokens (the only ones trained: the replies are context), the reward
+is the environment's (the sum of its turns'), and ``completions`` hold each episode's last turn, which
+``algorithm.rewards`` score as the final answer.
+
+Test: ``.venv/bin/python -m pytest tests/test_multi_turn.py -q``
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable, Optional
+
+from megatron_rl.data.chat import ChatFormat, Messages, as_messages, plain_text
+from megatron_rl.data.prompts import PromptRecord, encode_prompt
+from megatron_rl.environments import Environment, Episode, EpisodeLimits
+from megatron_rl.rollout.batch import Rollout
+from megatron_rl.runtime import checkpoint as ckpt
+from megatron_rl.runtime.training import data_parallel_share, gather_data_parallel
+from megatron_rl.spec.errors import ConfigError
+
+
+def env_record(record: PromptRecord) -> dict:
+    """What ``env.reset`` reads: the prompt as the data gave it, the answer and every other field."""
+    return {**record.metadata, "prompt": record.given if record.given is not None else record.prompt,
+            "answer": record.answer}
+
+
+class Conversation:
+    """One episode's text as the policy sees it: the first prompt's ids, then each turn and rendered reply."""
+
+    def __init__(self, chat: ChatFormat, record: PromptRecord, first: Messages) -> None:
+        self.chat = chat
+        given = record.given if record.given is not None else record.prompt
+        if first == as_messages(given, "user"):
+            self.prompt_ids = encode_prompt(chat.tokenizer, record)  # the data's own prompt, as without an env
+        elif chat.chat_template:
+            self.prompt_ids = chat.ids(chat.render(chat.conversation(first), add_generation_prompt=True))
+        else:
+            self.prompt_ids = chat.tokenizer.encode(plain_text(first) + "assistant: ", add_bos=True)
+        self.messages = chat.conversation(first)
+
+    def reply_ids(self, turn_text: str, reply: Messages, *, ended_with_eos: bool) -> list[int]:
+        """The tokens that follow the policy's turn (its text ``turn_text``): what closes the turn unless the
+        policy wrote it (end-of-sequence), the reply, then what opens the policy's next turn."""
+        if not self.chat.chat_template:
+            self.messages += [{"role": "assistant", "content": turn_text}, *reply]
+            return self.chat.tokenizer.encode("\n" + plain_text(reply) + "assistant: ")
+        held = self.chat.render(self.messages, add_generation_prompt=True, where="an environment's reply") + turn_text
+        self.messages += [{"role": "assistant", "content": turn_text}, *reply]
+        after = self.chat.render(self.messages, add_generation_prompt=True, where="an environment's reply")
+        if not after.startswith(held):
+            raise ConfigError("the tokenizer's chat template renders an earlier turn differently once a reply "
+                              "follows (it rewrites history, e.g. drops reasoning): multi-turn rollouts need a "
+                              "template whose conversation only grows; set data.chat_template=false or use another")
+        delta = after[len(held):]
+        eos = getattr(self.chat.tokenizer.hf, "eos_token", None)
+        if ended_with_eos and eos and delta.startswith(eos):
+            delta = delta[len(eos):]
+        return self.chat.ids(delta)
+
+
+def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_env: Callable[[], Environment],
+                    limits: EpisodeLimits, group: int, seed: int, seq_multiple: int,
+                    executor: Optional[concurrent.futures.Executor] = None,
+                    stop_requested: Optional[Callable[[bool], tuple]] = None) -> Rollout:
+    """``group`` episodes of each prompt record (prompt-major), each rollout worker running its share; every rank
+    gets the whole rollout with ``episodes`` (each one's log) and ``response_mask``. Inside a generation phase."""
+    from megatron_rl.generation import data_parallel_seed, generate
+
+    chat = ChatFormat.from_config(cfg.data, tokenizer)
+    records = [p for p in prompts for _ in range(group)]
+    mine_records = data_parallel_share(records, with_context_parallel=True)
+    episodes, conversations = [], []
+    for record in mine_records:
+        env = make_env()
+        episode = Episode(env, limits, executor)
+        first = env.reset(env_record(record))
+        conversation = Conversation(chat, record, first)
+        episode.tokens = len(conversation.prompt_ids)
+        episodes.append(episode)
+        conversations.append(conversation)
+    stops = sorted({stop for episode in episodes for stop in episode.env.stop} | set(cfg.generation.stop))
+
+    def turn_ended(index: int, turn: list, finish: str) -> Optional[list]:
+        episode, conversation = episodes[index], conversations[index]
+        text = tokenizer.decode(turn)
+        cut = None if finish == "stop" else "turn" if len(turn) >= limits.max_turn_tokens else "episode"
+        reply = episode.advance(text, tokens=len(turn), cut=cut)
+        if reply is None:
+            return None
+        ids = conversation.reply_ids(text, reply, ended_with_eos=turn[-1] == tokenizer.eos_id)
+        return ids if episode.count_reply(len(ids)) else None
+
+    out = generate(
+        [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations],
+        max_new_tokens=limits.max_episode_tokens, max_total_tokens=limits.max_episode_tokens,
+        max_turn_tokens=limits.max_turn_tokens, turn_ended=turn_ended,
+        temperature=cfg.generation.temperature, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
+        eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in stops],
+        vocab_size=min(tokenizer.vocab_size, shape.vocab_size), seed=data_parallel_seed(seed),
+        max_concurrent=cfg.generation.max_concurrent, kv_memory_gib=cfg.generation.kv_memory_gib,
+        kv_block_tokens=cfg.generation.kv_block_tokens, stop_requested=stop_requested)
+    sampled = gather_data_parallel(
+        [(c.prompt_ids, list(tokens), list(map(float, lp)), list(mask), e.end_reason in ("turn_tokens",
+          "episode_tokens"), e.turns[-1].text if e.turns else "", e.reward, e.log())
+         for c, e, tokens, lp, mask in zip(conversations, episodes, out.tokens, out.logprobs, out.policy_mask)],
+        with_context_parallel=True)
+    return Rollout(prompt_ids=[s[0] for s in sampled], response_ids=[s[1] for s in sampled],
+                   logprobs=[s[2] for s in sampled], response_mask=[s[3] for s in sampled],
+                   prompts=[r.prompt for r in records], completions=[s[5] for s in sampled],
+                   answers=[r.answer for r in records], truncated=[s[4] for s in sampled],
+                   env_rewards=[s[6] for s in sampled], episodes=[s[7] for s in sampled],
+                   seq_multiple=seq_multiple)

@@ -1,0 +1,138 @@
+"""Multi-turn rollouts in process: only the policy's tokens are trained (the environment's replies are context, in
+both the padded and the packed micro-batches, through the real GRPO loss), and a conversation's replies render
+through the chat format as the continuation of what the row holds. The engine's side (replies fed onto the row's
+blocks, log-probs equal to the training forward) runs on a real model in tests/test_generation.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
+from megatron_rl.data.chat import ChatFormat
+from megatron_rl.data.prompts import _prompt_record
+from megatron_rl.data.tokenizer import CharTokenizer
+from megatron_rl.rollout.batch import Rollout, collate_rollout, rollout_rows
+from megatron_rl.rollout.multi_turn import Conversation, env_record
+from megatron_rl.rollout.packing import collate_packed
+from megatron_rl.spec.errors import ConfigError
+from test_data_formats import TEMPLATE, chat_tokenizer
+
+CONFIG = GRPOLossConfig(eps_low=0.2, eps_high=0.2, kl_coef=0.1, kl_kind="k3", loss_agg_mode="token-mean")
+
+
+def _rollout() -> Rollout:
+    """Two episodes: prompt, a 3-token turn, a 2-token reply, a 2-token turn (and one single-turn answer)."""
+    gen = torch.Generator().manual_seed(3)
+    lp = lambda n: (-torch.rand(n, generator=gen) * 2).tolist()  # noqa: E731
+    return Rollout(prompt_ids=[[1, 5, 6], [1, 7]], response_ids=[[10, 11, 12, 40, 41, 13, 14], [20, 21]],
+                   logprobs=[lp(3) + [0.0, 0.0] + lp(2), lp(2)], response_mask=[[1, 1, 1, 0, 0, 1, 1], [1, 1]],
+                   prompts=["a", "b"], completions=["x", "y"], answers=[1, 2], truncated=[False, False],
+                   advantages=torch.tensor([0.7, -0.4]))
+
+
+def _batches(rollout: Rollout) -> dict:
+    rows = rollout_rows(rollout)
+    padded = collate_rollout(rows, seq_length=rollout.seq_length, pad_id=0)
+    packed = collate_packed(rows, packed_length=16, pad_id=0, thd=False)
+    return {"padded": padded, "packed": packed}
+
+
+def _grad(batch: dict, *, logp_shift=None, ref_shift=None, old_shift=None) -> torch.Tensor:
+    """d loss / d logp of the real GRPO loss, the current log-probs being the stored ones plus a small offset."""
+    old = batch["old_logp"].clone()
+    base = old + 0.05 * torch.arange(old.numel(), dtype=torch.float32).view_as(old).sin()
+    logp = (base + (logp_shift if logp_shift is not None else 0)).requires_grad_(True)
+    ref = old - 0.1 + (ref_shift if ref_shift is not None else 0)
+    loss, _ = grpo_loss(logp, old + (old_shift if old_shift is not None else 0), batch["advantages"],
+                        batch["loss_mask"], config=CONFIG, ref_logp=ref)
+    loss.backward()
+    return logp.grad
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_only_the_policys_tokens_are_trained(layout):
+    batch = _batches(_rollout())[layout]
+    mask = batch["loss_mask"]
+    # label positions of row 0: the response starts at label index len(prompt) - 1 = 2
+    reply = [(0, 2 + 3), (0, 2 + 4)]
+    policy = [(0, 2), (0, 2 + 5), (1, 1)]
+    assert all(mask[i, j] == 0 for i, j in reply) and all(mask[i, j] == 1 for i, j in policy)
+    assert int(mask.sum()) == 7
+    grad = _grad(batch)
+    assert all(grad[i, j] == 0 for i, j in reply) and all(grad[i, j] != 0 for i, j in policy)
+    for i, j in reply:  # an environment token's log-prob (current, old or reference) moves nothing
+        shift = torch.zeros_like(mask)
+        shift[i, j] = 0.5
+        for kind in ("logp_shift", "ref_shift", "old_shift"):
+            assert torch.equal(_grad(batch, **{kind: shift}), grad), kind
+    for i, j in policy:  # a policy token's does
+        shift = torch.zeros_like(mask)
+        shift[i, j] = 0.5
+        assert not torch.equal(_grad(batch, old_shift=shift), grad)
+
+
+def test_the_packed_and_padded_batches_mask_the_same_tokens():
+    batches = _batches(_rollout())
+    padded, packed = batches["padded"], batches["packed"]
+    for row, width in enumerate((9, 3)):
+        assert torch.equal(packed["loss_mask"][row, :width], padded["loss_mask"][row, :width])
+        assert torch.equal(packed["old_logp"][row, :width], padded["old_logp"][row, :width])
+
+
+def _record(chat: ChatFormat, given) -> PromptRecord:
+    return _prompt_record(chat, given, 2146, {"task": "t"}, "test")
+
+
+def _text(tok, ids: list[int]) -> str:
+    return "".join(tok.hf.convert_ids_to_tokens(ids))
+
+
+def test_a_plain_conversation_appends_role_lines():
+    tok = CharTokenizer()
+    chat = ChatFormat(tok)
+    record = _record(chat, "37*58=")
+    assert env_record(record) == {"task": "t", "prompt": "37*58=", "answer": 2146}
+    conversation = Conversation(chat, record, [{"role": "user", "content": "37*58="}])
+    assert conversation.prompt_ids == tok.encode("37*58=", add_bos=True)  # the data's prompt, as without an env
+    ids = conversation.reply_ids("<calc>37*58</calc>", [{"role": "tool", "content": "2146"}], ended_with_eos=False)
+    assert tok.decode(ids) == "\ntool: 2146\nassistant: "
+    changed = Conversation(chat, record, [{"role": "system", "content": "use the tool"},
+                                          {"role": "user", "content": "37*58="}])
+    assert tok.decode(changed.prompt_ids) == "system: use the tool\nuser: 37*58=\nassistant: "
+
+
+def test_a_chat_template_reply_continues_exactly_what_the_row_holds(tmp_path):
+    tok = chat_tokenizer(tmp_path)
+    chat = ChatFormat(tok, chat_template=True)
+    first = [{"role": "user", "content": "what is 2+2?"}]
+    conversation = Conversation(chat, _record(chat, first), first)
+    prompt_text = _text(tok, conversation.prompt_ids)
+    assert prompt_text == "<s><|user|>what is 2+2?<|end|><|assistant|>"
+    reply = [{"role": "user", "content": "sure?"}]
+    ids = conversation.reply_ids("4", reply, ended_with_eos=False)
+    assert _text(tok, ids) == "<|end|><|user|>sure?<|end|><|assistant|>"
+    # the row's text, prompt + turn + reply, is the template's rendering of the whole conversation
+    whole = chat.render(conversation.messages, add_generation_prompt=True)
+    assert prompt_text + "4" + _text(tok, ids) == whole
+
+
+def test_a_template_that_rewrites_history_is_refused(tmp_path):
+    rewriting = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] if loop.last or m['role'] != 'assistant' "
+                                                        "else '' }}")
+    chat = ChatFormat(chat_tokenizer(tmp_path, template=rewriting), chat_template=True)
+    first = [{"role": "user", "content": "hi"}]
+    conversation = Conversation(chat, _record(chat, first), first)
+    with pytest.raises(ConfigError, match="renders an earlier turn differently"):
+        conversation.reply_ids("thinking", [{"role": "user", "content": "go on"}], ended_with_eos=False)
+
+
+def test_a_turn_that_ended_with_the_end_of_turn_token_is_not_closed_twice(tmp_path):
+    tok = chat_tokenizer(tmp_path, template=TEMPLATE.replace("<|end|>", "{{ eos_token }}"))
+    chat = ChatFormat(tok, chat_template=True)
+    first = [{"role": "user", "content": "hi"}]
+    reply = [{"role": "user", "content": "more"}]
+    closed_by_policy = Conversation(chat, _record(chat, first), first)
+    assert _text(tok, closed_by_policy.reply_ids("ok", reply, ended_with_eos=True)) == "<|user|>more</s><|assistant|>"
+    cut = Conversation(chat, _record(chat, first), first)
+    assert _text(tok, cut.reply_ids("ok", reply, ended_with_eos=False)) == "</s><|user|>more</s><|assistant|>"
