@@ -203,7 +203,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     from launcher.planner.inputs import RL_ALGORITHMS, rollout_sizing, runtime_of, split_placement
 
     algo, par = cfg.algorithm, cfg.parallel
-    limits = trainer_limits(shape, algo.name)
+    limits = trainer_limits(shape, algo.name, multi_turn=cfg.environment.name is not None)
     if par.micro_batch_tokens is not None:
         limits = {**limits, "cp": (1, PACKING_CP_REASON)}
     given_parallel = {key.removeprefix("parallel.") for key in given if key.startswith("parallel.")}

@@ -3,7 +3,6 @@ dotted path with its options checked, and the built-in environments driven turn 
 
 from __future__ import annotations
 
-import concurrent.futures
 import sys
 import textwrap
 import time
@@ -95,22 +94,21 @@ class _Slow:
 
 
 def test_a_slow_step_times_out_and_a_failing_one_ends_only_its_episode():
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        slow = Episode(_Slow(), EpisodeLimits(step_timeout_s=0.2), executor=pool)
-        slow.start({}, prompt_tokens=2)
-        started = time.monotonic()
-        assert slow.advance("wait", tokens=1) is None
-        assert slow.end_reason == "step_timeout" and time.monotonic() - started < 2.0
+    slow = Episode(_Slow(), EpisodeLimits(step_timeout_s=0.2))
+    slow.start({}, prompt_tokens=2)
+    started = time.monotonic()
+    assert slow.advance("wait", tokens=1) is None
+    assert slow.end_reason == "step_timeout" and time.monotonic() - started < 2.0
 
-        broken = Episode(_Slow(), EpisodeLimits(), executor=pool)
-        broken.start({}, prompt_tokens=2)
-        assert broken.advance("raise", tokens=1) is None
-        assert broken.end_reason == "env_error" and broken.log()["error"] == "KeyError: 'missing field'"
+    broken = Episode(_Slow(), EpisodeLimits())
+    broken.start({}, prompt_tokens=2)
+    assert broken.advance("raise", tokens=1) is None
+    assert broken.end_reason == "env_error" and broken.log()["error"] == "KeyError: 'missing field'"
 
-        silent = Episode(_Slow(), EpisodeLimits())
-        silent.start({}, prompt_tokens=2)
-        assert silent.advance("silent", tokens=1) is None
-        assert (silent.end_reason, silent.reward) == ("no_reply", 0.5)
+    silent = Episode(_Slow(), EpisodeLimits(), bounded=False)
+    silent.start({}, prompt_tokens=2)
+    assert silent.advance("silent", tokens=1) is None
+    assert (silent.end_reason, silent.reward) == ("no_reply", 0.5)
 
 
 @pytest.fixture
@@ -179,3 +177,15 @@ def test_python_math_runs_the_code_in_the_sandbox_and_scores_the_boxed_answer():
     hostile.start({"prompt": "loop", "answer": "1"}, prompt_tokens=4)
     reply = hostile.advance("<python>while True: pass</python>", tokens=20)
     assert reply is not None and reply[0]["content"] in ("[timed out]", "[killed: out of CPU time or memory]")
+
+
+def test_the_launch_table_of_built_in_options_is_each_class_s_keywords():
+    import inspect
+
+    from megatron_rl.environments import BUILTIN_ENVIRONMENTS
+    from megatron_rl.spec.environments import BUILTIN_ENVIRONMENT_OPTIONS
+
+    assert set(BUILTIN_ENVIRONMENT_OPTIONS) == set(BUILTIN_ENVIRONMENTS)
+    for name, cls in BUILTIN_ENVIRONMENTS.items():
+        keywords = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        assert BUILTIN_ENVIRONMENT_OPTIONS[name] == tuple(keywords), name

@@ -136,3 +136,31 @@ def test_a_turn_that_ended_with_the_end_of_turn_token_is_not_closed_twice(tmp_pa
     assert _text(tok, closed_by_policy.reply_ids("ok", reply, ended_with_eos=True)) == "<|user|>more</s><|assistant|>"
     cut = Conversation(chat, _record(chat, first), first)
     assert _text(tok, cut.reply_ids("ok", reply, ended_with_eos=False)) == "</s><|user|>more</s><|assistant|>"
+
+
+@pytest.mark.slow
+def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, tmp_path):
+    """configs/grpo_calculator_tiny.yaml, a few steps: episodes call the calculator and answer after its reply;
+    the metrics count turns and tool calls; the sample log holds whole conversations, the reply as context."""
+    import json
+
+    from helpers import read_metrics
+
+    run_dir = tmp_path / "calc"
+    result = launch("--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
+                    "algorithm.sft_warmup_steps=120", "logging.console=quiet", "logging.tensorboard=false",
+                    "logging.sample_every=1", "logging.plot=false", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
+    assert len(steps) == 3
+    assert all(0 < m["env_tool_call_rate"] <= 1 and 1 <= m["env_turns"] <= 2 for m in steps)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    called = [s for s in samples if s["episode"]["turns"][0]["reply"]]
+    assert called, "no logged episode called the calculator"
+    for sample in called:
+        first, *rest = sample["episode"]["turns"]
+        assert first["text"].startswith("<c>") and first["text"].endswith("</c>")
+        assert first["reply"] == [{"role": "tool", "content": first["reply"][0]["content"]}]
+        reply_tokens = len("\ntool: " + first["reply"][0]["content"] + "\nassistant: ")
+        assert sample["response_tokens"] == sample["trained_tokens"] + reply_tokens  # the reply is not trained
+        assert sample["completion"] == (rest[-1]["text"] if rest else first["text"])

@@ -8,6 +8,11 @@ Tasks (prompt -> answer; the reward is an exact match of the completion, registr
 - "add": single-digit addition, "3+4=" -> "7" (100 problems, answers "0".."18"). Too hard for GRPO from chance
   on a tiny model (it collapses onto the most common answer); use it with a correct-answer SFT warm-up.
 - "reverse": reverse 3 letters from a-e, "rev abc=" -> "cba" (125 problems); chance is 1/125, SFT first.
+- "multiply": two-digit products, "37*58=" -> "2146" (8100 problems): a tiny model cannot compute them, but it
+  can call the calculator environment (``environment.name: calculator``, ``tag: c``) and copy its result.
+  "multiply_tool" is its warm-up: half of the problems are worked conversations as the calculator environment
+  renders them without a chat template ("<c>37*58</c>\ntool: 2146\nassistant: 2146"), half direct answers, so
+  a warmed-up policy calls the tool about half the time and GRPO has the rest to learn.
 - "last_digit_ar" and "first_digit_ar": the digit tasks in Arabic with Arabic-Indic digits, "آخر رقم من ٣٨٧=" ->
   "٧" and "أول رقم من ٣٨٧=" -> "٣" (model.tokenizer: builtin:char-arabic; configs/grpo_arabic_tiny.yaml).
 
@@ -33,7 +38,8 @@ from pathlib import Path
 
 from megatron_rl.spec.errors import ConfigError
 
-TASKS: tuple[str, ...] = ("last_digit", "first_digit", "add", "reverse", "last_digit_ar", "first_digit_ar")
+TASKS: tuple[str, ...] = ("last_digit", "first_digit", "add", "reverse", "last_digit_ar", "first_digit_ar", "multiply",
+                          "multiply_tool")
 _REVERSE_LETTERS = "abcde"
 _ARABIC_DIGITS = str.maketrans("0123456789", "".join(chr(0x0660 + digit) for digit in range(10)))
 _ARABIC_WORDS = {"last_digit_ar": "آخر رقم من", "first_digit_ar": "أول رقم من"}
@@ -54,6 +60,11 @@ def problem_space(task: str) -> list[tuple[str, str]]:
         return [
             (f"rev {''.join(word)}=", "".join(reversed(word))) for word in itertools.product(_REVERSE_LETTERS, repeat=3)
         ]
+    if task == "multiply":
+        return [(f"{a}*{b}=", str(a * b)) for a in range(10, 100) for b in range(10, 100)]
+    if task == "multiply_tool":
+        return [(prompt, (f"<c>{prompt[:-1]}</c>\ntool: {answer}\nassistant: {answer}"
+                          if (int(answer) // 7) % 2 else answer)) for prompt, answer in problem_space("multiply")]
     raise ConfigError(f"synthetic task {task!r} is unknown; use one of {', '.join(TASKS)}")
 
 

@@ -15,20 +15,16 @@ from typing import Any, Callable, Mapping, Optional
 from megatron_rl.environments.builtin import BUILTIN_ENVIRONMENTS, CalculatorEnv, PythonMathEnv
 from megatron_rl.environments.episode import END_REASONS, Environment, Episode, EpisodeLimits, StepResult
 from megatron_rl.rewards.registry import check_factory_options, load_dotted
-from megatron_rl.spec.errors import ConfigError, did_you_mean
+from megatron_rl.spec.environments import check_environment
+from megatron_rl.spec.errors import ConfigError
 
 
 def build_environment(name: str, options: Optional[Mapping[str, Any]] = None) -> Callable[[], Environment]:
     """A factory of fresh environments named by ``name`` (built-in or dotted path) with ``options``; one is built
     here to check it, so a bad option or a class without reset/step/stop fails now, in one line."""
     options = dict(options or {})
-    if name in BUILTIN_ENVIRONMENTS:
-        cls = BUILTIN_ENVIRONMENTS[name]
-    elif "." in name or ":" in name:
-        cls = load_dotted(name, what="environment")
-    else:
-        raise ConfigError(f"environment.name={name!r} is not built in ({', '.join(BUILTIN_ENVIRONMENTS)})"
-                          f"{did_you_mean(name, BUILTIN_ENVIRONMENTS)}; or give a dotted path 'package.module:Class'")
+    check_environment(name, options)
+    cls = BUILTIN_ENVIRONMENTS[name] if name in BUILTIN_ENVIRONMENTS else load_dotted(name, what="environment")
     check_factory_options(cls, options, f"environment {name!r}")
 
     def make() -> Environment:

@@ -18,9 +18,9 @@ Test: ``.venv/bin/python -m pytest tests/test_environments.py -q``
 
 from __future__ import annotations
 
-import concurrent.futures
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 Messages = list[dict]
 
@@ -82,11 +82,10 @@ class Episode:
     """One environment instance driven turn by turn: ``start`` gives the first messages; ``advance`` takes a policy
     turn and gives what to append (None when the episode has ended, ``end_reason`` says why)."""
 
-    def __init__(self, env: Environment, limits: EpisodeLimits,
-                 executor: Optional[concurrent.futures.Executor] = None) -> None:
+    def __init__(self, env: Environment, limits: EpisodeLimits, *, bounded: bool = True) -> None:
         self.env = env
         self.limits = limits
-        self._executor = executor
+        self._bounded = bounded
         self.turns: list[Turn] = []
         self.tokens = 0
         self.end_reason: Optional[str] = None
@@ -117,7 +116,7 @@ class Episode:
             return self._end({"turn": "turn_tokens", "episode": "episode_tokens"}[cut])
         try:
             result = self._step(text)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:
             return self._end("step_timeout")
         except Exception as error:  # noqa: BLE001 - an environment's bug ends its episode, not the job
             self.error = f"{type(error).__name__}: {error}"
@@ -142,10 +141,9 @@ class Episode:
         return True
 
     def _step(self, text: str) -> StepResult:
-        if self._executor is None:
+        if not self._bounded:
             return _as_step_result(self.env.step(text))
-        future = self._executor.submit(self.env.step, text)
-        return _as_step_result(future.result(timeout=self.limits.step_timeout_s))
+        return _as_step_result(call_within(self.env.step, text, seconds=self.limits.step_timeout_s))
 
     def _end(self, reason: str) -> None:
         assert reason in END_REASONS
@@ -157,6 +155,27 @@ class Episode:
         return {"turns": [{"text": t.text, "tokens": t.tokens, "reward": t.reward, "reply": t.reply,
                            **({"info": t.info} if t.info else {})} for t in self.turns],
                 "reward": self.reward, "end": self.end_reason, **({"error": self.error} if self.error else {})}
+
+
+def call_within(fn: Callable[[str], Any], arg: str, *, seconds: float) -> Any:
+    """``fn(arg)`` on a daemon thread; TimeoutError after ``seconds`` (the thread is abandoned: Python cannot stop
+    it, and a daemon thread never holds the process open at exit). Its exception is raised here."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(arg)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            box["error"] = error
+
+    thread = threading.Thread(target=run, name="env-step", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"step took more than {seconds} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _as_step_result(value: Any) -> StepResult:

@@ -14,16 +14,43 @@ Test: ``.venv/bin/python -m pytest tests/test_multi_turn.py -q``
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Callable, Optional
 
 from megatron_rl.data.chat import ChatFormat, Messages, as_messages, plain_text
 from megatron_rl.data.prompts import PromptRecord, encode_prompt
-from megatron_rl.environments import Environment, Episode, EpisodeLimits
+from megatron_rl.environments import END_REASONS, Environment, Episode, EpisodeLimits
 from megatron_rl.rollout.batch import Rollout
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.training import data_parallel_share, gather_data_parallel
 from megatron_rl.spec.errors import ConfigError
+
+
+class Environments:
+    """A job's environment (``environment:``): the factory of fresh environments and the episode limits. The run
+    and checkpoint folders are hidden from every sandbox."""
+
+    def __init__(self, env_cfg, *, hidden: list) -> None:
+        from megatron_rl.environments import build_environment
+        from megatron_rl.environments.sandbox import hide_always
+
+        hide_always(hidden)
+        self.make = build_environment(env_cfg.name, env_cfg.options)
+        self.limits = EpisodeLimits(max_turns=env_cfg.max_turns, max_turn_tokens=env_cfg.max_turn_tokens,
+                                    max_episode_tokens=env_cfg.max_episode_tokens,
+                                    step_timeout_s=env_cfg.step_timeout_s)
+
+
+def episode_metrics(episodes: list) -> dict:
+    """Means over a rollout's episodes: turns, tool calls (an environment's ``info["tool_calls"]``), the share
+    that called a tool at all, and the share of each way an episode ended."""
+    if not episodes:
+        return {}
+    count = len(episodes)
+    calls = [max((t.get("info", {}).get("tool_calls", 0) for t in e["turns"]), default=0) for e in episodes]
+    ends = {reason: sum(e["end"] == reason for e in episodes) / count for reason in END_REASONS}
+    return {"env_turns": sum(len(e["turns"]) for e in episodes) / count, "env_tool_calls": sum(calls) / count,
+            "env_tool_call_rate": sum(c > 0 for c in calls) / count,
+            **{f"env_end_{reason}": share for reason, share in ends.items() if share}}
 
 
 def env_record(record: PromptRecord) -> dict:
@@ -68,7 +95,6 @@ class Conversation:
 
 def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_env: Callable[[], Environment],
                     limits: EpisodeLimits, group: int, seed: int, seq_multiple: int,
-                    executor: Optional[concurrent.futures.Executor] = None,
                     stop_requested: Optional[Callable[[bool], tuple]] = None) -> Rollout:
     """``group`` episodes of each prompt record (prompt-major), each rollout worker running its share; every rank
     gets the whole rollout with ``episodes`` (each one's log) and ``response_mask``. Inside a generation phase."""
@@ -80,7 +106,7 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
     episodes, conversations = [], []
     for record in mine_records:
         env = make_env()
-        episode = Episode(env, limits, executor)
+        episode = Episode(env, limits)
         first = env.reset(env_record(record))
         conversation = Conversation(chat, record, first)
         episode.tokens = len(conversation.prompt_ids)

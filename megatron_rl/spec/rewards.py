@@ -23,8 +23,12 @@ BUILTIN_REWARD_OPTIONS: dict[str, tuple[str, ...]] = {
 def check_reward_options(name: str, options: Mapping[str, Any], *, label: str) -> None:
     """For a built-in name: ConfigError naming label and listing the valid options when one is unknown."""
     valid = BUILTIN_REWARD_OPTIONS.get(name)
-    if valid is None:
-        return
+    if valid is not None:
+        check_option_names(options, valid, label=label)
+
+
+def check_option_names(options: Mapping[str, Any], valid: tuple[str, ...], *, label: str) -> None:
+    """ConfigError naming label and listing ``valid`` when an option is not one of them."""
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ConfigError(f"{label}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"

@@ -34,6 +34,7 @@ from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
 from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, collate_rollout, make_grpo_loss,
                                        rollout_rows)
+from megatron_rl.rollout.multi_turn import Environments, episode_metrics, sample_episodes
 from megatron_rl.rollout.packing import ROW_IDS, pack_minibatch, row_tokens
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
@@ -101,7 +102,10 @@ class GrpoRun:
         from megatron_rl.data.prompts import PromptSampler
 
         self.sampler = PromptSampler(self.dataset, self.algo.prompts_per_step, seed=cfg.run.seed)
-        self.rewards = build_rewards(cfg, shape)
+        self.environments = None
+        if cfg.environment.name is not None:
+            self.environments = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
+        self.rewards = None if self.environments is not None and not self.algo.rewards else build_rewards(cfg, shape)
         self.loss_fn = make_grpo_loss(GRPOLossConfig.from_algorithm(self.algo,
                                                                     max_response_len=cfg.generation.max_new_tokens))
         self.engine: Engine = build_engine(cfg, shape)
@@ -215,6 +219,13 @@ class GrpoRun:
         routed to, for the training forwards to replay. ``stop_requested``: see ``sample_rollout``."""
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
         with generation_phase(self.engine, offload_optimizer=self.cfg.generation.offload_optimizer):
+            if self.environments is not None:
+                env = self.environments
+                return sample_episodes(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
+                                       tokenizer=self.tokenizer, make_env=env.make, limits=env.limits,
+                                       group=group or self.algo.group_size, seed=step_seed,
+                                       seq_multiple=self.engine.sequence_multiple,
+                                       stop_requested=stop_requested)
             return sample_rollout(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                   tokenizer=self.tokenizer, group=group or self.algo.group_size, seed=step_seed,
                                   record_routes=self.algo.router_replay if record_routes is None else record_routes,
@@ -229,7 +240,7 @@ class GrpoRun:
                                list(self.eval_prompts), samples=1, batch_prompts=self.algo.rollout_size,
                                seed_of=lambda start: random.Random(f"eval:{self.cfg.run.seed}:{step}:{start}")
                                .getrandbits(62))
-        total, rollout.per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+        total, rollout.per_fn = self.reward_totals(rollout)
         rollout.rewards = torch.tensor(total, dtype=torch.float32)
         summary = summarize(rollout, samples=1)
         metrics = {"pass_at_1": summary["pass@1"], "reward_mean": summary["mean_reward"],
@@ -238,9 +249,20 @@ class GrpoRun:
         return metrics
 
     # ------------------------------------------------------------------ score
+    def reward_totals(self, rollout: Rollout) -> tuple[list[float], dict[str, list[float]]]:
+        """Each completion's reward and each function's share: algorithm.rewards (of an episode's last turn),
+        plus the environment's reward of each episode."""
+        total, per_fn = [0.0] * len(rollout.completions), {}
+        if self.rewards is not None:
+            total, per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+        if self.environments is not None:
+            per_fn["environment"] = list(rollout.env_rewards)
+            total = [t + e for t, e in zip(total, rollout.env_rewards)]
+        return total, per_fn
+
     def score(self, rollout: Rollout) -> None:
         """Rewards (plus DAPO's overlong penalty when algorithm.overlong is set) and group advantages."""
-        total, per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+        total, per_fn = self.reward_totals(rollout)
         overlong = self.algo.overlong
         if overlong is not None:
             per_fn["overlong"] = overlong_penalty([len(r) for r in rollout.response_ids],
@@ -346,6 +368,7 @@ class GrpoRun:
             "accuracy": float(correct.float().mean()), "response_length": float(lengths.mean()),
             **{f"reward_{name}": float(torch.tensor(v).mean()) for name, v in rollout.per_fn.items()},
             "truncated_fraction": sum(rollout.truncated) / len(rollout.truncated),
+            **episode_metrics(rollout.episodes),
             **({"sampling_draws": float(batch.draws), "groups_kept": len(batch.kept.response_ids) / self.algo.group_size}
                if self.algo.drop_zero_signal_groups else {}),
             **train,

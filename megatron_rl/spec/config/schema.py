@@ -19,6 +19,7 @@ from megatron_rl.spec.config.fields import (  # noqa: F401 (ALGORITHMS and DPO_L
     ALGORITHMS, ATTENTION_KERNELS, BACKENDS, DPO_LOSSES, DTYPES, ENV_NAME, EXECUTORS, GRAD_DTYPES, MAX_LENGTH,
     MAX_WORLD_SIZE, MOE_LOAD_BALANCING, RECOMPUTE_MODES, TRUNCATION_POLICIES, WANDB_MODES, _at_most, _non_negative,
     _one_of, _positive)
+from megatron_rl.spec.environments import check_environment
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.parallel import interleave_error, sequence_parallel_error
 
@@ -391,6 +392,38 @@ class GenerationConfig:
 
 
 @dataclass(kw_only=True)
+class EnvironmentConfig:
+    """Multi-turn rollouts (GRPO): each completion is an episode with an environment, which answers the policy's
+    turns (a tool's result, the user's next message) and gives the reward (megatron_rl/environments). The
+    policy's tokens are trained; the environment's are context."""
+
+    name: Optional[str] = None
+    """A built-in environment (calculator, python_math) or a dotted path "package.module:Class" on PYTHONPATH on
+    every node; null: single-turn completions."""
+    options: dict = field(default_factory=dict)
+    """The environment's keyword options (a built-in's are checked at launch, others' when the job builds it)."""
+    max_turns: int = 4
+    """Policy turns per episode."""
+    max_turn_tokens: int = 64
+    """Tokens the policy may generate in one turn; a turn cut there ends the episode."""
+    max_episode_tokens: int = 512
+    """Tokens of a whole conversation (prompt, turns and replies); it ends the episode there."""
+    step_timeout_s: float = 30.0
+    """Seconds one environment step may take; a slower one ends its episode (its tools have their own limits)."""
+
+    def __post_init__(self) -> None:
+        _positive("environment", max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
+                  max_episode_tokens=self.max_episode_tokens, step_timeout_s=self.step_timeout_s)
+        if self.max_turn_tokens >= self.max_episode_tokens:
+            raise ConfigError(f"environment.max_turn_tokens={self.max_turn_tokens} must be below "
+                              f"environment.max_episode_tokens={self.max_episode_tokens}")
+        if self.name is not None:
+            check_environment(self.name, self.options)
+        elif self.options:
+            raise ConfigError("environment.options are given but environment.name is null; name the environment")
+
+
+@dataclass(kw_only=True)
 class OptimizerConfig:
     lr: float = 2e-3
     """Peak learning rate."""
@@ -564,6 +597,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -584,6 +618,7 @@ class JobConfig:
                 "(set cluster.nodes=1 or cluster.executor=slurm)")
         self._check_runtime()
         self._check_rollout_placement()
+        self._check_environment()
         overlong = self.algorithm.overlong
         if overlong is not None and overlong.buffer > self.generation.max_new_tokens:
             raise ConfigError(f"algorithm.overlong.buffer={overlong.buffer} exceeds generation.max_new_tokens="
@@ -624,6 +659,20 @@ class JobConfig:
         if rollout_tasks and self.parallel.ep > 1:
             raise ConfigError(f"parallel.ep={self.parallel.ep} with cluster.rollout_tasks={rollout_tasks}: rollout "
                               "workers hold no expert-parallel copy yet; set cluster.rollout_tasks=0 or parallel.ep=1")
+
+    def _check_environment(self) -> None:
+        if self.environment.name is None:
+            return
+        if self.algorithm.name != "grpo":
+            raise ConfigError(f"environment.name={self.environment.name}: multi-turn episodes run with "
+                              f"algorithm.name=grpo, not {self.algorithm.name}; set environment.name=null")
+        if self.cluster.rollout_tasks:
+            raise ConfigError(f"environment.name={self.environment.name} with cluster.rollout_tasks="
+                              f"{self.cluster.rollout_tasks}: multi-turn episodes run colocated for now; set "
+                              "cluster.rollout_tasks=0")
+        if self.algorithm.router_replay:
+            raise ConfigError("environment.name with algorithm.router_replay=true: multi-turn generation does not "
+                              "record routes yet; set algorithm.router_replay=false")
 
     def _check_runtime(self) -> None:
         rt, gpus = self.runtime, self.cluster.has_gpus
