@@ -148,8 +148,8 @@ def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, t
 
     run_dir = tmp_path / "calc"
     result = launch("--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
-                    "algorithm.sft_warmup_steps=120", "logging.console=quiet", "logging.tensorboard=false",
-                    "logging.sample_every=1", "logging.plot=false", timeout=600)
+                    "algorithm.sft_warmup_steps=200", "logging.console=quiet", "logging.tensorboard=false",
+                    "logging.sample_every=1", "logging.samples=16", "logging.plot=false", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     assert len(steps) == 3
