@@ -422,6 +422,18 @@ def _rng_sharded_object(state: Any):
     return ShardedObject("rng_state", state, (world,), (_rank(),), replica_id=0)
 
 
+def _in_process_write_results() -> None:
+    """Megatron's torch_dist writer hands its write results over a queue of a multiprocessing Manager, started
+    with 'spawn' at a process's first save: a new interpreter that imports the job (~2 s per rank on CPU). Our saves
+    are synchronous, written by this process's own threads, so an in-process queue carries the results as well."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=None, scheduler=None,
                     extra: Optional[dict] = None, keep_last: int = 2, save_optimizer: bool = True,
                     sharded_strategy=None) -> Path:
@@ -454,6 +466,7 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
         state["scheduler"] = scheduler.state_dict()
     from torch.distributed.checkpoint.api import CheckpointException
 
+    _in_process_write_results()
     try:
         dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
         if _local_rank() == 0:
