@@ -14,6 +14,7 @@ test that starts a job anyway fails, naming the command, so the finder cannot qu
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import os
 import subprocess
@@ -47,6 +48,8 @@ DIST_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist") 
 """``python tests/dist/SCRIPT`` is a rank of a torchrun check."""
 JOB_PROGRAMS = frozenset({"sbatch", "srun", "torchrun"})
 JOB_FIXTURES = frozenset({"slurm_cluster"})
+JOB_SCRIPTS = ("bench/gpu_check.sh",)
+"""Scripts that start jobs (gpu_check.sh runs the GPU checks' CPU path on real models, --dry-run too)."""
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -79,9 +82,15 @@ def _functions_reached(fn, module, seen: set) -> list:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
-        return [(fn, None)]
-    found = [(fn, tree)]
+        return [(fn, None, {})]
     namespace = {**vars(module), **fn.__globals__}
+    for node in ast.walk(tree):  # names a function imports itself from another test module
+        if (isinstance(node, ast.ImportFrom) and node.module and not node.level
+                and os.path.exists(os.path.join(TESTS_DIR, *node.module.split(".")) + ".py")):
+            imported = importlib.import_module(node.module)
+            if _is_test_code(imported):
+                namespace.update({a.asname or a.name: getattr(imported, a.name, None) for a in node.names})
+    found = [(fn, tree, namespace)]
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and inspect.isfunction(namespace.get(node.id)):
             target = namespace[node.id]
@@ -90,9 +99,18 @@ def _functions_reached(fn, module, seen: set) -> list:
     return found
 
 
-def _is_test_code(fn) -> bool:
-    path = inspect.getsourcefile(fn) or ""
+def _is_test_code(obj) -> bool:
+    try:
+        path = inspect.getsourcefile(obj) or ""
+    except TypeError:  # a built-in
+        return False
     return os.path.abspath(path).startswith(TESTS_DIR)
+
+
+def _names_a_job_script(node: ast.AST, namespace: dict) -> bool:
+    """A name bound to one of JOB_SCRIPTS (a path or string)."""
+    value = namespace.get(node.id) if isinstance(node, ast.Name) else None
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value).endswith(JOB_SCRIPTS)
 
 
 def _fixture_functions(item: pytest.Item) -> list:
@@ -117,8 +135,9 @@ def starts_a_job(item: pytest.Item) -> bool:
     functions = [item.function, *_fixture_functions(item)]
     seen: set = set()
     for fn in functions:
-        for _, tree in _functions_reached(fn, item.module, seen):
-            if tree is not None and any(_node_starts_a_job(n) for n in ast.walk(tree)):
+        for _, tree, namespace in _functions_reached(fn, item.module, seen):
+            if tree is not None and any(_node_starts_a_job(n) or _names_a_job_script(n, namespace)
+                                        for n in ast.walk(tree)):
                 return True
     return False
 
@@ -139,6 +158,7 @@ def _is_job(args) -> bool:
     argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
     return (any(a == "-m" and b in JOB_MODULES for a, b in zip(argv, argv[1:]))
             or bool(argv) and os.path.basename(argv[0]) in JOB_PROGRAMS
+            or any(a.endswith(JOB_SCRIPTS) for a in argv[:2])
             or any(os.path.abspath(a).startswith(DIST_SCRIPTS) for a in argv[1:2]))
 
 

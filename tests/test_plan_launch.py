@@ -288,6 +288,8 @@ CONTRARY = {  # per limit key: a job that sets another value and is legal apart 
     "cp": ("tiny-cpu", ["parallel.cp=2"]),
     "sequence_parallel": ("tiny-cpu", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "ep": ("tiny-cpu-moe", ["parallel.ep=2"]),
+    "tp": ("tiny-cpu", ["parallel.tp=2"]),
+    "pp": ("tiny-cpu", ["parallel.pp=2"]),
 }
 
 
@@ -296,8 +298,9 @@ CONTRARY = {  # per limit key: a job that sets another value and is legal apart 
 def test_each_limit_is_reported_by_plan_and_refused_by_check_layout_with_the_same_reason(capsys, limit):
     model, contrary = CONTRARY[limit.key]
     job = [f"model.name={model}", f"algorithm.name={limit.algorithms[0]}", "algorithm.global_batch_size=64",
-           "algorithm.prompts_per_step=8"]
-    assert trainer_limits(load_model_shape(model), limit.algorithms[0])[limit.key] == (limit.value, limit.reason)
+           "algorithm.prompts_per_step=8", *(["environment.name=calculator"] if limit.multi_turn_only else [])]
+    assert trainer_limits(load_model_shape(model), limit.algorithms[0],
+                          multi_turn=limit.multi_turn_only)[limit.key] == (limit.value, limit.reason)
     planned = _plan(capsys, *job)
     assert planned["limits"][limit.key] == [limit.value, limit.reason]
     if limit.key in planned["layout"]:

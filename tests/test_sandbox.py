@@ -61,7 +61,11 @@ def _run(code: str, tier: str, run_dir=None, limits: SandboxLimits = LIMITS):
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_plain_code_runs_and_a_crash_is_an_observation(tier):
-    assert _run("print(6 * 7)", tier).observation() == "42"
+    private = os.umask(0o077)  # the job's private umask (megatron_rl.spec.private): the sandbox must still run
+    try:
+        assert _run("print(6 * 7)", tier).observation() == "42"
+    finally:
+        os.umask(private)
     crash = _run("raise ValueError('boom')", tier)
     assert crash.reason == "error" and crash.exit_code == 1
     assert crash.observation().endswith("ValueError: boom\n[exit code 1]")

@@ -66,6 +66,7 @@ def _confine_mounts(request):
     folders, and the Python installation bound back read-only where a hidden folder covered it."""
     work = request["workdir"]
     limits = request["limits"]
+    os.umask(0o022)  # the mount points made for the Python installation must be enterable by the sandbox user
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={int(limits['disk_mib'])}m,nr_inodes=4096,mode=0700,uid={request['uid']},gid={request['uid']}")
