@@ -74,6 +74,7 @@ def test_each_limit_ends_an_episode_with_its_reason():
     assert long_episode.count_reply(4) is True
     assert long_episode.advance(calls, tokens=8) is not None
     assert long_episode.count_reply(4) is False and long_episode.end_reason == "episode_tokens"
+    assert [t.get("reply_fed", True) for t in long_episode.log()["turns"]] == [True, False]
     with pytest.raises(RuntimeError, match="has ended"):
         long_episode.advance("2", tokens=1)
 

@@ -155,7 +155,8 @@ def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, t
     assert len(steps) == 3
     assert all(0 < m["env_tool_call_rate"] <= 1 and 1 <= m["env_turns"] <= 2 for m in steps)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    called = [s for s in samples if s["episode"]["turns"][0]["reply"]]
+    called = [s for s in samples
+              if s["episode"]["turns"][0]["reply"] and s["episode"]["turns"][0].get("reply_fed", True)]
     assert called, "no logged episode called the calculator"
     for sample in called:
         first, *rest = sample["episode"]["turns"]

@@ -76,6 +76,8 @@ class Turn:
     reward: float = 0.0
     reply: Optional[Messages] = None
     info: dict = field(default_factory=dict)
+    reply_fed: bool = True
+    """False when the reply did not fit under ``max_episode_tokens`` and the episode ended before it."""
 
 
 class Episode:
@@ -136,6 +138,7 @@ class Episode:
         more token of the policy, would pass ``max_episode_tokens``."""
         self.tokens += tokens
         if self.tokens + 1 > self.limits.max_episode_tokens:
+            self.turns[-1].reply_fed = False
             self._end("episode_tokens")
             return False
         return True
@@ -151,9 +154,11 @@ class Episode:
         return None
 
     def log(self) -> dict:
-        """The episode for the sample log: each turn's text, tokens, reward and reply, and how it ended."""
+        """The episode for the sample log: each turn's text, tokens, reward and reply (``reply_fed`` false when it
+        did not fit and the episode ended instead), and how it ended."""
         return {"turns": [{"text": t.text, "tokens": t.tokens, "reward": t.reward, "reply": t.reply,
-                           **({"info": t.info} if t.info else {})} for t in self.turns],
+                           **({"info": t.info} if t.info else {}),
+                           **({} if t.reply_fed else {"reply_fed": False})} for t in self.turns],
                 "reward": self.reward, "end": self.end_reason, **({"error": self.error} if self.error else {})}
 
 
