@@ -161,7 +161,7 @@ def test_layouts_that_cannot_run_are_rejected(overrides, message):
     (["run.stpes=3"], "did you mean 'run.steps'"),
     (["run.steps=abc"], "could not be converted to Integer"),
     (["--config", "no/such/file.yaml"], "config file no/such/file.yaml not found"),
-    (["--config", "grpo_tinny"], "(did you mean 'grpo_tiny'?); shipped configs: dpo_tiny, grpo_arabic_tiny, grpo_async_tiny, grpo_cispo_tiny, grpo_dapo_tiny"),
+    (["--config", "grpo_tinny"], "(did you mean 'grpo_tiny'?); shipped configs: dpo_tiny, grpo_arabic_tiny, grpo_async_tiny, grpo_calculator_tiny, grpo_cispo_tiny"),
     (["parallel.tp=3", "cluster.tasks_per_node=3"], "does not divide the 4 attention heads"),
     (["parallel.pp=4", "cluster.tasks_per_node=4"], "2 layers over parallel.pp=4 is not legal"),
     (["parallel.tp=2", "parallel.pp=2", "cluster.executor=local"], "does not divide the world size 2"),
