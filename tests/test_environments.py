@@ -38,7 +38,7 @@ def test_the_calculator_refuses_what_is_not_bounded_arithmetic(expression, error
 
 def test_a_calculator_episode_calls_the_tool_then_answers():
     episode = Episode(build_environment("calculator", {"tag": "c"})(), EpisodeLimits())
-    assert episode.start({"prompt": "37*58=", "answer": 2146}, prompt_tokens=6) == [
+    assert episode.start({"prompt": "37*58=", "answer": 2146}) == [
         {"role": "user", "content": "37*58="}]
     assert episode.env.stop == ("</c>",)
     assert episode.advance("<c>37*58</c>", tokens=11) == [{"role": "tool", "content": "2146"}]
@@ -47,7 +47,7 @@ def test_a_calculator_episode_calls_the_tool_then_answers():
     assert episode.log()["turns"][0]["info"] == {"tool_calls": 1}
 
     wrong = Episode(CalculatorEnv(), EpisodeLimits())
-    wrong.start({"prompt": "37*58=", "answer": 2146}, prompt_tokens=6)
+    wrong.start({"prompt": "37*58=", "answer": 2146})
     assert wrong.advance("2000", tokens=4) is None
     assert (wrong.end_reason, wrong.reward) == ("done", 0.0)
 
@@ -58,7 +58,8 @@ def test_each_limit_ends_an_episode_with_its_reason():
 
     def episode(**limits):
         run = Episode(CalculatorEnv(max_calls=10), EpisodeLimits(**limits))
-        run.start(record, prompt_tokens=4)
+        run.start(record)
+        run.count_prompt(4)
         return run
 
     turns = episode(max_turns=2)
@@ -96,18 +97,18 @@ class _Slow:
 
 def test_a_slow_step_times_out_and_a_failing_one_ends_only_its_episode():
     slow = Episode(_Slow(), EpisodeLimits(step_timeout_s=0.2))
-    slow.start({}, prompt_tokens=2)
+    slow.start({})
     started = time.monotonic()
     assert slow.advance("wait", tokens=1) is None
     assert slow.end_reason == "step_timeout" and time.monotonic() - started < 2.0
 
     broken = Episode(_Slow(), EpisodeLimits())
-    broken.start({}, prompt_tokens=2)
+    broken.start({})
     assert broken.advance("raise", tokens=1) is None
     assert broken.end_reason == "env_error" and broken.log()["error"] == "KeyError: 'missing field'"
 
     silent = Episode(_Slow(), EpisodeLimits(), bounded=False)
-    silent.start({}, prompt_tokens=2)
+    silent.start({})
     assert silent.advance("silent", tokens=1) is None
     assert (silent.end_reason, silent.reward) == ("no_reply", 0.5)
 
@@ -168,14 +169,14 @@ def test_a_bad_environment_is_one_line_naming_it(user_envs, name, options, messa
 
 def test_python_math_runs_the_code_in_the_sandbox_and_scores_the_boxed_answer():
     episode = Episode(PythonMathEnv(wall_s=5.0), EpisodeLimits())
-    episode.start({"prompt": "What is 2^10 + 7?", "answer": "1031"}, prompt_tokens=10)
+    episode.start({"prompt": "What is 2^10 + 7?", "answer": "1031"})
     reply = episode.advance("Let me compute.\n<python>print(2**10 + 7)</python>", tokens=30)
     assert reply == [{"role": "tool", "content": "1031"}]
     assert episode.advance("So the answer is \\boxed{1031}.", tokens=12) is None
     assert (episode.end_reason, episode.reward) == ("done", 1.0)
 
     hostile = Episode(PythonMathEnv(wall_s=1.0, cpu_s=1), EpisodeLimits())
-    hostile.start({"prompt": "loop", "answer": "1"}, prompt_tokens=4)
+    hostile.start({"prompt": "loop", "answer": "1"})
     reply = hostile.advance("<python>while True: pass</python>", tokens=20)
     assert reply is not None and reply[0]["content"] in ("[timed out]", "[killed: out of CPU time or memory]")
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
 from megatron_rl.data.chat import ChatFormat
-from megatron_rl.data.prompts import _prompt_record
+from megatron_rl.data.prompts import prompt_record
 from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.rollout.batch import Rollout, collate_rollout, rollout_rows
 from megatron_rl.rollout.multi_turn import Conversation, env_record
@@ -81,7 +81,7 @@ def test_the_packed_and_padded_batches_mask_the_same_tokens():
 
 
 def _record(chat: ChatFormat, given) -> PromptRecord:
-    return _prompt_record(chat, given, 2146, {"task": "t"}, "test")
+    return prompt_record(chat, given, 2146, {"task": "t"}, "test")
 
 
 def _text(tok, ids: list[int]) -> str:

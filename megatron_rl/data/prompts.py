@@ -117,11 +117,11 @@ def _parse_record(data: RecordFile, obj: dict, where: str, keys: tuple[str, str,
     if answer_key not in obj and require_answer:
         raise data.missing(obj, where, answer_key, "set data.answer_key to the field holding the reference answer")
     metadata = {key: value for key, value in obj.items() if key not in keys}
-    return _prompt_record(chat if chat is not None else ChatFormat(None), prompt, obj.get(answer_key), metadata,
+    return prompt_record(chat if chat is not None else ChatFormat(None), prompt, obj.get(answer_key), metadata,
                           where)
 
 
-def _prompt_record(chat: ChatFormat, prompt, answer: Any, metadata: dict, source: str) -> PromptRecord:
+def prompt_record(chat: ChatFormat, prompt, answer: Any, metadata: dict, source: str) -> PromptRecord:
     text = chat.prompt_text(prompt, where=source)
     return PromptRecord(prompt=text, answer=answer, metadata=metadata, source=source,
                         prompt_ids=tuple(chat.ids(text)) if chat.chat_template else None, given=prompt)
@@ -148,7 +148,7 @@ def load_eval_prompts(cfg, tokenizer) -> Optional[PromptDataset]:
         return None
     chat = ChatFormat.from_config(data, tokenizer)
     _, problems = split_problems(data.task, seed=cfg.run.seed)
-    records = [_prompt_record(chat, problem["prompt"], problem["answer"], {"task": data.task},
+    records = [prompt_record(chat, problem["prompt"], problem["answer"], {"task": data.task},
                               f"synthetic:{data.task}:test:{i}") for i, problem in enumerate(problems)]
     return PromptDataset(records) if records else None
 

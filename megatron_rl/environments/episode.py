@@ -101,9 +101,13 @@ class Episode:
     def done(self) -> bool:
         return self.end_reason is not None
 
-    def start(self, record: Mapping[str, Any], prompt_tokens: int) -> Messages:
-        self.tokens = prompt_tokens
+    def start(self, record: Mapping[str, Any]) -> Messages:
+        """The environment's first messages for ``record``."""
         return self.env.reset(record)
+
+    def count_prompt(self, tokens: int) -> None:
+        """The rendered first messages' length: the conversation's start."""
+        self.tokens = tokens
 
     def advance(self, text: str, *, tokens: int, cut: Optional[str] = None) -> Optional[Messages]:
         """The policy's turn (``tokens`` long) -> the messages to append, or None when the episode is over.

@@ -14,6 +14,7 @@ Test: ``.venv/bin/python -m pytest tests/test_sandbox.py -q``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -90,21 +91,15 @@ def hide_always(folders: Sequence[str | os.PathLike]) -> None:
     _HIDDEN.update(os.path.realpath(folder) for folder in folders)
 
 
+@functools.cache
 def namespaces_available() -> bool:
     """Root with the capability to make namespaces (checked once, in a child process)."""
-    global _NAMESPACES
-    if _NAMESPACES is None:
-        _NAMESPACES = False
-        if hasattr(os, "geteuid") and os.geteuid() == 0 and hasattr(os, "unshare"):
-            probe = subprocess.run(
-                [sys.executable, "-I", "-S", "-c",
-                 "import os; os.unshare(os.CLONE_NEWNS | os.CLONE_NEWNET | os.CLONE_NEWPID)"],
-                capture_output=True, timeout=30)
-            _NAMESPACES = probe.returncode == 0
-    return _NAMESPACES
-
-
-_NAMESPACES: bool | None = None
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0 and hasattr(os, "unshare")):
+        return False
+    probe = subprocess.run([sys.executable, "-I", "-S", "-c",
+                            "import os; os.unshare(os.CLONE_NEWNS | os.CLONE_NEWNET | os.CLONE_NEWPID)"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
 
 
 def python_prefixes() -> list[str]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from megatron_rl.data.chat import ChatFormat, Messages, as_messages, plain_text
-from megatron_rl.data.prompts import PromptRecord, encode_prompt
-from megatron_rl.environments import END_REASONS, Environment, Episode, EpisodeLimits
+from megatron_rl.data.prompts import PromptRecord, encode_prompt, prompt_record
+from megatron_rl.environments import END_REASONS, Environment, Episode, EpisodeLimits, build_environment
+from megatron_rl.environments.sandbox import hide_always
 from megatron_rl.rollout.batch import Rollout
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.training import data_parallel_share, gather_data_parallel
@@ -30,9 +31,6 @@ class Environments:
     and checkpoint folders are hidden from every sandbox."""
 
     def __init__(self, env_cfg, *, hidden: list) -> None:
-        from megatron_rl.environments import build_environment
-        from megatron_rl.environments.sandbox import hide_always
-
         hide_always(hidden)
         self.make = build_environment(env_cfg.name, env_cfg.options)
         self.limits = EpisodeLimits(max_turns=env_cfg.max_turns, max_turn_tokens=env_cfg.max_turn_tokens,
@@ -53,10 +51,13 @@ def episode_metrics(episodes: list) -> dict:
             **{f"env_end_{reason}": share for reason, share in ends.items() if share}}
 
 
+def _given(record: PromptRecord):
+    return record.given if record.given is not None else record.prompt
+
+
 def env_record(record: PromptRecord) -> dict:
     """What ``env.reset`` reads: the prompt as the data gave it, the answer and every other field."""
-    return {**record.metadata, "prompt": record.given if record.given is not None else record.prompt,
-            "answer": record.answer}
+    return {**record.metadata, "prompt": _given(record), "answer": record.answer}
 
 
 class Conversation:
@@ -64,13 +65,10 @@ class Conversation:
 
     def __init__(self, chat: ChatFormat, record: PromptRecord, first: Messages) -> None:
         self.chat = chat
-        given = record.given if record.given is not None else record.prompt
-        if first == as_messages(given, "user"):
-            self.prompt_ids = encode_prompt(chat.tokenizer, record)  # the data's own prompt, as without an env
-        elif chat.chat_template:
-            self.prompt_ids = chat.ids(chat.render(chat.conversation(first), add_generation_prompt=True))
-        else:
-            self.prompt_ids = chat.tokenizer.encode(plain_text(first) + "assistant: ", add_bos=True)
+        given = _given(record)
+        part = given if first == as_messages(given, "user") else first  # the data's own prompt, as without an env
+        self.prompt_ids = encode_prompt(chat.tokenizer, prompt_record(chat, part, record.answer, record.metadata,
+                                                                      record.source))
         self.messages = chat.conversation(first)
 
     def reply_ids(self, turn_text: str, reply: Messages, *, ended_with_eos: bool) -> list[int]:
@@ -105,11 +103,9 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
     mine_records = data_parallel_share(records, with_context_parallel=True)
     episodes, conversations = [], []
     for record in mine_records:
-        env = make_env()
-        episode = Episode(env, limits)
-        first = env.reset(env_record(record))
-        conversation = Conversation(chat, record, first)
-        episode.tokens = len(conversation.prompt_ids)
+        episode = Episode(make_env(), limits)
+        conversation = Conversation(chat, record, episode.start(env_record(record)))
+        episode.count_prompt(len(conversation.prompt_ids))
         episodes.append(episode)
         conversations.append(conversation)
     stops = sorted({stop for episode in episodes for stop in episode.env.stop} | set(cfg.generation.stop))
