@@ -35,6 +35,7 @@ from megatron_rl.spec.model_shape import shape_from_megatron_dict  # noqa: E402
 from launcher.planner import plan  # noqa: E402
 from launcher.planner.costs import Runtime, Workload  # noqa: E402
 from launcher.planner.gpus import get_gpu  # noqa: E402
+from launcher.planner.report import layout_line  # noqa: E402
 from launcher.planner.search import search  # noqa: E402
 
 GPT_1T = dict(name="gpt-1t", family="gpt", num_layers=128, hidden_size=25600, ffn_hidden_size=102400,
@@ -110,8 +111,7 @@ def main() -> dict:
     lay = result.layout
     print(f"GPT-1T ({shape.num_params() / 1e12:.2f}T params) on {GPUS} x {GPU_TYPE}, seq {shape.seq_length}, "
           f"global batch {GLOBAL_BATCH}")
-    print(f"chosen: tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} dp={lay.dp} mbs={lay.micro_batch_size} "
-          f"recompute={lay.recompute}; MFU {100 * result.estimate.mfu:.1f}%, step {result.estimate.step_time_s:.2f} s")
+    print(f"chosen: {layout_line(lay)}; MFU {100 * result.estimate.mfu:.1f}%, step {result.estimate.step_time_s:.2f} s")
     print(f"search {search_s * 1000:.1f} ms ({result.considered} candidates, {result.evaluated} estimated); "
           f"unpruned reference {reference_s * 1000:.1f} ms ({brute.evaluated} estimated); same answer: "
           f"{abs(best_brute.step_time_s - result.estimate.step_time_s) < 1e-9}")

@@ -208,14 +208,12 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
         limits = {**limits, "cp": (1, PACKING_CP_REASON)}
     given_parallel = {key.removeprefix("parallel.") for key in given if key.startswith("parallel.")}
     check_limits({key: getattr(par, key) for key in given_parallel}, limits)
-    if shape.is_moe and "etp" in given_parallel:
-        raise ConfigError(f"parallel.etp={par.etp}: the planner models experts at etp=1 under ep > 1 and etp=tp "
-                          "otherwise; leave parallel.etp unset, or give the whole layout with parallel.auto=false")
     fixed = {key: getattr(par, key) for key in PLANNED_KEYS if key in given_parallel}
     if "vpp" in fixed:
         fixed["vpp"] = fixed["vpp"] or 1  # null: plain 1F1B
-    if fixed.get("recompute_num_layers", 0) is None:
-        del fixed["recompute_num_layers"]  # null: every layer, the Layout default
+    for key in ("etp", "recompute_num_layers"):
+        if key in fixed and fixed[key] is None:
+            del fixed[key]  # null: the default (etp 1 under EP, else tp; every layer recomputed)
     runtime = runtime_of(cfg, shape)
     if mean_response_length is not None and algo.name not in RL_ALGORITHMS:
         raise ConfigError(f"--mean-response-len sizes a rollout; algorithm.name={algo.name} generates none")
@@ -239,7 +237,7 @@ def evaluate_layout(cfg: JobConfig, shape: ModelShape):
     from launcher.planner import PLANNED_KEYS, NoFeasibleLayout
 
     try:
-        held = {f"parallel.{key}" for key in PLANNED_KEYS if key != "etp"}
+        held = {f"parallel.{key}" for key in PLANNED_KEYS}
         return plan_job(cfg, shape, given=held, top_k=0)
     except (ConfigError, NoFeasibleLayout):
         return None
@@ -256,13 +254,8 @@ def apply_plan(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = fr
         processes = exc.smallest_gpus + cfg.cluster.rollout_tasks if exc.smallest_gpus else None  # training + rollout
         nodes = -(-processes // cfg.cluster.tasks_per_node) if processes else None
         raise ConfigError(f"parallel.auto: {exc}" + (f"; set cluster.nodes={nodes}" if nodes else "")) from None
-    layout = result.layout
-    parallel = dataclasses.replace(
-        cfg.parallel, tp=layout.tp, pp=layout.pp, vpp=layout.vpp if layout.vpp > 1 else None, cp=layout.cp,
-        ep=layout.ep, micro_batch_size=layout.micro_batch_size, recompute=layout.recompute,
-        sequence_parallel=layout.sequence_parallel, first_stage_layers=layout.first_stage_layers,
-        last_stage_layers=layout.last_stage_layers, account_for_embedding=layout.account_for_embedding,
-        account_for_loss=layout.account_for_loss, etp=None)  # None: 1 under EP, else tp, as the planner models
+    keys = {key: value for key, value in result.layout.to_dict().items() if key != "dp"}
+    parallel = dataclasses.replace(cfg.parallel, **{**keys, "vpp": keys["vpp"] if keys["vpp"] > 1 else None})
     return dataclasses.replace(cfg, parallel=parallel), result
 
 

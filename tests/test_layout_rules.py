@@ -1,6 +1,6 @@
 """One rule set: the planner's verdict on a layout, the launch check's and Megatron's own agree.
 
-A sweep of layouts (tp, pp, vpp, cp, ep, sequence parallelism) of a dense model, an MoE model and an MLA model under
+A sweep of layouts (tp, pp, vpp, cp, ep, etp, sequence parallelism) of a dense model, an MoE model and an MLA model under
 every algorithm. For each:
 - the launch check: the config loads and ``check_layout`` passes (what ``launch.py`` runs before anything queues);
 - the planner: ``plan_job`` with every layout key held (what ``launch.py plan`` and ``parallel.auto`` run) finds it
@@ -63,7 +63,10 @@ def _layouts():
     for tp, pp, vpp, cp, ep, sp in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2), (1, 2), (1, 2, 8),
                                                      (False, True)):
         if not (vpp > 1 and pp == 1) and not (sp and tp == 1):  # the schema refuses these as it loads
-            yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=sp, micro_batch_size=1 + (tp + pp) % 2)
+            # experts split by ep alone (etp 1, the default under EP) or also by tp (etp = tp) on half of them
+            etp = tp if ep > 1 and tp > 1 and (pp + cp + sp) % 2 else None
+            yield dict(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp,
+                       micro_batch_size=1 + (tp + pp) % 2)
 
 
 def _cases():
@@ -101,6 +104,7 @@ def _verdict(fn) -> str | None:
 
 def _megatron_refuses(shape, layout: dict) -> str | None:
     tp, pp, vpp, cp, ep, sp = (layout[k] for k in ("tp", "pp", "vpp", "cp", "ep", "sequence_parallel"))
+    etp = layout["etp"] or (1 if ep > 1 else tp)
     moe = dict(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
                moe_router_topk=shape.moe_router_topk) if shape.is_moe else {}
     try:
@@ -112,13 +116,18 @@ def _megatron_refuses(shape, layout: dict) -> str | None:
                 add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias,
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=1 if ep > 1 else tp, sequence_parallel=sp,
+                expert_tensor_parallel_size=etp, sequence_parallel=sp,
                 pipeline_dtype=torch.bfloat16, **moe)
         if WORLD % (tp * pp * cp) == 0:
             generator = parallel_state.RankGenerator(tp=tp, ep=1, dp=WORLD // (tp * pp * cp), pp=pp, cp=cp,
                                                      order="tp-cp-ep-dp-pp")
             ranks = sorted(r for group in generator.get_ranks("dp") for r in group)
             assert ranks == list(range(WORLD)), "the dp groups do not cover the world once"
+        if WORLD % (etp * ep * pp) == 0:
+            experts = parallel_state.RankGenerator(tp=etp, ep=ep, dp=WORLD // (etp * ep * pp), pp=pp, cp=1,
+                                                   order="tp-ep-dp-pp")
+            ranks = sorted(r for group in experts.get_ranks("dp") for r in group)
+            assert ranks == list(range(WORLD)), "the expert dp groups do not cover the world once"
     except (ValueError, AssertionError, RuntimeError) as exc:
         return str(exc) or type(exc).__name__
     return None
@@ -129,7 +138,7 @@ def verdicts():
     """(model, algorithm, layout, launch check's reason, planner's reason, Megatron's reason); None: legal."""
     shapes = {model: load_model_shape(model) for model in MODELS}
     bases = {(m, a): _base_config(m, a) for m, a in itertools.product(MODELS, ALGORITHMS)}
-    held = {f"parallel.{key}" for key in PLANNED_KEYS if key != "etp"}  # what launcher.job.evaluate_layout holds
+    held = {f"parallel.{key}" for key in PLANNED_KEYS}  # what launcher.job.evaluate_layout holds
     out = []
     for model, algorithm, layout, global_batch, seq_length in _cases():
         shape, (base, given) = shapes[model], bases[model, algorithm]
@@ -151,6 +160,8 @@ def test_the_planner_and_the_launch_check_agree(verdicts):
     assert not disagree, f"{len(disagree)} disagreements, e.g. {disagree[:3]}"
     assert sum(launch is None for *_, launch, _, _ in verdicts) > 50, "the sweep holds legal layouts"
     assert sum(launch is not None for *_, launch, _, _ in verdicts) > 50, "and illegal ones"
+    assert sum(lay["etp"] is not None and launch is None for _, _, lay, launch, _, _ in verdicts) > 10, \
+        "and legal ones with etp = tp under ep > 1"
 
 
 def test_what_megatron_refuses_is_refused(verdicts):

@@ -79,7 +79,7 @@ def test_planner_counts_adapter_gradients_and_state_only():
     assert runtime_of(full, shape).trainable_fraction == 1.0
     assert not rollout_sizing(cfg, shape, runtime_of(cfg, shape)).reference_model  # the base, not a copy
     w = dict(shape=shape, gpu=get_gpu("h100-80gb"), num_gpus=8, seq_length=4096, global_batch_size=64)
-    layout = Layout(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="full", sequence_parallel=True)
+    layout = Layout.of(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="full", sequence_parallel=True)
     lora_est = training_estimate(Workload(**w, runtime=runtime_of(cfg, shape)), layout)
     full_est = training_estimate(Workload(**w, runtime=runtime_of(full, shape)), layout)
     fraction = runtime_of(cfg, shape).trainable_fraction

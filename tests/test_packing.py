@@ -181,7 +181,7 @@ def test_the_planner_plans_packed_training_at_the_mean_row():
     config = REPO_ROOT / "configs" / "grpo_llama70b.yaml"
     for name, extra in (("padded", []), ("packed", ["parallel.micro_batch_tokens=16384"])):
         if name == "packed":  # the padded plan's model-parallel sizes: the same generation
-            extra += [f"parallel.{key}={getattr(plans['padded'].layout, key)}" for key in ("tp", "pp", "vpp", "cp")]
+            extra += [f"parallel.{key}={plans["padded"].layout.value(key)}" for key in ("tp", "pp", "vpp", "cp")]
         cfg = load_config(config, overrides=extra, allow_missing=True)
         plans[name] = plan_job(cfg, load_model_shape(cfg.model.name), given=given_keys(config, extra),
                                mean_response_length=512, top_k=0).estimate

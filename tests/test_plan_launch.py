@@ -322,18 +322,25 @@ def test_a_limit_that_does_not_apply_is_not_held(capsys):
     assert planned["limits"] == {}  # pretraining runs every layout the planner can pick
 
 
-def test_moe_plans_write_the_expert_tensor_parallel_size_the_planner_models(capsys):
-    """The planner models experts at etp=1 under EP and etp=tp otherwise (ParallelDims' default); the launched
-    job gets exactly that, and an etp given with parallel.auto=true is refused (give the whole layout with
-    parallel.auto=false to run another)."""
+def test_moe_plans_write_the_expert_tensor_parallel_size_and_keep_a_given_one(capsys):
+    """Left unset, the planner takes ParallelDims' etp (1 under EP, else tp) and the launched job gets exactly that;
+    a given etp is kept, ep > 1 with etp = tp included (a layout the job runs), and planned with its expert shards."""
     job = ["model.name=qwen3-235b-a22b", "algorithm.name=pretrain", "cluster.gpu_type=h200-141gb",
            "cluster.nodes=16", "cluster.gpus_per_node=8", "cluster.tasks_per_node=8", "cluster.executor=auto",
            "parallel.auto=true", "algorithm.global_batch_size=512"]
-    cfg, result = apply_plan(load_config(None, job), load_model_shape("qwen3-235b-a22b"))
+    shape = load_model_shape("qwen3-235b-a22b")
+    cfg, result = apply_plan(load_config(None, job), shape)
     dims = ParallelDims.from_config(cfg.parallel, world_size=cfg.cluster.world_size)
-    assert cfg.parallel.etp is None and dims.etp == result.layout.etp == (1 if dims.ep > 1 else dims.tp)
-    assert cli.main(["plan", *job, "parallel.etp=2", "parallel.tp=2"]) == 2
-    assert "the planner models experts at etp=1 under ep > 1 and etp=tp otherwise" in capsys.readouterr().err
+    assert dims == result.layout.dims
+    assert dims.etp == (1 if dims.ep > 1 else dims.tp)
+    given = ["parallel.tp=2", "parallel.ep=8", "parallel.etp=2"]
+    cfg, kept = apply_plan(load_config(None, [*job, *given]), shape, given={g.split("=")[0] for g in given})
+    lay = kept.layout.dims
+    assert (lay.tp, lay.ep, lay.etp, cfg.parallel.etp) == (2, 8, 2, 2)
+    assert lay.edp == lay.world_size // (lay.pp * 8 * 2)
+    assert kept.layout.megatron_args()["expert-tensor-parallel-size"] == 2
+    assert check_layout(cfg, shape) == lay.dp
+    assert cli.main(["plan", *job, *given]) == 0 and "etp=2" in capsys.readouterr().out
 
 
 # ---------------- explanation and --layout ----------------

@@ -11,7 +11,7 @@ import pytest
 from megatron_rl.spec.config.schema import ParallelConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import load_model_shape, shape_from_megatron_dict
-from launcher.planner import GrpoSizing, NoFeasibleLayout, Runtime, evaluate, parse_layout, plan
+from launcher.planner import PLANNED_KEYS, GrpoSizing, NoFeasibleLayout, Runtime, evaluate, parse_layout, plan
 from launcher.cli.plan import main as cli_main
 from launcher.planner.costs import Workload
 from megatron_rl.spec.parallel import virtual_stage_layers
@@ -73,7 +73,8 @@ def test_parse_layout():
     # packing (a rollout input: GrpoSizing.micro_batch_tokens)
     assert set(parse_layout(every)) == set(ParallelConfig.__dataclass_fields__) - {
         "auto", "distributed_optimizer", "backend", "timeout_s", "rollout_tp", "rollout_pp", "micro_batch_tokens"}
-    assert set(Layout.__dataclass_fields__) - {"dp"} == set(parse_layout(every)) - {"etp"}
+    assert set(PLANNED_KEYS) == set(parse_layout(every))
+    assert set(Layout.of(**parse_layout(every), dp=1).to_dict()) == {*PLANNED_KEYS, "dp"}
     with pytest.raises(ConfigError, match="unknown field 'dp'"):
         parse_layout("dp=4")
     with pytest.raises(ConfigError, match="did you mean 'recompute'"):
@@ -95,8 +96,8 @@ def test_pipeline_splits_for_126_and_61_layers():
     res = evaluate(load_model_shape("deepseek-v3"), "tp=1,pp=16,ep=64,cp=1", num_gpus=2048, gpu_type=H100,
                    global_batch_size=4096)
     lay = res.layout
-    assert lay.first_stage_layers is not None and lay.last_stage_layers is not None
-    assert lay.first_stage_layers + lay.last_stage_layers + 14 * 4 == 61
+    assert lay.dims.first_stage_layers is not None and lay.dims.last_stage_layers is not None
+    assert lay.dims.first_stage_layers + lay.dims.last_stage_layers + 14 * 4 == 61
     assert res.fits
 
 
@@ -104,7 +105,7 @@ def test_pipeline_splits_for_126_and_61_layers():
 def test_weights_grads_optimizer_bytes_per_param():
     shape = load_model_shape("llama-3.3-70b")
     w = _workload("llama-3.3-70b", 256, 256, seq=4096)
-    lay = Layout(tp=8, pp=4, vpp=1, cp=1, ep=1, dp=8, micro_batch_size=1, recompute="full", sequence_parallel=True)
+    lay = Layout.of(tp=8, pp=4, vpp=1, cp=1, ep=1, dp=8, micro_batch_size=1, recompute="full", sequence_parallel=True)
     est = estimate(w, lay)
     # a middle rank holds 20 layers / 8; the fullest rank adds the embedding or output layer
     layer = shape.attention_params() + shape.dense_mlp_params()
@@ -135,7 +136,7 @@ def test_llama_activation_bytes_and_interleaving_factor():
     assert full == pytest.approx(2 * h / t * s, rel=1e-9)  # only the layer input
     # first stage of an even split holds L * (1 + (p-1)/(p*v)) layer-activations (Megatron's formula)
     for vpp in (1, 3, 9):
-        lay = Layout(tp=8, pp=14, vpp=vpp, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none",
+        lay = Layout.of(tp=8, pp=14, vpp=vpp, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none",
                      sequence_parallel=True)
         w14 = _workload("llama-3.1-405b", 112, 112, seq=s)
         est = estimate(w14, lay)
@@ -233,7 +234,7 @@ def test_model_flops_match_megatron(name):
 def test_bubble_follows_interleaved_formula():
     w = _workload("nemotron-4-340b", 1536, 768)
     for vpp in (1, 2, 4, 8):
-        lay = Layout(tp=8, pp=12, vpp=vpp, cp=1, ep=1, dp=16, micro_batch_size=1, recompute="none",
+        lay = Layout.of(tp=8, pp=12, vpp=vpp, cp=1, ep=1, dp=16, micro_batch_size=1, recompute="none",
                      sequence_parallel=True)
         est = estimate(w, lay)
         m = 768 // 16
@@ -363,12 +364,12 @@ def test_time_breakdown_parts_are_non_negative_and_sum_to_the_step_time(case):
         assert list(parts) == list(TIME_PARTS) and min(parts.values()) >= 0, parts
         assert sum(parts.values()) == pytest.approx(e.step_time_s, rel=1e-6)
     parts = res.estimate.breakdown_s
-    assert parts["compute"] > 0 and (parts["pp_bubble"] > 0) == (res.layout.pp > 1)
+    assert parts["compute"] > 0 and (parts["pp_bubble"] > 0) == (res.layout.dims.pp > 1)
     rl = case == "shipped-grpo-llama70b"
     assert (parts["generation_prefill"] > 0 and parts["generation_decode"] > 0 and parts["logprob_passes"] > 0) == rl
-    assert (parts["ep_all_to_all"] > 0) == (res.layout.ep > 1)
+    assert (parts["ep_all_to_all"] > 0) == (res.layout.dims.ep > 1)
     if case == "moe-mtp-pretrain":
-        assert res.layout.ep > 1
+        assert res.layout.dims.ep > 1
     obj = json.loads(res.to_json())
     assert sum(obj["time_breakdown_s"].values()) == pytest.approx(res.estimate.step_time_s, abs=1e-4)
     text = res.explain().split("Time per step", 1)[1].split("\n\n", 1)[0]
@@ -376,7 +377,7 @@ def test_time_breakdown_parts_are_non_negative_and_sum_to_the_step_time(case):
 
 
 def test_the_runner_up_over_slow_tp_links_loses_on_tp_communication():
-    """Two layouts that differ only in TP (dp follows), on a GPU whose TP links are as slow as the network between
+    """Two layouts that differ only in TP (dp and etp follow), on a GPU whose TP links are as slow as the network between
     nodes: the larger TP must lose mainly on TP communication."""
     from dataclasses import replace
 
@@ -387,7 +388,7 @@ def test_the_runner_up_over_slow_tp_links_loses_on_tp_communication():
     runner = res.runner_up
     assert runner is not None and runner.estimate is res.alternatives[0] and runner.excluded_by == {}
     differs = {k for k, v in res.layout.to_dict().items() if runner.estimate.layout.to_dict()[k] != v}
-    assert differs == {"tp", "dp"} and runner.estimate.layout.tp > res.layout.tp
+    assert differs == {"tp", "etp", "dp"} and runner.estimate.layout.dims.tp > res.layout.dims.tp
     assert runner.slower_by > 0 and runner.main_reason == "tp_comm"
     assert sum(runner.deltas_s.values()) == pytest.approx(runner.estimate.step_time_s - res.estimate.step_time_s,
                                                           rel=1e-6)
@@ -399,18 +400,18 @@ def test_the_runner_up_over_slow_tp_links_loses_on_tp_communication():
 def test_alternatives_list_the_fastest_of_each_other_parallel_size_first():
     shape = load_model_shape("llama-3.3-70b")
     res = plan(shape, num_gpus=128, gpu_type=H100, global_batch_size=512, seq_length=4096, top_k=6)
-    sizes = [(a.layout.tp, a.layout.pp, a.layout.cp, a.layout.ep) for a in res.alternatives]
-    chosen = (res.layout.tp, res.layout.pp, res.layout.cp, res.layout.ep)
+    sizes = [(a.layout.dims.tp, a.layout.dims.pp, a.layout.dims.cp, a.layout.dims.ep) for a in res.alternatives]
+    chosen = (res.layout.dims.tp, res.layout.dims.pp, res.layout.dims.cp, res.layout.dims.ep)
     brute = search(_workload("llama-3.3-70b", 128, 512, seq=4096), keep_all=False)
     fastest = {}
     for e in sorted(brute.fitting, key=lambda e: (e.step_time_s, e.total)):
-        fastest.setdefault((e.layout.tp, e.layout.pp, e.layout.cp, e.layout.ep), e)
+        fastest.setdefault((e.layout.dims.tp, e.layout.dims.pp, e.layout.dims.cp, e.layout.dims.ep), e)
     distinct = len(fastest) - 1
     assert distinct >= 3 and len(res.alternatives) == 6
     head = res.alternatives[:min(distinct, 6)]
     assert chosen not in sizes[:len(head)] and len(set(sizes[:len(head)])) == len(head)
     for a in head:
-        key = (a.layout.tp, a.layout.pp, a.layout.cp, a.layout.ep)
+        key = (a.layout.dims.tp, a.layout.dims.pp, a.layout.dims.cp, a.layout.dims.ep)
         assert a.step_time_s == fastest[key].step_time_s
     assert [a.step_time_s for a in head] == sorted(a.step_time_s for a in head)
 
@@ -418,9 +419,9 @@ def test_alternatives_list_the_fastest_of_each_other_parallel_size_first():
 def test_layout_arg_reads_back_as_the_same_layout():
     from launcher.planner import layout_arg
 
-    for lay in (Layout(tp=8, pp=16, vpp=2, cp=2, ep=1, dp=4, micro_batch_size=2, recompute="selective",
+    for lay in (Layout.of(tp=8, pp=16, vpp=2, cp=2, ep=1, dp=4, micro_batch_size=2, recompute="selective",
                        sequence_parallel=True, account_for_embedding=True, account_for_loss=True),
-                Layout(tp=1, pp=16, vpp=1, cp=1, ep=64, dp=128, micro_batch_size=1, recompute="full",
+                Layout.of(tp=1, pp=16, vpp=1, cp=1, ep=64, dp=128, micro_batch_size=1, recompute="full",
                        sequence_parallel=False, first_stage_layers=4, last_stage_layers=1)):
         parsed = parse_layout(layout_arg(lay))
         assert parsed == {k: v for k, v in lay.to_dict().items() if k != "dp" and v is not None}
@@ -436,8 +437,8 @@ def test_parse_layout_refuses_a_key_given_twice():
 def test_pipeline_split_keys_without_pp_search_the_pp(split):
     res = plan(load_model_shape("llama-3.1-405b"), num_gpus=256, gpu_type="h200-141gb", global_batch_size=512,
                seq_length=4096, fixed=split)
-    assert res.fits and res.layout.pp > 1 and res.constraints == split
-    assert all(getattr(res.layout, k) == v for k, v in split.items())
+    assert res.fits and res.layout.dims.pp > 1 and res.constraints == split
+    assert all(res.layout.value(k) == v for k, v in split.items())
 
 
 def test_a_split_that_no_pp_accepts_is_a_config_error():

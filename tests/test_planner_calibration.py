@@ -24,7 +24,7 @@ def test_published_layout_fits_and_mfu_within_15_percent(row):
     res = evaluate_row(row)
     lay = res.layout
     for key in ("tp", "pp", "cp", "ep", "dp"):
-        assert getattr(lay, key) == row.fixed[key]
+        assert lay.value(key) == row.fixed[key]
     assert res.fits, res.memory
     assert res.estimate.mfu == pytest.approx(row.target_mfu, rel=0.15)
 
@@ -86,5 +86,5 @@ def test_deepseek_v3_pp16_ep64_fits():
     """DeepSeek-V3 report: PP16, EP64 (over 8 nodes), TP1, 2048 GPUs, 61 layers: needs an uneven pipeline split."""
     res = evaluate(load_model_shape("deepseek-v3"), "tp=1,pp=16,ep=64,cp=1", num_gpus=2048, gpu_type="h100-80gb",
                    global_batch_size=15360, seq_length=4096, precision="fp8")
-    assert res.fits and res.layout.first_stage_layers is not None
+    assert res.fits and res.layout.dims.first_stage_layers is not None
     assert 0.1 < res.estimate.mfu < 0.5

@@ -78,7 +78,7 @@ def test_whole_rank_activations_within_20_percent_of_figure_7(row):
     w = _workload(row)
     base = dict(tp=row.fixed["tp"], pp=row.fixed["pp"], vpp=row.fixed.get("vpp", 1), cp=1, ep=1,
                 dp=row.fixed["dp"], micro_batch_size=row.fixed["micro_batch_size"])
-    acts = {case: estimate(w, Layout(**base, recompute=rc, sequence_parallel=sp))
+    acts = {case: estimate(w, Layout.of(**base, recompute=rc, sequence_parallel=sp))
             for case, (sp, rc) in {"TP only": (False, "none"), **CASES}.items()}
     baseline = acts["TP only"].activations
     rel = table2_relative(row)
@@ -96,7 +96,7 @@ def test_the_first_stage_adds_only_the_embedding_dropout_mask():
     row = next(r for r in ROWS if r.raw["params_total_B"] == 1000)
     w = _workload(row)
     s, h = row.shape.seq_length, row.shape.hidden_size
-    est = estimate(w, Layout(tp=8, pp=64, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none",
+    est = estimate(w, Layout.of(tp=8, pp=64, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none",
                              sequence_parallel=False))
     assert est.worst_rank == 0 and row.shape.hidden_dropout > 0
     per_layer = w.layer_cost("dense", 8, 1, False, 1, "none", 1).stored_bytes
@@ -109,5 +109,5 @@ def test_sp_selective_memory_within_10_percent_and_mfu_within_15_percent(row):
     predicted, measured = korthikanti_memory(row)["activations SP+selective"]
     assert predicted == pytest.approx(measured, rel=0.10)
     res = evaluate_row(row)
-    assert res.layout.recompute == "selective" and res.layout.sequence_parallel
+    assert res.layout.recompute == "selective" and res.layout.dims.sp
     assert res.fits and res.estimate.mfu == pytest.approx(row.target_mfu, rel=0.15)

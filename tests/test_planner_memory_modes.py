@@ -68,7 +68,7 @@ def test_bf16_main_grads_halve_gradient_memory_and_dp_traffic(capsys):
     assert bf16["layout"] == fp32["layout"]
     assert bf16["memory_gib"]["gradients"] == pytest.approx(fp32["memory_gib"]["gradients"] / 2, abs=2e-3)
     w = Workload(shape=LLAMA, gpu=get_gpu(H100), num_gpus=64, seq_length=4096, global_batch_size=512)
-    lay = Layout(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=8, micro_batch_size=1, recompute="full", sequence_parallel=True)
+    lay = Layout.of(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=8, micro_batch_size=1, recompute="full", sequence_parallel=True)
     half = Workload(shape=LLAMA, gpu=get_gpu(H100), num_gpus=64, seq_length=4096, global_batch_size=512,
                     runtime=Runtime(main_grad_bytes=2, overlap_grad_reduce=False))
     full = Workload(shape=LLAMA, gpu=get_gpu(H100), num_gpus=64, seq_length=4096, global_batch_size=512,
@@ -105,7 +105,7 @@ def test_generation_buffers_are_the_live_rows_logits_on_the_last_stage_and_the_p
     w = Workload(shape=LLAMA, gpu=get_gpu(H100), num_gpus=64, seq_length=4096, global_batch_size=512, mode="grpo",
                  grpo=GrpoSizing(rollout_batch_size=2048, max_prompt_length=1024, max_response_length=2048,
                                  samples_per_prompt=16))
-    lay = Layout(tp=8, pp=2, vpp=1, cp=1, ep=1, dp=4, micro_batch_size=1, recompute="full", sequence_parallel=True)
+    lay = Layout.of(tp=8, pp=2, vpp=1, cp=1, ep=1, dp=4, micro_batch_size=1, recompute="full", sequence_parallel=True)
     first, last = sorted(rank_groups((), 80, 2, 1, None, None, False, False), key=lambda g: g.rank)
     rows = 2048 / 4
     gap = _inference_buffers(w, lay, rollout(w), last, rows) - _inference_buffers(w, lay, rollout(w), first, rows)

@@ -42,7 +42,7 @@ def test_the_70b_grpo_breakdown_sums_to_the_step_and_its_training_part_is_plan_m
     assert all(parts[k] > 0 for k in ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch"))
     steps = grpo["workload"]["grpo"]["optimizer_steps"]
     assert steps == 128 * 16 // 512 == 4  # rollout / global batch, one epoch
-    lay = Layout(**grpo["layout"])
+    lay = Layout.of(**grpo["layout"])
     tokens = grpo["workload"]["grpo"]["train_seq_length"]
     assert tokens == 1024 + 2048  # the rollout is padded to its longest row, not to model.seq_length
     pre = _plan_json(capsys, "--config", "grpo_llama70b", "--mode", "pretrain", "--seq-len", str(tokens),
@@ -88,7 +88,7 @@ def _engine_makespan(parts: int, pp: int, vpp: int) -> int:
 def test_pipelined_generation_matches_the_engines_stage_chain(pp, vpp):
     w = Workload(shape=load_model_shape("llama-3.3-70b"), gpu=get_gpu(H100), num_gpus=8 * pp, seq_length=4096,
                  global_batch_size=64, mode="grpo", grpo=GrpoSizing(**SIZING))
-    lay = Layout(tp=8, pp=pp, vpp=vpp, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
+    lay = Layout.of(tp=8, pp=pp, vpp=vpp, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
     rows = 64.0
     chunk = 1e-3  # a part's forward on a rank's layers; one virtual stage is 1/vpp of it
     t = _pipelined(w, lay, _stages(w, lay), rows, lambda stage, part_rows: chunk)
@@ -122,7 +122,7 @@ def test_a_pipelined_decode_step_matches_the_engines_steady_state(pp, vpp):
     forwards of a part, against (stages in turn, one part of all rows) the same count of full-row forwards."""
     w = Workload(shape=load_model_shape("llama-3.3-70b"), gpu=get_gpu(H100), num_gpus=8 * pp, seq_length=4096,
                  global_batch_size=64, mode="grpo", grpo=GrpoSizing(**SIZING))
-    lay = Layout(tp=8, pp=pp, vpp=vpp, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
+    lay = Layout.of(tp=8, pp=pp, vpp=vpp, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
     rows, chunk = 64.0, 1e-3
     step = _pipelined_decode_step(w, lay, _stages(w, lay), rows, lambda stage, part_rows: chunk)
     steady = (_ring_makespan(pp, pp, vpp, 40) - _ring_makespan(pp, pp, vpp, 20)) / 20
@@ -138,7 +138,7 @@ def test_decode_is_the_max_of_memory_compute_and_the_launch_floor_plus_tp_all_re
     shape = load_model_shape("llama-3.3-70b")
     w = Workload(shape=shape, gpu=get_gpu(H100), num_gpus=8, seq_length=4096, global_batch_size=64, mode="grpo",
                  grpo=GrpoSizing(**{**SIZING, "rollout_batch_size": 64, "samples_per_prompt": 8}))
-    lay = Layout(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
+    lay = Layout.of(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=1, recompute="none", sequence_parallel=True)
     prefill, decode = generation_time(w, lay, rollout(w))
     pool = kv_pool(w, lay)
     hbm = 3.35e12 * HBM_EFFICIENCY

@@ -33,7 +33,7 @@ from launcher.planner.rl_step import KV_HEADROOM, estimate, rollout_estimate, su
 LLAMA70B = load_model_shape("llama-3.3-70b")
 ROLLOUT = GrpoSizing(rollout_batch_size=256, max_prompt_length=512, max_response_length=1024, samples_per_prompt=8,
                      generation_concurrency=32)
-TP8 = Layout(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=2, micro_batch_size=1, recompute="full", sequence_parallel=True)
+TP8 = Layout.of(tp=8, pp=1, vpp=1, cp=1, ep=1, dp=2, micro_batch_size=1, recompute="full", sequence_parallel=True)
 CONFIG = "configs/grpo_llama70b.yaml"
 
 
@@ -76,9 +76,9 @@ def test_rollout_replicas_at_their_own_tp_and_pp_are_sized_at_those():
     and the KV pool of its stage's 40 layers at tp 4 (2 query groups per rank), for 32 rows."""
     w = _workload(SplitPlacement(rollout_gpus=16, rollout_tp=4, rollout_pp=2))
     gpu = rollout_estimate(w, TP8)
-    assert (gpu.layout.tp, gpu.layout.pp, gpu.layout.dp) == (4, 2, 2)
+    assert (gpu.layout.dims.tp, gpu.layout.dims.pp, gpu.layout.dims.dp) == (4, 2, 2)
     same = rollout_estimate(_workload(SplitPlacement(rollout_gpus=16)), TP8)
-    assert (same.layout.tp, same.layout.pp, same.layout.dp) == (8, 1, 2)
+    assert (same.layout.dims.tp, same.layout.dims.pp, same.layout.dims.dp) == (8, 1, 2)
     kv_per_token_layer = 2 * (8 // 4) * 128 * 2
     assert gpu.kv_cache == pytest.approx(POOL_TOKENS * 40 * kv_per_token_layer, rel=1e-12)
     assert gpu.kv_cache == pytest.approx(same.kv_cache, rel=1e-12)
@@ -159,7 +159,7 @@ def test_when_no_rollout_count_keeps_up_the_suggestion_is_the_fewest_near_the_fa
     w = Workload(shape=tiny, gpu=get_gpu("h100-80gb"), num_gpus=1, seq_length=64, global_batch_size=128, mode="grpo",
                  grpo=GrpoSizing(rollout_batch_size=128, max_prompt_length=16, max_response_length=4,
                                  samples_per_prompt=8), split=SplitPlacement(rollout_gpus=1, max_staleness=1))
-    lay = Layout(tp=1, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=32, recompute="none", sequence_parallel=False)
+    lay = Layout.of(tp=1, pp=1, vpp=1, cp=1, ep=1, dp=1, micro_batch_size=32, recompute="none", sequence_parallel=False)
     hint = suggest_rollout_tasks(w, estimate(w, lay))
     fastest = rollout_estimate(w, lay, 128).step_time_s  # one sequence per replica
     assert not hint.balanced and fastest > hint.trainer_s
@@ -177,11 +177,11 @@ def test_the_layout_is_searched_over_the_training_processes_and_the_job_runs_it(
     result = plan_job(cfg, LLAMA70B, given=given_keys(CONFIG, []))
     for e in (result.estimate, *result.alternatives):
         lay = e.layout
-        assert lay.tp * lay.pp * lay.cp * lay.dp == 32
-        assert 32 % (lay.tp * lay.pp) == 0 and lay.ep == 1
+        assert lay.dims.tp * lay.dims.pp * lay.dims.cp * lay.dims.dp == 32
+        assert 32 % (lay.dims.tp * lay.dims.pp) == 0 and lay.dims.ep == 1
         assert e.split is not None and e.split.rollout_gpu.fits
     planned, _ = apply_plan(cfg, LLAMA70B, given=given_keys(CONFIG, []))
-    assert check_layout(planned, LLAMA70B) == result.layout.dp
+    assert check_layout(planned, LLAMA70B) == result.layout.dims.dp
     text = result.explain()
     assert "on 32 training + 32 rollout x h100-80gb" in text
     assert "Rollout GPUs 32 = " in text and "Split step  training " in text and "generation " in text
@@ -211,7 +211,7 @@ def test_split_placement_searches_no_expert_parallelism():
     kwargs = dict(num_gpus=64, gpu_type="h200-141gb", seq_length=4096, global_batch_size=256, mode="grpo",
                   grpo=dataclasses.replace(ROLLOUT, rollout_batch_size=512), split=SplitPlacement(rollout_gpus=64))
     result = plan(qwen, **kwargs)
-    assert {e.layout.ep for e in (result.estimate, *result.alternatives)} == {1}
+    assert {e.layout.dims.ep for e in (result.estimate, *result.alternatives)} == {1}
     with pytest.raises(ConfigError, match=r"^--layout ep=8: cluster.rollout_tasks=64 with parallel.ep=8: .*set "
                                           r"parallel.ep=1"):
         plan(qwen, **kwargs, fixed={"ep": 8})
@@ -246,9 +246,9 @@ def test_gloo_picks_less_communication_and_predicts_a_slower_step():
     comm = ("tp_comm", "cp_comm", "ep_all_to_all", "pp_p2p", "dp_comm")
     # what nccl's pick would communicate over TCP, against gloo's own pick
     nccl_pick_on_tcp = plan(LLAMA70B, **kwargs, runtime=Runtime(comm_backend="gloo"),
-                            fixed={k: getattr(nccl.layout, k) for k in ("tp", "pp", "vpp", "cp", "ep",
+                            fixed={k: nccl.layout.value(k) for k in ("tp", "pp", "vpp", "cp", "ep",
                                                                         "micro_batch_size", "recompute")})
-    assert gloo.layout.tp < nccl.layout.tp or (
+    assert gloo.layout.dims.tp < nccl.layout.dims.tp or (
         sum(gloo.estimate.breakdown_s[k] for k in comm) < sum(nccl_pick_on_tcp.estimate.breakdown_s[k] for k in comm))
     assert gloo.estimate.step_time_s > nccl.estimate.step_time_s
     assert gloo.estimate.step_time_s <= nccl_pick_on_tcp.estimate.step_time_s

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from launcher.planner.compare import SIZE_KEYS, RunnerUp, nearest, runner_up
 from launcher.planner.costs import GrpoSizing, Runtime, SplitPlacement, Workload
-from launcher.planner.estimate import TIME_PARTS, Estimate, KvPool, Layout
+from launcher.planner.estimate import PLANNED_KEYS, TIME_PARTS, Estimate, KvPool, Layout
 from launcher.planner.gpus import GIB, GPUS, GpuSpec, get_gpu
 from launcher.planner.moe_comm import check_runtime
 from launcher.planner.rl_step import RL_MODES, RolloutSuggestion, generation_pool, rollout, suggest_rollout_tasks
@@ -35,8 +35,6 @@ __all__ = ["GPUS", "PLANNED_KEYS", "TIME_PARTS", "GpuSpec", "GrpoSizing", "Layou
 
 MODES = ("pretrain", "grpo", "rm", "dpo", "ppo", "eval")
 PRECISIONS = ("bf16", "fp8")
-PLANNED_KEYS = tuple(f.name for f in fields(Layout) if f.name != "dp")
-"""The ``parallel:`` keys the planner chooses (its layout's names; dp follows from them)."""
 
 
 class NoFeasibleLayout(ConfigError):
@@ -170,7 +168,7 @@ def _summary(e: Estimate) -> dict:
 def layout_arg(layout: Layout) -> str:
     """The --layout value that keeps every key of ``layout`` (parse_layout reads it back; the split keys are
     spelt out, so the same pipeline split comes back)."""
-    values = {key: getattr(layout, key) for key in PLANNED_KEYS}
+    values = {key: value for key, value in layout.to_dict().items() if key != "dp"}
     short = {"micro_batch_size": "mbs", "sequence_parallel": "sp"}
     return ",".join(f"{short.get(key, key)}={as_yaml(value)}" for key, value in values.items() if value is not None)
 
@@ -323,11 +321,11 @@ def _alternatives(best: Estimate, ranked: list[Estimate], top_k: int) -> tuple[E
 
 
 def _sizes_key(layout: Layout) -> tuple:
-    return (layout.tp, layout.pp, layout.cp, layout.ep)
+    return (layout.dims.tp, layout.dims.pp, layout.dims.cp, layout.dims.ep)
 
 
 def _parallel_key(layout: Layout) -> tuple:
-    return (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep)
+    return (layout.dims.tp, layout.dims.pp, layout.dims.vpp, layout.dims.cp, layout.dims.ep)
 
 
 def _runner_up(w: Workload, best: Estimate, alternatives: tuple[Estimate, ...], kept: Mapping[str, Any],

@@ -19,6 +19,7 @@ from pathlib import Path
 from launcher.planner import Runtime, evaluate
 from launcher.planner.costs import GIB, Workload
 from launcher.planner.estimate import Layout
+from launcher.planner.report import layout_line
 from launcher.planner.rl_step import estimate
 from megatron_rl.spec.model_shape import ModelShape
 
@@ -117,8 +118,8 @@ def korthikanti_memory(row: CalibrationRow) -> dict[str, tuple[float, float]] | 
                  global_batch_size=row.global_batch_size, runtime=row.runtime)
     base = dict(tp=row.fixed["tp"], pp=row.fixed["pp"], vpp=row.fixed.get("vpp", 1), cp=1, ep=1, dp=row.fixed["dp"],
                 micro_batch_size=row.fixed["micro_batch_size"])
-    sel = estimate(w, Layout(**base, recompute="selective", sequence_parallel=True))
-    none = estimate(w, Layout(**base, recompute="none", sequence_parallel=False))
+    sel = estimate(w, Layout.of(**base, recompute="selective", sequence_parallel=True))
+    none = estimate(w, Layout.of(**base, recompute="none", sequence_parallel=False))
     layer = row.shape.attention_params() + row.shape.dense_mlp_params()
     middle = layer * row.shape.num_layers / row.fixed["pp"] / row.fixed["tp"] * 18
     mp = measured["params+grads+optimizer"]
@@ -145,8 +146,7 @@ def table(path: str | Path = DEFAULT_ROWS) -> str:
         res = evaluate_row(row)
         lay = res.layout
         mfu = res.estimate.mfu
-        lines.append(f"| {row.name} | tp{lay.tp} pp{lay.pp} vpp{lay.vpp} dp{lay.dp} mbs{lay.micro_batch_size} "
-                     f"{lay.recompute} | {res.fits} | {100 * mfu:.1f}% | {100 * row.target_mfu:.1f}% | "
+        lines.append(f"| {row.name} | {layout_line(lay)} | {res.fits} | {100 * mfu:.1f}% | {100 * row.target_mfu:.1f}% | "
                      f"{100 * (mfu / row.target_mfu - 1):+.1f}% |")
         for label, (pred, meas) in (korthikanti_memory(row) or {}).items():
             mem_lines.append(f"| {row.name} | {label} | {pred:.2f} | {meas:.2f} | {100 * (pred / meas - 1):+.1f}% |")

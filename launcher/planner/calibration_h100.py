@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.planner import PlanResult, Runtime, costs, evaluate, moe_comm
+from launcher.planner.report import layout_line
 from megatron_rl.spec.model_shape import ModelShape, load_model_shape, shape_from_megatron_dict
 
 ROWS_FILE = Path(__file__).resolve().parents[2] / "tests" / "data" / "published_h100_moe_cp.json"
@@ -135,8 +136,7 @@ def table(path: str | Path = ROWS_FILE) -> str:
         if row.role == "held_out":
             held.append(abs(c["error"]))
         lines.append(f"| {row.name} | {row.role}{' (' + row.fits_constant + ')' if row.fits_constant else ''} | "
-                     f"tp{lay.tp} pp{lay.pp} vpp{lay.vpp} cp{lay.cp} ep{lay.ep} mbs{lay.micro_batch_size} "
-                     f"{lay.recompute} | {c['fits']} | {c['predicted_tps']:.0f} | {c['published_tps']:.0f} | "
+                     f"{layout_line(lay)} | {c['fits']} | {c['predicted_tps']:.0f} | {c['published_tps']:.0f} | "
                      f"{100 * c['error']:+.1f}% | {100 * c['predicted_mfu']:.1f}% | {100 * c['published_mfu']:.1f}% |")
     lines.append(f"\nHeld-out median |error| {100 * statistics.median(held):.1f}%, max {100 * max(held):.1f}%.")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 from launcher.planner.estimate import Estimate, Layout
 from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 
-CHANGE_COST = {"tp": 3, "cp": 3, "ep": 3, "sequence_parallel": 3, "pp": 2, "vpp": 1, "micro_batch_size": 1,
+CHANGE_COST = {"tp": 3, "cp": 3, "ep": 3, "etp": 3, "sequence_parallel": 3, "pp": 2, "vpp": 1, "micro_batch_size": 1,
                "recompute": 1, "recompute_num_layers": 1, "first_stage_layers": 1, "last_stage_layers": 1,
                "account_for_embedding": 1,
                "account_for_loss": 1}
@@ -52,7 +52,7 @@ def runner_up(chosen: Estimate, other: Estimate, kept: Mapping[str, Any] | None 
     deltas = {key: other.breakdown_s[key] - seconds for key, seconds in chosen.breakdown_s.items()}
     slower_by = other.step_time_s / chosen.step_time_s - 1
     pick = max if slower_by >= 0 else min
-    excluded = {key: value for key, value in (kept or {}).items() if getattr(other.layout, key) != value}
+    excluded = {key: value for key, value in (kept or {}).items() if other.layout.value(key) != value}
     return RunnerUp(estimate=other, slower_by=slower_by, main_reason=pick(deltas, key=deltas.__getitem__),
                     deltas_s=deltas, excluded_by=excluded)
 
@@ -60,9 +60,9 @@ def runner_up(chosen: Estimate, other: Estimate, kept: Mapping[str, Any] | None 
 def change_cost(layout: Layout, kept: Mapping[str, Any]) -> tuple[int, float]:
     """How far ``layout`` is from the ``kept`` keys: (sum of CHANGE_COST over the keys it changes, total size of
     the changes: factors of two for sizes, steps for recompute, one for the rest)."""
-    changed = [key for key, value in kept.items() if getattr(layout, key) != value]
+    changed = [key for key, value in kept.items() if layout.value(key) != value]
     return (sum(CHANGE_COST.get(key, max(CHANGE_COST.values())) for key in changed),
-            sum(_change_size(key, kept[key], getattr(layout, key)) for key in changed))
+            sum(_change_size(key, kept[key], layout.value(key)) for key in changed))
 
 
 def _change_size(key: str, kept: Any, new: Any) -> float:

@@ -210,6 +210,10 @@ class SplitPlacement:
     rollout_pp: Optional[int] = None
     """parallel.rollout_pp: the replicas' pipeline-parallel size (None: the training layout's)."""
 
+    def dims_keys(self) -> dict:
+        """ParallelDims' keys for the rollout GPUs beside a training layout."""
+        return {"rollout_tasks": self.rollout_gpus, "rollout_tp": self.rollout_tp, "rollout_pp": self.rollout_pp}
+
     def replica(self, tp: int, pp: int) -> tuple[int, int]:
         """(tp, pp) of a rollout replica beside a training layout of tp x pp."""
         return self.rollout_tp or tp, self.rollout_pp or pp

@@ -13,11 +13,11 @@ Check it: ``.venv/bin/python -m pytest tests/test_planner.py -q``.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
-from megatron_rl.spec.parallel import default_etp, virtual_stage_layers
+from megatron_rl.spec.parallel import ParallelDims, virtual_stage_layers
 
 from launcher.planner.costs import (
     ADAM_BYTES_PER_PARAM,
@@ -55,85 +55,75 @@ generation parts are 0, weight_sync is the new policy's trip to the rollout GPUs
 waits for rollouts beyond its own work (all of the generation when max_staleness=0)."""
 
 
+PLANNED_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch_size", "recompute", "sequence_parallel",
+                "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
+                "recompute_num_layers")
+"""The ``parallel:`` keys a Layout gives (the planner's --layout names; dp follows from them)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
+    """One candidate of the search: a ParallelDims (the job's own layout type, every size and the pipeline split)
+    plus what the planner picks beside it, the micro-batch and recompute."""
 
-    """A complete Megatron-Core parallel layout for one training job."""
-
-    tp: int
-    """Tensor-parallel size (inside one node)."""
-    pp: int
-    """Pipeline-parallel size."""
-    vpp: int
-    """Virtual pipeline stages per rank (interleaving); 1 = plain 1F1B."""
-    cp: int
-    """Context-parallel size (sequence split for attention)."""
-    ep: int
-    """Expert-parallel size (1 for dense models); experts are split by EP alone (etp=1) when ep > 1, and follow
-    TP (etp=tp) otherwise, as ParallelDims' default."""
-    dp: int
-    """Data-parallel size = GPUs / (tp * cp * pp)."""
+    dims: ParallelDims
+    """The parallel layout; ``dims.world_size`` is the training GPUs."""
     micro_batch_size: int
     """Sequences per micro-batch."""
     recompute: str
     """none | selective (Runtime.selective_modules) | full (uniform, 1 layer per checkpoint)."""
-    sequence_parallel: bool
-    """Megatron sequence parallelism (on whenever tp > 1 unless asked otherwise)."""
-    first_stage_layers: int | None = None
-    """--decoder-first-pipeline-num-layers; None = not set."""
-    last_stage_layers: int | None = None
-    """--decoder-last-pipeline-num-layers; None = not set."""
-    account_for_embedding: bool = False
-    """--account-for-embedding-in-pipeline-split."""
-    account_for_loss: bool = False
-    """--account-for-loss-in-pipeline-split."""
     recompute_num_layers: int | None = None
     """With recompute=full: only the first N decoder layers of each virtual stage are recomputed, the others keep
     their activations (Megatron's --recompute-method block); None = every layer (uniform, 1 per checkpoint).
     Never searched: kept when given."""
 
-    @property
-    def etp(self) -> int:
-        """Expert tensor-parallel size: 1 under EP, else tp (ParallelDims' default, what the job runs)."""
-        return default_etp(tp=self.tp, ep=self.ep)
-
-    @property
-    def edp(self) -> int:
-        """Expert data-parallel size: the GPUs of one pipeline stage, tp*cp*dp, over ep*etp (ParallelDims.edp)."""
-        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+    @classmethod
+    def of(cls, *, dp: int, micro_batch_size: int, recompute: str, sequence_parallel: bool = False,
+           recompute_num_layers: int | None = None, **dims) -> "Layout":
+        """From the sizes by their ``parallel:`` names (to_dict's keys): the world is tp·pp·cp·dp."""
+        world = dims.get("tp", 1) * dims.get("pp", 1) * dims.get("cp", 1) * dp
+        return cls(dims=ParallelDims(world_size=world, sp=sequence_parallel, **dims),
+                   micro_batch_size=micro_batch_size, recompute=recompute, recompute_num_layers=recompute_num_layers)
 
     def split_name(self) -> str:
         """Short description of the pipeline split."""
-        if self.first_stage_layers is not None or self.last_stage_layers is not None:
-            return f"uneven first={self.first_stage_layers} last={self.last_stage_layers}"
-        tags = [t for t, on in (("embedding", self.account_for_embedding), ("loss", self.account_for_loss)) if on]
+        if self.dims.first_stage_layers is not None or self.dims.last_stage_layers is not None:
+            return f"uneven first={self.dims.first_stage_layers} last={self.dims.last_stage_layers}"
+        tags = [t for t, on in (("embedding", self.dims.account_for_embedding), ("loss", self.dims.account_for_loss))
+                if on]
         return "even" + (f" (+{'+'.join(tags)} as layers)" if tags else "")
 
+    def value(self, key: str):
+        """The value of one ``parallel:`` key (PLANNED_KEYS) or dp."""
+        if key in ("micro_batch_size", "recompute", "recompute_num_layers"):
+            return getattr(self, key)
+        return self.dims.sp if key == "sequence_parallel" else getattr(self.dims, key)
+
     def to_dict(self) -> dict:
-        """JSON-ready dict (the issue's keys first, the split after)."""
-        return asdict(self)
+        """JSON-ready dict: the ``parallel:`` keys (PLANNED_KEYS) and dp."""
+        return {key: self.value(key) for key in (*PLANNED_KEYS, "dp")}
 
     def megatron_args(self, selective_modules: tuple[str, ...] = ("layernorm",)) -> dict[str, object]:
         """Megatron-LM command-line arguments for this layout (keys without the leading dashes); pass
         Workload.selective_modules() (PlanResult.megatron_args does)."""
         args: dict[str, object] = {
-            "tensor-model-parallel-size": self.tp, "pipeline-model-parallel-size": self.pp,
-            "context-parallel-size": self.cp, "expert-model-parallel-size": self.ep,
+            "tensor-model-parallel-size": self.dims.tp, "pipeline-model-parallel-size": self.dims.pp,
+            "context-parallel-size": self.dims.cp, "expert-model-parallel-size": self.dims.ep,
             "micro-batch-size": self.micro_batch_size,
         }
-        if self.ep > 1:
-            args["expert-tensor-parallel-size"] = 1
-        if self.vpp > 1:
-            args["num-virtual-stages-per-pipeline-rank"] = self.vpp
-        if self.sequence_parallel:
+        if self.dims.ep > 1 or self.dims.etp != self.dims.tp:
+            args["expert-tensor-parallel-size"] = self.dims.etp
+        if self.dims.vpp > 1:
+            args["num-virtual-stages-per-pipeline-rank"] = self.dims.vpp
+        if self.dims.sp:
             args["sequence-parallel"] = True
-        if self.first_stage_layers is not None:
-            args["decoder-first-pipeline-num-layers"] = self.first_stage_layers
-        if self.last_stage_layers is not None:
-            args["decoder-last-pipeline-num-layers"] = self.last_stage_layers
-        if self.account_for_embedding:
+        if self.dims.first_stage_layers is not None:
+            args["decoder-first-pipeline-num-layers"] = self.dims.first_stage_layers
+        if self.dims.last_stage_layers is not None:
+            args["decoder-last-pipeline-num-layers"] = self.dims.last_stage_layers
+        if self.dims.account_for_embedding:
             args["account-for-embedding-in-pipeline-split"] = True
-        if self.account_for_loss:
+        if self.dims.account_for_loss:
             args["account-for-loss-in-pipeline-split"] = True
         if self.recompute == "full" and self.recompute_num_layers is not None:
             args.update({"recompute-granularity": "full", "recompute-method": "block",
@@ -406,7 +396,7 @@ _NO_MEMORY = dict.fromkeys(MEMORY_KEYS, 0.0)
 
 def stage_params(w: Workload, group: RankGroup, layout: Layout) -> tuple[float, float]:
     """(non-expert, expert) parameters held by one GPU of this pipeline rank group (cached per workload)."""
-    return w._cached(("stage params", group, layout.tp, layout.ep, layout.pp > 1),
+    return w._cached(("stage params", group, layout.dims.tp, layout.dims.ep, layout.dims.pp > 1),
                      lambda: _stage_params(w, group, layout))
 
 
@@ -421,14 +411,14 @@ def _stage_params(w: Workload, group: RankGroup, layout: Layout) -> tuple[float,
         ne += s.embedding_params()
     if group.last:
         ne += output
-        if s.tie_embeddings and layout.pp > 1 and w.mode != "rm":
+        if s.tie_embeddings and layout.dims.pp > 1 and w.mode != "rm":
             ne += s.vocab_size * s.hidden_size
         if s.mtp_num_layers:
             last = s.num_layers - 1
             ne += s.mtp_num_layers * (s.layer_params(last) - (s.expert_params_per_moe_layer() if s.is_moe else 0)
                                       + 2 * s.hidden_size**2 + 2 * s.hidden_size)
             ex += s.mtp_num_layers * (s.expert_params_per_moe_layer() if s.is_moe else 0)
-    return ne / layout.tp, ex / (layout.ep * layout.etp)
+    return ne / layout.dims.tp, ex / (layout.dims.ep * layout.dims.etp)
 
 
 def _overlapped(comm: float, window: float) -> float:
@@ -454,7 +444,7 @@ def _recomputed_fraction(layout: Layout, stage_layers: tuple[int, ...], rank: in
     n = layout.recompute_num_layers
     if layout.recompute != "full" or n is None:
         return 1.0
-    chunks = [stage_layers[c * layout.pp + rank] for c in range(layout.vpp)]
+    chunks = [stage_layers[c * layout.dims.pp + rank] for c in range(layout.dims.vpp)]
     return sum(min(n, c) for c in chunks) / max(1, sum(chunks))
 
 
@@ -463,8 +453,8 @@ def _layer_costs(w: Workload, L: Layout) -> tuple[LayerCost, LayerCost, LayerCos
     first pair again without it)."""
     costs = []
     for recompute in (L.recompute, "none") if L.recompute_num_layers is not None else (L.recompute,):
-        dense = w.layer_cost("dense", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, recompute, L.ep)
-        moe = (w.layer_cost("moe", L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, recompute, L.ep)
+        dense = w.layer_cost("dense", L.dims.tp, L.dims.cp, L.dims.sp, L.micro_batch_size, recompute, L.dims.ep)
+        moe = (w.layer_cost("moe", L.dims.tp, L.dims.cp, L.dims.sp, L.micro_batch_size, recompute, L.dims.ep)
                if w.shape.is_moe else dense)
         costs += [dense, moe]
     if len(costs) == 2:
@@ -476,15 +466,12 @@ def _pipeline_ranks(w: Workload, L: Layout) -> tuple[tuple[RankGroup, ...], tupl
     """(rank groups, decoder layers per virtual stage, each group's (non-expert, expert) parameters per GPU) of the
     layout's parallel sizes and split, made once per workload: every micro-batch size and recompute mode shares
     them."""
-    key = ("pipeline ranks", L.tp, L.pp, L.vpp, L.ep, L.first_stage_layers, L.last_stage_layers,
-           L.account_for_embedding, L.account_for_loss)
+    key = ("pipeline ranks", L.dims.tp, L.dims.pp, L.dims.vpp, L.dims.ep, *L.dims.split())
     made = w._cost_cache.get(key)
     if made is None:
         s = w.shape
-        groups = rank_groups(s.moe_layers, s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
-                             L.account_for_embedding, L.account_for_loss)
-        stage_layers = virtual_stage_layers(s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
-                                            L.account_for_embedding, L.account_for_loss)
+        groups = rank_groups(s.moe_layers, s.num_layers, L.dims.pp, L.dims.vpp, *L.dims.split())
+        stage_layers = L.dims.stage_layers(s.num_layers)
         made = w._cost_cache[key] = (groups, stage_layers, tuple(stage_params(w, gr, L) for gr in groups))
     return made
 
@@ -504,21 +491,21 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
     layout over the usable memory returns its total bytes (Estimate.total) and skips the rest of the time model
     (the search's shortcut: most candidates do not fit)."""
     s, L = w.shape, layout
-    m = w.global_batch_size // (L.dp * L.micro_batch_size)
+    m = w.global_batch_size // (L.dims.dp * L.micro_batch_size)
     groups, stage_layers, group_params = _pipeline_ranks(w, L)
     dense_r, moe_r, dense_n, moe_n = _layer_costs(w, L)
-    out_parts, logits_b = w.output_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size)
-    mtp_parts, mtp_b = w.mtp_cost(L.tp, L.cp, L.sequence_parallel, L.micro_batch_size, L.recompute, L.ep)
+    out_parts, logits_b = w.output_cost(L.dims.tp, L.dims.cp, L.dims.sp, L.micro_batch_size)
+    mtp_parts, mtp_b = w.mtp_cost(L.dims.tp, L.dims.cp, L.dims.sp, L.micro_batch_size, L.recompute, L.dims.ep)
     end_t = sum(out_parts.values()) + sum(mtp_parts.values())
-    tokens = L.micro_batch_size * w.seq_length / L.cp
-    rep = L.tp if L.sequence_parallel else 1
+    tokens = L.micro_batch_size * w.seq_length / L.dims.cp
+    rep = L.dims.tp if L.dims.sp else 1
     gpn = w.gpu.gpus_per_node
-    p2p_bw = w.ib if L.tp * L.cp * L.dp >= gpn else w.nvlink
-    p2p = (tokens * s.hidden_size * 2 / rep / p2p_bw + w.ib_latency) if L.pp > 1 else 0.0
-    dp_shard = L.dp * L.cp
+    p2p_bw = w.ib if L.dims.tp * L.dims.cp * L.dims.dp >= gpn else w.nvlink
+    p2p = (tokens * s.hidden_size * 2 / rep / p2p_bw + w.ib_latency) if L.dims.pp > 1 else 0.0
+    dp_shard = L.dims.dp * L.dims.cp
     wb, gb, _ = w.weight_bytes_per_param(1)
     opt_ne = ADAM_BYTES_PER_PARAM / dp_shard if w.runtime.distributed_optimizer else ADAM_BYTES_PER_PARAM
-    opt_ex = ADAM_BYTES_PER_PARAM / L.edp if w.runtime.distributed_optimizer else ADAM_BYTES_PER_PARAM
+    opt_ex = ADAM_BYTES_PER_PARAM / L.dims.edp if w.runtime.distributed_optimizer else ADAM_BYTES_PER_PARAM
 
     worst = None
     t_max = t_sum = 0.0
@@ -533,7 +520,7 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
             dense_c, moe_c = _mixed(dense_r, dense_n, f), _mixed(moe_r, moe_n, f)
         t_fwd = gr.dense_layers * dense_c.fwd_s + gr.moe_layers * moe_c.fwd_s
         t_bwd = gr.dense_layers * dense_c.bwd_s + gr.moe_layers * moe_c.bwd_s
-        t = t_fwd + t_bwd + 2 * L.vpp * p2p
+        t = t_fwd + t_bwd + 2 * L.dims.vpp * p2p
         if gr.last:
             t += end_t
         t_sum += t * gr.count
@@ -542,10 +529,11 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
         if ne + ex > sum(max_params):
             max_params = (ne, ex)
         stored = gr.dense_layers * dense_c.stored_bytes + gr.moe_layers * moe_c.stored_bytes
-        if L.vpp > 1:
-            inflight = min((L.pp - gr.rank - 1) * 2 + (L.vpp - 1) * L.pp + 1, m * L.vpp) / L.vpp
+        if L.dims.vpp > 1:
+            pp, vpp = L.dims.pp, L.dims.vpp
+            inflight = min((pp - gr.rank - 1) * 2 + (vpp - 1) * pp + 1, m * vpp) / vpp
         else:
-            inflight = min(L.pp - gr.rank, m)
+            inflight = min(L.dims.pp - gr.rank, m)
         act = stored * inflight + max(dense_c.working_bytes, moe_c.working_bytes)
         if gr.first and s.hidden_dropout > 0:
             # the embedding's dropout mask; its output is the first layer's input, stored (or checkpointed) there
@@ -564,20 +552,20 @@ def training_estimate(w: Workload, layout: Layout, memory: MemoryHook | None = N
     if only_if_fits and worst[0] > w.gpu.memory_gib * GIB * (1.0 - w.runtime.memory_margin):
         return worst[0]
 
-    bubble_s = (t_sum - t_max) / L.vpp
+    bubble_s = (t_sum - t_max) / L.dims.vpp
     step_pp = m * t_max + bubble_s
     bubble = 1.0 - m * t_max / step_pp if step_pp else 0.0
     t_dp = _dp_time(w, L, max_params, worst_fwd, worst_bwd)
     ne, ex = max_params
     shard_ne = ne / dp_shard if w.runtime.distributed_optimizer else ne
-    shard_ex = ex / L.edp if w.runtime.distributed_optimizer else ex
+    shard_ex = ex / L.dims.edp if w.runtime.distributed_optimizer else ex
     t_opt = ((shard_ne + shard_ex) * 28 + (ne + ex) * 2) / w.hbm
     parts = {**_NO_MEMORY, **worst[2]}
     optimizer = parts["optimizer"]
     step = step_pp + t_dp + t_opt
     flops = w.model_flops_per_token() * w.global_batch_size * w.seq_length
     gr, dense_c, moe_c = slowest
-    terms = TimeTerms(gr, dense_c, moe_c, out_parts, mtp_parts, 2 * L.vpp * p2p, m, bubble_s, t_dp, t_opt)
+    terms = TimeTerms(gr, dense_c, moe_c, out_parts, mtp_parts, 2 * L.dims.vpp * p2p, m, bubble_s, t_dp, t_opt)
     mfu = flops / (step * w.num_gpus * w.bf16_peak)
     timing = {"step_time_s": step, "time_terms": terms, "mfu": mfu, "training_mfu": mfu,
               "tokens_per_s_per_gpu": w.global_batch_size * w.seq_length / step / w.num_gpus}
@@ -606,7 +594,7 @@ def _dp_time(w: Workload, L: Layout, max_params: tuple[float, float], fwd: float
 def _dp_collectives(w: Workload, L: Layout, max_params: tuple[float, float]) -> tuple:
     """(gradient reduce seconds, parameter all-gather seconds or None) of the non-expert and the expert
     data-parallel groups that have any, before overlap; made once per parallel sizes and parameters."""
-    key = ("dp collectives", L.tp, L.cp, L.dp, L.ep, max_params)
+    key = ("dp collectives", L.dims.tp, L.dims.cp, L.dims.dp, L.dims.ep, max_params)
     made = w._cost_cache.get(key)
     if made is not None:
         return made
@@ -614,7 +602,7 @@ def _dp_collectives(w: Workload, L: Layout, max_params: tuple[float, float]) -> 
     gpn = w.gpu.gpus_per_node
     rs_frac = 1.0 if w.runtime.distributed_optimizer else 2.0
     out = []
-    for params, group, stride in ((ne, L.dp * L.cp, L.tp), (ex, L.edp, L.ep)):
+    for params, group, stride in ((ne, L.dims.dp * L.dims.cp, L.dims.tp), (ex, L.dims.edp, L.dims.ep)):
         if group <= 1 or params <= 0:
             continue
         bw = w.nvlink if stride * group <= gpn else w.ib

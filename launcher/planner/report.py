@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 def layout_line(layout: Layout) -> str:
     """One-line layout."""
-    return (f"tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} ep={layout.ep} dp={layout.dp} "
-            f"mbs={layout.micro_batch_size} recompute={layout.recompute} "
-            f"sp={'true' if layout.sequence_parallel else 'false'}")
+    d = layout.dims
+    experts = f" etp={d.etp}" if d.ep > 1 else ""
+    return (f"tp={d.tp} pp={d.pp} vpp={d.vpp} cp={d.cp} ep={d.ep}{experts} dp={d.dp} mbs={layout.micro_batch_size} "
+            f"recompute={layout.recompute} sp={'true' if d.sp else 'false'}")
 
 
 def stage_summary(stage_layers: tuple[int, ...], pp: int, vpp: int) -> str:
@@ -40,8 +41,9 @@ def stage_summary(stage_layers: tuple[int, ...], pp: int, vpp: int) -> str:
 
 def _row(e: Estimate) -> str:
     lay = e.layout
-    return (f"  {lay.tp:>3} {lay.pp:>4} {lay.vpp:>4} {lay.cp:>3} {lay.ep:>4} {lay.dp:>6} {lay.micro_batch_size:>4} "
-            f"{lay.recompute:>10} {e.step_time_s:>9.3f} {100 * e.mfu:>6.1f} {e.total / 1024**3:>8.1f}")
+    d = lay.dims
+    return (f"  {d.tp:>3} {d.pp:>4} {d.vpp:>4} {d.cp:>3} {d.ep:>4} {d.dp:>6} {lay.micro_batch_size:>4} {lay.recompute:>10}"
+            f" {e.step_time_s:>9.3f} {100 * e.mfu:>6.1f} {e.total / 1024**3:>8.1f}")
 
 
 def _count(n: float) -> str:
@@ -102,8 +104,8 @@ def split_lines(result: PlanResult) -> list[str]:
     rule = (f"max of the two (max_staleness={w['split']['max_staleness']}: the next rollout is generated while "
             f"the trainer trains)" if sp.overlapped else
             "their sum (max_staleness=0: the trainer waits for rollouts of its current weights)")
-    lines = ["", f"Rollout GPUs {sp.rollout_gpus} = {sp.replicas} replica(s) of tp={rollout.layout.tp} x "
-                 f"pp={rollout.layout.pp} (cp=1, ep=1); per GPU (GiB): {parts}, total {mem['total']:.2f} of "
+    lines = ["", f"Rollout GPUs {sp.rollout_gpus} = {sp.replicas} replica(s) of tp={rollout.layout.dims.tp} x "
+                 f"pp={rollout.layout.dims.pp} (cp=1, ep=1); per GPU (GiB): {parts}, total {mem['total']:.2f} of "
                  f"{mem['capacity']:.1f} -> {'fits' if rollout.fits else 'DOES NOT FIT'}, {margin_text(rollout)}",
              f"Split step  training {sp.trainer_s:.4g} s on the {w['gpus']} trainer GPUs (weight sync "
              f"{sp.weight_sync_s:.3g} s: {sp.weight_sync_bytes / 1e9:.3g} GB over {sp.weight_sync}), generation "
@@ -130,7 +132,7 @@ def kv_pool_lines(result: PlanResult) -> list[str]:
     if pool is None:
         return []
     e = result.estimate.split.rollout_gpu if result.estimate.split else result.estimate
-    share = w["grpo"]["rollout_batch_size"] / (e.layout.dp * e.layout.cp)
+    share = w["grpo"]["rollout_batch_size"] / (e.layout.dims.dp * e.layout.dims.cp)
     where = f"per {'rollout ' if result.estimate.split else ''}GPU"
     return ["", f"KV pool     {pool.gib:.2f} GiB {where} ({pool.key}, {POOL_SOURCES[pool.source]}): "
                 f"{pool.tokens:,.0f} tokens, {pool.rows:,.0f} of the {share:,.0f} rows per rank decode at once "
@@ -195,7 +197,7 @@ def explain(result: PlanResult) -> str:
              *_grpo_line(w.get("grpo")), *_dpo_line(w.get("dpo")), *_runtime_line(w.get("runtime")),
              "", f"Layout      {layout_line(e.layout)}",
              f"Pipeline    {e.layout.split_name()}; decoder layers per rank: "
-             f"{stage_summary(e.stage_layers, e.layout.pp, e.layout.vpp)}",
+             f"{stage_summary(e.stage_layers, e.layout.dims.pp, e.layout.dims.vpp)}",
              "", f"Memory per {'trainer ' if e.split else ''}GPU (GiB, fullest pipeline rank = {e.worst_rank})"]
     always = {"weights", "gradients", "optimizer", "activations", "overhead",
               *(("kv_cache",) if "grpo" in w and e.split is None else ())}

@@ -86,7 +86,7 @@ from launcher.planner.estimate import (
     stage_params,
     training_estimate,
 )
-from megatron_rl.spec.parallel import uneven_splits
+from megatron_rl.spec.parallel import ParallelDims, uneven_splits
 
 RL_MODES = ("grpo", "ppo", "eval")
 """Modes with a rollout (GrpoSizing)."""
@@ -199,9 +199,9 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
     train_time = r.steps * step_s
     split, gpus = None, w.num_gpus
     if w.split is None:
-        key = ("generation", layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.dp,
-               layout.first_stage_layers, layout.last_stage_layers, layout.account_for_embedding,
-               layout.account_for_loss)
+        key = ("generation", layout.dims.tp, layout.dims.pp, layout.dims.vpp, layout.dims.cp, layout.dims.ep, layout.dims.dp,
+               layout.dims.first_stage_layers, layout.dims.last_stage_layers, layout.dims.account_for_embedding,
+               layout.dims.account_for_loss)
         prefill, decode = w._cached(key, lambda: generation_time(w, layout, r))
         offloads = g.optimizer_offloaded_for_generation and w.mode != "eval"
         offload = 2 * optimizer_bytes / w.host_link if offloads else 0.0
@@ -301,15 +301,14 @@ def generation_pool(e: Estimate) -> KvPool | None:
 
 def kv_pool(w: Workload, L: Layout) -> KvPool:
     """The KV pool of ``L``'s generation ranks and the rows it decodes at once (made once per layout)."""
-    key = ("kv pool", L.tp, L.pp, L.vpp, L.cp, L.ep, L.dp, L.first_stage_layers, L.last_stage_layers,
-           L.account_for_embedding, L.account_for_loss)
+    key = ("kv pool", L.dims.tp, L.dims.pp, L.dims.vpp, L.dims.cp, L.dims.ep, L.dims.dp, *L.dims.split())
     return w._cached(key, lambda: _kv_pool(w, L))
 
 
 def _kv_pool(w: Workload, L: Layout) -> KvPool:
     g = w.grpo or GrpoSizing()
     r = rollout(w)
-    share = r.sequences / (L.dp * L.cp)
+    share = r.sequences / (L.dims.dp * L.dims.cp)
     per_token_layer = _kv_token_layer_bytes(w, L)
     groups = _groups(w, L)
     most = max(gr.dense_layers + gr.moe_layers for gr in groups)
@@ -324,7 +323,7 @@ def _kv_pool(w: Workload, L: Layout) -> KvPool:
         needed = at_once * (r.prompt / r.group + min(r.response, KV_HEADROOM * r.mean_response)
                             + g.kv_block_tokens / 2)
         room = min(_room_tokens(w, L, r, gr, held, per_token_layer) for gr in groups)
-        least = L.pp * (r.prompt + r.response)  # one row at its longest in each pipeline part: the engine's floor
+        least = L.dims.pp * (r.prompt + r.response)  # one row at its longest in each pipeline part: the engine's floor
         tokens, source = max(least, min(needed, room)), "chosen"
     rows = min(share, r.concurrency or math.inf)
     if source != "every row":  # every row has its blocks from the start; otherwise the pool sets how many decode
@@ -361,7 +360,7 @@ def _generation_resident(w: Workload, L: Layout, gr: RankGroup) -> float:
     frozen = 2.0 * ((g.reference_model and w.mode != "eval") + g.reward_model)
     held = (ne + ex) * (models * wb + frozen) + (0.0 if g.teacher_offloaded else _teacher_bytes(w, L))
     if w.mode != "eval" and not g.optimizer_offloaded_for_generation:
-        shards = (L.dp * L.cp, L.edp)
+        shards = (L.dims.dp * L.dims.cp, L.dims.edp)
         opt = tuple(ADAM_BYTES_PER_PARAM / n for n in shards) if w.runtime.distributed_optimizer else \
             (ADAM_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM)
         held += models * w.runtime.trainable_fraction * ((ne + ex) * gb + ne * opt[0] + ex * opt[1])
@@ -371,17 +370,17 @@ def _generation_resident(w: Workload, L: Layout, gr: RankGroup) -> float:
 def _teacher_bytes(w: Workload, L: Layout) -> float:
     """The distillation teacher's bf16 weights per GPU (GrpoSizing.teacher_params over tp x pp); 0 without one."""
     g = w.grpo or GrpoSizing()
-    return 2.0 * g.teacher_params / (L.tp * L.pp) if w.mode != "eval" else 0.0
+    return 2.0 * g.teacher_params / (L.dims.tp * L.dims.pp) if w.mode != "eval" else 0.0
 
 
 def _groups(w: Workload, L: Layout) -> tuple:
-    return rank_groups(w.shape.moe_layers, w.shape.num_layers, L.pp, L.vpp, L.first_stage_layers,
-                       L.last_stage_layers, L.account_for_embedding, L.account_for_loss)
+    return rank_groups(w.shape.moe_layers, w.shape.num_layers, L.dims.pp, L.dims.vpp, L.dims.first_stage_layers,
+                       L.dims.last_stage_layers, L.dims.account_for_embedding, L.dims.account_for_loss)
 
 
 def _kv_token_layer_bytes(w: Workload, L: Layout) -> float:
     """KV bytes of one token on one layer of a TP rank."""
-    return kv_cache_elements_per_token_per_layer(w.shape, L.tp) * (w.grpo or GrpoSizing()).kv_cache_bytes
+    return kv_cache_elements_per_token_per_layer(w.shape, L.dims.tp) * (w.grpo or GrpoSizing()).kv_cache_bytes
 
 
 def _inference_buffers(w: Workload, L: Layout, r: Rollout, gr: RankGroup, rows: float, *,
@@ -390,8 +389,8 @@ def _inference_buffers(w: Workload, L: Layout, r: Rollout, gr: RankGroup, rows: 
     and every stage's prefill working set (one layer's activations for their groups' prompts, prefilled together
     when admitted at once; no autograd; SP is off while generating). ``linear``: without the floor of one prompt."""
     kind = "moe" if w.shape.is_moe else "dense"
-    per_token = w._cached(("prefill act", L.tp, L.ep),
-                          lambda: sum(training_workload(w)._act_terms(kind, L.tp, False, L.ep).values()))
+    per_token = w._cached(("prefill act", L.dims.tp, L.dims.ep),
+                          lambda: sum(training_workload(w)._act_terms(kind, L.dims.tp, False, L.dims.ep).values()))
     prompts = rows / r.group if linear else max(1.0, rows / r.group)
     logits = rows * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT if gr.last else 0.0
     return logits + prompts * r.prompt * per_token
@@ -410,8 +409,7 @@ class _Stage:
 
 def _stages(w: Workload, L: Layout) -> list[_Stage]:
     s = w.shape
-    groups = rank_groups(s.moe_layers, s.num_layers, L.pp, L.vpp, L.first_stage_layers, L.last_stage_layers,
-                         L.account_for_embedding, L.account_for_loss)
+    groups = rank_groups(s.moe_layers, s.num_layers, L.dims.pp, L.dims.vpp, *L.dims.split())
     wb = w.weight_bytes_per_param(1)[0]
     out = []
     for gr in groups:
@@ -427,7 +425,7 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
     leave the batch (mean / max of them on average). A fed row reads its prompt and 2/3 of
     the mean response of KV a step (``_held_per_row``). Each group's prompt is prefilled once, with the groups
     admitted together: share / rows prefill forwards of rows / group prompts."""
-    share = r.sequences / (L.dp * L.cp)
+    share = r.sequences / (L.dims.dp * L.dims.cp)
     pool = kv_pool(w, L)
     rows = min(share, pool.rows)
     stages = _stages(w, L)
@@ -449,10 +447,10 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
 def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
     """One forward of ``rows`` through ``StageChain.forward`` (the prefill): M = min(pp, rows) parts; each virtual
     stage forward of a part takes the slowest rank's time over vpp, plus one send/recv hop under PP."""
-    if L.pp == 1:
+    if L.dims.pp == 1:
         return part_time(stages[0], rows)
     parts, chunk, hop = _pipeline_part(w, L, stages, rows, part_time)
-    forwards = parts * (L.vpp - 1) * L.pp + parts + L.pp - 1
+    forwards = parts * (L.dims.vpp - 1) * L.dims.pp + parts + L.dims.pp - 1
     return forwards * (chunk + hop)
 
 
@@ -460,18 +458,18 @@ def _pipelined_decode_step(w: Workload, L: Layout, stages: list[_Stage], rows: f
     """One decode step of ``rows`` in the pipelined decode's steady state (engine.py ``_pipelined``): M =
     min(pp, rows) parts decode on their own, so a rank runs M x vpp virtual-stage forwards of a part per step while each part's step passes through
     pp x vpp of them in turn: vpp x max(pp, M) x (forward + hop)."""
-    if L.pp == 1:
+    if L.dims.pp == 1:
         return part_time(stages[0], rows)
     parts, chunk, hop = _pipeline_part(w, L, stages, rows, part_time)
-    return L.vpp * max(L.pp, parts) * (chunk + hop)
+    return L.dims.vpp * max(L.dims.pp, parts) * (chunk + hop)
 
 
 def _pipeline_part(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> tuple[float, float, float]:
     """(parts, one part's virtual-stage forward on the slowest rank, one send/recv hop of a part)."""
-    parts = min(L.pp, max(1.0, rows))
+    parts = min(L.dims.pp, max(1.0, rows))
     per_part = rows / parts
-    chunk = max(part_time(st, per_part) for st in stages) / L.vpp
-    bw = w.ib if L.tp * L.cp * L.dp >= w.gpu.gpus_per_node else w.nvlink
+    chunk = max(part_time(st, per_part) for st in stages) / L.dims.vpp
+    bw = w.ib if L.dims.tp * L.dims.cp * L.dims.dp >= w.gpu.gpus_per_node else w.nvlink
     hop = per_part * w.shape.hidden_size * 2 / bw + (w.ib_latency if bw == w.ib else w.nvlink_latency)
     return parts, chunk, hop
 
@@ -482,10 +480,10 @@ def _expert_share(w: Workload, L: Layout, rows: float) -> tuple[float, float]:
     s = w.shape
     if not s.is_moe:
         return 0.0, 0.0
-    load = w.runtime.expert_load if L.ep > 1 else 1.0
-    flops_per_param = 2 * rows * s.moe_router_topk * load * L.ep / (L.tp * s.num_experts) if L.ep > 1 else \
-        2 * rows * s.moe_router_topk / s.num_experts
-    routed = rows * max(1.0, L.ep / L.tp) * s.moe_router_topk
+    load = w.runtime.expert_load if L.dims.ep > 1 else 1.0
+    flops_per_param = (2 * rows * s.moe_router_topk * load * L.dims.ep / (L.dims.tp * s.num_experts) if L.dims.ep > 1
+                       else 2 * rows * s.moe_router_topk / s.num_experts)
+    routed = rows * max(1.0, L.dims.ep / L.dims.tp) * s.moe_router_topk
     return flops_per_param, 1.0 - math.exp(-routed / s.num_experts)
 
 
@@ -493,12 +491,12 @@ def _collectives(w: Workload, L: Layout, st: _Stage, tokens: float) -> float:
     """Two TP all-reduces per layer (no SP while generating) and an EP dispatch + combine per MoE layer."""
     h = w.shape.hidden_size
     t = 0.0
-    if L.tp > 1:
-        t += st.layers * 2 * (2 * w.nvlink_latency + tokens * h * 2 * 2 * (L.tp - 1) / L.tp / w.nvlink)
-    if L.ep > 1 and st.moe_layers:
-        inter = L.ep * L.etp > w.gpu.gpus_per_node
+    if L.dims.tp > 1:
+        t += st.layers * 2 * (2 * w.nvlink_latency + tokens * h * 2 * 2 * (L.dims.tp - 1) / L.dims.tp / w.nvlink)
+    if L.dims.ep > 1 and st.moe_layers:
+        inter = L.dims.ep * L.dims.etp > w.gpu.gpus_per_node
         bw, lat = (w.ib, w.ib_latency) if inter else (w.nvlink, w.nvlink_latency)
-        volume = tokens * w.shape.moe_router_topk * h * 2 * (L.ep - 1) / L.ep * w.runtime.expert_load
+        volume = tokens * w.shape.moe_router_topk * h * 2 * (L.dims.ep - 1) / L.dims.ep * w.runtime.expert_load
         t += st.moe_layers * 2 * (lat + volume / bw)
     return t
 
@@ -509,9 +507,9 @@ def _decode_part(w: Workload, L: Layout, st: _Stage, rows: float, context: float
     wb = w.weight_bytes_per_param(1)[0]
     weights = st.dense_params * wb + st.expert_params * wb * touched
     g = w.grpo or GrpoSizing()
-    kv = rows * context * st.layers * kv_cache_elements_per_token_per_layer(w.shape, L.tp) * g.kv_cache_bytes
+    kv = rows * context * st.layers * kv_cache_elements_per_token_per_layer(w.shape, L.dims.tp) * g.kv_cache_bytes
     flops = 2 * rows * st.dense_params + flops_per_expert_param * st.expert_params
-    compute = flops / (w.gemm_peak * w.gemm_efficiency(w.shape.hidden_size / L.tp, rows))
+    compute = flops / (w.gemm_peak * w.gemm_efficiency(w.shape.hidden_size / L.dims.tp, rows))
     floor = st.layers * DECODE_LAYER_OVERHEAD_S
     return max((weights + kv) / w.hbm, compute, floor) + _collectives(w, L, st, rows)
 
@@ -521,10 +519,10 @@ def _prefill_part(w: Workload, L: Layout, st: _Stage, tokens: float, prompt: int
     the training efficiency, or the weights' read when that is longer."""
     flops_per_expert_param, _ = _expert_share(w, L, tokens)
     s = w.shape
-    heads = s.num_attention_heads / L.tp
+    heads = s.num_attention_heads / L.dims.tp
     attention = tokens * prompt * st.layers * heads * (w.dqk + w.dv)  # 2 FLOPs x 2 GEMMs x causal half
     flops = 2 * tokens * st.dense_params + flops_per_expert_param * st.expert_params + attention
-    compute = flops / (w.gemm_peak * w.gemm_efficiency(s.hidden_size / L.tp, tokens))
+    compute = flops / (w.gemm_peak * w.gemm_efficiency(s.hidden_size / L.dims.tp, tokens))
     return max(compute, st.weight_bytes / w.hbm) + _collectives(w, L, st, tokens)
 
 
@@ -577,23 +575,20 @@ def rollout_layout(w: Workload, layout: Layout, replicas: int) -> Layout:
     with its pipeline split and vpp, unless parallel.rollout_tp / rollout_pp say otherwise; another pp gets the
     job's own split of the layers), cp=1, ep=1, ``replicas`` data-parallel replicas (generation runs without
     sequence parallelism)."""
-    tp, pp = w.split.replica(layout.tp, layout.pp)
-    if pp == layout.pp:
-        split = dict(vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
-                     last_stage_layers=layout.last_stage_layers, account_for_embedding=layout.account_for_embedding,
-                     account_for_loss=layout.account_for_loss)
+    tp, pp = w.split.replica(layout.dims.tp, layout.dims.pp)
+    sizes = dict(world_size=tp * pp * replicas, tp=tp, pp=pp, cp=1, ep=1, etp=None, sp=False)
+    if pp == layout.dims.pp:
+        dims = replace(layout.dims, **sizes, rollout_tasks=0, rollout_tp=None, rollout_pp=None)
     else:
         first, last = (uneven_splits(w.shape.num_layers, pp) or [(None, None)])[0] \
             if w.shape.num_layers % pp else (None, None)
-        split = dict(vpp=1, first_stage_layers=first, last_stage_layers=last, account_for_embedding=False,
-                     account_for_loss=False)
-    return Layout(tp=tp, pp=pp, cp=1, ep=1, dp=replicas, micro_batch_size=1, recompute="none",
-                  sequence_parallel=False, **split)
+        dims = ParallelDims(**sizes, first_stage_layers=first, last_stage_layers=last)
+    return Layout(dims=dims, micro_batch_size=1, recompute="none")
 
 
 def replica_size(w: Workload, layout: Layout) -> int:
     """GPUs of one rollout replica beside ``layout``."""
-    tp, pp = w.split.replica(layout.tp, layout.pp)
+    tp, pp = w.split.replica(layout.dims.tp, layout.dims.pp)
     return tp * pp
 
 
@@ -606,8 +601,7 @@ def rollout_estimate(w: Workload, layout: Layout, replicas: int | None = None) -
     """Memory of one rollout GPU and the generation time of the rollout on ``replicas`` replicas (default: the
     workload's) at ``layout``'s tp x pp: ``plan --mode eval`` of the rollout on those GPUs, no frozen models."""
     replicas = replicas or replicas_of(w, layout)
-    key = ("rollout estimate", replicas, layout.tp, layout.pp, layout.vpp, layout.first_stage_layers,
-           layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
+    key = ("rollout estimate", replicas, layout.dims.tp, layout.dims.pp, layout.dims.vpp, *layout.dims.split())
     return w._cached(key, lambda: mode_estimate(_rollout_workload(w, replicas * replica_size(w, layout), replicas),
                                                 rollout_layout(w, layout, replicas)))
 
@@ -645,7 +639,7 @@ def rollout_memory_error(w: Workload, layout: Layout) -> str | None:
     if e.fits:
         return None
     mem = e.memory_gib()
-    tp, pp = w.split.replica(layout.tp, layout.pp)
+    tp, pp = w.split.replica(layout.dims.tp, layout.dims.pp)
     return (f"a rollout GPU (tp={tp} x pp={pp} replica, {replicas_of(w, layout)} replicas) needs "
             f"{mem['total']:.1f} GiB of {e.usable / GIB:.1f} (bf16 weights {mem['weights']:.1f}, KV cache "
             f"{mem['kv_cache']:.1f}); lower generation.kv_memory_gib (or leave it null for the planner to pick), or use more "

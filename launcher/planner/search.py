@@ -32,6 +32,7 @@ from launcher.planner.rl_step import RL_MODES, estimate, generation_floor, packe
 from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 from megatron_rl.spec.errors import ConfigError, as_yaml
 from megatron_rl.spec.parallel import (
+    ParallelDims,
     attention_split_error,
     default_etp,
     expert_split_error,
@@ -257,20 +258,23 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
             if why:
                 bad(("ep",), "experts % ep", why, inner)
                 continue
-            why = mlp_split_error(s, tp, default_etp(tp=tp, ep=ep), key="")
+            etp = fixed.get("etp") or default_etp(tp=tp, ep=ep)
+            why = mlp_split_error(s, tp, etp, key="")
             if why:
-                bad(("tp", "ep"), "MLP sizes % tp", why, inner)
+                bad(("tp", "ep", "etp"), "MLP sizes % tp", why, inner)
                 continue
-            if (tp * cp * dp) % ep:
-                bad(("ep", "tp", "cp", "pp"), "ep | tp*cp*dp", f"ep={ep} does not divide tp*cp*dp={tp * cp * dp}", inner)
+            if (tp * cp * dp) % (ep * etp):
+                bad(("ep", "etp", "tp", "cp", "pp"), "ep*etp | tp*cp*dp",
+                    f"ep*etp={ep}*{etp} does not divide tp*cp*dp={tp * cp * dp}", inner)
                 continue
             if w.split is not None and ep != 1:
                 bad(("ep",), "split placement at ep=1",
                     rollout_replica_error(w.split.rollout_gpus, *w.split.replica(tp, pp), ep), inner)
                 continue
-            probe = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=1, recompute="full",
-                           sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,
-                           account_for_embedding=emb, account_for_loss=loss)
+            dims = ParallelDims(world_size=w.num_gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sp=sp,
+                                first_stage_layers=first, last_stage_layers=last, account_for_embedding=emb,
+                                account_for_loss=loss, **w.split.dims_keys() if w.split is not None else {})
+            probe = Layout(dims=dims, micro_batch_size=1, recompute="full")
             why = rollout_memory_error(w, probe) if w.split is not None else None
             if why:
                 out.reject("rollout GPU memory", inner, why)
@@ -298,9 +302,7 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                     if prune and mode in overflowed:
                         out.reject("memory", 1, overflow)
                         continue
-                    lay = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, micro_batch_size=mbs, recompute=mode,
-                                 sequence_parallel=sp, first_stage_layers=first, last_stage_layers=last,
-                                 account_for_embedding=emb, account_for_loss=loss, recompute_num_layers=partial)
+                    lay = Layout(dims=dims, micro_batch_size=mbs, recompute=mode, recompute_num_layers=partial)
                     est = estimate(w, lay, only_if_fits=prune)
                     out.evaluated += 1
                     if isinstance(est, float) or not est.fits:
@@ -325,12 +327,12 @@ def _generation_bytes(w: Workload, layout: Layout, overhead: float) -> float:
 def _static_bytes(w: Workload, layout: Layout) -> float:
     """Weights + grads + optimizer bytes on the fullest pipeline rank."""
     s = w.shape
-    groups = rank_groups(s.moe_layers, s.num_layers, layout.pp, layout.vpp, layout.first_stage_layers,
-                         layout.last_stage_layers, layout.account_for_embedding, layout.account_for_loss)
+    groups = rank_groups(s.moe_layers, s.num_layers, layout.dims.pp, layout.dims.vpp, layout.dims.first_stage_layers,
+                         layout.dims.last_stage_layers, layout.dims.account_for_embedding, layout.dims.account_for_loss)
     wb, gb, _ = w.weight_bytes_per_param(1)
     opt = ADAM_BYTES_PER_PARAM if gb else 0.0  # eval holds no optimizer
     dist = w.runtime.distributed_optimizer
-    shard, edp = layout.dp * layout.cp, layout.edp
+    shard, edp = layout.dims.dp * layout.dims.cp, layout.dims.edp
     worst = 0.0
     for gr in groups:
         ne, ex = stage_params(w, gr, layout)
