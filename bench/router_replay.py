@@ -58,7 +58,7 @@ def ratio_spread(engine, shape, *, prompts: int, prompt_len: int, new_tokens: in
     replayed = collate_rollout(rows, seq_length=seq_length, pad_id=0)
     free = {key: value for key, value in replayed.items() if key != "routes"}
     mask = replayed["loss_mask"].bool()
-    generated = replayed["old_logp"][mask]
+    generated = replayed["behav_logp"][mask]
     result = {"tokens": int(mask.sum())}
     free_maps = _free_routing_maps(engine, free, seq_length)
     recorded = replayed["routes"].cpu().long()

@@ -431,7 +431,7 @@ def test_trainer_loss_function_is_grpo_loss_on_logits(tensor_parallel_group, mod
     ref = torch.randn(3, 4, generator=gen) * 0.1 - 2.0
     adv = t([1.0, -0.5, 2.0])
     cfg = loss_config(kl_coef=0.05, loss_aggregation=mode, max_response_len=4)
-    batch = {"labels": labels, "loss_mask": mask, "old_logp": old, "ref_logp": ref, "advantages": adv}
+    batch = {"labels": labels, "loss_mask": mask, "behav_logp": old, "ref_logp": ref, "advantages": adv}
     loss_sum, denominator, reports = make_grpo_loss(cfg)(logits.clone().requires_grad_(), batch)
 
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -450,7 +450,7 @@ def test_trainer_loss_function_is_grpo_loss_on_logits(tensor_parallel_group, mod
 
 def test_trainer_loss_without_reference_reports_zero_kl(tensor_parallel_group):
     logits = torch.zeros(1, 2, 5)
-    batch = {"labels": torch.tensor([[1, 2]]), "loss_mask": torch.ones(1, 2), "old_logp": torch.full((1, 2), -math.log(5)),
+    batch = {"labels": torch.tensor([[1, 2]]), "loss_mask": torch.ones(1, 2), "behav_logp": torch.full((1, 2), -math.log(5)),
              "advantages": t([1.0])}
     loss_sum, denominator, reports = make_grpo_loss(loss_config(kl_coef=0.0))(logits, batch)
     assert (loss_sum / denominator).item() == pytest.approx(-1.0)  # ratio 1, A = 1: -A

@@ -40,7 +40,7 @@ def _batches(rollout: Rollout) -> dict:
 
 def _grad(batch: dict, *, logp_shift=None, ref_shift=None, old_shift=None) -> torch.Tensor:
     """d loss / d logp of the real GRPO loss, the current log-probs being the stored ones plus a small offset."""
-    old = batch["old_logp"].clone()
+    old = batch["behav_logp"].clone()
     base = old + 0.05 * torch.arange(old.numel(), dtype=torch.float32).view_as(old).sin()
     logp = (base + (logp_shift if logp_shift is not None else 0)).requires_grad_(True)
     ref = old - 0.1 + (ref_shift if ref_shift is not None else 0)
@@ -77,7 +77,7 @@ def test_the_packed_and_padded_batches_mask_the_same_tokens():
     padded, packed = batches["padded"], batches["packed"]
     for row, width in enumerate((9, 3)):
         assert torch.equal(packed["loss_mask"][row, :width], padded["loss_mask"][row, :width])
-        assert torch.equal(packed["old_logp"][row, :width], padded["old_logp"][row, :width])
+        assert torch.equal(packed["behav_logp"][row, :width], padded["behav_logp"][row, :width])
 
 
 def _record(chat: ChatFormat, given) -> PromptRecord:

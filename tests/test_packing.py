@@ -95,7 +95,7 @@ def test_the_packed_row_view_equals_the_padded_micro_batch():
     packed = collate_packed(rows, packed_length=sum(row_tokens(r) for r in rows) + 5, pad_id=0,
                             thd=False)
     assert packed["tokens"].shape == (1, sum(row_tokens(r) for r in rows) + 5)
-    for key in ("loss_mask", "old_logp"):
+    for key in ("loss_mask", "behav_logp"):
         assert torch.equal(packed[key], padded[key][:, :width]) and not padded[key][:, width:].any()
     assert torch.equal(packed["advantages"], padded["advantages"])
     valid = packed["row_valid"]

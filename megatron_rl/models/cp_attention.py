@@ -246,7 +246,7 @@ def slice_batch_for_cp(batch: dict, keys: Optional[Iterable[str]] = None, seq_ke
 
     ``keys``: the per-token entries to slice along dim 1 (``attention_mask`` [b, 1, s, s] along dim 2, its query
     dim). Default: every tensor whose dim 1 (``attention_mask``: dim 2) has ``batch[seq_key]``'s length, e.g.
-    tokens, labels, loss_mask, position_ids, old_logp, ref_logp; per-sequence entries ([b] advantages,
+    tokens, labels, loss_mask, position_ids, behav_logp, ref_logp; per-sequence entries ([b] advantages,
     last_index) stay whole. The sequence length must be divisible by 2 * cp.
     """
     from megatron.core.utils import get_batch_on_this_cp_rank

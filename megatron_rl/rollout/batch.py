@@ -26,6 +26,11 @@ OFF_POLICY_REPORTS = ("behav_weight_mean", "behav_capped_fraction", "behav_weigh
 """Reported besides REPORTS when the loss corrects for the behaviour policy (``algorithm.off_policy_correction``)."""
 TEACHER_REPORTS = ("teacher_kl",)
 """Reported besides REPORTS with on-policy distillation (``algorithm.teacher``)."""
+LOGPROB_KEYS = {"behav_logp": "the policy that sampled the rollout (generation's log-probs, maybe older weights)",
+                "old_logp": "pi_old / pi_prox: the trainer's training-forward recomputation at the step's first "
+                            "weights (algorithm.recompute_old_logprobs; absent: behav_logp stands for it)",
+                "ref_logp": "the frozen KL reference", "teacher_logp": "the distillation teacher"}
+"""A rollout micro-batch's per-token log-probs, each named by the policy that gave it; none changes meaning."""
 
 
 @dataclass
@@ -118,12 +123,13 @@ class Rollout:
 def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
     """A training micro-batch of rollout rows, right-padded; loss_mask marks the response's label positions.
 
-    The reference model's log-probs, when there is one, are added as ``ref_logp`` by its forward pass. Rows with
+    Its log-probs are named by the policy that gave them (LOGPROB_KEYS): the rollout's own are ``behav_logp``;
+    the trainer adds ``old_logp``, ``ref_logp`` and ``teacher_logp`` from the forwards that compute them. Rows with
     ``routes`` (router replay) give ``routes`` [b, seq_length, slots, topk], ``NO_ROUTE`` past each row's end."""
     batch_size = len(rows)
     tokens = torch.full((batch_size, seq_length + 1), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((batch_size, seq_length), dtype=torch.float32)
-    old_logp = torch.zeros((batch_size, seq_length), dtype=torch.float32)
+    behav_logp = torch.zeros((batch_size, seq_length), dtype=torch.float32)
     advantages = torch.zeros(batch_size, dtype=torch.float32)
     for i, row in enumerate(rows):
         prompt, response = row["prompt_ids"], row["response_ids"]
@@ -131,10 +137,10 @@ def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
         tokens[i, :len(seq)] = torch.tensor(seq)
         start, end = len(prompt) - 1, len(seq) - 1  # label positions of the response tokens
         loss_mask[i, start:end] = response_loss_mask(row)
-        old_logp[i, start:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
+        behav_logp[i, start:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
         advantages[i] = row["advantage"]
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
-             "old_logp": old_logp, "advantages": advantages,
+             "behav_logp": behav_logp, "advantages": advantages,
              "position_ids": torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1).contiguous()}
     if rows and "routes" in rows[0]:
         batch["routes"] = _collate_routes([row["routes"] for row in rows], seq_length=seq_length)
@@ -178,11 +184,11 @@ def make_grpo_loss(config: GRPOLossConfig):
         entropy = as_rows(vocab_parallel_entropy(logits), batch)  # before the cross entropy, which works in place
         logp = as_rows(vocab_parallel_logprobs(logits, batch["labels"]), batch)
         seq_lengths, counts_sequences = whole_sequence_lengths(mask)
-        loss_sum, metrics = grpo_loss(logp, batch["old_logp"], batch["advantages"], mask, config=config,
+        loss_sum, metrics = grpo_loss(logp, old_logprobs(batch), batch["advantages"], mask, config=config,
                                       ref_logp=batch.get("ref_logp"), entropy=entropy,
                                       global_num_tokens=1, global_num_seqs=1, seq_lengths=seq_lengths,
                                       sum_over_parts=None if seq_lengths is None else sum_over_context_parallel,
-                                      behav_logp=batch.get("behav_logp"), teacher_logp=batch.get("teacher_logp"))
+                                      behav_logp=batch["behav_logp"], teacher_logp=batch.get("teacher_logp"))
         tokens = metrics["num_tokens"]
         sequences = metrics["num_seqs"] if counts_sequences else torch.zeros_like(metrics["num_seqs"])
         denominator = (tokens if config.loss_agg_mode == "token-mean" else sequences).to(torch.int)
@@ -201,6 +207,21 @@ def make_grpo_loss(config: GRPOLossConfig):
         return loss_sum, denominator, reports
 
     return loss_fn
+
+
+def store_logprobs(batches: list[dict], key: str, values: list) -> None:
+    """Each micro-batch's ``key`` (one of LOGPROB_KEYS): its entry of ``values``, a forward's per-batch results
+    (none on the pipeline stages that compute no loss)."""
+    if key not in LOGPROB_KEYS:
+        raise KeyError(f"{key} is not one of {', '.join(LOGPROB_KEYS)}")
+    for batch, value in zip(batches, values):
+        batch[key] = value
+
+
+def old_logprobs(batch: dict) -> torch.Tensor:
+    """pi_old, the anchor of the clipped ratio: the trainer's recomputation (``old_logp``) when it made one, else
+    the log-probs of the policy that sampled the rollout (``behav_logp``)."""
+    return batch["old_logp"] if "old_logp" in batch else batch["behav_logp"]
 
 
 def sum_over_context_parallel(values: torch.Tensor) -> torch.Tensor:

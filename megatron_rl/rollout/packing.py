@@ -135,7 +135,7 @@ def _row(rows: list[dict], index: int) -> dict:
 
 def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bool) -> dict:
     """One packed micro-batch of rollout rows (see ``megatron_rl.rollout.batch.collate_rollout`` for the padded
-    one, whose row-view entries ``loss_mask``, ``old_logp`` and ``advantages`` these equal)."""
+    one, whose row-view entries ``loss_mask``, ``behav_logp`` and ``advantages`` these equal)."""
     widths = [row_tokens(row) for row in rows]
     width = max(widths)
     tokens = torch.full((packed_length + 1,), pad_id, dtype=torch.long)
@@ -144,7 +144,7 @@ def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bo
     row_index = torch.zeros((len(rows), width), dtype=torch.long)
     row_valid = torch.zeros((len(rows), width), dtype=torch.bool)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    old_logp = torch.zeros((len(rows), width), dtype=torch.float32)
+    behav_logp = torch.zeros((len(rows), width), dtype=torch.float32)
     advantages = torch.zeros(len(rows), dtype=torch.float32)
     starts = [0]
     for i, row in enumerate(rows):
@@ -157,13 +157,13 @@ def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bo
         row_valid[i, :n] = True
         first, end = len(row["prompt_ids"]) - 1, n  # label positions of the response tokens
         loss_mask[i, first:end] = response_loss_mask(row)
-        old_logp[i, first:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
+        behav_logp[i, first:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
         advantages[i] = row["advantage"]
         starts.append(start + n)
     if starts[-1] < packed_length:  # the padding tail: a segment of its own
         starts.append(packed_length)
     batch = {"tokens": tokens[None, :-1], "labels": labels[None], "position_ids": position_ids[None],
-             "row_index": row_index, "row_valid": row_valid, "loss_mask": loss_mask, "old_logp": old_logp,
+             "row_index": row_index, "row_valid": row_valid, "loss_mask": loss_mask, "behav_logp": behav_logp,
              "advantages": advantages}
     if rows and "routes" in rows[0]:
         batch["routes"] = _packed_routes([row["routes"] for row in rows], starts, packed_length)

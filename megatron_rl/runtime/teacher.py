@@ -2,14 +2,14 @@
 held in the training processes, that scores the student's own samples token by token.
 
     teacher = Teacher(cfg.algorithm.teacher, engine=engine, tokenizer=tokenizer)
-    teacher.store_logprobs(minibatches)   # each micro-batch of each mini-batch gains teacher_logp
+    teacher.logprobs(minibatches)   # per mini-batch, each micro-batch's teacher log-probs
 
 Where it runs, and why: colocated, in the training processes at the job's tp, pp and cp (its own pipeline split
 of its own layers, resharded at load by Megatron's distributed checkpointing), like the reference model. Its
 forward is one pass over the rollout per step, which needs no process of its own, and Megatron's parallel state
 is one per process, so a teacher at another tp would need its own processes and a transfer of the rollout and
 log-probs (the split placement of ``cluster.rollout_tasks`` is where such a teacher would live). With
-``offload`` (default) its weights wait in host memory outside ``store_logprobs`` (``runtime.phases.HostOffload``),
+``offload`` (default) its weights wait in host memory outside ``logprobs`` (``runtime.phases.HostOffload``),
 so generation's KV cache and training's activations have the device memory; the planner counts the copies.
 
 The teacher's model is what its run recorded in the checkpoint (``extra["model"]``); its tokenizer must give the
@@ -58,7 +58,7 @@ def read_teacher_record(checkpoint: str) -> tuple:
 
 
 class Teacher:
-    """A frozen teacher model at the job's layout; ``store_logprobs`` adds ``teacher_logp`` to micro-batches."""
+    """A frozen teacher model at the job's layout; ``logprobs`` scores micro-batches."""
 
     def __init__(self, settings: TeacherConfig, *, engine, tokenizer) -> None:
         from megatron_rl.data.tokenizer import load_tokenizer, same_tokenizer
@@ -110,14 +110,11 @@ class Teacher:
         finally:
             self._park()
 
-    def store_logprobs(self, minibatches: list[list[dict]]) -> None:
-        """Each micro-batch's ``teacher_logp``: the teacher's log-probs of its labels (on the last pipeline stage,
-        the only one that computes the loss), in one residency of its weights for the whole rollout."""
+    def logprobs(self, minibatches: list[list[dict]]) -> list[list]:
+        """Per mini-batch, each micro-batch's teacher log-probs of its labels (on the last pipeline stage, the
+        only one that computes the loss; empty elsewhere), in one residency of its weights for the whole rollout."""
         from megatron_rl.runtime.training import forward_logprobs
 
         with self.resident():
-            for microbatches in minibatches:
-                seq_length = microbatches[0]["tokens"].shape[1]
-                for batch, values in zip(microbatches, forward_logprobs(self.chunks, microbatches,
-                                                                        seq_length=seq_length)):
-                    batch["teacher_logp"] = values
+            return [forward_logprobs(self.chunks, microbatches, seq_length=microbatches[0]["tokens"].shape[1])
+                    for microbatches in minibatches]

@@ -234,24 +234,19 @@ class Engine:
         else:
             ckpt.load_checkpoint(found, chunks=copies, load_optimizer=False)
 
-    def reference_logprobs(self, reference: list, microbatches: list[dict], *, seq_length: int) -> None:
-        """Store the frozen ``reference`` chunks' log-probs of each micro-batch's labels as ``ref_logp``
-        (on the last pipeline stage, the only one that computes the loss); LoRA adapters are off meanwhile."""
+    def reference_logprobs(self, reference: list, microbatches: list[dict], *, seq_length: int) -> list:
+        """The frozen ``reference`` chunks' log-probs of each micro-batch's labels (on the last pipeline stage, the
+        only one that computes the loss; empty elsewhere); LoRA adapters are off meanwhile."""
         from megatron_rl.models.lora import adapters_disabled
 
         with adapters_disabled(reference):
-            self._store_logprobs(reference, microbatches, "ref_logp", seq_length=seq_length)
+            return forward_logprobs(reference, microbatches, seq_length=seq_length)
 
-    def recompute_old_logprobs(self, microbatches: list[dict], *, seq_length: int) -> None:
-        """Replace each micro-batch's ``old_logp`` (the sampler's) with this engine's own training-forward
-        log-probs, so that the first update's ratio is exactly 1 whatever kernels generation used. Call it before
-        the rollout's first optimizer step: the weights must still be those that sampled it."""
-        self._store_logprobs(self.chunks, microbatches, "old_logp", seq_length=seq_length)
-
-    def _store_logprobs(self, chunks: list, microbatches: list[dict], key: str, *, seq_length: int) -> None:
-        logprobs = forward_logprobs(chunks, microbatches, seq_length=seq_length)
-        for batch, values in zip(microbatches, logprobs):
-            batch[key] = values
+    def policy_logprobs(self, microbatches: list[dict], *, seq_length: int) -> list:
+        """This engine's own training-forward log-probs of each micro-batch's labels (last pipeline stage; empty
+        elsewhere). Before a rollout's first optimizer step they are pi_old, which makes the first update's ratio
+        exactly 1 whatever kernels generation used."""
+        return forward_logprobs(self.chunks, microbatches, seq_length=seq_length)
 
     def frozen_copy(self, folder: Path) -> list:
         """Chunks with this engine's current weights, frozen (no grad, eval mode), saved in ``folder``; when

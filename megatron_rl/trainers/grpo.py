@@ -33,7 +33,7 @@ from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
 from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, collate_rollout, make_grpo_loss,
-                                       rollout_rows)
+                                       rollout_rows, store_logprobs)
 from megatron_rl.rollout.multi_turn import Environments, episode_metrics, sample_episodes
 from megatron_rl.rollout.packing import ROW_IDS, pack_minibatch, row_tokens
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
@@ -336,11 +336,13 @@ class GrpoRun:
         sampled the rollout: call before its first optimizer step."""
         for batches in minibatches:
             if self.recompute_old_logprobs:
-                self.engine.recompute_old_logprobs(batches, seq_length=forward_length(batches))
+                store_logprobs(batches, "old_logp", self.engine.policy_logprobs(batches, seq_length=forward_length(batches)))
             if self.reference is not None:
-                self.engine.reference_logprobs(self.reference, batches, seq_length=forward_length(batches))
+                store_logprobs(batches, "ref_logp", self.engine.reference_logprobs(self.reference, batches,
+                                                                          seq_length=forward_length(batches)))
         if self.teacher is not None:
-            self.teacher.store_logprobs(minibatches)
+            for batches, values in zip(minibatches, self.teacher.logprobs(minibatches)):
+                store_logprobs(batches, "teacher_logp", values)
 
     def record_policy_step(self, totals: dict[str, list[float]], epoch: int, metrics: dict[str, float]) -> None:
         """Add one policy optimizer step's metrics to ``totals``: the first step's ratio range, and per-epoch

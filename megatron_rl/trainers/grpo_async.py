@@ -167,15 +167,6 @@ class SplitGrpoRun(GrpoRun):
                        truncated=[cut for s in taken for cut in s.payload["truncated"]],
                        seq_multiple=self.engine.sequence_multiple)
 
-    def minibatches(self, rollout: Rollout) -> list[list[dict]]:
-        """GRPO's micro-batches, each keeping the workers' log-probs as ``behav_logp`` (``old_logp`` becomes
-        pi_prox when recomputed)."""
-        minibatches = super().minibatches(rollout)
-        for batches in minibatches:
-            for batch in batches:
-                batch["behav_logp"] = batch["old_logp"].clone()
-        return minibatches
-
     # ------------------------------------------------------------------ sync
     def sync_weights(self, step: int) -> None:
         """Publish the weights after ``step`` as version ``step``; then more prompts may go out."""

@@ -150,13 +150,14 @@ class PpoRun(GrpoRun):
 
     def _gae_over_rollout(self, minibatches: list[list[dict]]) -> torch.Tensor:
         algo = self.algo
-        keys = ["loss_mask", "old_values", "old_logp"] + (["ref_logp"] if algo.kl_in_reward and algo.kl_coef else [])
+        policy = "old_logp" if "old_logp" in minibatches[0][0] else "behav_logp"  # pi_old (batch.old_logprobs)
+        keys = ["loss_mask", "old_values", policy] + (["ref_logp"] if algo.kl_in_reward and algo.kl_coef else [])
         whole = _whole_rollout(minibatches, keys + ["sequence_reward"], minibatch_rows=algo.global_batch_size)
         rows = whole["sequence_reward"]
         mask, values = whole["loss_mask"], whole["old_values"]
         kl = None
         if "ref_logp" in whole:
-            kl = kl_penalty(whole["old_logp"], whole["ref_logp"], algo.kl_estimator, self.kl_clamps["clamp"],
+            kl = kl_penalty(whole[policy], whole["ref_logp"], algo.kl_estimator, self.kl_clamps["clamp"],
                             log_ratio_clamp=self.kl_clamps["log_ratio_clamp"]) * mask
         rewards = token_rewards(rows, mask, kl=kl, kl_coef=algo.kl_coef if kl is not None else 0.0)
         advantages, returns = gae(rewards, values, mask, gamma=algo.gamma, lam=algo.gae_lambda)

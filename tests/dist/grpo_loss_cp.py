@@ -30,7 +30,7 @@ def whole_batch() -> dict:
     true_logp = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return {"logits": logits, "tokens": labels, "labels": labels, "loss_mask": mask,
             "position_ids": torch.arange(SEQ).expand(BATCH, -1).contiguous(),
-            "old_logp": true_logp + 0.3 * torch.randn(BATCH, SEQ, generator=gen),
+            "behav_logp": true_logp + 0.3 * torch.randn(BATCH, SEQ, generator=gen),
             "ref_logp": true_logp + 0.2 * torch.randn(BATCH, SEQ, generator=gen),
             "advantages": torch.tensor([1.0, -0.5, 2.0, 0.7])}
 
@@ -60,7 +60,7 @@ def main() -> None:
         logits = full.pop("logits").requires_grad_(True)
         # the pure loss of the whole rows
         logp = torch.log_softmax(logits, -1).gather(-1, full["labels"].unsqueeze(-1)).squeeze(-1)
-        expected, _ = grpo_loss(logp, full["old_logp"], full["advantages"], full["loss_mask"], config=config,
+        expected, _ = grpo_loss(logp, full["behav_logp"], full["advantages"], full["loss_mask"], config=config,
                                 ref_logp=full["ref_logp"])
         (expected_grad,) = torch.autograd.grad(expected, logits)
         # this CP rank's parts, through the trainer's Megatron loss function

@@ -44,7 +44,7 @@ def main() -> None:
     from dist_common import write_rank_result
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
     from megatron_rl.models import unwrap
-    from megatron_rl.rollout.batch import collate_rollout, make_grpo_loss
+    from megatron_rl.rollout.batch import collate_rollout, make_grpo_loss, old_logprobs, store_logprobs
     from megatron_rl.rollout.packing import pack_minibatch, pack_rows, row_tokens
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, data_parallel_slice, logits_forward
@@ -81,18 +81,18 @@ def main() -> None:
                                         multiple=multiple, count_multiple=count_multiple)
     packed_ids = [[i if i >= 0 else None for i in b] for b in per_rank[dp_rank]]
 
-    padded_engine.recompute_old_logprobs(padded, seq_length=seq_length)
-    packed_engine.recompute_old_logprobs(packed, seq_length=packed_length)
-    packed_engine.recompute_old_logprobs(masked, seq_length=packed_length)
+    store_logprobs(padded, "old_logp", padded_engine.policy_logprobs(padded, seq_length=seq_length))
+    store_logprobs(packed, "old_logp", packed_engine.policy_logprobs(packed, seq_length=packed_length))
+    store_logprobs(masked, "old_logp", packed_engine.policy_logprobs(masked, seq_length=packed_length))
     result = {"dp": dp, "dp_rank": dp_rank, "microbatches": len(packed), "packed_length": packed_length,
               "figures": figures, "rows_compared": 0, "max_logprob_diff": 0.0, "thd": thd,
-              "mask_vs_thd_diff": max((float(((m["old_logp"] - p["old_logp"]).abs() * p["loss_mask"]).max())
+              "mask_vs_thd_diff": max((float(((old_logprobs(m) - old_logprobs(p)).abs() * p["loss_mask"]).max())
                                        for m, p in zip(masked, packed)), default=0.0)}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         logp_of = {}
         for ids, batch in zip(padded_ids, padded):
             for j, i in enumerate(ids):
-                logp_of[i] = (batch["old_logp"][j], batch["loss_mask"][j])
+                logp_of[i] = (old_logprobs(batch)[j], batch["loss_mask"][j])
         packed_here = set()
         for ids, batch in zip(packed_ids, packed):
             for j, i in enumerate(ids):
@@ -105,7 +105,7 @@ def main() -> None:
                 if ref is None:
                     continue
                 assert torch.equal(ref_mask[:width], mask) and ref_mask[width:].sum() == 0
-                diff = float(((batch["old_logp"][j] - ref[:width]).abs() * mask).max())
+                diff = float(((old_logprobs(batch)[j] - ref[:width]).abs() * mask).max())
                 result["max_logprob_diff"] = max(result["max_logprob_diff"], diff)
                 result["rows_compared"] += 1
 
