@@ -145,4 +145,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_rl.spec.local_ranks import exit_process
+
+    try:
+        code = main()
+    except SystemExit as stop:  # a preemption's save-and-exit (Preempted) or a stop handler's exit
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+        code = stop.code if isinstance(stop.code, int) or stop.code is None else 1
+    exit_process(code)

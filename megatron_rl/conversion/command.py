@@ -110,4 +110,6 @@ def _megatron_to_hf(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megatron_rl.spec.local_ranks import exit_process
+
+    exit_process(main(sys.argv[1:]))

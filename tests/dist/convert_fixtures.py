@@ -134,4 +134,6 @@ if __name__ == "__main__":
     from megatron_rl.conversion import worker
 
     worker.TASKS["reward_fixture"] = run_reward_fixture
-    sys.exit(worker.main(sys.argv[1:]))
+    from megatron_rl.spec.local_ranks import exit_process
+
+    exit_process(worker.main(sys.argv[1:]))

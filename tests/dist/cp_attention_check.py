@@ -326,4 +326,6 @@ def _numbers(obj):
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_rl.spec.local_ranks import exit_process
+
+    exit_process(main())

@@ -329,4 +329,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_rl.spec.local_ranks import exit_process
+
+    exit_process(main())

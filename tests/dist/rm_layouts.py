@@ -168,4 +168,6 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    from megatron_rl.spec.local_ranks import exit_process
+
+    exit_process(main(Path(sys.argv[1])))
