@@ -290,3 +290,41 @@ def test_a_teacher_twice_the_size_by_hand():
     assert parked.breakdown_s["teacher"] == pytest.approx(2.0 * passes + 2 * teacher_bytes / host, rel=1e-6)
     # a teacher kept on the GPUs while generating leaves the KV pool less room
     assert held.kv_pool.budget < base.kv_pool.budget == pytest.approx(parked.kv_pool.budget)
+
+
+def _grpo_result(layout, **sizing):
+    return evaluate(load_model_shape("llama-3.3-70b"), layout, num_gpus=64, gpu_type=H100, global_batch_size=512,
+                    seq_length=4096, mode="grpo", grpo=GrpoSizing(**{**SIZING, **sizing}), top_k=0)
+
+
+def test_environment_replies_count_in_the_kv_pool_the_prefill_and_the_training_length():
+    """Multi-turn episodes (GrpoSizing.turns, reply_tokens): each row's replies are prefilled between its turns,
+    held in the KV pool beside its tokens and trained over (padded rows: the longest row holds twice the mean
+    replies); the decoded tokens stay the policy's. One turn has no replies to count."""
+    layout = "tp=8,pp=1,cp=1,mbs=1,recompute=full"
+    base, multi = _grpo_result(layout), _grpo_result(layout, turns=3, reply_tokens=256)
+    assert _grpo_result(layout, turns=1, reply_tokens=256).estimate.breakdown_s == base.estimate.breakdown_s
+    grpo = multi.workload["grpo"]
+    assert (grpo["turns"], grpo["reply_tokens"]) == (3, 256) and "turns" not in base.workload["grpo"]
+    assert base.workload["grpo"]["train_seq_length"] == 1024 + 2048
+    assert grpo["train_seq_length"] == 1024 + 2048 + 2 * 256
+    rows = base.estimate.kv_pool.rows
+    assert multi.estimate.kv_pool.rows == rows  # every row of the rank decodes at once, the pool has room for them
+    assert multi.estimate.kv_pool.tokens - base.estimate.kv_pool.tokens == pytest.approx(rows * 256, rel=1e-9)
+    b, m = base.estimate.breakdown_s, multi.estimate.breakdown_s
+    assert m["generation_prefill"] > b["generation_prefill"] and m["generation_decode"] > b["generation_decode"]
+    five = _grpo_result(layout, turns=5, reply_tokens=256).estimate.breakdown_s
+    # the same reply tokens in more, smaller chunks: more passes at least as long, never less
+    assert five["generation_prefill"] >= m["generation_prefill"] and five["generation_decode"] == m["generation_decode"]
+    assert m["compute"] > b["compute"]  # the training forwards run over the replies too
+
+
+def test_an_environment_config_gives_the_planner_its_turns_and_replies(capsys):
+    planned = _plan_json(capsys, "--config", "grpo_python_math_llama8b")
+    assert (planned["workload"]["grpo"]["turns"], planned["workload"]["grpo"]["reply_tokens"]) == (5, 300)
+    without = _plan_json(capsys, "--config", "grpo_python_math_llama8b", "environment.mean_reply_tokens=0")
+    assert planned["kv_pool"]["tokens"] > without["kv_pool"]["tokens"]
+    assert planned["predicted"]["step_time_s"] > without["predicted"]["step_time_s"]
+    assert cli(["plan", "--config", "grpo_python_math_llama8b", "environment.mean_reply_tokens=5000"]) == 2
+    assert "environment.mean_reply_tokens=5000 must be below environment.max_episode_tokens=4096" in \
+        capsys.readouterr().err

@@ -182,6 +182,12 @@ class GrpoSizing:
     optimizer_offloaded_for_generation: bool = False
     """True when optimizer state and grads wait in host memory while generating (generation.offload_optimizer):
     with the KV cache released for training, the cache also reuses their memory; the copies cost host-link time."""
+    turns: int = 1
+    """Policy turns of an episode (environment.max_turns, taken at the most; 1: single-turn completions): each turn
+    after the first prefills the environment's reply onto the row."""
+    reply_tokens: int = 0
+    """Tokens of the environment's replies in a mean episode (environment.mean_reply_tokens): held in the KV pool,
+    prefilled between turns (not decoded) and in the training forwards (out of the loss)."""
     micro_batch_tokens: int | None = None
     """parallel.micro_batch_tokens: the training and log-prob forwards pack rows into micro-batches of this many
     tokens, computing the rows' own tokens (plus PACKING_SLACK), not every row padded to the longest; None =

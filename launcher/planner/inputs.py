@@ -105,7 +105,7 @@ def teacher_sizing(teacher: Any, student: Any) -> dict:
 
 def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_length: int | None = None) -> GrpoSizing:
     """The GrpoSizing of an RL job: rollout size, response length (generation.max_new_tokens) and mean length
-    (``mean_response_length``, else generation.mean_new_tokens), group size, the engine's KV pool
+    (``mean_response_length``, else generation.mean_new_tokens), an environment's turns and reply tokens, group size, the engine's KV pool
     (generation.kv_memory_gib, kv_block_tokens, max_concurrent; picked by the planner on GPU jobs when null),
     reference model (kl_coef > 0), old log-prob recompute, epochs, colocated reward model,
     KV cache released for training and optimizer offload (generation.offload_optimizer; never with rollout tasks, where
@@ -115,9 +115,11 @@ def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_leng
         raise ConfigError(f"--mean-response-len {mean_response_length}: give a length from 1 to the longest response "
                           f"(generation.max_new_tokens={gen.max_new_tokens})")
     mean = mean_response_length if mean_response_length is not None else gen.mean_new_tokens
+    env = cfg.environment
     engine = dict(max_response_length=gen.max_new_tokens, mean_response_length=mean,
                   generation_concurrency=gen.max_concurrent, kv_memory_gib=gen.kv_memory_gib,
-                  kv_block_tokens=gen.kv_block_tokens, plans_kv_memory=cfg.cluster.has_gpus)
+                  kv_block_tokens=gen.kv_block_tokens, plans_kv_memory=cfg.cluster.has_gpus,
+                  **(dict(turns=env.max_turns, reply_tokens=env.mean_reply_tokens) if env.name is not None else {}))
     if algo.name == "eval":  # held-out batches of prompts_per_step prompts x eval.samples, no reference or training
         return GrpoSizing(rollout_batch_size=algo.prompts_per_step * cfg.eval.samples,
                           samples_per_prompt=cfg.eval.samples, reference_model=False, recompute_old_logprobs=False,

@@ -67,6 +67,9 @@ def _grpo_line(grpo: dict | None) -> list[str]:
             f"{grpo['max_prompt_length']} + up to {grpo['max_response_length']} tokens, mean response "
             f"{grpo['mean_response_length']:g} (--mean-response-len or generation.mean_new_tokens)"
             + (f", at most {concurrency} decoded at once per rank (generation.max_concurrent)" if concurrency else ""),
+            *([f"            episodes of up to {grpo['turns']} turns with {grpo['reply_tokens']:g} tokens of environment "
+               "replies on average (environment.max_turns, mean_reply_tokens): prefilled between turns, held in the "
+               "KV pool and trained over, out of the loss"] if grpo.get("turns", 1) > 1 else []),
             f"            {grpo['optimizer_steps']} optimizer steps at {grpo['train_seq_length']} tokens"
             + "".join(f", {x}" for x in extras)]
 

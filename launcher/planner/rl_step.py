@@ -127,11 +127,21 @@ class Rollout:
     """Optimizer mini-batches of global_batch_size sequences per rollout."""
     steps: int
     """Optimizer steps per RL step: epochs x minibatches (0 for eval)."""
+    turns: int = 1
+    """Policy turns per episode (GrpoSizing.turns)."""
+    reply: float = 0.0
+    """Environment reply tokens of a mean row (GrpoSizing.reply_tokens): context, prefilled between turns; the
+    longest row is taken to hold twice as many."""
 
     @property
     def trained_tokens(self) -> float:
-        """Real (unpadded) tokens of the rollout: NeMo RL's tokens/s/GPU numerator."""
-        return self.sequences * (self.prompt + self.mean_response)
+        """Real (unpadded) tokens of the rollout, environment replies included: NeMo RL's tokens/s/GPU numerator."""
+        return self.sequences * (self.prompt + self.mean_response + self.reply)
+
+    @property
+    def longest(self) -> float:
+        """The longest row: prompt, the longest response and (multi-turn) twice the mean replies."""
+        return self.prompt + self.response + 2 * self.reply
 
 
 def rollout(w: Workload) -> Rollout:
@@ -144,11 +154,12 @@ def _rollout(w: Workload) -> Rollout:
     sequences, prompt, response, concurrency = w.grpo_sizes()
     mean = g.mean_response_length if g.mean_response_length is not None else response / 2
     minibatches = max(1, sequences // w.global_batch_size)
-    train_seq = (math.ceil((prompt + mean) * PACKING_SLACK) if g.packed else prompt + response)
+    reply = g.reply_tokens if g.turns > 1 else 0
+    train_seq = (math.ceil((prompt + mean + reply) * PACKING_SLACK) if g.packed else prompt + response + 2 * reply)
     return Rollout(sequences=sequences, prompt=prompt, response=response, mean_response=float(mean),
                    group=max(1, g.samples_per_prompt), concurrency=concurrency,
                    train_seq=min(w.seq_length, train_seq), minibatches=minibatches,
-                   steps=0 if w.mode == "eval" else g.epochs * minibatches)
+                   steps=0 if w.mode == "eval" else g.epochs * minibatches, turns=max(1, g.turns), reply=float(reply))
 
 
 def packed_micro_batch(w: Workload, rows_per_rank: int) -> int:
@@ -317,13 +328,13 @@ def _kv_pool(w: Workload, L: Layout) -> KvPool:
     if g.kv_memory_gib is not None:
         tokens, source = g.kv_memory_gib * GIB / (most * per_token_layer), "given"
     elif not plans:
-        tokens, source = share * (r.prompt + r.response), "every row"
+        tokens, source = share * r.longest, "every row"
     else:
         at_once = min(share, r.concurrency or math.inf)
-        needed = at_once * (r.prompt / r.group + min(r.response, KV_HEADROOM * r.mean_response)
+        needed = at_once * (r.prompt / r.group + min(r.response, KV_HEADROOM * r.mean_response) + r.reply
                             + g.kv_block_tokens / 2)
         room = min(_room_tokens(w, L, r, gr, held, per_token_layer) for gr in groups)
-        least = L.dims.pp * (r.prompt + r.response)  # one row at its longest in each pipeline part: the engine's floor
+        least = L.dims.pp * r.longest  # one row at its longest in each pipeline part: the engine's floor
         tokens, source = max(least, min(needed, room)), "chosen"
     rows = min(share, r.concurrency or math.inf)
     if source != "every row":  # every row has its blocks from the start; otherwise the pool sets how many decode
@@ -334,9 +345,10 @@ def _kv_pool(w: Workload, L: Layout) -> KvPool:
 def _held_per_row(w: Workload, r: Rollout) -> float:
     """KV tokens a decoding row holds on average while rows wait: its share of the group's prompt, half a block of
     rounding, and the response so far. A row of length n holds n/2 on average over the n steps it decodes, so a
-    slot holds E[n^2] / (2 E[n]) = 2/3 of the mean for lengths spread evenly up to twice the mean."""
+    slot holds E[n^2] / (2 E[n]) = 2/3 of the mean for lengths spread evenly up to twice the mean; the
+    environment's replies, which arrive through the episode, count half."""
     g = w.grpo or GrpoSizing()
-    return r.prompt / r.group + g.kv_block_tokens / 2 + min(r.response, 2 * r.mean_response / 3)
+    return r.prompt / r.group + g.kv_block_tokens / 2 + min(r.response, 2 * r.mean_response / 3) + r.reply / 2
 
 
 def _room_tokens(w: Workload, L: Layout, r: Rollout, gr: RankGroup, held: float, per_token_layer: float) -> float:
@@ -424,12 +436,14 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
     steps; then the last rows drain over up to the longest response, the rows fed falling as they finish and
     leave the batch (mean / max of them on average). A fed row reads its prompt and 2/3 of
     the mean response of KV a step (``_held_per_row``). Each group's prompt is prefilled once, with the groups
-    admitted together: share / rows prefill forwards of rows / group prompts."""
+    admitted together: share / rows prefill forwards of rows / group prompts. Multi-turn (``r.turns`` > 1): each
+    later turn prefills every row's share of the replies (``r.reply`` over turns - 1 chunks), and a decode step
+    reads half the replies' KV too."""
     share = r.sequences / (L.dims.dp * L.dims.cp)
     pool = kv_pool(w, L)
     rows = min(share, pool.rows)
     stages = _stages(w, L)
-    context = r.prompt + min(r.response, 2 * r.mean_response / 3)
+    context = r.prompt + min(r.response, 2 * r.mean_response / 3) + r.reply / 2
 
     def step(fed: float) -> float:
         t = _pipelined_decode_step(w, L, stages, fed, lambda st, n: _decode_part(w, L, st, n, context))
@@ -441,7 +455,12 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
     full_steps = max(0.0, share * r.mean_response / rows - r.mean_response)
     tail_fed = max(1.0, rows * min(1.0, r.mean_response / r.response))
     decode = full_steps * step(rows) + r.response * step(tail_fed)
-    return share / rows * prefill_of(max(1.0, rows / r.group)), decode
+    prefill = share / rows * prefill_of(max(1.0, rows / r.group))
+    if r.turns > 1 and r.reply:
+        chunk = r.reply / (r.turns - 1)  # one reply: prefilled onto each fed row between its turns
+        replies = _pipelined(w, L, stages, rows, lambda st, n: _prefill_part(w, L, st, n * chunk, chunk))
+        prefill += share / rows * (r.turns - 1) * replies
+    return prefill, decode
 
 
 def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:

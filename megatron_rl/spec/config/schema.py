@@ -410,10 +410,19 @@ class EnvironmentConfig:
     """Tokens of a whole conversation (prompt, turns and replies); it ends the episode there."""
     step_timeout_s: float = 30.0
     """Seconds one environment step may take; a slower one ends its episode (its tools have their own limits)."""
+    mean_reply_tokens: int = 0
+    """Tokens of the environment's replies in a mean episode (tool outputs, the user's next messages), for the
+    planner: the rows hold them in the KV pool, the engine prefills them between turns, and the training forwards
+    run over them (out of the loss). 0: only the policy's tokens are counted. The episode's policy tokens are
+    generation.max_new_tokens at most and generation.mean_new_tokens on average, as for single turns."""
 
     def __post_init__(self) -> None:
         _positive("environment", max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
                   max_episode_tokens=self.max_episode_tokens, step_timeout_s=self.step_timeout_s)
+        _non_negative("environment", mean_reply_tokens=self.mean_reply_tokens)
+        if self.mean_reply_tokens >= self.max_episode_tokens:
+            raise ConfigError(f"environment.mean_reply_tokens={self.mean_reply_tokens} must be below "
+                              f"environment.max_episode_tokens={self.max_episode_tokens}")
         if self.max_turn_tokens >= self.max_episode_tokens:
             raise ConfigError(f"environment.max_turn_tokens={self.max_turn_tokens} must be below "
                               f"environment.max_episode_tokens={self.max_episode_tokens}")
