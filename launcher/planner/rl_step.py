@@ -210,9 +210,8 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
     train_time = r.steps * step_s
     split, gpus = None, w.num_gpus
     if w.split is None:
-        key = ("generation", layout.dims.tp, layout.dims.pp, layout.dims.vpp, layout.dims.cp, layout.dims.ep, layout.dims.dp,
-               layout.dims.first_stage_layers, layout.dims.last_stage_layers, layout.dims.account_for_embedding,
-               layout.dims.account_for_loss)
+        d = layout.dims
+        key = ("generation", d.tp, d.pp, d.vpp, d.cp, d.ep, d.dp, *d.split())
         prefill, decode = w._cached(key, lambda: generation_time(w, layout, r))
         offloads = g.optimizer_offloaded_for_generation and w.mode != "eval"
         offload = 2 * optimizer_bytes / w.host_link if offloads else 0.0
@@ -386,8 +385,7 @@ def _teacher_bytes(w: Workload, L: Layout) -> float:
 
 
 def _groups(w: Workload, L: Layout) -> tuple:
-    return rank_groups(w.shape.moe_layers, w.shape.num_layers, L.dims.pp, L.dims.vpp, L.dims.first_stage_layers,
-                       L.dims.last_stage_layers, L.dims.account_for_embedding, L.dims.account_for_loss)
+    return rank_groups(w.shape.moe_layers, w.shape.num_layers, L.dims.pp, L.dims.vpp, *L.dims.split())
 
 
 def _kv_token_layer_bytes(w: Workload, L: Layout) -> float:

@@ -327,8 +327,7 @@ def _generation_bytes(w: Workload, layout: Layout, overhead: float) -> float:
 def _static_bytes(w: Workload, layout: Layout) -> float:
     """Weights + grads + optimizer bytes on the fullest pipeline rank."""
     s = w.shape
-    groups = rank_groups(s.moe_layers, s.num_layers, layout.dims.pp, layout.dims.vpp, layout.dims.first_stage_layers,
-                         layout.dims.last_stage_layers, layout.dims.account_for_embedding, layout.dims.account_for_loss)
+    groups = rank_groups(s.moe_layers, s.num_layers, layout.dims.pp, layout.dims.vpp, *layout.dims.split())
     wb, gb, _ = w.weight_bytes_per_param(1)
     opt = ADAM_BYTES_PER_PARAM if gb else 0.0  # eval holds no optimizer
     dist = w.runtime.distributed_optimizer

@@ -218,10 +218,15 @@ def store_logprobs(batches: list[dict], key: str, values: list) -> None:
         batch[key] = value
 
 
+def old_logprob_key(batch: dict) -> str:
+    """Where pi_old, the anchor of the clipped ratio, is: the trainer's recomputation (``old_logp``) when it made
+    one, else the log-probs of the policy that sampled the rollout (``behav_logp``)."""
+    return "old_logp" if "old_logp" in batch else "behav_logp"
+
+
 def old_logprobs(batch: dict) -> torch.Tensor:
-    """pi_old, the anchor of the clipped ratio: the trainer's recomputation (``old_logp``) when it made one, else
-    the log-probs of the policy that sampled the rollout (``behav_logp``)."""
-    return batch["old_logp"] if "old_logp" in batch else batch["behav_logp"]
+    """pi_old of a micro-batch (``old_logprob_key``)."""
+    return batch[old_logprob_key(batch)]
 
 
 def sum_over_context_parallel(values: torch.Tensor) -> torch.Tensor:

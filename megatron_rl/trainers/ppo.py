@@ -37,7 +37,7 @@ from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
 from megatron_rl.models import unwrap
 from megatron_rl.models.packed_sequences import as_rows
 from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
-from megatron_rl.rollout.batch import REPORTS, make_grpo_loss
+from megatron_rl.rollout.batch import REPORTS, make_grpo_loss, old_logprob_key
 from megatron_rl.rollout.packing import ROW_IDS
 from megatron_rl.runtime.phases import generation_phase, training_phase
 from megatron_rl.runtime.training import build_engine, logits_forward
@@ -150,7 +150,7 @@ class PpoRun(GrpoRun):
 
     def _gae_over_rollout(self, minibatches: list[list[dict]]) -> torch.Tensor:
         algo = self.algo
-        policy = "old_logp" if "old_logp" in minibatches[0][0] else "behav_logp"  # pi_old (batch.old_logprobs)
+        policy = old_logprob_key(minibatches[0][0])
         keys = ["loss_mask", "old_values", policy] + (["ref_logp"] if algo.kl_in_reward and algo.kl_coef else [])
         whole = _whole_rollout(minibatches, keys + ["sequence_reward"], minibatch_rows=algo.global_batch_size)
         rows = whole["sequence_reward"]
