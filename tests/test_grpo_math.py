@@ -21,7 +21,7 @@ from megatron_rl.algorithms.policy_loss import (
     policy_ratio_loss,
     sequence_log_ratio,
 )
-from megatron_rl.rollout.batch import make_grpo_loss
+from megatron_rl.rollout.batch import RolloutBatch, make_grpo_loss
 
 
 def t(values):
@@ -419,6 +419,13 @@ def tensor_parallel_group():
     torch.distributed.destroy_process_group()
 
 
+def rollout_batch(*, labels: torch.Tensor, **entries) -> RolloutBatch:
+    """A padded micro-batch of these entries (its inputs, positions and row ids made up: the loss reads none)."""
+    rows, width = labels.shape
+    return RolloutBatch(tokens=labels, labels=labels, position_ids=torch.arange(width).expand(rows, -1),
+                        row_ids=torch.arange(rows), **entries)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_trainer_loss_function_is_grpo_loss_on_logits(tensor_parallel_group, mode):
     """make_grpo_loss (what Engine.train_step runs) on logits = grpo_loss on log_softmax of the same logits,
@@ -431,7 +438,7 @@ def test_trainer_loss_function_is_grpo_loss_on_logits(tensor_parallel_group, mod
     ref = torch.randn(3, 4, generator=gen) * 0.1 - 2.0
     adv = t([1.0, -0.5, 2.0])
     cfg = loss_config(kl_coef=0.05, loss_aggregation=mode, max_response_len=4)
-    batch = {"labels": labels, "loss_mask": mask, "behav_logp": old, "ref_logp": ref, "advantages": adv}
+    batch = rollout_batch(labels=labels, loss_mask=mask, behav_logp=old, ref_logp=ref, advantages=adv)
     loss_sum, denominator, reports = make_grpo_loss(cfg)(logits.clone().requires_grad_(), batch)
 
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -450,8 +457,8 @@ def test_trainer_loss_function_is_grpo_loss_on_logits(tensor_parallel_group, mod
 
 def test_trainer_loss_without_reference_reports_zero_kl(tensor_parallel_group):
     logits = torch.zeros(1, 2, 5)
-    batch = {"labels": torch.tensor([[1, 2]]), "loss_mask": torch.ones(1, 2), "behav_logp": torch.full((1, 2), -math.log(5)),
-             "advantages": t([1.0])}
+    batch = rollout_batch(labels=torch.tensor([[1, 2]]), loss_mask=torch.ones(1, 2),
+                          behav_logp=torch.full((1, 2), -math.log(5)), advantages=t([1.0]))
     loss_sum, denominator, reports = make_grpo_loss(loss_config(kl_coef=0.0))(logits, batch)
     assert (loss_sum / denominator).item() == pytest.approx(-1.0)  # ratio 1, A = 1: -A
     assert reports["kl"][0].item() == 0.0

@@ -10,13 +10,14 @@ TP2·EP2·SP, PP2 and DP2 are packed in tests/test_grpo_layouts.py.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 import pytest
 import torch
 
 from helpers import REPO_ROOT, torchrun_check
 from megatron_rl.models.packed_sequences import as_rows, attention_inputs
-from megatron_rl.rollout.batch import collate_rollout
+from megatron_rl.rollout.batch import collate_rollout, old_logprob_key, old_logprobs, store_logprobs
 from megatron_rl.rollout.packing import collate_packed, pack_minibatch, pack_rows, row_tokens
 from megatron_rl.spec.config import load_config
 from megatron_rl.spec.config.validate import check_layout
@@ -103,6 +104,30 @@ def test_the_packed_row_view_equals_the_padded_micro_batch():
         assert torch.equal(as_rows(packed[key], packed)[valid], padded[key][:, :width][valid]), key
     assert as_rows(torch.arange(packed["tokens"].shape[1])[None], packed)[~valid].eq(0).all()
     assert torch.equal(as_rows(padded["labels"], padded), padded["labels"])  # a padded batch passes through
+
+
+def test_a_rollout_micro_batch_is_typed_and_reads_as_a_mapping_of_its_set_entries():
+    """Trainers and losses read RolloutBatch's fields; Megatron's schedule (shared with the dict batches of SFT,
+    DPO and RM) reads the set entries by name. Log-probs are set by name only among LOGPROB_KEYS, and pi_old is
+    the recomputation when there is one."""
+    rows = _rows(2)
+    padded = collate_rollout(rows, seq_length=max(row_tokens(r) for r in rows), pad_id=0, row_ids=[6, 5, 4, 3, 2, 1, 0])
+    assert isinstance(padded, Mapping) and set(padded) == {"tokens", "labels", "position_ids", "loss_mask",
+                                                           "advantages", "behav_logp", "row_ids"}
+    assert padded["row_ids"].tolist() == [6, 5, 4, 3, 2, 1, 0] and "routes" not in padded
+    assert padded.get("attention_mask") is None and "attention_mask" in collate_packed(rows, packed_length=64,
+                                                                                       pad_id=0, thd=False)
+    with pytest.raises(KeyError):
+        padded["old_logp"]  # not set: absent from the mapping, None as a field
+    assert old_logprob_key(padded) == "behav_logp" and old_logprobs(padded) is padded.behav_logp
+    recomputed = padded.behav_logp + 0.5
+    store_logprobs([padded], "old_logp", [recomputed])
+    assert old_logprob_key(padded) == "old_logp" and old_logprobs(padded) is recomputed
+    assert padded.behav_logp is not recomputed  # the rollout's own log-probs keep their meaning
+    with pytest.raises(KeyError, match="behav_logp, old_logp, ref_logp, teacher_logp"):
+        store_logprobs([padded], "advantages", [recomputed])
+    with pytest.raises(AttributeError):
+        padded.old_logprobs = recomputed  # a misspelt field is an error, not a new entry
 
 
 def test_each_row_attends_to_itself_causally_and_the_padding_to_itself():

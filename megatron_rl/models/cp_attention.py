@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Iterable, Optional
 
 import torch
@@ -240,9 +241,10 @@ def _sequence_keys(batch: dict, seq_length: int) -> list[str]:
     return keys
 
 
-def slice_batch_for_cp(batch: dict, keys: Optional[Iterable[str]] = None, seq_key: str = "tokens") -> dict:
+def slice_batch_for_cp(batch: Mapping, keys: Optional[Iterable[str]] = None, seq_key: str = "tokens") -> Mapping:
     """This CP rank's part of a micro-batch in Megatron's load-balanced order, via Megatron's own
-    ``get_batch_on_this_cp_rank`` (a new dict; the argument is not modified). At cp == 1 a shallow copy.
+    ``get_batch_on_this_cp_rank``: a new batch of the argument's type (a dict, or a typed batch such as
+    ``megatron_rl.rollout.batch.RolloutBatch``, a dataclass), which is not modified. At cp == 1 the batch itself.
 
     ``keys``: the per-token entries to slice along dim 1 (``attention_mask`` [b, 1, s, s] along dim 2, its query
     dim). Default: every tensor whose dim 1 (``attention_mask``: dim 2) has ``batch[seq_key]``'s length, e.g.
@@ -251,14 +253,13 @@ def slice_batch_for_cp(batch: dict, keys: Optional[Iterable[str]] = None, seq_ke
     """
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    out = dict(batch)
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
-        return out
+        return batch
     seq_length = batch[seq_key].size(1)
     if seq_length % (2 * cp):
         raise ValueError(f"sequence length {seq_length} is not divisible by 2 * cp = {2 * cp}")
     keys = _sequence_keys(batch, seq_length) if keys is None else list(keys)
-    out.update(get_batch_on_this_cp_rank({key: batch[key] for key in keys}, is_hybrid_cp=False,
-                                         cp_group=parallel_state.get_context_parallel_group()))
-    return out
+    sliced = get_batch_on_this_cp_rank({key: batch[key] for key in keys}, is_hybrid_cp=False,
+                                       cp_group=parallel_state.get_context_parallel_group())
+    return dataclasses.replace(batch, **sliced) if dataclasses.is_dataclass(batch) else {**batch, **sliced}

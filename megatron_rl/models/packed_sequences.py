@@ -19,19 +19,21 @@ to T, and two views of the rows:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 
-def is_packed(batch: dict) -> bool:
+def is_packed(batch: Mapping) -> bool:
     return "row_index" in batch
 
 
-def packed_forward_kwargs(batch: dict) -> dict:
+def packed_forward_kwargs(batch: Mapping) -> dict:
     """A packed micro-batch's sequence boundaries for Transformer Engine, as a model forward takes them."""
     return {"packed_seq_params": batch["packed_seq_params"]} if "packed_seq_params" in batch else {}
 
 
-def as_rows(values: torch.Tensor, batch: dict) -> torch.Tensor:
+def as_rows(values: torch.Tensor, batch: Mapping) -> torch.Tensor:
     """``values`` [1, T, ...] of a packed micro-batch as [rows, L, ...] (zeros past each row's end); a padded
     micro-batch's ``values`` [rows, S, ...] are returned as they are."""
     if not is_packed(batch):

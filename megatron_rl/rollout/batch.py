@@ -11,6 +11,8 @@ group) and count each sequence once (on CP rank 0).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -19,18 +21,91 @@ import torch
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
 from megatron_rl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_rl.models.packed_sequences import as_rows
-from megatron_rl.rollout.packing import response_loss_mask
 
 REPORTS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_min", "ratio_max")
 OFF_POLICY_REPORTS = ("behav_weight_mean", "behav_capped_fraction", "behav_weight_max")
 """Reported besides REPORTS when the loss corrects for the behaviour policy (``algorithm.off_policy_correction``)."""
 TEACHER_REPORTS = ("teacher_kl",)
 """Reported besides REPORTS with on-policy distillation (``algorithm.teacher``)."""
-LOGPROB_KEYS = {"behav_logp": "the policy that sampled the rollout (generation's log-probs, maybe older weights)",
-                "old_logp": "pi_old / pi_prox: the trainer's training-forward recomputation at the step's first "
-                            "weights (algorithm.recompute_old_logprobs; absent: behav_logp stands for it)",
-                "ref_logp": "the frozen KL reference", "teacher_logp": "the distillation teacher"}
-"""A rollout micro-batch's per-token log-probs, each named by the policy that gave it; none changes meaning."""
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class RolloutBatch(Mapping):
+    """One training micro-batch of rollout rows, padded (``collate_rollout``: ``[rows, S]``) or packed
+    (``megatron_rl.rollout.packing.collate_packed``: the model's entries ``[1, T]``, the losses' ``[rows, L]``).
+
+    Its log-probs are named by the policy that gave them, and none changes meaning: ``behav_logp`` comes with the
+    rollout, the trainer sets ``old_logp``, ``ref_logp`` and ``teacher_logp`` from the forwards that compute them
+    (the engine returns them). The trainers and losses read the fields; Megatron's schedule, shared with the SFT,
+    DPO and RM trainers' dict batches, reads it as a mapping of its set entries (``batch["tokens"]``,
+    ``"routes" in batch``)."""
+
+    tokens: torch.Tensor
+    """Input ids: ``[rows, S]`` padded, ``[1, T]`` packed."""
+    labels: torch.Tensor
+    """Each position's next token, shaped as ``tokens``."""
+    position_ids: torch.Tensor
+    """Shaped as ``tokens`` (restarting at 0 in each packed row)."""
+    loss_mask: torch.Tensor
+    """``[rows, L]`` float: 1 at the label positions of the tokens the policy sampled and trains on."""
+    advantages: torch.Tensor
+    """``[rows]``, one per completion (GRPO); PPO replaces it by GAE's per-token ``[rows, L]``."""
+    behav_logp: torch.Tensor
+    """``[rows, L]``: the policy that sampled the rollout (generation's log-probs, maybe of older weights)."""
+    row_ids: torch.Tensor
+    """``[rows]`` long: each row's index in its mini-batch's rows; ``-1 - i`` is a copy of row i kept out of the loss
+    (``megatron_rl.rollout.packing.pack_rows``' fallback)."""
+    old_logp: Optional[torch.Tensor] = None
+    """pi_old / pi_prox: the trainer's training-forward recomputation at the step's first weights
+    (algorithm.recompute_old_logprobs); None: ``behav_logp`` stands for it (``old_logprobs``)."""
+    ref_logp: Optional[torch.Tensor] = None
+    """The frozen KL reference's (algorithm.kl_coef > 0)."""
+    teacher_logp: Optional[torch.Tensor] = None
+    """The distillation teacher's (algorithm.teacher)."""
+    routes: Optional[torch.Tensor] = None
+    """Router replay: the experts generation chose, ``[rows or 1, S or T, slots, topk]``, ``NO_ROUTE`` past a row."""
+    row_index: Optional[torch.Tensor] = None
+    """Packed: ``[rows, L]`` long, each row label's position in the packed stream (``packed_sequences.as_rows``)."""
+    row_valid: Optional[torch.Tensor] = None
+    """Packed: ``[rows, L]`` bool, which of ``row_index`` hold the row's positions."""
+    attention_mask: Optional[torch.Tensor] = None
+    """Packed on a kernel without per-sequence attention: the block-diagonal causal mask ``[1, 1, T, T]``."""
+    packed_seq_params: Any = None
+    """Packed with per-sequence attention: Megatron's ``PackedSeqParams`` (THD)."""
+    sequence_reward: Optional[torch.Tensor] = None
+    """PPO: ``[rows]``, each completion's reward (placed at its last token by GAE)."""
+    old_values: Optional[torch.Tensor] = None
+    """PPO: ``[rows, L]``, the critic's values before the step's updates."""
+    returns: Optional[torch.Tensor] = None
+    """PPO: ``[rows, L]``, GAE's returns (the value loss's targets)."""
+
+    def __getitem__(self, key: str):
+        value = getattr(self, key, None) if key in _BATCH_FIELDS else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in _BATCH_FIELDS if getattr(self, name) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def replace(self, **entries) -> "RolloutBatch":
+        """A copy with ``entries`` in place of its own (the context-parallel slice, for one)."""
+        return dataclasses.replace(self, **entries)
+
+    def to_device(self) -> "RolloutBatch":
+        """On the accelerator when there is one (each tensor entry copied without blocking)."""
+        if not torch.cuda.is_available():
+            return self
+        return self.replace(**{name: value.cuda(non_blocking=True) for name, value in self.items()
+                               if isinstance(value, torch.Tensor)})
+
+
+_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
+LOGPROB_KEYS = ("behav_logp", "old_logp", "ref_logp", "teacher_logp")
+"""A rollout micro-batch's per-token log-probs, each named by the policy that gave it (``RolloutBatch``)."""
 
 
 @dataclass
@@ -120,12 +195,11 @@ class Rollout:
         return -(-longest // self.seq_multiple) * self.seq_multiple
 
 
-def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
-    """A training micro-batch of rollout rows, right-padded; loss_mask marks the response's label positions.
-
-    Its log-probs are named by the policy that gave them (LOGPROB_KEYS): the rollout's own are ``behav_logp``;
-    the trainer adds ``old_logp``, ``ref_logp`` and ``teacher_logp`` from the forwards that compute them. Rows with
-    ``routes`` (router replay) give ``routes`` [b, seq_length, slots, topk], ``NO_ROUTE`` past each row's end."""
+def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int,
+                    row_ids: Optional[list[int]] = None) -> RolloutBatch:
+    """A padded training micro-batch of rollout rows (``row_ids``: their places in the mini-batch, default
+    0, 1, ...); ``loss_mask`` marks the response's label positions. Rows with ``routes`` (router replay) give
+    ``routes`` [b, seq_length, slots, topk], ``NO_ROUTE`` past each row's end."""
     batch_size = len(rows)
     tokens = torch.full((batch_size, seq_length + 1), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((batch_size, seq_length), dtype=torch.float32)
@@ -139,14 +213,23 @@ def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int) -> dict:
         loss_mask[i, start:end] = response_loss_mask(row)
         behav_logp[i, start:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
         advantages[i] = row["advantage"]
-    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
-             "behav_logp": behav_logp, "advantages": advantages,
-             "position_ids": torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1).contiguous()}
+    routes = None
     if rows and "routes" in rows[0]:
-        batch["routes"] = _collate_routes([row["routes"] for row in rows], seq_length=seq_length)
-    if torch.cuda.is_available():
-        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-    return batch
+        routes = _collate_routes([row["routes"] for row in rows], seq_length=seq_length)
+    return RolloutBatch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(), loss_mask=loss_mask,
+                        behav_logp=behav_logp, advantages=advantages,
+                        position_ids=torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1).contiguous(),
+                        row_ids=torch.tensor(list(range(batch_size)) if row_ids is None else row_ids),
+                        routes=routes).to_device()
+
+
+def response_loss_mask(row: dict) -> torch.Tensor:
+    """The loss weight of each response token of a rollout row: 1, or 0 for the row kept out of the loss
+    (``in_loss``) and for a multi-turn reply's tokens (``response_mask`` 0: context the policy did not sample)."""
+    mask = torch.full((len(row["response_ids"]),), 1.0 if row.get("in_loss", True) else 0.0)
+    if row.get("response_mask"):
+        mask = mask * torch.tensor(row["response_mask"], dtype=torch.float32)
+    return mask
 
 
 def _collate_routes(routes: list[torch.Tensor], *, seq_length: int) -> torch.Tensor:
@@ -179,16 +262,16 @@ def make_grpo_loss(config: GRPOLossConfig):
     Megatron sums both over micro-batches and data-parallel(-with-CP) ranks, so the step's loss is the global
     one. Under context parallelism the batch holds this CP rank's chunks: see the module docstring."""
 
-    def loss_fn(logits: torch.Tensor, batch: dict):
-        mask = batch["loss_mask"]
+    def loss_fn(logits: torch.Tensor, batch: RolloutBatch):
+        mask = batch.loss_mask
         entropy = as_rows(vocab_parallel_entropy(logits), batch)  # before the cross entropy, which works in place
-        logp = as_rows(vocab_parallel_logprobs(logits, batch["labels"]), batch)
+        logp = as_rows(vocab_parallel_logprobs(logits, batch.labels), batch)
         seq_lengths, counts_sequences = whole_sequence_lengths(mask)
-        loss_sum, metrics = grpo_loss(logp, old_logprobs(batch), batch["advantages"], mask, config=config,
-                                      ref_logp=batch.get("ref_logp"), entropy=entropy,
+        loss_sum, metrics = grpo_loss(logp, old_logprobs(batch), batch.advantages, mask, config=config,
+                                      ref_logp=batch.ref_logp, entropy=entropy,
                                       global_num_tokens=1, global_num_seqs=1, seq_lengths=seq_lengths,
                                       sum_over_parts=None if seq_lengths is None else sum_over_context_parallel,
-                                      behav_logp=batch["behav_logp"], teacher_logp=batch.get("teacher_logp"))
+                                      behav_logp=batch.behav_logp, teacher_logp=batch.teacher_logp)
         tokens = metrics["num_tokens"]
         sequences = metrics["num_seqs"] if counts_sequences else torch.zeros_like(metrics["num_seqs"])
         denominator = (tokens if config.loss_agg_mode == "token-mean" else sequences).to(torch.int)
@@ -209,22 +292,22 @@ def make_grpo_loss(config: GRPOLossConfig):
     return loss_fn
 
 
-def store_logprobs(batches: list[dict], key: str, values: list) -> None:
+def store_logprobs(batches: list[RolloutBatch], key: str, values: list) -> None:
     """Each micro-batch's ``key`` (one of LOGPROB_KEYS): its entry of ``values``, a forward's per-batch results
     (none on the pipeline stages that compute no loss)."""
     if key not in LOGPROB_KEYS:
         raise KeyError(f"{key} is not one of {', '.join(LOGPROB_KEYS)}")
     for batch, value in zip(batches, values):
-        batch[key] = value
+        setattr(batch, key, value)
 
 
-def old_logprob_key(batch: dict) -> str:
+def old_logprob_key(batch: RolloutBatch) -> str:
     """Where pi_old, the anchor of the clipped ratio, is: the trainer's recomputation (``old_logp``) when it made
     one, else the log-probs of the policy that sampled the rollout (``behav_logp``)."""
-    return "old_logp" if "old_logp" in batch else "behav_logp"
+    return "old_logp" if batch.old_logp is not None else "behav_logp"
 
 
-def old_logprobs(batch: dict) -> torch.Tensor:
+def old_logprobs(batch: RolloutBatch) -> torch.Tensor:
     """pi_old of a micro-batch (``old_logprob_key``)."""
     return batch[old_logprob_key(batch)]
 

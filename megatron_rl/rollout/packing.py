@@ -17,27 +17,17 @@ The model sees each micro-batch as one sequence of T tokens with per-row attenti
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_rl.models.packed_sequences import attention_inputs
-
-ROW_IDS = "row_ids"
-"""Batch key: ``[rows]`` long, each micro-batch row's index in its mini-batch's rows; ``-1 - i`` is a copy of row i
-kept out of the loss (``pack_rows``' fallback). Padded and packed micro-batches both carry it."""
+from megatron_rl.rollout.batch import RolloutBatch, response_loss_mask
 
 
 def row_tokens(row: dict) -> int:
     """Positions a rollout row takes in a training forward: its tokens but the last (inputs are shifted)."""
     return len(row["prompt_ids"]) + len(row["response_ids"]) - 1
-
-
-def response_loss_mask(row: dict) -> torch.Tensor:
-    """The loss weight of each response token of a rollout row: 1, or 0 for the row kept out of the loss
-    (``in_loss``) and for a multi-turn reply's tokens (``response_mask`` 0: context the policy did not sample)."""
-    mask = torch.full((len(row["response_ids"]),), 1.0 if row.get("in_loss", True) else 0.0)
-    if row.get("response_mask"):
-        mask = mask * torch.tensor(row["response_mask"], dtype=torch.float32)
-    return mask
 
 
 def pack_rows(lengths: list[int], *, dp: int, token_budget: int, multiple: int = 1,
@@ -114,7 +104,7 @@ def _to_count(bins: list[list[int]], lengths: list[int], count: int, spare: int)
 
 
 def pack_minibatch(rows: list[dict], *, dp: int, dp_rank: int, token_budget: int, multiple: int,
-                   count_multiple: int, pad_id: int, thd: bool) -> tuple[list[dict], dict]:
+                   count_multiple: int, pad_id: int, thd: bool) -> tuple[list[RolloutBatch], dict]:
     """This data-parallel rank's packed micro-batches of a mini-batch's rollout rows, and the mini-batch's
     packing figures (``train_tokens``: computed over every rank; ``real_tokens``: the rows')."""
     lengths = [row_tokens(row) for row in rows]
@@ -122,9 +112,8 @@ def pack_minibatch(rows: list[dict], *, dp: int, dp_rank: int, token_budget: int
                                  count_multiple=count_multiple)
     micro = []
     for indices in per_rank[dp_rank]:
-        batch = collate_packed([_row(rows, i) for i in indices], packed_length=packed, pad_id=pad_id, thd=thd)
-        batch[ROW_IDS] = torch.tensor(indices, device=batch["tokens"].device)
-        micro.append(batch)
+        micro.append(collate_packed([_row(rows, i) for i in indices], packed_length=packed, pad_id=pad_id, thd=thd,
+                                    row_ids=indices))
     figures = {"train_tokens": float(dp * len(per_rank[0]) * packed), "real_tokens": float(sum(lengths))}
     return micro, figures
 
@@ -133,9 +122,11 @@ def _row(rows: list[dict], index: int) -> dict:
     return rows[index] if index >= 0 else {**rows[_source(index)], "in_loss": False}
 
 
-def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bool) -> dict:
-    """One packed micro-batch of rollout rows (see ``megatron_rl.rollout.batch.collate_rollout`` for the padded
-    one, whose row-view entries ``loss_mask``, ``behav_logp`` and ``advantages`` these equal)."""
+def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bool,
+                   row_ids: Optional[list[int]] = None) -> RolloutBatch:
+    """One packed micro-batch of rollout rows (``row_ids``: their places in the mini-batch, default 0, 1, ...; see
+    ``megatron_rl.rollout.batch.collate_rollout`` for the padded one, whose row-view entries ``loss_mask``,
+    ``behav_logp`` and ``advantages`` these equal)."""
     widths = [row_tokens(row) for row in rows]
     width = max(widths)
     tokens = torch.full((packed_length + 1,), pad_id, dtype=torch.long)
@@ -162,16 +153,14 @@ def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bo
         starts.append(start + n)
     if starts[-1] < packed_length:  # the padding tail: a segment of its own
         starts.append(packed_length)
-    batch = {"tokens": tokens[None, :-1], "labels": labels[None], "position_ids": position_ids[None],
-             "row_index": row_index, "row_valid": row_valid, "loss_mask": loss_mask, "behav_logp": behav_logp,
-             "advantages": advantages}
-    if rows and "routes" in rows[0]:
-        batch["routes"] = _packed_routes([row["routes"] for row in rows], starts, packed_length)
-    if torch.cuda.is_available():
-        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=batch["tokens"].device)
-    batch.update(attention_inputs(cu_seqlens, thd=thd))
-    return batch
+    routes = _packed_routes([row["routes"] for row in rows], starts, packed_length) if rows and "routes" in rows[0] \
+        else None
+    batch = RolloutBatch(tokens=tokens[None, :-1], labels=labels[None], position_ids=position_ids[None],
+                         row_index=row_index, row_valid=row_valid, loss_mask=loss_mask, behav_logp=behav_logp,
+                         advantages=advantages, routes=routes,
+                         row_ids=torch.tensor(list(range(len(rows))) if row_ids is None else row_ids)).to_device()
+    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=batch.tokens.device)
+    return batch.replace(**attention_inputs(cu_seqlens, thd=thd))
 
 
 def _packed_routes(routes: list[torch.Tensor], starts: list[int], packed_length: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -110,7 +110,7 @@ class Teacher:
         finally:
             self._park()
 
-    def logprobs(self, minibatches: list[list[dict]]) -> list[list]:
+    def logprobs(self, minibatches: list[list[Mapping]]) -> list[list]:
         """Per mini-batch, each micro-batch's teacher log-probs of its labels (on the last pipeline stage, the
         only one that computes the loss; empty elsewhere), in one residency of its weights for the whole rollout."""
         from megatron_rl.runtime.training import forward_logprobs

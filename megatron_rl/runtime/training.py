@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -33,24 +34,24 @@ from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.spec.parallel import ParallelDims
 
 # loss_fn(model_output, batch) -> (loss_sum, denominator as an int tensor, {name: (sum, count)})
-LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
+LossFn = Callable[[torch.Tensor, Mapping], tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
 # forward_fn(model_chunk, batch) -> model output (per-token loss, logits, rewards, or hidden states between stages)
-ForwardFn = Callable[[Any, dict], torch.Tensor]
+ForwardFn = Callable[[Any, Mapping], torch.Tensor]
 
 
-def lm_forward(model, batch: dict) -> torch.Tensor:
+def lm_forward(model, batch: Mapping) -> torch.Tensor:
     """GPTModel forward: per-token cross entropy when the batch has labels, else (vocab-parallel) logits."""
     return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch.get("labels"),
                  **packed_forward_kwargs(batch))
 
 
-def logits_forward(model, batch: dict) -> torch.Tensor:
+def logits_forward(model, batch: Mapping) -> torch.Tensor:
     """Vocab-parallel logits [batch, seq, vocab/tp], even when the batch has labels (for losses that need
     log-probs and entropy rather than Megatron's cross entropy)."""
     return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **packed_forward_kwargs(batch))
 
 
-def rows_per_microbatch(microbatches: list[dict]) -> int:
+def rows_per_microbatch(microbatches: list[Mapping]) -> int:
     """The micro-batch size Megatron's schedule sizes its pipeline messages by: rows of a padded micro-batch,
     1 for a packed one (its rows are one sequence of T tokens)."""
     return microbatches[0]["tokens"].shape[0]
@@ -65,7 +66,7 @@ def logprob_collector(sink: list):
     from megatron_rl.models.logprobs import vocab_parallel_logprobs
     from megatron_rl.models.packed_sequences import as_rows
 
-    def loss_fn(logits: torch.Tensor, batch: dict):
+    def loss_fn(logits: torch.Tensor, batch: Mapping):
         logprobs = as_rows(vocab_parallel_logprobs(logits, batch["labels"]).detach().float(), batch)
         sink.append(gather_from_cp(logprobs, seq_dim=1))  # whole sequences again under context parallelism
         zero = torch.zeros((), dtype=torch.float32, device=logits.device)
@@ -74,7 +75,7 @@ def logprob_collector(sink: list):
     return loss_fn
 
 
-def forward_logprobs(chunks: list, microbatches: list[dict], *, seq_length: int) -> list[torch.Tensor]:
+def forward_logprobs(chunks: list, microbatches: list[Mapping], *, seq_length: int) -> list[torch.Tensor]:
     """Per-token log-probs [mbs, seq_length] of each micro-batch's ``labels`` under ``chunks`` (a packed
     micro-batch's as [rows, L]: ``megatron_rl.models.packed_sequences.as_rows``): a forward-only
     pass through Megatron's schedule (so TP/PP/VPP apply), in eval mode, without gradients. The log-probs are
@@ -173,7 +174,7 @@ class Engine:
         """Training sequence lengths must be multiples of this (``ParallelDims.sequence_multiple``)."""
         return self.opts.dims.sequence_multiple
 
-    def train_step(self, microbatches: list[dict], loss_fn: LossFn, *, seq_length: int,
+    def train_step(self, microbatches: list[Mapping], loss_fn: LossFn, *, seq_length: int,
                    report_names: tuple[str, ...], forward_fn: ForwardFn = lm_forward) -> dict[str, float]:
         """Forward-backward over ``microbatches`` (this DP rank's share) and one optimizer step."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -197,7 +198,7 @@ class Engine:
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
-    def forward_only(self, microbatches: list[dict], loss_fn: LossFn, *, seq_length: int,
+    def forward_only(self, microbatches: list[Mapping], loss_fn: LossFn, *, seq_length: int,
                      report_names: tuple[str, ...], forward_fn: ForwardFn = lm_forward) -> dict[str, float]:
         """Forward pass through the schedule without gradients (evaluation)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -234,7 +235,7 @@ class Engine:
         else:
             ckpt.load_checkpoint(found, chunks=copies, load_optimizer=False)
 
-    def reference_logprobs(self, reference: list, microbatches: list[dict], *, seq_length: int) -> list:
+    def reference_logprobs(self, reference: list, microbatches: list[Mapping], *, seq_length: int) -> list:
         """The frozen ``reference`` chunks' log-probs of each micro-batch's labels (on the last pipeline stage, the
         only one that computes the loss; empty elsewhere); LoRA adapters are off meanwhile."""
         from megatron_rl.models.lora import adapters_disabled
@@ -242,7 +243,7 @@ class Engine:
         with adapters_disabled(reference):
             return forward_logprobs(reference, microbatches, seq_length=seq_length)
 
-    def policy_logprobs(self, microbatches: list[dict], *, seq_length: int) -> list:
+    def policy_logprobs(self, microbatches: list[Mapping], *, seq_length: int) -> list:
         """This engine's own training-forward log-probs of each micro-batch's labels (last pipeline stage; empty
         elsewhere). Before a rollout's first optimizer step they are pi_old, which makes the first update's ratio
         exactly 1 whatever kernels generation used."""
@@ -278,14 +279,14 @@ class Engine:
             chunk.train(mode)
 
 
-def _data_iterators(chunks: list, microbatches: list[dict]):
+def _data_iterators(chunks: list, microbatches: list[Mapping]):
     """One iterator for a single chunk; one per chunk under virtual pipelining (each chunk reads every batch)."""
     if len(chunks) == 1:
         return iter(microbatches)
     return [iter(microbatches) for _ in chunks]
 
 
-def _forward_step(data_iterator: Iterable[dict], model, *, loss_fn: LossFn, forward_fn: ForwardFn):
+def _forward_step(data_iterator: Iterable[Mapping], model, *, loss_fn: LossFn, forward_fn: ForwardFn):
     """Micro-batches arrive whole; under context parallelism each rank keeps its two sequence chunks (Megatron's
     load-balanced order) of every per-token entry. The schedule is given the global sequence length. A batch
     with ``routes`` routes its tokens by them (``megatron_rl.models.router_replay``)."""

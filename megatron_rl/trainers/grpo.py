@@ -32,10 +32,10 @@ from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
-from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, collate_rollout, make_grpo_loss,
-                                       rollout_rows, store_logprobs)
+from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, RolloutBatch, collate_rollout,
+                                       make_grpo_loss, rollout_rows, store_logprobs)
 from megatron_rl.rollout.multi_turn import Environments, episode_metrics, sample_episodes
-from megatron_rl.rollout.packing import ROW_IDS, pack_minibatch, row_tokens
+from megatron_rl.rollout.packing import pack_minibatch, row_tokens
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
@@ -292,11 +292,11 @@ class GrpoRun:
                         forward_fn=logits_forward))
         return {**combine_minibatches(totals), "train_tokens_per_real_token": self.packing.ratio()}
 
-    def minibatches(self, rollout: Rollout) -> list[list[dict]]:
+    def minibatches(self, rollout: Rollout) -> list[list[RolloutBatch]]:
         """This DP rank's micro-batches of each mini-batch of global_batch_size completions (a rollout's remainder
         short of a whole mini-batch is left out): micro_batch_size rows padded to the rollout's longest, or with
         parallel.micro_batch_tokens rows packed by tokens (megatron_rl/rollout/packing.py). Each micro-batch's
-        ``row_ids`` name its rows' places in their mini-batch (``packing.ROW_IDS``). ``self.packing`` counts the
+        ``row_ids`` name its rows' places in their mini-batch (``RolloutBatch.row_ids``). ``self.packing`` counts the
         tokens they compute against the rows' own."""
         rows = rollout_rows(rollout, mask_truncated=self.algo.mask_truncated)
         gbs = self.algo.global_batch_size
@@ -309,10 +309,8 @@ class GrpoRun:
                 batches = []
                 for ids in data_parallel_slice(list(range(len(share))),
                                                micro_batch_size=self.cfg.parallel.micro_batch_size):
-                    batch = collate_rollout([share[i] for i in ids], seq_length=rollout.seq_length,
-                                            pad_id=self.tokenizer.pad_id)
-                    batch[ROW_IDS] = torch.tensor(ids, device=batch["tokens"].device)
-                    batches.append(batch)
+                    batches.append(collate_rollout([share[i] for i in ids], seq_length=rollout.seq_length,
+                                                   pad_id=self.tokenizer.pad_id, row_ids=ids))
                 self.packing.add(train_tokens=len(share) * rollout.seq_length,
                                  real_tokens=sum(row_tokens(row) for row in share))
             else:
@@ -321,7 +319,7 @@ class GrpoRun:
             minibatches.append(batches)
         return minibatches
 
-    def pack(self, rows: list[dict]) -> tuple[list[dict], dict]:
+    def pack(self, rows: list[dict]) -> tuple[list[RolloutBatch], dict]:
         """This DP rank's packed micro-batches of one mini-batch (parallel.micro_batch_tokens)."""
         from megatron.core import parallel_state as ps
 
@@ -331,7 +329,7 @@ class GrpoRun:
                               count_multiple=dims.pp if dims.vpp > 1 else 1, pad_id=self.tokenizer.pad_id,
                               thd=self.engine.opts.takes_packed_sequences(self.shape))
 
-    def old_and_reference_logprobs(self, minibatches: list[list[dict]]) -> None:
+    def old_and_reference_logprobs(self, minibatches: list[list[RolloutBatch]]) -> None:
         """The old policy's log-probs (when recomputed), the reference's and the teacher's, from the weights that
         sampled the rollout: call before its first optimizer step."""
         for batches in minibatches:
@@ -409,9 +407,9 @@ class PackingFigures:
         return self.train_tokens / max(self.real_tokens, 1.0)
 
 
-def forward_length(batches: list[dict]) -> int:
+def forward_length(batches: list[RolloutBatch]) -> int:
     """The sequence length Megatron's schedule runs a mini-batch's micro-batches at (padded or packed: all alike)."""
-    return batches[0]["tokens"].shape[1]
+    return batches[0].tokens.shape[1]
 
 
 def wants_recomputed_old_logprobs(cfg: JobConfig, shape: ModelShape, engine: Engine) -> bool:

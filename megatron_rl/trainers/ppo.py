@@ -37,8 +37,7 @@ from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
 from megatron_rl.models import unwrap
 from megatron_rl.models.packed_sequences import as_rows
 from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
-from megatron_rl.rollout.batch import REPORTS, make_grpo_loss, old_logprob_key
-from megatron_rl.rollout.packing import ROW_IDS
+from megatron_rl.rollout.batch import REPORTS, RolloutBatch, make_grpo_loss, old_logprob_key
 from megatron_rl.runtime.phases import generation_phase, training_phase
 from megatron_rl.runtime.training import build_engine, logits_forward
 from megatron_rl.spec.config.schema import JobConfig
@@ -124,7 +123,7 @@ class PpoRun(GrpoRun):
             return super().generate(prompts, **kwargs)
 
     # ------------------------------------------------------------------ advantages
-    def advantages(self, minibatches: list[list[dict]], *, seq_length: int) -> dict[str, float]:
+    def advantages(self, minibatches: list[list[RolloutBatch]], *, seq_length: int) -> dict[str, float]:
         """The critic's values of every micro-batch, then token rewards, GAE and whitening over the whole rollout
         (gathered over the data-parallel ranks, so the whitening is global); each micro-batch gets
         ``advantages`` [mbs, seq], ``returns`` and ``old_values``. Runs where the losses are computed (the last
@@ -138,17 +137,17 @@ class PpoRun(GrpoRun):
                                      forward_fn=value_forward)
             self.critic.train(True)
             for batch, values in zip(batches, sink):
-                batch["old_values"] = values
+                batch.old_values = values
         metrics = torch.zeros(len(ROLLOUT_METRICS), dtype=torch.float64)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             metrics = self._gae_over_rollout(minibatches)
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            metrics = metrics.to(minibatches[0][0]["tokens"].device)
+            metrics = metrics.to(minibatches[0][0].tokens.device)
             torch.distributed.broadcast(metrics, src=ps.get_pipeline_model_parallel_last_rank(),
                                         group=ps.get_pipeline_model_parallel_group())
         return dict(zip(ROLLOUT_METRICS, metrics.tolist()))
 
-    def _gae_over_rollout(self, minibatches: list[list[dict]]) -> torch.Tensor:
+    def _gae_over_rollout(self, minibatches: list[list[RolloutBatch]]) -> torch.Tensor:
         algo = self.algo
         policy = old_logprob_key(minibatches[0][0])
         keys = ["loss_mask", "old_values", policy] + (["ref_logp"] if algo.kl_in_reward and algo.kl_coef else [])
@@ -165,23 +164,23 @@ class PpoRun(GrpoRun):
         if algo.whiten_advantages:
             advantages = whiten(advantages, mask, shift_mean=algo.whiten_shift_mean)
         for index, batch in _rows_of(minibatches, self.algo.global_batch_size):  # back to the micro-batches
-            width = batch["loss_mask"].shape[1]
-            batch["advantages"] = advantages[index, :width].to(batch["loss_mask"].device)
-            batch["returns"] = returns[index, :width].to(batch["loss_mask"].device)
+            width = batch.loss_mask.shape[1]
+            batch.advantages = advantages[index, :width].to(batch.loss_mask.device)
+            batch.returns = returns[index, :width].to(batch.loss_mask.device)
         tokens = mask.sum().clamp(min=1)
         return torch.tensor([explained_variance(values, returns, mask), float((values * mask).sum() / tokens),
                              float((returns * mask).sum() / tokens), raw_mean,
                              float((kl * mask).sum() / tokens) if kl is not None else 0.0], dtype=torch.float64)
 
     # ------------------------------------------------------------------ train
-    def minibatches(self, rollout) -> list[list[dict]]:
+    def minibatches(self, rollout) -> list[list[RolloutBatch]]:
         """GrpoRun's micro-batches (padded or packed), each also carrying its completions' sequence rewards."""
         minibatches = super().minibatches(rollout)
         for index, batch in _rows_of(minibatches, self.algo.global_batch_size):
-            batch["sequence_reward"] = rollout.rewards[index.cpu()].to(batch["tokens"].device)
+            batch.sequence_reward = rollout.rewards[index.cpu()].to(batch.tokens.device)
         return minibatches
 
-    def update(self, minibatches: list[list[dict]], *, seq_length: int, train_policy: bool) -> dict[str, float]:
+    def update(self, minibatches: list[list[RolloutBatch]], *, seq_length: int, train_policy: bool) -> dict[str, float]:
         """algorithm.epochs passes over the mini-batches: one policy step (unless the critic is warming up) and
         one critic step on each."""
         totals: dict[str, list[float]] = {}
@@ -209,16 +208,16 @@ return per response token, the mean GAE advantage before whitening, and the mean
 reward (0 without kl_in_reward)."""
 
 
-def _rows_of(minibatches: list[list[dict]], minibatch_rows: int):
+def _rows_of(minibatches: list[list[RolloutBatch]], minibatch_rows: int):
     """(each row's index in the rollout ``[rows]``, its micro-batch) for every micro-batch of this rank: a copy kept
     out of the loss (a negative ``row_ids`` entry) names the row it copies."""
     for m, batches in enumerate(minibatches):
         for batch in batches:
-            ids = batch[ROW_IDS]
+            ids = batch.row_ids
             yield m * minibatch_rows + torch.where(ids >= 0, ids, -1 - ids), batch
 
 
-def _whole_rollout(minibatches: list[list[dict]], keys: list[str], *, minibatch_rows: int) -> dict[str, torch.Tensor]:
+def _whole_rollout(minibatches: list[list[RolloutBatch]], keys: list[str], *, minibatch_rows: int) -> dict[str, torch.Tensor]:
     """``keys`` of every rank's micro-batches as rollout-wide tensors, the rollout's row i at row i: ``[rows]`` for
     per-row values, ``[rows, L]`` for per-token ones (L the widest micro-batch of any rank; zeros past a row's own
     width). Gathered over the data-parallel ranks, whose row counts may differ (packing shares rows by tokens);
@@ -226,14 +225,14 @@ def _whole_rollout(minibatches: list[list[dict]], keys: list[str], *, minibatch_
     from megatron.core import parallel_state as ps
 
     group = ps.get_data_parallel_group()
-    device = minibatches[0][0]["loss_mask"].device
-    width = torch.tensor([max(b["loss_mask"].shape[1] for batches in minibatches for b in batches)], device=device)
+    device = minibatches[0][0].loss_mask.device
+    width = torch.tensor([max(b.loss_mask.shape[1] for batches in minibatches for b in batches)], device=device)
     if torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(width, op=torch.distributed.ReduceOp.MAX, group=group)
     width = int(width)
     index, values = [], {key: [] for key in keys}
     for rows, batch in _rows_of(minibatches, minibatch_rows):
-        own = (batch[ROW_IDS] >= 0).to(device)
+        own = (batch.row_ids >= 0).to(device)
         index.append(rows.to(device)[own])
         for key in keys:
             value = batch[key].to(device)[own]
@@ -279,10 +278,10 @@ def make_value_loss(*, clip: float | None, coef: float):
     """The critic's loss for ``Engine.train_step``: ``coef`` x the clipped value loss summed over the response
     tokens, with the token count as denominator (a token mean over the global mini-batch)."""
 
-    def loss_fn(values: torch.Tensor, batch: dict):
+    def loss_fn(values: torch.Tensor, batch: RolloutBatch):
         values = as_rows(values, batch)
-        mask = batch["loss_mask"]
-        per_token, clipped = clipped_value_loss(values, batch["old_values"], batch["returns"], mask, clip=clip)
+        mask = batch.loss_mask
+        per_token, clipped = clipped_value_loss(values, batch.old_values, batch.returns, mask, clip=clip)
         tokens = mask.sum().to(torch.int)
         total = per_token.sum()
         reports = {"value_loss": (total.detach(), tokens), "value_clip_fraction": (clipped.sum(), tokens),

@@ -44,7 +44,7 @@ def main() -> None:
 
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
     from megatron_rl.models.cp_attention import slice_batch_for_cp
-    from megatron_rl.rollout.batch import make_grpo_loss
+    from megatron_rl.rollout.batch import RolloutBatch, make_grpo_loss
     from megatron_rl.runtime.distributed import initialize, job_dims
     from dist_common import write_rank_result
 
@@ -65,8 +65,10 @@ def main() -> None:
         (expected_grad,) = torch.autograd.grad(expected, logits)
         # this CP rank's parts, through the trainer's Megatron loss function
         leaf = logits.detach().clone().requires_grad_(True)
-        local = slice_batch_for_cp({**full, "logits": leaf})
-        loss_sum, denominator, reports = make_grpo_loss(config)(local.pop("logits"), local)
+        local = slice_batch_for_cp(RolloutBatch(**full, row_ids=torch.arange(BATCH)))  # the typed batch's own slice
+        assert isinstance(local, RolloutBatch) and local.tokens.shape[1] == SEQ // 2
+        local_logits = slice_batch_for_cp({"tokens": full["tokens"], "logits": leaf})["logits"]
+        loss_sum, denominator, reports = make_grpo_loss(config)(local_logits, local)
         (grad,) = torch.autograd.grad(loss_sum, leaf)
         totals = torch.stack([loss_sum.detach().double(), denominator.double(),
                               reports["loss"][0].double(), reports["loss"][1].double()])
