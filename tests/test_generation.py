@@ -7,8 +7,8 @@ GQA, QKV bias + QK-norm, MHA + bias linears + tied embeddings and LayerNorm + Ge
 perturbed so that zero-initialised biases and unit norm weights matter, and prompts of lengths 3..9 batched
 together, greedy and sampled (same seed), the engine's log-probs must lie within 1e-5 of the training forward's (``sequence_logprobs``).
 
-The distributed cases start ``tests/dist/gen_check.py`` in their own torchrun (Megatron's parallel state is
-process-global): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2,
+The distributed cases run ``tests/dist/gen_check.py`` in two torchrun launches (one per process count; each
+layout makes Megatron's parallel state again): TP=1 on 2 processes (so also data parallel: each rank takes every other prompt), TP=2,
 PP=2 with 2 virtual stages on a 4-layer variant, and the tiny DeepSeek-V3-like model (multi-latent attention,
 whose blocks hold the latent, and MoE with a shared expert). The TP=1 and PP=2 runs train layers built with SDPA
 attention (runtime.attention=auto: flash), TP=2 with Megatron's unfused DotProductAttention; the engine attends by
@@ -166,23 +166,34 @@ def _torchrun(out: Path, *args: str, nproc: int = 2) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def tp1_dp2(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("tp1_dp2"), "--tp", "1")
+def gen_checks(tmp_path_factory):
+    """Per layout of tests/dist/gen_check.py's LAYOUTS, each rank's results: the two-process layouts in one launch,
+    the one-process one in another."""
+    results = {}
+    for names, nproc in ((("tp1_dp2", "tp2", "pp2_vpp2"), 2), (("mla_moe_tp1",), 1)):
+        ranks = _torchrun(tmp_path_factory.mktemp(f"gen{nproc}"), "--layouts", ",".join(names), nproc=nproc)
+        results.update({name: [rank[name] for rank in ranks] for name in names})
+    return results
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("tp2"), "--tp", "2", "--attention", "unfused")
+def tp1_dp2(gen_checks):
+    return gen_checks["tp1_dp2"]
 
 
 @pytest.fixture(scope="module")
-def mla_moe_tp1(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("mla_moe"), "--model", "tiny-cpu-deepseek-v3", nproc=1)
+def tp2(gen_checks):
+    return gen_checks["tp2"]
 
 
 @pytest.fixture(scope="module")
-def pp2_vpp2(tmp_path_factory):
-    return _torchrun(tmp_path_factory.mktemp("pp2"), "--pp", "2", "--vpp", "2", "--layers", "4")
+def mla_moe_tp1(gen_checks):
+    return gen_checks["mla_moe_tp1"]
+
+
+@pytest.fixture(scope="module")
+def pp2_vpp2(gen_checks):
+    return gen_checks["pp2_vpp2"]
 
 
 def _runs(request, names):

@@ -135,15 +135,20 @@ def test_uneven_split_is_chosen_by_the_launcher(job):
 # ------------------------------------------------------------------------------------------ generation checks
 NEW_TOKENS = 6
 """tests/dist/gen_layouts.py's new tokens per completion."""
-GEN_LAYOUTS = {"cp2": ["--cp", "2"], "tp2_sp": ["--tp", "2", "--sp"],
-               "moe_tp2_ep2_sp": ["--model", "tiny-cpu-moe", "--tp", "2", "--ep", "2", "--sp"],
-               "moe_tp2_etp2_sp": ["--model", "tiny-cpu-moe", "--tp", "2", "--sp"],  # experts split by TP
-               "moe_ep2_dp2": ["--model", "tiny-cpu-moe", "--ep", "2"]}
+GEN_LAYOUTS = ("cp2", "tp2_sp", "moe_tp2_ep2_sp", "moe_tp2_etp2_sp", "moe_ep2_dp2")
+"""tests/dist/gen_layouts.py's LAYOUTS, checked in one launch."""
 
 
-@pytest.mark.parametrize("layout", list(GEN_LAYOUTS))
-def test_generation_logprobs_equal_training_forward_at_the_layout(tmp_path, layout):
-    ranks = _torchrun(tmp_path, "gen_layouts.py", *GEN_LAYOUTS[layout])
+@pytest.fixture(scope="module")
+def gen_layouts(tmp_path_factory):
+    """Per layout, each rank's results of tests/dist/gen_layouts.py."""
+    ranks = _torchrun(tmp_path_factory.mktemp("gen_layouts"), "gen_layouts.py", "--layouts", ",".join(GEN_LAYOUTS))
+    return {layout: [rank[layout] for rank in ranks] for layout in GEN_LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", GEN_LAYOUTS)
+def test_generation_logprobs_equal_training_forward_at_the_layout(gen_layouts, layout):
+    ranks = gen_layouts[layout]
     workers = {r["worker"] for r in ranks}
     assert workers == ({0, 1} if layout in ("cp2", "moe_ep2_dp2") else {0})
     for rank in ranks:

@@ -48,14 +48,14 @@ def test_metrics_are_logged_per_step(baseline):
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"],
-                                    ["parallel.recompute=full", "parallel.recompute_num_layers=1"],
-                                    ["runtime.attention=unfused"]],
-                         ids=["tp2", "pp2", "block_recompute", "unfused_attention"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.recompute=full", "parallel.recompute_num_layers=1"],
+                                    ["parallel.pp=2", "runtime.attention=unfused"]],
+                         ids=["tp2_block_recompute", "pp2_unfused_attention"])
 def test_model_parallel_matches_data_parallel(launch, tmp_path, baseline, layout):
-    """TP=2 (or PP=2) on 2 processes vs TP=PP=1 (DP=2): same seed, same global batch -> same losses. So do a
-    partial (block) recompute of 1 of the 2 layers, and Megatron's unfused attention against the baseline's SDPA
-    (runtime.attention=auto: flash)."""
+    """TP=2 (or PP=2) on 2 processes vs TP=PP=1 (DP=2): same seed, same global batch -> same losses; the TP run
+    with a partial (block) recompute of 1 of its 2 layers, the PP run with Megatron's unfused attention against
+    the baseline's SDPA (runtime.attention=auto: flash). Each differs from the baseline in two ways at once, to
+    start two jobs rather than four; either way off would show."""
     reference, _ = baseline
     metrics = _run(launch, tmp_path / "run", *WHOLE, *layout)
     for ref, got in zip(reference, metrics, strict=True):

@@ -164,9 +164,15 @@ def test_a_packed_grpo_job_needs_no_micro_batch_size_that_divides_the_batch():
 
 
 # ------------------------------------------------------------------------------------ real Megatron, gloo
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--vpp", "2", "--layers", "4"]],
-                         ids=["tp2", "pp2_vpp2"])
-def test_packed_grpo_steps_equal_padded_ones(tmp_path, layout):
+@pytest.fixture(scope="module")
+def packing_checks(tmp_path_factory):
+    """Per layout, each rank's results of tests/dist/packing_check.py (both layouts in one launch)."""
+    ranks = torchrun_check("packing_check.py", tmp_path_factory.mktemp("packing"), "--layouts", "tp2,pp2_vpp2")
+    return {layout: [rank[layout] for rank in ranks] for layout in ("tp2", "pp2_vpp2")}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2_vpp2"])
+def test_packed_grpo_steps_equal_padded_ones(packing_checks, layout):
     """Two engines with the same weights take two GRPO steps on the same 24 rows (3..30 tokens): one on 6 padded
     micro-batches, one on 8 packed ones of at most 40 tokens, as the trainer packs them (THD into SDPA's
     per-sequence attention); the block-diagonal mask gives the same log-probs. Log-probs agree within 1e-6, losses
@@ -174,7 +180,7 @@ def test_packed_grpo_steps_equal_padded_ones(tmp_path, layout):
     (Adam's eps is 1e-4 there: at 1e-8 it turns rounding-level differences of near-zero gradients into steps of up
     to lr). At PP2·VPP2 the first step's ratio is 1: it was not, before batched p2p went off under interleaving
     (megatron_rl/models/builder.py)."""
-    ranks = torchrun_check("packing_check.py", tmp_path, *layout)
+    ranks = packing_checks[layout]
     last = [r for r in ranks if r["rows_compared"]]
     assert last and all(r["rows_compared"] == 24 and r["max_logprob_diff"] < 1e-6 for r in last)
     # the trainer's path: THD into SDPA's per-sequence attention; the block-diagonal mask gives the same log-probs

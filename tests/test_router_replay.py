@@ -16,15 +16,26 @@ import pytest
 
 from helpers import REPO_ROOT, torchrun_check
 
-LAYOUTS = {"tp2_ep2_sp": ["--tp", "2", "--ep", "2", "--sp"], "ep2_dp2": ["--ep", "2"], "pp2": ["--pp", "2"],
-           "cp2": ["--cp", "2"], "pp2_ep2_dp2": ["--pp", "2", "--ep", "2"]}
-RANKS = {"pp2_ep2_dp2": 4}
-"""4 ranks: the pipelined decode's parts in lockstep over the two replicas that share experts."""
+LAYOUTS = {"tp2_ep2_sp": 2, "ep2_dp2": 2, "pp2": 2, "cp2": 2, "pp2_ep2_dp2": 4}
+"""tests/dist/router_replay_check.py's layouts and their ranks (4: the pipelined decode's parts in lockstep over
+the two replicas that share experts); one launch per rank count."""
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """Per layout, each rank's results of tests/dist/router_replay_check.py."""
+    results = {}
+    for nproc in sorted(set(LAYOUTS.values())):
+        names = [name for name, ranks in LAYOUTS.items() if ranks == nproc]
+        ranks = torchrun_check("router_replay_check.py", tmp_path_factory.mktemp(f"replay{nproc}"),
+                               "--layouts", ",".join(names), nproc=nproc)
+        results.update({name: [rank[name] for rank in ranks] for name in names})
+    return results
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_training_forwards_use_the_recorded_experts(tmp_path, layout):
-    ranks = torchrun_check("router_replay_check.py", tmp_path, *LAYOUTS[layout], nproc=RANKS.get(layout, 2))
+def test_training_forwards_use_the_recorded_experts(checks, layout):
+    ranks = checks[layout]
     # every recorded (position, layer) is checked: split over the two ranks by SP and by CP, whole on each DP
     # replica and on each pipeline stage (one MoE layer of tiny-cpu-moe's two per stage)
     split = layout in ("tp2_ep2_sp", "cp2")

@@ -1,5 +1,6 @@
-"""What the torchrun check scripts in tests/dist share: a short pretraining of the engine they check, and
-writing each rank's result for the test that started them."""
+"""What the torchrun check scripts in tests/dist share: starting a layout (several, one after another, in one
+launch), a short pretraining of the engine they check, and writing each rank's result for the test that started
+them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+
+def start_layout(*, seed: int, **sizes):
+    """Megatron's parallel state at ``sizes`` (``job_dims``' keywords) in this launch's processes, made again when
+    an earlier layout of the same launch set it (a check of several layouts starts its processes once)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.runtime.distributed import initialize, job_dims
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    return initialize(job_dims(**sizes), seed=seed)
 
 
 def progression_trainer(engine, *, micro_batch_size: int) -> Callable[[int], dict]:

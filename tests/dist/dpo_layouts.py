@@ -21,20 +21,17 @@ PAIRS = 32
 
 
 def run_layout(model: str, sizes: dict) -> dict:
-    from megatron.core import parallel_state
 
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.algorithms.dpo import DPOLossConfig
     from megatron_rl.data.preferences import SequenceEncoder, synthetic_preference_records, tokenize_pairs
     from megatron_rl.data.tokenizer import CharTokenizer
-    from megatron_rl.runtime.distributed import initialize, job_dims
+    from dist_common import start_layout
     from megatron_rl.runtime.training import build_engine, logits_forward
     from megatron_rl.trainers import dpo, pairs
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    initialize(job_dims(**sizes), seed=1234)
+    start_layout(**sizes, seed=1234)
     cfg = load_config(None, ["algorithm.name=dpo", f"model.name={model}", *OVERRIDES,
                              *(f"parallel.{key}={value}" for key, value in sizes.items())])
     shape = load_model_shape(model)

@@ -1,7 +1,8 @@
 """Colocated generation checks on a real Megatron engine; every rank writes ``OUT/rank{R}.json`` for the test.
 
-Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/gen_check.py --tp 2 --out DIR``
-(``--pp 2`` for a pipeline; ``--tp 1`` on 2 processes is data parallel: each DP rank takes every other prompt).
+Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/gen_check.py --layouts tp1_dp2,tp2
+--out DIR`` (LAYOUTS: ``tp1_dp2`` is data parallel, each DP rank taking every other prompt; ``pp2_vpp2`` a
+pipeline; ``mla_moe_tp1`` on one process); ``OUT/rank{R}.json`` maps each layout to its results.
 
 The engine is ``build_engine`` (DDP chunks + optimizer) trained for two steps on the pretrain task; then
 greedy and sampled generation, the independent references (recomputation without a cache, the training
@@ -146,7 +147,26 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
             "fed_once": sum(len(r) + len(t) - 1 for r, t in zip(rows, out.tokens)) - sum(len(p) for p in prompts)}
 
 
+LAYOUTS = {"tp1_dp2": ["--tp", "1"], "tp2": ["--tp", "2", "--attention", "unfused"],
+           "pp2_vpp2": ["--pp", "2", "--vpp", "2", "--layers", "4"],
+           "mla_moe_tp1": ["--model", "tiny-cpu-deepseek-v3"]}
+"""Named layouts (``--layouts``), checked one after another in the same processes (Megatron's parallel state made
+again); ``mla_moe_tp1`` runs on one process, the others on two."""
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", required=True, help="comma-separated names of LAYOUTS")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    from dist_common import write_rank_result
+
+    write_rank_result(args.out, {name: check(layout_options(LAYOUTS[name])) for name in args.layouts.split(",")})
+
+
+def layout_options(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
@@ -154,10 +174,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="override the tiny model's layer count")
     parser.add_argument("--model", default="tiny-cpu", help="model preset (tiny-cpu, tiny-cpu-moe, tiny-cpu-deepseek-v3)")
     parser.add_argument("--attention", default="auto", help="runtime.attention of the trained layers")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    torch.set_num_threads(1)
+
+def check(args: argparse.Namespace) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.spec.config.loader import load_config
@@ -166,9 +186,8 @@ def main() -> None:
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase, grad_buffer_tensors, optimizer_tensors
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine
-    from dist_common import progression_trainer, write_rank_result
+    from dist_common import progression_trainer, start_layout
 
     import dataclasses
 
@@ -177,7 +196,7 @@ def main() -> None:
                                  "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01",
                                  f"runtime.attention={args.attention}"])
-    initialize(job_dims(tp=args.tp, pp=args.pp, vpp=args.vpp or 1), seed=cfg.run.seed)
+    start_layout(tp=args.tp, pp=args.pp, vpp=args.vpp or 1, seed=cfg.run.seed)
     shape = load_model_shape(args.model)
     if args.layers:
         shape = dataclasses.replace(shape, num_layers=args.layers)
@@ -324,8 +343,7 @@ def main() -> None:
                                       zip(weights, [p for c in chunks for p in unwrap(c).parameters()], strict=True))
     after = train_step(3)
     result["train_after_generation"] = {"loss": after["loss"], "grad_norm": after["grad_norm"]}
-
-    write_rank_result(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

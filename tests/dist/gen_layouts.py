@@ -1,11 +1,11 @@
 """Colocated generation at the training layouts that split sequences or experts (SP, CP, EP); every rank writes
 ``OUT/rank{R}.json`` for tests/test_grpo_layouts.py.
 
-Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/gen_layouts.py --cp 2 --out DIR``
-(``--model tiny-cpu-moe --tp 2 --ep 2 --sp``: MoE TP2·EP2·SP; ``--model tiny-cpu-moe --ep 2``: EP2 across two
-data-parallel replicas, which must decode in lockstep).
+Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/gen_layouts.py --out DIR``
+(``--layouts cp2,moe_ep2_dp2``: some of LAYOUTS; in ``moe_ep2_dp2`` the experts span two data-parallel replicas,
+which must decode in lockstep). ``OUT/rank{R}.json`` maps each layout to its results.
 
-The engine is ``build_engine`` at the layout, trained for two steps. Each rollout worker (DP x CP rank) then
+At each layout in turn, the engine is ``build_engine`` at the layout, trained for two steps. Each rollout worker (DP x CP rank) then
 generates for its own prompts, of lengths chosen so that the workers' prefill lengths and step counts differ.
 Every worker's sequences are gathered, and the training forward at the same layout (SP and CP on,
 ``sequence_logprobs``) scores all of them on every rank: its log-probs must equal generation's. Then the
@@ -41,34 +41,41 @@ def flags(chunks) -> dict:
             "cp_attention": sorted({m.cp_size for c in chunks for m in c.modules() if hasattr(m, "cp_size")})}
 
 
+LAYOUTS = {"cp2": dict(cp=2), "tp2_sp": dict(tp=2, sp=True),
+           "moe_tp2_ep2_sp": dict(model="tiny-cpu-moe", tp=2, ep=2, sp=True),
+           "moe_tp2_etp2_sp": dict(model="tiny-cpu-moe", tp=2, sp=True),  # experts split by TP
+           "moe_ep2_dp2": dict(model="tiny-cpu-moe", ep=2)}
+"""The layouts checked, one after another in the same two processes (Megatron's parallel state made again)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="tiny-cpu")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names of LAYOUTS")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    from dist_common import write_rank_result
+
+    write_rank_result(args.out, {name: check_layout(**LAYOUTS[name]) for name in args.layouts.split(",")})
+
+
+def check_layout(*, model: str = "tiny-cpu", tp: int = 1, ep: int = 1, cp: int = 1, sp: bool = False) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import generate
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, data_parallel_share, gather_data_parallel, sequence_logprobs
-    from dist_common import progression_trainer, write_rank_result
+    from dist_common import progression_trainer, start_layout
 
-    sp = "true" if args.sp else "false"
-    cfg = load_config(overrides=[f"model.name={args.model}", f"parallel.tp={args.tp}", f"parallel.ep={args.ep}",
-                                 f"parallel.cp={args.cp}", f"parallel.sequence_parallel={sp}",
+    cfg = load_config(overrides=[f"model.name={model}", f"parallel.tp={tp}", f"parallel.ep={ep}",
+                                 f"parallel.cp={cp}", f"parallel.sequence_parallel={str(sp).lower()}",
                                  "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
-    initialize(job_dims(tp=args.tp, ep=args.ep, cp=args.cp, sp=args.sp), seed=cfg.run.seed)
-    shape = load_model_shape(args.model)
+    start_layout(tp=tp, ep=ep, cp=cp, sp=sp, seed=cfg.run.seed)
+    shape = load_model_shape(model)
     engine = build_engine(cfg, shape, total_steps=10)
     chunks = [unwrap(c) for c in engine.chunks]
     vocab = shape.vocab_size
@@ -79,7 +86,7 @@ def main() -> None:
     before = flags(chunks)
 
     mine = data_parallel_share(prompts_of_all_workers(), with_context_parallel=True)
-    result: dict = {"layout": vars(args), "workers": ps.get_data_parallel_world_size(with_context_parallel=True),
+    result: dict = {"workers": ps.get_data_parallel_world_size(with_context_parallel=True),
                     "worker": ps.get_data_parallel_rank(with_context_parallel=True), "prompts": mine,
                     "flags_before": before}
     runs = {"greedy": dict(temperature=0.0),
@@ -111,8 +118,7 @@ def main() -> None:
     result["flags_after"] = flags(chunks)
     after = train_step(3)
     result["train_after_generation"] = {"loss": after["loss"], "finite": math.isfinite(after["loss"])}
-
-    write_rank_result(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

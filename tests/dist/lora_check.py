@@ -49,14 +49,12 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.distributed import initialize, job_dims
+    from dist_common import start_layout
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
     sizes = dict(sizes)
     model = sizes.pop("model", "tiny-cpu")
-    initialize(job_dims(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}), seed=1234)
+    start_layout(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}, seed=1234)
     lora = ["model.lora={rank: 4, alpha: 8, targets: [linear_qkv, linear_proj, experts.linear_fc1, experts.linear_fc2]}"
             ] if model != "tiny-cpu" else []
     cfg = load_config(None, [*OVERRIDES, *lora, f"model.name={model}",
@@ -105,17 +103,14 @@ def gradient_check() -> dict:
     """At TP1: the adapters' autograd gradients against the chain rule through the merged weight W' = W + s B A
     (dL/dB = s dL/dW' A^T, dL/dA = s B^T dL/dW'), on a model with random B (largest differences and sizes)."""
     import torch
-    from megatron.core import parallel_state
 
     from megatron_rl.spec.config.schema import LoraConfig
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
     from megatron_rl.models.lora import adapters, adapters_disabled
-    from megatron_rl.runtime.distributed import initialize, job_dims
+    from dist_common import start_layout
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    initialize(job_dims(), seed=1234)
+    start_layout(seed=1234)
     model = build_gpt_model(load_model_shape("tiny-cpu"), ModelOptions(lora=LoraConfig(rank=4, alpha=8))).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -159,12 +154,10 @@ def modules_to_save_check(name: str, sizes: dict, tied: bool, out: Path) -> dict
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.lora import adapters, adapters_disabled, saved_parameters
     from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.distributed import initialize, job_dims
+    from dist_common import start_layout
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    initialize(job_dims(**sizes), seed=1234)
+    start_layout(**sizes, seed=1234)
     cfg = load_config(None, [*(o for o in OVERRIDES if not o.startswith("model.lora")),
                              "model.lora={rank: 4, alpha: 8, modules_to_save: [embedding, output_layer, final_layernorm]}",
                              *(f"parallel.{k}={v}" for k, v in sizes.items())])

@@ -31,19 +31,16 @@ OVERRIDES = ["algorithm.name=pretrain", f"model.lora={{rank: 4, alpha: 8, target
 
 def run_layout(sizes: dict, out: Path, *, save: bool) -> dict:
     import torch
-    from megatron.core import parallel_state
 
     from dist_common import merge_adapters, progression_trainer
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.distributed import initialize, job_dims
+    from dist_common import start_layout
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    initialize(job_dims(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}), seed=1234)
+    start_layout(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}, seed=1234)
     cfg = load_config(None, [*OVERRIDES, *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
     shape = load_model_shape("tiny-cpu-deepseek-v3")
     engine = build_engine(cfg, shape)

@@ -19,13 +19,10 @@ from lora_check import OVERRIDES  # noqa: E402
 
 
 def use_layout(sizes: dict) -> None:
-    from megatron.core import parallel_state
 
-    from megatron_rl.runtime.distributed import initialize, job_dims
+    from dist_common import start_layout
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    initialize(job_dims(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}), seed=1234)
+    start_layout(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}, seed=1234)
 
 
 def digest(tensor) -> str:

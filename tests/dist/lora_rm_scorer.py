@@ -26,13 +26,12 @@ def pair_metrics(rewards: list[float], pairs: int) -> dict:
 
 def main() -> None:
     import torch
-    from megatron.core import parallel_state
 
     from dist_common import write_rank_result
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.rewards.reward_model_scorer import RewardModelScorer
-    from megatron_rl.runtime.distributed import initialize, job_dims
+    from dist_common import start_layout
     from megatron_rl.trainers import pairs
 
     parser = argparse.ArgumentParser()
@@ -43,9 +42,7 @@ def main() -> None:
     cfg = load_config(run / "config.yaml")
     result = {}
     for name, tp in (("dp2", 1), ("tp2", 2)):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        initialize(job_dims(tp=tp), seed=1234)
+        start_layout(tp=tp, seed=1234)
         scorer = RewardModelScorer(str(run / "checkpoints"), micro_batch_size=5)
         _, _, held_out = pairs.load_pairs(cfg, scorer.shape, max_length=scorer.max_length)
         seqs = held_out.chosen + held_out.rejected

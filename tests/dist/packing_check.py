@@ -3,7 +3,9 @@ weights, one fed micro_batch_size rows padded to the longest, the other the rows
 (megatron_rl/rollout/packing.py). Each rank writes the largest log-prob difference per row (the old-log-prob
 pass), the two optimizer steps' loss and grad norm, and the largest parameter difference after them.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist/packing_check.py --tp 2 --out OUT
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist/packing_check.py --layouts tp2,pp2_vpp2 --out OUT
+
+``OUT/rank{R}.json`` maps each layout to its results.
 """
 
 from __future__ import annotations
@@ -28,36 +30,41 @@ def rollout_rows(count: int, *, vocab: int, seed: int) -> list[dict]:
     return rows
 
 
+LAYOUTS = {"tp2": dict(tp=2), "pp2_vpp2": dict(pp=2, vpp=2, layers=4)}
+"""Named layouts (``--layouts``), checked one after another in the same processes (Megatron's parallel state made
+again)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--vpp", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--budget", type=int, default=40)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names of LAYOUTS")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from dist_common import write_rank_result
 
+    write_rank_result(args.out, {name: check(**LAYOUTS[name]) for name in args.layouts.split(",")})
+
+
+def check(*, tp: int = 1, pp: int = 1, vpp: int | None = None, layers: int | None = None, budget: int = 40) -> dict:
     from megatron.core import parallel_state as ps
 
-    from dist_common import write_rank_result
+    from dist_common import start_layout
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
     from megatron_rl.models import unwrap
     from megatron_rl.rollout.batch import collate_rollout, make_grpo_loss, old_logprobs, store_logprobs
     from megatron_rl.rollout.packing import pack_minibatch, pack_rows, row_tokens
-    from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, data_parallel_slice, logits_forward
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
 
-    cfg = load_config(overrides=[f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp or 'null'}",
+    cfg = load_config(overrides=[f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.vpp={vpp or 'null'}",
                                  "algorithm.global_batch_size=24", "algorithm.prompts_per_step=6", "algorithm.group_size=4", "parallel.micro_batch_size=4", "run.seed=5",
                                  "optimizer.lr=0.01", "optimizer.adam_eps=1e-4", "algorithm.kl_coef=0", "algorithm.loss_aggregation=seq-mean-token-mean"])
-    initialize(job_dims(tp=args.tp, pp=args.pp, vpp=args.vpp or 1), seed=cfg.run.seed)
+    start_layout(tp=tp, pp=pp, vpp=vpp or 1, seed=cfg.run.seed)
     shape = load_model_shape("tiny-cpu")
-    if args.layers:
-        shape = dataclasses.replace(shape, num_layers=args.layers)
+    if layers:
+        shape = dataclasses.replace(shape, num_layers=layers)
     padded_engine = build_engine(cfg, shape, total_steps=4)
     packed_engine = build_engine(cfg, shape, total_steps=4)
     for a, b in zip(padded_engine.chunks, packed_engine.chunks):
@@ -71,13 +78,13 @@ def main() -> None:
     padded_ids = [[r["id"] for r in mb] for mb in data_parallel_slice(rows, micro_batch_size=4)]
     padded = [collate_rollout(mb, seq_length=seq_length, pad_id=0)
               for mb in data_parallel_slice(rows, micro_batch_size=4)]
-    count_multiple = args.pp if (args.vpp or 1) > 1 else 1
+    count_multiple = pp if (vpp or 1) > 1 else 1
     thd = packed_engine.opts.takes_packed_sequences(shape)  # what the trainer passes: SDPA's per-sequence loop
-    packed, figures = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=args.budget, multiple=multiple,
+    packed, figures = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=budget, multiple=multiple,
                                      count_multiple=count_multiple, pad_id=0, thd=thd)
-    masked, _ = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=args.budget, multiple=multiple,
+    masked, _ = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=budget, multiple=multiple,
                                count_multiple=count_multiple, pad_id=0, thd=False)  # the block-diagonal mask
-    per_rank, packed_length = pack_rows([row_tokens(r) for r in rows], dp=dp, token_budget=args.budget,
+    per_rank, packed_length = pack_rows([row_tokens(r) for r in rows], dp=dp, token_budget=budget,
                                         multiple=multiple, count_multiple=count_multiple)
     packed_ids = [[i if i >= 0 else None for i in b] for b in per_rank[dp_rank]]
 
@@ -120,7 +127,7 @@ def main() -> None:
     result["steps"] = steps
     result["max_param_diff"] = max(float((p - q).abs().max()) for a, b in zip(padded_engine.chunks, packed_engine.chunks)
                                    for p, q in zip(unwrap(a).parameters(), unwrap(b).parameters()))
-    write_rank_result(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

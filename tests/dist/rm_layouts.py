@@ -33,7 +33,8 @@ from megatron_rl.models.reward_model import (  # noqa: E402
     load_reward_model_weights,
 )
 from megatron_rl.runtime import checkpoint as ckpt  # noqa: E402
-from megatron_rl.runtime.distributed import current_dims, initialize, job_dims, shutdown  # noqa: E402
+from megatron_rl.runtime.distributed import current_dims, shutdown  # noqa: E402
+from dist_common import start_layout  # noqa: E402
 
 PROMPTS = ["last of 387=", "last of 12=", "first of 905=", "x", "last of 5550123=", "q="]
 COMPLETIONS = ["7", "2", "9 and more text", "yz", "3", "??"]
@@ -41,11 +42,7 @@ SEED = 4321
 
 
 def use_layout(tp: int = 1, pp: int = 1) -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    initialize(job_dims(tp=tp, pp=pp), seed=SEED)
+    start_layout(tp=tp, pp=pp, seed=SEED)
 
 
 def seeded_rewards(shape, tp: int) -> list[float]:

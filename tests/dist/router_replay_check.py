@@ -1,8 +1,9 @@
 """Router replay at the MoE training layouts; every rank writes ``OUT/rank{R}.json`` for
 tests/test_router_replay.py.
 
-Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/router_replay_check.py --tp 2 --ep 2
---sp --out DIR`` (also ``--ep 2``: EP across two DP replicas; ``--pp 2``; ``--cp 2``; ``--pp 2 --ep 2`` on 4 ranks).
+Run: ``.venv/bin/python -m torch.distributed.run --nproc-per-node 2 tests/dist/router_replay_check.py --layouts
+tp2_ep2_sp,ep2_dp2,pp2,cp2 --out DIR`` (``ep2_dp2``: EP across two DP replicas; ``--layouts pp2_ep2_dp2`` on 4
+ranks); ``OUT/rank{R}.json`` maps each layout to its results.
 
 Forward hooks on every router see what the layers really did: the router's input (so its logits) and the
 routing map it returned. Each local router row is mapped back to its sequence and position by the test's own
@@ -108,17 +109,26 @@ def compare(probe: RouterProbe, calls: list[dict], full_tokens: torch.Tensor, re
     return counts
 
 
+LAYOUTS = {"tp2_ep2_sp": dict(tp=2, ep=2, sp=True), "ep2_dp2": dict(ep=2), "pp2": dict(pp=2), "cp2": dict(cp=2),
+           "pp2_ep2_dp2": dict(pp=2, ep=2)}
+"""The layouts checked, one after another in the same processes (Megatron's parallel state made again):
+``pp2_ep2_dp2`` on 4 ranks (the pipelined decode's parts in lockstep over the two replicas that share
+experts), the others on 2."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--layouts", required=True, help="comma-separated names of LAYOUTS")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    from dist_common import write_rank_result
+
+    write_rank_result(args.out, {name: check_layout(**LAYOUTS[name]) for name in args.layouts.split(",")})
+
+
+def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool = False) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.spec.config.loader import load_config
@@ -127,23 +137,21 @@ def main() -> None:
     from megatron_rl.generation import generate
     from megatron_rl.rollout.batch import REPORTS, collate_rollout, make_grpo_loss
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import (build_engine, data_parallel_share, data_parallel_slice,
                                               forward_logprobs, gather_data_parallel, logits_forward)
-    from dist_common import progression_trainer, write_rank_result
+    from dist_common import progression_trainer, start_layout
 
     model = "tiny-cpu-moe"
-    sp = "true" if args.sp else "false"
 
     def config(recompute: str):
         return load_config(overrides=[
-            f"model.name={model}", f"parallel.tp={args.tp}", f"parallel.ep={args.ep}", f"parallel.pp={args.pp}",
-            f"parallel.cp={args.cp}", f"parallel.sequence_parallel={sp}", f"parallel.recompute={recompute}",
+            f"model.name={model}", f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.pp={pp}",
+            f"parallel.cp={cp}", f"parallel.sequence_parallel={str(sp).lower()}", f"parallel.recompute={recompute}",
             "algorithm.router_replay=true", "algorithm.kl_coef=0", "parallel.micro_batch_size=1",
             "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
 
     cfg = config("none")
-    initialize(job_dims(tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp), seed=cfg.run.seed)
+    start_layout(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=cfg.run.seed)
     shape = load_model_shape(model)
     engine = build_engine(cfg, shape, total_steps=10)
     recomputing_engine = build_engine(config("full"), shape, total_steps=10)
@@ -153,7 +161,7 @@ def main() -> None:
     for step in (1, 2):
         train_step(step)
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    result: dict = {"layout": vars(args), "tp_rank": tp_rank, "pp_rank": ps.get_pipeline_model_parallel_rank()}
+    result: dict = {"tp_rank": tp_rank, "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
     # 1. generation records, the training forward agrees
     gen = torch.Generator().manual_seed(2025)
@@ -223,7 +231,7 @@ def main() -> None:
         r.target_topk_idx is None and not r.replay_backward_list and r.router_replay_action is None
         for eng in (engine, recomputing_engine) for c in eng.chunks
         for r in __import__("megatron_rl.models.router_replay", fromlist=["routers"]).routers(c))
-    write_rank_result(args.out, result)
+    return result
 
 
 if __name__ == "__main__":
