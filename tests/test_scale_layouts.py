@@ -52,12 +52,6 @@ def plain_dense(tmp_path_factory):
     return _run(run_launch, tmp_path_factory.mktemp("plain_dense"), "cluster.tasks_per_node=1")
 
 
-def test_moe_tp2_ep2_sp_matches_plain(launch, tmp_path, plain_moe):
-    """TP2 x EP2 with sequence parallelism on 2 processes (dp = edp = 1): SP norms (input, pre-MLP, QK, final)
-    and the router see sequence shards, experts live on two EP ranks."""
-    _assert_same_training(plain_moe, _run(launch, tmp_path / "run", MOE, "parallel.tp=2", "parallel.ep=2", SP))
-
-
 def test_moe_ep2_at_dp2_matches_plain(launch, tmp_path, plain_moe):
     """EP2 on 2 processes (tp=1: dense dp=2, expert dp=1): each rank holds half of the experts."""
     _assert_same_training(plain_moe, _run(launch, tmp_path / "run", MOE, "parallel.ep=2"))
@@ -73,7 +67,7 @@ def test_moe_ep2_at_dp4_matches_plain(launch, tmp_path, plain_moe):
                          ids=["ep1", "ep2-dp2"])
 def test_moe_tp2_sp_with_experts_split_over_tp_matches_plain(launch, tmp_path, plain_moe, layout):
     """MoE at TP2 with SP and the experts themselves split over the TP ranks (etp = tp = 2), with and without EP;
-    etp=1 (experts whole on each rank) at TP2·EP2 is test_moe_tp2_ep2_sp_matches_plain."""
+    etp=1 (experts whole on each rank) at TP2·EP2 is test_moe_tp2_ep2_sp_with_the_load_balancing_loss_matches_plain."""
     _assert_same_training(plain_moe, _run(launch, tmp_path / "run", MOE, "parallel.tp=2", SP, *layout))
 
 
@@ -109,10 +103,12 @@ def test_dense_cp2_matches_plain(launch, tmp_path, plain_dense):
     _assert_same_training(plain_dense, _run(launch, tmp_path / "run", "parallel.cp=2"))
 
 
-def test_moe_load_balancing_loss_is_layout_invariant(launch, tmp_path, plain_moe):
-    """The router's aux loss trains the same at TP2 x EP2 with SP as on one process: each rank routes 1/(tp*cp)
-    of the sequence under SP, which Megatron's per-token scaling of the aux loss accounts for (from 0.19; the
-    builder made up for 0.16.1, see builder.aux_loss_coeff)."""
+def test_moe_tp2_ep2_sp_with_the_load_balancing_loss_matches_plain(launch, tmp_path, plain_moe):
+    """TP2 x EP2 with sequence parallelism on 2 processes (dp = edp = 1) trains as one process: SP norms (input,
+    pre-MLP, QK, final) and the router see sequence shards, experts live on two EP ranks; and the router's aux
+    loss with them: each rank routes 1/(tp*cp) of the sequence under SP, which Megatron's per-token scaling of the
+    aux loss accounts for (from 0.19; the builder made up for 0.16.1, see builder.aux_loss_coeff). The layout
+    without the aux loss is tests/test_grpo_layouts.py's moe_tp2_ep2_sp run and tests/test_deepseek_v3.py's."""
     aux = [MOE, "model.moe_load_balancing=aux_loss", "model.moe_aux_loss_coeff=0.1"]
     plain = _run(launch, tmp_path / "plain", *aux, "cluster.tasks_per_node=1")
     _assert_same_training(plain, _run(launch, tmp_path / "sharded", *aux, "parallel.tp=2", "parallel.ep=2", SP))
