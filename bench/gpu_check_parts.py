@@ -183,8 +183,8 @@ def packing_check(exact_yaml: str, device: torch.device) -> dict:
     import random
 
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
-    from megatron_rl.rollout.batch import collate_rollout
-    from megatron_rl.rollout.packing import pack_minibatch, pack_rows, row_tokens
+    from megatron_rl.rollout.batch import RolloutRow, collate_rollout
+    from megatron_rl.rollout.packing import pack_minibatch, pack_rows
     from megatron_rl.runtime.training import forward_logprobs
     from megatron_rl.spec.model_shape import load_model_shape
 
@@ -199,9 +199,9 @@ def packing_check(exact_yaml: str, device: torch.device) -> dict:
         for _ in range(24):
             prompt = [rng.randrange(3, shape.vocab_size) for _ in range(rng.randint(3, 8))]
             response = [rng.randrange(3, shape.vocab_size) for _ in range(rng.choice([1, 3, 8, 32]))]
-            rows.append({"prompt_ids": prompt, "response_ids": response, "logprobs": [0.0] * len(response),
-                         "advantage": 0.0})
-        lengths = [row_tokens(r) for r in rows]
+            rows.append(RolloutRow(prompt_ids=prompt, response_ids=response, logprobs=[0.0] * len(response),
+                                   advantage=0.0))
+        lengths = [r.forward_tokens for r in rows]
         padded = collate_rollout(rows, seq_length=max(lengths), pad_id=0)
         packed, figures = pack_minibatch(rows, dp=1, dp_rank=0, token_budget=64, multiple=1, count_multiple=1,
                                          pad_id=0, thd=opts.takes_packed_sequences(shape))

@@ -17,8 +17,8 @@ import torch
 
 from helpers import REPO_ROOT, torchrun_check
 from megatron_rl.models.packed_sequences import as_rows, attention_inputs
-from megatron_rl.rollout.batch import collate_rollout, old_logprob_key, old_logprobs, store_logprobs
-from megatron_rl.rollout.packing import collate_packed, pack_minibatch, pack_rows, row_tokens
+from megatron_rl.rollout.batch import RolloutRow, collate_rollout, old_logprob_key, old_logprobs, store_logprobs
+from megatron_rl.rollout.packing import collate_packed, pack_minibatch, pack_rows
 from megatron_rl.spec.config import load_config
 from megatron_rl.spec.config.validate import check_layout
 from megatron_rl.spec.errors import ConfigError
@@ -64,7 +64,7 @@ def test_a_rank_with_fewer_rows_than_micro_batches_gets_a_copy_outside_the_loss(
     runs its one row and a copy of it that adds nothing to the loss."""
     per_rank, packed = pack_rows([100, 100, 100], dp=2, token_budget=100)
     assert per_rank == [[[0], [2]], [[1], [-2]]] and packed == 100
-    rows = [{"prompt_ids": [1] * 41, "response_ids": [2] * 60, "logprobs": [-1.0] * 60, "advantage": 1.0}
+    rows = [RolloutRow(prompt_ids=[1] * 41, response_ids=[2] * 60, logprobs=[-1.0] * 60, advantage=1.0)
             for _ in range(3)]
     micro, figures = pack_minibatch(rows, dp=2, dp_rank=1, token_budget=100, multiple=1, count_multiple=1,
                                     pad_id=0, thd=False)
@@ -78,24 +78,24 @@ def test_a_rank_without_rows_runs_a_copy_outside_the_loss():
     assert per_rank == [[[0]], [[1]], [[2]], [[-3]]] and packed == 30
 
 
-def _rows(seed: int) -> list[dict]:
+def _rows(seed: int) -> list[RolloutRow]:
     rng = random.Random(seed)
     rows = []
     for i in range(7):
         prompt = [rng.randrange(3, 100) for _ in range(rng.randint(2, 6))]
         response = [rng.randrange(3, 100) for _ in range(rng.randint(1, 9))]
-        rows.append({"prompt_ids": prompt, "response_ids": response, "advantage": rng.uniform(-1, 1),
-                     "logprobs": [-rng.random() for _ in response], "in_loss": i != 4})
+        rows.append(RolloutRow(prompt_ids=prompt, response_ids=response, advantage=rng.uniform(-1, 1),
+                               logprobs=[-rng.random() for _ in response], in_loss=i != 4))
     return rows
 
 
 def test_the_packed_row_view_equals_the_padded_micro_batch():
     rows = _rows(1)
-    width = max(row_tokens(r) for r in rows)
+    width = max(r.forward_tokens for r in rows)
     padded = collate_rollout(rows, seq_length=width + 3, pad_id=0)
-    packed = collate_packed(rows, packed_length=sum(row_tokens(r) for r in rows) + 5, pad_id=0,
+    packed = collate_packed(rows, packed_length=sum(r.forward_tokens for r in rows) + 5, pad_id=0,
                             thd=False)
-    assert packed["tokens"].shape == (1, sum(row_tokens(r) for r in rows) + 5)
+    assert packed["tokens"].shape == (1, sum(r.forward_tokens for r in rows) + 5)
     for key in ("loss_mask", "behav_logp"):
         assert torch.equal(packed[key], padded[key][:, :width]) and not padded[key][:, width:].any()
     assert torch.equal(packed["advantages"], padded["advantages"])
@@ -111,7 +111,7 @@ def test_a_rollout_micro_batch_is_typed_and_reads_as_a_mapping_of_its_set_entrie
     DPO and RM) reads the set entries by name. Log-probs are set by name only among LOGPROB_KEYS, and pi_old is
     the recomputation when there is one."""
     rows = _rows(2)
-    padded = collate_rollout(rows, seq_length=max(row_tokens(r) for r in rows), pad_id=0, row_ids=[6, 5, 4, 3, 2, 1, 0])
+    padded = collate_rollout(rows, seq_length=max(r.forward_tokens for r in rows), pad_id=0, row_ids=[6, 5, 4, 3, 2, 1, 0])
     assert isinstance(padded, Mapping) and set(padded) == {"tokens", "labels", "position_ids", "loss_mask",
                                                            "advantages", "behav_logp", "row_ids"}
     assert padded["row_ids"].tolist() == [6, 5, 4, 3, 2, 1, 0] and "routes" not in padded

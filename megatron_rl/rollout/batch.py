@@ -29,6 +29,37 @@ TEACHER_REPORTS = ("teacher_kl",)
 """Reported besides REPORTS with on-policy distillation (``algorithm.teacher``)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RolloutRow:
+    """One completion as training data (``rollout_rows``), what ``collate_rollout`` and
+    ``megatron_rl.rollout.packing.collate_packed`` turn into micro-batches."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    """Per response token, under the policy that sampled it (the micro-batch's ``behav_logp``)."""
+    advantage: float
+    in_loss: bool = True
+    """False: in the micro-batch with loss weight 0 (DAPO's overlong filtering; packing's copies of a row)."""
+    response_mask: Optional[list[int]] = None
+    """Multi-turn: per response token, 1 when the policy sampled it, 0 for an environment's reply (context)."""
+    routes: Optional[torch.Tensor] = None
+    """Router replay: the experts generation routed each fed position to (``Rollout.routes``)."""
+
+    @property
+    def forward_tokens(self) -> int:
+        """Positions it takes in a training forward: its tokens but the last (inputs are shifted)."""
+        return len(self.prompt_ids) + len(self.response_ids) - 1
+
+    def loss_mask(self) -> torch.Tensor:
+        """Each response token's loss weight: 1, or 0 for a row kept out of the loss (``in_loss``) and for a
+        multi-turn reply's tokens (``response_mask`` 0: context the policy did not sample)."""
+        mask = torch.full((len(self.response_ids),), 1.0 if self.in_loss else 0.0)
+        if self.response_mask:
+            mask = mask * torch.tensor(self.response_mask, dtype=torch.float32)
+        return mask
+
+
 @dataclass(kw_only=True, slots=True, eq=False)
 class RolloutBatch(Mapping):
     """One training micro-batch of rollout rows, padded (``collate_rollout``: ``[rows, S]``) or packed
@@ -195,7 +226,7 @@ class Rollout:
         return -(-longest // self.seq_multiple) * self.seq_multiple
 
 
-def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int,
+def collate_rollout(rows: list[RolloutRow], *, seq_length: int, pad_id: int,
                     row_ids: Optional[list[int]] = None) -> RolloutBatch:
     """A padded training micro-batch of rollout rows (``row_ids``: their places in the mini-batch, default
     0, 1, ...); ``loss_mask`` marks the response's label positions. Rows with ``routes`` (router replay) give
@@ -206,30 +237,20 @@ def collate_rollout(rows: list[dict], *, seq_length: int, pad_id: int,
     behav_logp = torch.zeros((batch_size, seq_length), dtype=torch.float32)
     advantages = torch.zeros(batch_size, dtype=torch.float32)
     for i, row in enumerate(rows):
-        prompt, response = row["prompt_ids"], row["response_ids"]
-        seq = prompt + response
+        seq = row.prompt_ids + row.response_ids
         tokens[i, :len(seq)] = torch.tensor(seq)
-        start, end = len(prompt) - 1, len(seq) - 1  # label positions of the response tokens
-        loss_mask[i, start:end] = response_loss_mask(row)
-        behav_logp[i, start:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
-        advantages[i] = row["advantage"]
+        start, end = len(row.prompt_ids) - 1, len(seq) - 1  # label positions of the response tokens
+        loss_mask[i, start:end] = row.loss_mask()
+        behav_logp[i, start:end] = torch.tensor(row.logprobs, dtype=torch.float32)
+        advantages[i] = row.advantage
     routes = None
-    if rows and "routes" in rows[0]:
-        routes = _collate_routes([row["routes"] for row in rows], seq_length=seq_length)
+    if rows and rows[0].routes is not None:
+        routes = _collate_routes([row.routes for row in rows], seq_length=seq_length)
     return RolloutBatch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(), loss_mask=loss_mask,
                         behav_logp=behav_logp, advantages=advantages,
                         position_ids=torch.arange(seq_length).unsqueeze(0).expand(batch_size, -1).contiguous(),
                         row_ids=torch.tensor(list(range(batch_size)) if row_ids is None else row_ids),
                         routes=routes).to_device()
-
-
-def response_loss_mask(row: dict) -> torch.Tensor:
-    """The loss weight of each response token of a rollout row: 1, or 0 for the row kept out of the loss
-    (``in_loss``) and for a multi-turn reply's tokens (``response_mask`` 0: context the policy did not sample)."""
-    mask = torch.full((len(row["response_ids"]),), 1.0 if row.get("in_loss", True) else 0.0)
-    if row.get("response_mask"):
-        mask = mask * torch.tensor(row["response_mask"], dtype=torch.float32)
-    return mask
 
 
 def _collate_routes(routes: list[torch.Tensor], *, seq_length: int) -> torch.Tensor:
@@ -242,17 +263,15 @@ def _collate_routes(routes: list[torch.Tensor], *, seq_length: int) -> torch.Ten
     return out
 
 
-def rollout_rows(rollout: Rollout, *, mask_truncated: bool = False) -> list[dict]:
+def rollout_rows(rollout: Rollout, *, mask_truncated: bool = False) -> list[RolloutRow]:
     """One training row per completion; with ``mask_truncated`` a completion cut at the length limit stays in
     the batch but not in the loss (DAPO's overlong filtering)."""
-    rows = []
-    for i in range(len(rollout.response_ids)):
-        rows.append({"prompt_ids": rollout.prompt_ids[i], "response_ids": rollout.response_ids[i],
-                     "logprobs": rollout.logprobs[i], "advantage": float(rollout.advantages[i]),
-                     "in_loss": not (mask_truncated and rollout.truncated[i]),
-                     **({"response_mask": rollout.response_mask[i]} if rollout.response_mask else {}),
-                     **({"routes": rollout.routes[i]} if rollout.routes else {})})
-    return rows
+    return [RolloutRow(prompt_ids=rollout.prompt_ids[i], response_ids=rollout.response_ids[i],
+                       logprobs=rollout.logprobs[i], advantage=float(rollout.advantages[i]),
+                       in_loss=not (mask_truncated and rollout.truncated[i]),
+                       response_mask=rollout.response_mask[i] if rollout.response_mask else None,
+                       routes=rollout.routes[i] if rollout.routes else None)
+            for i in range(len(rollout.response_ids))]
 
 
 def make_grpo_loss(config: GRPOLossConfig):

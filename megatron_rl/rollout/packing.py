@@ -17,17 +17,13 @@ The model sees each micro-batch as one sequence of T tokens with per-row attenti
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from megatron_rl.models.packed_sequences import attention_inputs
-from megatron_rl.rollout.batch import RolloutBatch, response_loss_mask
-
-
-def row_tokens(row: dict) -> int:
-    """Positions a rollout row takes in a training forward: its tokens but the last (inputs are shifted)."""
-    return len(row["prompt_ids"]) + len(row["response_ids"]) - 1
+from megatron_rl.rollout.batch import RolloutBatch, RolloutRow
 
 
 def pack_rows(lengths: list[int], *, dp: int, token_budget: int, multiple: int = 1,
@@ -103,11 +99,11 @@ def _to_count(bins: list[list[int]], lengths: list[int], count: int, spare: int)
     return bins
 
 
-def pack_minibatch(rows: list[dict], *, dp: int, dp_rank: int, token_budget: int, multiple: int,
+def pack_minibatch(rows: list[RolloutRow], *, dp: int, dp_rank: int, token_budget: int, multiple: int,
                    count_multiple: int, pad_id: int, thd: bool) -> tuple[list[RolloutBatch], dict]:
     """This data-parallel rank's packed micro-batches of a mini-batch's rollout rows, and the mini-batch's
     packing figures (``train_tokens``: computed over every rank; ``real_tokens``: the rows')."""
-    lengths = [row_tokens(row) for row in rows]
+    lengths = [row.forward_tokens for row in rows]
     per_rank, packed = pack_rows(lengths, dp=dp, token_budget=token_budget, multiple=multiple,
                                  count_multiple=count_multiple)
     micro = []
@@ -118,16 +114,16 @@ def pack_minibatch(rows: list[dict], *, dp: int, dp_rank: int, token_budget: int
     return micro, figures
 
 
-def _row(rows: list[dict], index: int) -> dict:
-    return rows[index] if index >= 0 else {**rows[_source(index)], "in_loss": False}
+def _row(rows: list[RolloutRow], index: int) -> RolloutRow:
+    return rows[index] if index >= 0 else dataclasses.replace(rows[_source(index)], in_loss=False)
 
 
-def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bool,
+def collate_packed(rows: list[RolloutRow], *, packed_length: int, pad_id: int, thd: bool,
                    row_ids: Optional[list[int]] = None) -> RolloutBatch:
     """One packed micro-batch of rollout rows (``row_ids``: their places in the mini-batch, default 0, 1, ...; see
     ``megatron_rl.rollout.batch.collate_rollout`` for the padded one, whose row-view entries ``loss_mask``,
     ``behav_logp`` and ``advantages`` these equal)."""
-    widths = [row_tokens(row) for row in rows]
+    widths = [row.forward_tokens for row in rows]
     width = max(widths)
     tokens = torch.full((packed_length + 1,), pad_id, dtype=torch.long)
     labels = torch.full((packed_length,), pad_id, dtype=torch.long)
@@ -139,22 +135,22 @@ def collate_packed(rows: list[dict], *, packed_length: int, pad_id: int, thd: bo
     advantages = torch.zeros(len(rows), dtype=torch.float32)
     starts = [0]
     for i, row in enumerate(rows):
-        seq = torch.tensor(row["prompt_ids"] + row["response_ids"], dtype=torch.long)
+        seq = torch.tensor(row.prompt_ids + row.response_ids, dtype=torch.long)
         start, n = starts[-1], widths[i]
         tokens[start:start + n] = seq[:-1]
         labels[start:start + n] = seq[1:]
         position_ids[start:start + n] = torch.arange(n)
         row_index[i, :n] = torch.arange(start, start + n)
         row_valid[i, :n] = True
-        first, end = len(row["prompt_ids"]) - 1, n  # label positions of the response tokens
-        loss_mask[i, first:end] = response_loss_mask(row)
-        behav_logp[i, first:end] = torch.tensor(row["logprobs"], dtype=torch.float32)
-        advantages[i] = row["advantage"]
+        first, end = len(row.prompt_ids) - 1, n  # label positions of the response tokens
+        loss_mask[i, first:end] = row.loss_mask()
+        behav_logp[i, first:end] = torch.tensor(row.logprobs, dtype=torch.float32)
+        advantages[i] = row.advantage
         starts.append(start + n)
     if starts[-1] < packed_length:  # the padding tail: a segment of its own
         starts.append(packed_length)
-    routes = _packed_routes([row["routes"] for row in rows], starts, packed_length) if rows and "routes" in rows[0] \
-        else None
+    routes = _packed_routes([row.routes for row in rows], starts, packed_length) \
+        if rows and rows[0].routes is not None else None
     batch = RolloutBatch(tokens=tokens[None, :-1], labels=labels[None], position_ids=position_ids[None],
                          row_index=row_index, row_valid=row_valid, loss_mask=loss_mask, behav_logp=behav_logp,
                          advantages=advantages, routes=routes,

@@ -32,10 +32,10 @@ from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.prompts import load_eval_prompts
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
-from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, RolloutBatch, collate_rollout,
-                                       make_grpo_loss, rollout_rows, store_logprobs)
+from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, RolloutBatch, RolloutRow,
+                                       collate_rollout, make_grpo_loss, rollout_rows, store_logprobs)
 from megatron_rl.rollout.multi_turn import Environments, episode_metrics, sample_episodes
-from megatron_rl.rollout.packing import pack_minibatch, row_tokens
+from megatron_rl.rollout.packing import pack_minibatch
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
 from megatron_rl.runtime.phases import generation_phase, training_phase
@@ -312,14 +312,14 @@ class GrpoRun:
                     batches.append(collate_rollout([share[i] for i in ids], seq_length=rollout.seq_length,
                                                    pad_id=self.tokenizer.pad_id, row_ids=ids))
                 self.packing.add(train_tokens=len(share) * rollout.seq_length,
-                                 real_tokens=sum(row_tokens(row) for row in share))
+                                 real_tokens=sum(row.forward_tokens for row in share))
             else:
                 batches, figures = self.pack(share)
                 self.packing.add(**figures)
             minibatches.append(batches)
         return minibatches
 
-    def pack(self, rows: list[dict]) -> tuple[list[RolloutBatch], dict]:
+    def pack(self, rows: list[RolloutRow]) -> tuple[list[RolloutBatch], dict]:
         """This DP rank's packed micro-batches of one mini-batch (parallel.micro_batch_tokens)."""
         from megatron.core import parallel_state as ps
 

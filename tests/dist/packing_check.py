@@ -17,16 +17,18 @@ import random
 import torch
 
 
-def rollout_rows(count: int, *, vocab: int, seed: int) -> list[dict]:
-    """Rows of uneven prompt and response lengths (a long tail), ids ``id`` 0..count-1."""
+def rollout_rows(count: int, *, vocab: int, seed: int) -> list:
+    """Rows (``RolloutRow``) of uneven prompt and response lengths (a long tail)."""
+    from megatron_rl.rollout.batch import RolloutRow
+
     rng = random.Random(seed)
     rows = []
     for i in range(count):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
         response = [rng.randrange(3, vocab) for _ in range(rng.choice([1, 2, 3, 5, 8, 21]))]
-        rows.append({"id": i, "prompt_ids": prompt, "response_ids": response,
-                     "logprobs": [-rng.uniform(0.5, 4.0) for _ in response], "advantage": rng.uniform(-1.5, 1.5),
-                     "in_loss": i % 7 != 3})
+        rows.append(RolloutRow(prompt_ids=prompt, response_ids=response,
+                               logprobs=[-rng.uniform(0.5, 4.0) for _ in response], advantage=rng.uniform(-1.5, 1.5),
+                               in_loss=i % 7 != 3))
     return rows
 
 
@@ -53,7 +55,7 @@ def check(*, tp: int = 1, pp: int = 1, vpp: int | None = None, layers: int | Non
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
     from megatron_rl.models import unwrap
     from megatron_rl.rollout.batch import collate_rollout, make_grpo_loss, old_logprobs, store_logprobs
-    from megatron_rl.rollout.packing import pack_minibatch, pack_rows, row_tokens
+    from megatron_rl.rollout.packing import pack_minibatch, pack_rows
     from megatron_rl.runtime.training import build_engine, data_parallel_slice, logits_forward
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
@@ -73,18 +75,17 @@ def check(*, tp: int = 1, pp: int = 1, vpp: int | None = None, layers: int | Non
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = rollout_rows(cfg.algorithm.global_batch_size, vocab=shape.vocab_size, seed=3)
     multiple = padded_engine.sequence_multiple
-    longest = max(row_tokens(r) for r in rows)
+    longest = max(r.forward_tokens for r in rows)
     seq_length = -(-longest // multiple) * multiple
-    padded_ids = [[r["id"] for r in mb] for mb in data_parallel_slice(rows, micro_batch_size=4)]
-    padded = [collate_rollout(mb, seq_length=seq_length, pad_id=0)
-              for mb in data_parallel_slice(rows, micro_batch_size=4)]
+    padded_ids = data_parallel_slice(list(range(len(rows))), micro_batch_size=4)  # each micro-batch's rows
+    padded = [collate_rollout([rows[i] for i in ids], seq_length=seq_length, pad_id=0) for ids in padded_ids]
     count_multiple = pp if (vpp or 1) > 1 else 1
     thd = packed_engine.opts.takes_packed_sequences(shape)  # what the trainer passes: SDPA's per-sequence loop
     packed, figures = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=budget, multiple=multiple,
                                      count_multiple=count_multiple, pad_id=0, thd=thd)
     masked, _ = pack_minibatch(rows, dp=dp, dp_rank=dp_rank, token_budget=budget, multiple=multiple,
                                count_multiple=count_multiple, pad_id=0, thd=False)  # the block-diagonal mask
-    per_rank, packed_length = pack_rows([row_tokens(r) for r in rows], dp=dp, token_budget=budget,
+    per_rank, packed_length = pack_rows([r.forward_tokens for r in rows], dp=dp, token_budget=budget,
                                         multiple=multiple, count_multiple=count_multiple)
     packed_ids = [[i if i >= 0 else None for i in b] for b in per_rank[dp_rank]]
 

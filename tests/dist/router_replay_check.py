@@ -135,7 +135,7 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
     from megatron_rl.generation import generate
-    from megatron_rl.rollout.batch import REPORTS, collate_rollout, make_grpo_loss
+    from megatron_rl.rollout.batch import REPORTS, RolloutRow, collate_rollout, make_grpo_loss
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import (build_engine, data_parallel_share, data_parallel_slice,
                                               forward_logprobs, gather_data_parallel, logits_forward)
@@ -173,9 +173,9 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
                    max_concurrent=2)
     every = gather_data_parallel(list(zip(mine, out.tokens, out.logprobs, out.routes)), with_context_parallel=True)
     assert all(route.size(0) == len(p) + len(t) - 1 for p, t, _, route in every)
-    rows = [{"prompt_ids": p, "response_ids": t, "logprobs": lp, "advantage": (-1.0) ** i, "routes": route}
+    rows = [RolloutRow(prompt_ids=p, response_ids=t, logprobs=lp, advantage=(-1.0) ** i, routes=route)
             for i, (p, t, lp, route) in enumerate(every)]
-    recorded = [row["routes"] for row in rows]
+    recorded = [row.routes for row in rows]
     seq_length = -(-(max(len(p) + len(t) for p, t, _, _ in every) - 1) // engine.sequence_multiple) \
         * engine.sequence_multiple
     whole = collate_rollout(rows, seq_length=seq_length, pad_id=0)
