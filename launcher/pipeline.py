@@ -64,12 +64,13 @@ from omegaconf import OmegaConf
 
 from launcher.job import PreparedJob, prepare
 from launcher.lock import acquire
-from launcher.runs.folder import MAIN_PHASES, STAGE_ORDER_FILE, RunFolder
+from launcher.runs.completion import completion, eval_key, read_eval
+from launcher.runs.folder import STAGE_ORDER_FILE, RunFolder
 from megatron_rl.spec.config import JobConfig
 from megatron_rl.spec.config.loader import env_references, find_config, given_keys, load_config, read_text
 from megatron_rl.spec.errors import ConfigError, did_you_mean
 from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
-from megatron_rl.spec.run_files import CONFIG_FILE
+from megatron_rl.spec.run_files import CONFIG_FILE, EVAL_FILE
 
 STAGE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 REFERENCE = re.compile(r"\$\{stages\.([^.}]*)\.([^}]*)\}")
@@ -77,7 +78,7 @@ REFERENCE_START = "${stages."
 REFERENCE_KINDS = ("checkpoint", "dir")
 STAGE_KEYS = ("config",)
 PIPELINE_KEYS = ("dir",)
-PIPELINE_FILE, EVAL_FILE = "pipeline.yaml", "eval.json"
+PIPELINE_FILE = "pipeline.yaml"
 SECTIONS = tuple(JobConfig.__dataclass_fields__)
 
 
@@ -337,7 +338,7 @@ def prepare_stages(pipeline: PipelineSpec) -> list[Stage]:
         known[spec.name] = {"dir": str(job.run_dir),
                             "checkpoint": str(Path(job.cfg.checkpoint_dir).expanduser().absolute())}
         stages.append(Stage(name=spec.name, job=job, config_name=_shown(spec.config),
-                            after=stages[-1].name if stages else None, done=completion(job)))
+                            after=stages[-1].name if stages else None, done=completion(job.cfg, job.run_dir)))
     _check_stages(pipeline, stages)
     return stages
 
@@ -370,52 +371,6 @@ def _check_stages(pipeline: PipelineSpec, stages: list[Stage]) -> None:
                           "folder for the pipeline")
 
 
-# ---------------- completion ----------------
-def eval_key(cfg: JobConfig) -> str:
-    """The eval.json entry an eval stage writes."""
-    return cfg.eval.stage or cfg.run.name
-
-
-def read_eval(path: Path) -> dict[str, Any]:
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return entries if isinstance(entries, dict) else {}
-
-
-def completion(job: PreparedJob) -> Optional[str]:
-    """Why the stage's run in ``job.run_dir`` is complete, or None when it has to run (again)."""
-    cfg = job.cfg
-    if cfg.algorithm.name == "eval":
-        key = eval_key(cfg)
-        entry = read_eval(job.run_dir / EVAL_FILE).get(key)
-        if (isinstance(entry, dict) and entry.get("kept") is True
-                and entry.get("checkpoint") == str(cfg.model.init_from)):
-            return f"eval.json holds its entry {key!r} (pass@1 {entry.get('pass@1')})"
-        return None
-    steps = [row.get("step") for row in RunFolder(path=job.run_dir).recent_metrics()
-             if row.get("phase") in MAIN_PHASES and isinstance(row.get("step"), int)]
-    if not steps or max(steps) < cfg.run.steps:
-        return None
-    if not cfg.checkpoint.save_at_end:
-        return f"metrics.jsonl reached run.steps={cfg.run.steps}"
-    final = latest_step(Path(cfg.checkpoint_dir).expanduser().absolute())
-    if final is None or final < cfg.run.steps:
-        return None
-    return f"metrics.jsonl and its latest checkpoint reached run.steps={cfg.run.steps}"
-
-
-def latest_step(checkpoints: Path) -> Optional[int]:
-    """The step of the checkpoint that ``latest`` names (megatron_rl/runtime/checkpoint.py's layout), or None."""
-    try:
-        name = (checkpoints / "latest").read_text().strip()
-    except OSError:
-        return None
-    match = re.fullmatch(r"step_(\d{8})", name)
-    return int(match.group(1)) if match and (checkpoints / name).is_dir() else None
-
-
 # ---------------- the pipeline folder ----------------
 def write_pipeline_folder(pipeline: PipelineSpec, stages: list[Stage]) -> None:
     """stages.txt (the order status shows) and pipeline.yaml (the file with the command line, unresolved)."""
@@ -430,7 +385,7 @@ def collect_eval(pipeline: PipelineSpec, stages: list[Stage]) -> Optional[Path]:
     entries = read_eval(path)
     found = False
     for stage in stages:
-        if stage.job.cfg.algorithm.name == "eval" and completion(stage.job) is not None:
+        if stage.job.cfg.algorithm.name == "eval" and completion(stage.job.cfg, stage.job.run_dir) is not None:
             key = eval_key(stage.job.cfg)
             entries[key] = {**read_eval(stage.job.run_dir / EVAL_FILE)[key], "pipeline_stage": stage.name}
             found = True

@@ -36,8 +36,11 @@ def baseline(tmp_path_factory):
     (keep_last=10 keeps every save); saves change no metric."""
     from helpers import run_launch
     run_dir = tmp_path_factory.mktemp("tp1")
-    return _run(run_launch, run_dir, "parallel.tp=1", "parallel.pp=1", *WHOLE, "checkpoint.save_at_end=true",
-                "checkpoint.save_interval=auto", "cluster.signal_delay_s=0", "checkpoint.keep_last=10"), run_dir
+    return _run(run_launch, run_dir, *BASELINE), run_dir
+
+
+BASELINE = ["parallel.tp=1", "parallel.pp=1", *WHOLE, "checkpoint.save_at_end=true", "checkpoint.save_interval=auto",
+            "cluster.signal_delay_s=0", "checkpoint.keep_last=10"]
 
 
 def test_metrics_are_logged_per_step(baseline):
@@ -46,6 +49,22 @@ def test_metrics_are_logged_per_step(baseline):
     assert all(m["loss"] > 0 and m["grad_norm"] > 0 for m in metrics)
     assert metrics[0]["loss"] == pytest.approx(4.85, abs=0.1)  # ln(128): a fresh model is near-uniform
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+
+def test_a_rerun_of_the_finished_run_starts_nothing_and_changes_nothing(launch, baseline):
+    """The baseline ran its 5 steps and saved step 5: the same command again says so and exits 0 before any process
+    starts, so its metrics, manifest, config and checkpoints stay as they were (never a restart from step 0, nor a
+    resumed no-op that re-saves). With run.steps raised it would run on from step 5 (the dry run shows it)."""
+    _, run_dir = baseline
+    files = ("metrics.jsonl", "manifest.json", "config.yaml", "checkpoints/latest")
+    before = {name: (run_dir / name).read_bytes() for name in files}
+    again = launch(*PRETRAIN, f"run.dir={run_dir}", *BASELINE)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert (f"run.dir={run_dir} is complete: metrics.jsonl and its latest checkpoint reached run.steps=5. Nothing to "
+            "run;") in again.stdout and "starting" not in again.stdout, again.stdout
+    assert {name: (run_dir / name).read_bytes() for name in files} == before
+    longer = launch(*PRETRAIN, f"run.dir={run_dir}", *BASELINE, "run.steps=6", "--dry-run")
+    assert longer.returncode == 0 and "is complete" not in longer.stdout and "# what would run" in longer.stdout
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.recompute=full", "parallel.recompute_num_layers=1"],

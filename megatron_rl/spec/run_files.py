@@ -19,6 +19,8 @@ SAMPLES_FILE = "samples.jsonl"
 """Completions of every ``logging.sample_every``-th RL step, one JSON line each, written by rank 0."""
 MANIFEST_FILE = "manifest.json"
 """The run's audit record, written by the job."""
+EVAL_FILE = "eval.json"
+"""Held-out evaluations (``algorithm.name=eval``), one entry per eval.stage, written by the eval trainer."""
 PREDICTION_FILE = "prediction.json"
 """The planner's prediction for the job's own layout, written by ``launch.py`` beside the config."""
 

@@ -28,10 +28,8 @@ from megatron_rl.rollout.sampling import held_out, sample_rollout, summarize
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.spec.run_files import GATE_EXIT_CODE
+from megatron_rl.spec.run_files import EVAL_FILE, GATE_EXIT_CODE
 from megatron_rl.trainers.common import TrainerContext
-
-EVAL_FILE = "eval.json"
 
 
 class GateFailed(SystemExit):
