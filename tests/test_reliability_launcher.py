@@ -272,6 +272,41 @@ def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
     assert not (run_dir / ".lock").exists()
 
 
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path):
+    """Rank 1 of a 2-process job is stopped (SIGSTOP) mid-training under parallel.timeout_s=10: rank 0's next
+    collective times out (Megatron's groups wait parallel.timeout_s, not their own 30 minutes), the launcher names
+    the stopped rank, kills it and exits within the timeout plus a margin, leaving no process."""
+    run_dir = tmp_path / "hung"
+    args = [sys.executable, str(REPO_ROOT / "launch.py"), *TINY_RUN, "cluster.tasks_per_node=2",
+            "algorithm.global_batch_size=4", "checkpoint.save_at_end=false", "run.steps=1000000",
+            "parallel.timeout_s=10", f"run.dir={run_dir}"]
+    job = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():  # training
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        ranks = {int(dict(line.split(b"=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                          if b"=" in line)[b"RANK"]): pid
+                 for pid in _processes_using(str(run_dir / "config.yaml")) if b"megatron_rl.main" in
+                 Path(f"/proc/{pid}/cmdline").read_bytes()}
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - stopped_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        for pid in _processes_using(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGSTOP, out[-2000:] + err[-3000:]
+    assert "rank 1 was stopped (SIGSTOP or a debugger) and never answered" in err, err[-3000:]
+    assert 9 <= took < 10 + 30, took  # the timeout (from the collective rank 0 was in), the poll, the stop
+    assert _processes_using(str(run_dir)) == []
+
+
 def _stuck_report(run_dir: Path) -> str:
     """State, kernel wait channel and command of every process whose command line names ``run_dir``, and the
     last lines of rank 0's log: what a hung stop was waiting for."""

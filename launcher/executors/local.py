@@ -18,7 +18,7 @@ from pathlib import Path
 
 from launcher.job import PreparedJob, check_env
 from launcher.lock import acquire
-from megatron_rl.spec.local_ranks import kill_leftovers, rank_env, start_ranks, stop, watch_ranks
+from megatron_rl.spec.local_ranks import RanksEnded, kill_leftovers, rank_env, start_ranks, stop, watch_ranks
 from megatron_rl.spec.ports import free_port
 from megatron_rl.spec.private import make_private_dir, open_private_append
 
@@ -70,17 +70,16 @@ def _run(job: PreparedJob) -> int:
     for pump in pumps:
         pump.start()
     try:
-        code, failed = watch_ranks(procs)
+        ended = watch_ranks(procs)
     except KeyboardInterrupt:
         stop(procs, signal.SIGTERM)
-        code, failed = 130, None
+        ended = RanksEnded(code=130)
     for pump in pumps:
         pump.join(timeout=5)
     kill_leftovers(procs)
-    if failed is not None:
-        tail = (log_dir / f"rank{failed}.log").read_text(errors="replace").splitlines()[-15:]
-        signalled = procs[failed].returncode < 0
-        how = f"was killed by signal {-procs[failed].returncode}" if signalled else f"failed with exit code {code}"
-        print(f"rank {failed} {how}; last lines of {log_dir / f'rank{failed}.log'}:", file=sys.stderr)
+    if ended.rank is not None:
+        log = log_dir / f"rank{ended.rank}.log"
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        print(f"rank {ended.rank} {ended.how}; last lines of {log}:", file=sys.stderr)
         print("\n".join("  " + line for line in tail), file=sys.stderr)
-    return code
+    return ended.code

@@ -125,12 +125,15 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
     # A CPU group for waiting on rank 0's long single-rank I/O; gloo exists wherever torch does (no NCCL needed).
     _rank_zero_wait["group"] = torch.distributed.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, RANK_ZERO_WORK_TIMEOUT_S)))
+    # Megatron's groups wait as long as the default group: its own default (30 minutes) would let a hung rank
+    # (stopped, deadlocked) hold every other one that long
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
-        context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp)
+        context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
+        distributed_timeout_minutes=timeout_s / 60)
     if dims.pp > 1:
-        _pipeline_return["group"] = _new_pipeline_return_group()
+        _pipeline_return["group"] = _new_pipeline_return_group(datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dist_env
@@ -148,7 +151,7 @@ def shutdown() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _new_pipeline_return_group():
+def _new_pipeline_return_group(timeout: datetime.timedelta):
     """A second group over every pipeline's ranks (made by every rank, in the same order); this rank's."""
     from megatron.core import parallel_state
 
@@ -157,7 +160,7 @@ def _new_pipeline_return_group():
     torch.distributed.all_gather_object(every, mine)
     found = None
     for ranks in sorted({tuple(r) for r in every}):
-        group = torch.distributed.new_group(list(ranks))
+        group = torch.distributed.new_group(list(ranks), timeout=timeout)
         if torch.distributed.get_rank() in ranks:
             found = group
     return found

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO, NoReturn, Optional, Union
 
 STOP_GRACE_S = 10.0
@@ -57,36 +58,67 @@ def start_ranks(cmd: Sequence[str], world: int, *, port: int, env: Mapping[str, 
 def watch(procs: list[subprocess.Popen], *, timeout: Optional[float] = None, poll_s: float = 0.05) -> int:
     """Wait for the ranks: 0 when all succeed; else the first failing one's code (a signal n as 128 + n), after
     stopping the others. Past ``timeout`` seconds every rank is stopped and ``subprocess.TimeoutExpired`` raised."""
-    return watch_ranks(procs, timeout=timeout, poll_s=poll_s)[0]
+    return watch_ranks(procs, timeout=timeout, poll_s=poll_s).code
+
+
+@dataclass(frozen=True)
+class RanksEnded:
+    """How the ranks ended (``watch_ranks``)."""
+
+    code: int
+    """0 when every rank succeeded; else the cause's exit code (a signal n as 128 + n)."""
+    rank: Optional[int] = None
+    """The rank that caused the end (None when all succeeded)."""
+    how: str = ""
+    """What happened to it, for the line that names it: "failed with exit code N", "was killed by signal N", or
+    "was stopped (SIGSTOP or a debugger) and never answered: the others' collectives timed out"."""
 
 
 def watch_ranks(procs: list[subprocess.Popen], *, timeout: Optional[float] = None,
-                poll_s: float = 0.05) -> tuple[int, Optional[int]]:
-    """``watch``'s exit code and the rank that failed first (None when all succeeded). A rank that dies makes
-    the others fail in their next collective: the first failure seen is the cause, and of failures seen in the
-    same poll, a death by a signal (SIGKILL, SIGSEGV, the OOM killer) is taken over an exit with an error."""
+                poll_s: float = 0.05) -> RanksEnded:
+    """``watch``'s exit code and the rank that caused it. A rank that dies makes the others fail in their next
+    collective: the first failure seen is the cause, and of failures seen in the same poll, a death by a signal
+    (SIGKILL, SIGSEGV, the OOM killer) is taken over an exit with an error. A rank that is stopped (SIGSTOP) when
+    another fails is the cause: the others failed waiting for it (parallel.timeout_s)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         codes = [p.poll() for p in procs]
         failed = [rank for rank, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            first = min(failed, key=lambda rank: (codes[rank] > 0, rank))
+            stopped = [rank for rank, c in enumerate(codes) if c is None and _is_stopped(procs[rank].pid)]
             stop(procs, signal.SIGTERM)
+            if stopped:
+                return RanksEnded(code=128 + signal.SIGSTOP, rank=stopped[0],
+                                  how="was stopped (SIGSTOP or a debugger) and never answered: the others' "
+                                      "collectives timed out waiting for it (parallel.timeout_s)")
+            first = min(failed, key=lambda rank: (codes[rank] > 0, rank))
             code = codes[first]
-            return (code if code > 0 else 128 - code), first
+            if code < 0:
+                return RanksEnded(code=128 - code, rank=first, how=f"was killed by signal {-code}")
+            return RanksEnded(code=code, rank=first, how=f"failed with exit code {code}")
         if all(c == 0 for c in codes):
-            return 0, None
+            return RanksEnded(code=0)
         if deadline is not None and time.monotonic() > deadline:
             stop(procs, signal.SIGTERM)
             raise subprocess.TimeoutExpired([str(a) for a in procs[0].args], timeout)
         time.sleep(poll_s)
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T: SIGSTOP, SIGTSTP; t: held by a debugger), from /proc (Linux)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
+
+
 def stop(procs: list[subprocess.Popen], sig: int, grace_s: float = STOP_GRACE_S) -> None:
-    """Send ``sig`` to every rank still running (its whole process group), SIGKILL after ``grace_s``."""
+    """Send ``sig`` to every rank still running (its whole process group), SIGKILL after ``grace_s``; SIGKILL at
+    once to a stopped one, which would only take ``sig`` once continued."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, sig)
+            os.killpg(p.pid, signal.SIGKILL if _is_stopped(p.pid) else sig)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
