@@ -54,7 +54,8 @@ def test_metrics_are_logged_per_step(baseline):
 def test_a_rerun_of_the_finished_run_starts_nothing_and_changes_nothing(launch, baseline):
     """The baseline ran its 5 steps and saved step 5: the same command again says so and exits 0 before any process
     starts, so its metrics, manifest, config and checkpoints stay as they were (never a restart from step 0, nor a
-    resumed no-op that re-saves). With run.steps raised it would run on from step 5 (the dry run shows it)."""
+    resumed no-op that re-saves); its dry run says so above the usual output. With run.steps raised it would run on
+    from step 5."""
     _, run_dir = baseline
     files = ("metrics.jsonl", "manifest.json", "config.yaml", "checkpoints/latest")
     before = {name: (run_dir / name).read_bytes() for name in files}
@@ -63,6 +64,9 @@ def test_a_rerun_of_the_finished_run_starts_nothing_and_changes_nothing(launch, 
     assert (f"run.dir={run_dir} is complete: metrics.jsonl and its latest checkpoint reached run.steps=5. Nothing to "
             "run;") in again.stdout and "starting" not in again.stdout, again.stdout
     assert {name: (run_dir / name).read_bytes() for name in files} == before
+    dry = launch(*PRETRAIN, f"run.dir={run_dir}", *BASELINE, "--dry-run")  # says so, and shows the job as ever
+    assert dry.returncode == 0 and dry.stdout.startswith(f"# run.dir={run_dir} is complete")
+    assert "# what would run" in dry.stdout
     longer = launch(*PRETRAIN, f"run.dir={run_dir}", *BASELINE, "run.steps=6", "--dry-run")
     assert longer.returncode == 0 and "is complete" not in longer.stdout and "# what would run" in longer.stdout
 

@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     from launcher.executors import get_executor
     from launcher.job import check_input_paths, prepare
+    from launcher.lock import LOCK_NAME, holder_alive, read_holder
     from launcher.runs.completion import completion
     from megatron_rl.spec.config import load_config
     from megatron_rl.spec.config.loader import env_references, given_keys
@@ -49,16 +50,21 @@ def main(argv: list[str]) -> int:
     unresolved = env_references(args.config, args.overrides)  # first: it refuses a secret in cluster.setup
     job = prepare(load_config(args.config, args.overrides), given=given_keys(args.config, args.overrides),
                   unresolved=unresolved)
-    done = completion(job.cfg, job.run_dir)
-    if done is not None:  # a rerun of a finished job: start nothing, change nothing
-        print(f"run.dir={job.run_dir} is complete: {done}. Nothing to run{' (dry run)' if args.dry_run else ''}; "
-              "to train on from its last checkpoint raise run.steps, to start over give a new run.dir")
+    holder = read_holder(job.run_dir / LOCK_NAME)
+    # a folder a live job holds is in use, not complete: the executor's lock refuses it with the holder's name
+    done = None if holder and holder_alive(holder) else completion(job.cfg, job.run_dir)
+    complete = (f"run.dir={job.run_dir} is complete: {done}. Nothing to run; to train on from its last checkpoint "
+                "raise run.steps, to start over give a new run.dir")
+    if done is not None and not args.dry_run:  # a rerun of a finished job: start nothing, change nothing
+        print(complete)
         return 0
     if job.executor == "local" and not args.dry_run:  # a Slurm job may read paths only its nodes see; a dry run
         check_input_paths(job.cfg, args.config)        # shows what would run before the inputs are there
     executor = get_executor(job.executor)
     if not args.dry_run:
         return executor.run(job, wait=args.wait)
+    if done is not None:
+        print(f"# {complete} (launch.py would start nothing; what it would run for more steps follows)\n")
     print("# resolved config")
     print(job.config_text().rstrip())
     if job.plan is not None:
