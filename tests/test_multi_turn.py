@@ -165,3 +165,19 @@ def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, t
         reply_tokens = len("\ntool: " + first["reply"][0]["content"] + "\nassistant: ")
         assert sample["response_tokens"] == sample["trained_tokens"] + reply_tokens  # the reply is not trained
         assert sample["completion"] == (rest[-1]["text"] if rest else first["text"])
+    # the trained checkpoint evaluated on held-out prompts, each sample an episode with the calculator
+    evaluated = launch("eval", "--ckpt", str(run_dir / "checkpoints"), "--config", "configs/grpo_calculator_tiny.yaml",
+                       f"run.dir={tmp_path / 'eval'}", "eval.max_prompts=8", "eval.samples=2",
+                       "logging.tensorboard=false", timeout=300)
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    entry = json.loads((tmp_path / "eval" / "eval.json").read_text())["default"]
+    assert entry["n_prompts"] == 8 and entry["k"] == 2 and 0 <= entry["pass@1"] <= entry["pass@k"] <= 1
+    assert 0 < entry["env_tool_call_rate"] <= 1 and 1 <= entry["env_turns"] <= 2, entry
+
+
+def test_episodes_run_with_grpo_and_eval_only():
+    from megatron_rl.spec.config import load_config
+
+    assert load_config("grpo_calculator_tiny", ["algorithm.name=eval"]).environment.name == "calculator"
+    with pytest.raises(ConfigError, match="multi-turn episodes run with algorithm.name=grpo or eval, not ppo"):
+        load_config("grpo_calculator_tiny", ["algorithm.name=ppo"])

@@ -37,6 +37,10 @@ class Environments:
                                     max_episode_tokens=env_cfg.max_episode_tokens,
                                     step_timeout_s=env_cfg.step_timeout_s)
 
+    def sample(self, chunks: list, prompts: list, **options) -> Rollout:
+        """``sample_episodes`` of ``prompts`` in fresh environments of this job, within its limits."""
+        return sample_episodes(chunks, prompts, make_env=self.make, limits=self.limits, **options)
+
 
 def episode_metrics(episodes: list) -> dict:
     """Means over a rollout's episodes: turns, tool calls (an environment's ``info["tool_calls"]``), the share

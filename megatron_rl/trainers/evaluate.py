@@ -45,7 +45,8 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     from megatron_rl.models.builder import build_model_chunks
     from megatron_rl.runtime import checkpoint as ckpt
     from megatron_rl.runtime.training import model_options
-    from megatron_rl.trainers.grpo import build_rewards
+    from megatron_rl.rollout.multi_turn import Environments, episode_metrics
+    from megatron_rl.trainers.grpo import job_rewards, reward_totals
 
     if not cfg.model.init_from:
         raise ConfigError("algorithm.name=eval needs the checkpoint to evaluate: model.init_from=CKPT (or "
@@ -60,26 +61,34 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     opts = model_options(cfg, shape)
     chunks = build_model_chunks(shape, opts)
     ckpt.load_checkpoint(cfg.model.init_from, chunks=chunks, load_optimizer=False)
-    rewards = build_rewards(cfg, shape)
+    rewards = job_rewards(cfg, shape)
+    environments = None  # multi-turn: each sample is an episode in a fresh environment (environment.name)
+    if cfg.environment.name is not None:
+        environments = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
+
+    def generate(batch: list, group: int, seed: int):
+        options = dict(cfg=cfg, shape=shape, tokenizer=tokenizer, group=group, seed=seed,
+                       seq_multiple=opts.dims.sequence_multiple)
+        if environments is not None:
+            return environments.sample(chunks, batch, **options)
+        return sample_rollout(chunks, batch, record_routes=False, **options)
+
     with ctx.timer() as t_eval:
-        rollout = held_out(
-            lambda batch, group, seed: sample_rollout(chunks, batch, cfg=cfg, shape=shape, tokenizer=tokenizer,
-                                                      group=group, seed=seed, record_routes=False,
-                                                      seq_multiple=opts.dims.sequence_multiple),
-            prompts, samples=cfg.eval.samples, batch_prompts=cfg.algorithm.prompts_per_step,
-            seed_of=lambda start: random.Random(f"eval:{cfg.run.seed}:{start}").getrandbits(62))
-    total, rollout.per_fn = rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+        rollout = held_out(generate, prompts, samples=cfg.eval.samples, batch_prompts=cfg.algorithm.prompts_per_step,
+                           seed_of=lambda start: random.Random(f"eval:{cfg.run.seed}:{start}").getrandbits(62))
+    total, rollout.per_fn = reward_totals(rollout, rewards=rewards, episodic=environments is not None)
     rollout.rewards = torch.tensor(total, dtype=torch.float32)
     summary = summarize(rollout, samples=cfg.eval.samples)
     gate = cfg.eval.min_pass_at_1
     kept = gate is None or summary["pass@1"] >= gate
     stage = cfg.eval.stage or cfg.run.name
-    entry = {**summary, "checkpoint": str(cfg.model.init_from), "kept": kept}
+    entry = {**summary, **episode_metrics(rollout.episodes), "checkpoint": str(cfg.model.init_from), "kept": kept}
     if ctx.rank == 0:
         record(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
         ctx.logger.log(0, {"pass_at_1": summary["pass@1"], "pass_at_k": summary["pass@k"], "k": float(summary["k"]),
                            "reward_mean": summary["mean_reward"], "response_length": summary["mean_response_length"],
-                           "prompts": float(summary["n_prompts"]), "time_eval_s": t_eval.seconds},
+                           "prompts": float(summary["n_prompts"]), **episode_metrics(rollout.episodes),
+                           "time_eval_s": t_eval.seconds},
                        phase="eval", total=0)
     ctx.logger.close()
     ctx.say(table(stage, entry))

@@ -34,7 +34,7 @@ from megatron_rl.generation import GenerationStopped
 from megatron_rl.rewards import overlong_penalty
 from megatron_rl.rollout.batch import (REPORTS, TEACHER_REPORTS, Rollout, RolloutBatch, RolloutRow,
                                        collate_rollout, make_grpo_loss, rollout_rows, store_logprobs)
-from megatron_rl.rollout.multi_turn import Environments, episode_metrics, sample_episodes
+from megatron_rl.rollout.multi_turn import Environments, episode_metrics
 from megatron_rl.rollout.packing import pack_minibatch
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
@@ -105,7 +105,7 @@ class GrpoRun:
         self.environments = None
         if cfg.environment.name is not None:
             self.environments = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
-        self.rewards = None if self.environments is not None and not self.algo.rewards else build_rewards(cfg, shape)
+        self.rewards = job_rewards(cfg, shape)
         self.loss_fn = make_grpo_loss(GRPOLossConfig.from_algorithm(self.algo,
                                                                     max_response_len=cfg.generation.max_new_tokens))
         self.engine: Engine = build_engine(cfg, shape)
@@ -220,12 +220,10 @@ class GrpoRun:
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
         with generation_phase(self.engine, offload_optimizer=self.cfg.generation.offload_optimizer):
             if self.environments is not None:
-                env = self.environments
-                return sample_episodes(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
-                                       tokenizer=self.tokenizer, make_env=env.make, limits=env.limits,
-                                       group=group or self.algo.group_size, seed=step_seed,
-                                       seq_multiple=self.engine.sequence_multiple,
-                                       stop_requested=stop_requested)
+                return self.environments.sample(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
+                                                tokenizer=self.tokenizer, group=group or self.algo.group_size,
+                                                seed=step_seed, seq_multiple=self.engine.sequence_multiple,
+                                                stop_requested=stop_requested)
             return sample_rollout(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                   tokenizer=self.tokenizer, group=group or self.algo.group_size, seed=step_seed,
                                   record_routes=self.algo.router_replay if record_routes is None else record_routes,
@@ -250,15 +248,8 @@ class GrpoRun:
 
     # ------------------------------------------------------------------ score
     def reward_totals(self, rollout: Rollout) -> tuple[list[float], dict[str, list[float]]]:
-        """Each completion's reward and each function's share: algorithm.rewards (of an episode's last turn),
-        plus the environment's reward of each episode."""
-        total, per_fn = [0.0] * len(rollout.completions), {}
-        if self.rewards is not None:
-            total, per_fn = self.rewards.score(rollout.prompts, rollout.completions, rollout.answers)
-        if self.environments is not None:
-            per_fn["environment"] = list(rollout.env_rewards)
-            total = [t + e for t, e in zip(total, rollout.env_rewards)]
-        return total, per_fn
+        """``reward_totals`` of the run's rewards and environments."""
+        return reward_totals(rollout, rewards=self.rewards, episodic=self.environments is not None)
 
     def score(self, rollout: Rollout) -> None:
         """Rewards (plus DAPO's overlong penalty when algorithm.overlong is set) and group advantages."""
@@ -468,6 +459,24 @@ def _warmup_records(cfg: JobConfig) -> list[dict]:
         return []
     problems, _ = split_problems(cfg.data.warmup_task, seed=cfg.run.seed)
     return sft_records(problems, task=cfg.data.warmup_task, answers="correct")
+
+
+def reward_totals(rollout: Rollout, *, rewards, episodic: bool) -> tuple[list[float], dict[str, list[float]]]:
+    """Each completion's reward and each function's share: ``rewards`` (algorithm.rewards, of an episode's last
+    turn; None: none), plus, for ``episodic`` rollouts, each episode's reward from its environment."""
+    total, per_fn = [0.0] * len(rollout.completions), {}
+    if rewards is not None:
+        total, per_fn = rewards.score(rollout.prompts, rollout.completions, rollout.answers)
+    if episodic:
+        per_fn["environment"] = list(rollout.env_rewards)
+        total = [t + e for t, e in zip(total, rollout.env_rewards)]
+    return total, per_fn
+
+
+def job_rewards(cfg: JobConfig, shape: ModelShape):
+    """The job's reward functions: ``build_rewards``, or None for an environment's job without algorithm.rewards
+    (its episodes' rewards are the environment's)."""
+    return None if cfg.environment.name is not None and not cfg.algorithm.rewards else build_rewards(cfg, shape)
 
 
 def build_rewards(cfg: JobConfig, shape: ModelShape):
