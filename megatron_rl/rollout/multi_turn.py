@@ -37,6 +37,11 @@ class Environments:
                                     max_episode_tokens=env_cfg.max_episode_tokens,
                                     step_timeout_s=env_cfg.step_timeout_s)
 
+    @classmethod
+    def of_job(cls, cfg) -> Optional["Environments"]:
+        """The job's environments (its run and checkpoint folders hidden), or None without environment.name."""
+        return None if cfg.environment.name is None else cls(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
+
     def sample(self, chunks: list, prompts: list, **options) -> Rollout:
         """``sample_episodes`` of ``prompts`` in fresh environments of this job, within its limits."""
         return sample_episodes(chunks, prompts, make_env=self.make, limits=self.limits, **options)

@@ -107,7 +107,8 @@ def watch_ranks(procs: list[subprocess.Popen], *, timeout: Optional[float] = Non
 def _is_stopped(pid: int) -> bool:
     """Whether the process is stopped (state T: SIGSTOP, SIGTSTP; t: held by a debugger), from /proc (Linux)."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
     except OSError:
         return False
     return stat[stat.rindex(")") + 2:][:1] in ("T", "t")

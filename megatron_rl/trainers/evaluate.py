@@ -62,9 +62,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     chunks = build_model_chunks(shape, opts)
     ckpt.load_checkpoint(cfg.model.init_from, chunks=chunks, load_optimizer=False)
     rewards = job_rewards(cfg, shape)
-    environments = None  # multi-turn: each sample is an episode in a fresh environment (environment.name)
-    if cfg.environment.name is not None:
-        environments = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
+    environments = Environments.of_job(cfg)  # multi-turn: each sample an episode in a fresh environment
 
     def generate(batch: list, group: int, seed: int):
         options = dict(cfg=cfg, shape=shape, tokenizer=tokenizer, group=group, seed=seed,

@@ -102,9 +102,7 @@ class GrpoRun:
         from megatron_rl.data.prompts import PromptSampler
 
         self.sampler = PromptSampler(self.dataset, self.algo.prompts_per_step, seed=cfg.run.seed)
-        self.environments = None
-        if cfg.environment.name is not None:
-            self.environments = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
+        self.environments = Environments.of_job(cfg)
         self.rewards = job_rewards(cfg, shape)
         self.loss_fn = make_grpo_loss(GRPOLossConfig.from_algorithm(self.algo,
                                                                     max_response_len=cfg.generation.max_new_tokens))
