@@ -5,6 +5,7 @@
 #   source /tmp/megatron-rl-dev-cluster/env.sh    # or: eval "$(slurm/dev-cluster.sh up)"
 #   slurm/dev-cluster.sh status   # sinfo + accounting check; exit 1 if the cluster is not up
 #   slurm/dev-cluster.sh down     # stop, by PID, only what `up` started; safe when nothing runs
+#   slurm/dev-cluster.sh restart-controller   # stop slurmctld and start it again from its saved state (jobs go on)
 #
 # Needs root; no systemd. Nodes are several slurmd on this host (NodeAddr=127.0.0.1, one port each), named
 # n1..nN, with /etc/hosts lines so the names resolve; network namespaces would give distinct hostnames but
@@ -496,6 +497,14 @@ stop_after_failed_up() {
     exit "$rc"
 }
 
+cmd_restart_controller() {
+    [[ -f "$DIR/env.sh" ]] || die "not up: no cluster in $DIR (run: slurm/dev-cluster.sh up)"
+    exec 9<"$DIR"
+    flock -w 300 9 || die "another dev-cluster.sh holds the lock on $DIR"
+    stop_pid_file "$DIR/run/slurmctld.pid" slurmctld slurmctld
+    start_slurmctld
+}
+
 cmd_down() {
     if [[ ! -d "$DIR" ]]; then
         remove_hosts_entries
@@ -540,8 +549,9 @@ main() {
         up) cmd_up ;;
         down) cmd_down ;;
         status) cmd_status ;;
+        restart-controller) cmd_restart_controller ;;
         -h | --help | help) usage ;;
-        *) usage; die "unknown command '${command}'; use up, down or status" ;;
+        *) usage; die "unknown command '${command}'; use up, down, status or restart-controller" ;;
     esac
 }
 

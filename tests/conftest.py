@@ -25,9 +25,8 @@ import uuid
 import psutil
 import pytest
 
-from helpers import run_launch
+from helpers import SESSION_MARKER, run_launch
 
-SESSION_MARKER = "MEGATRON_RL_TEST_SESSION"
 os.environ[SESSION_MARKER] = uuid.uuid4().hex
 
 

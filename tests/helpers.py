@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SESSION_MARKER = "MEGATRON_RL_TEST_SESSION"
+"""Environment variable holding the test session's id: a process that carries it after the session ended is a leak
+(tests/conftest.py)."""
 MEASURED_KEYS = ("step_time_s", "tokens_per_s", "time_generate_s", "time_score_s", "time_train_s", "time_eval_s",
                  "generate_tokens_per_s", "train_tokens_per_s")
 """metrics.jsonl keys that differ between identical runs (wall times and throughput), with peak_memory_*."""

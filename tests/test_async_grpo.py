@@ -7,8 +7,9 @@
   step's staleness_max <= max_staleness, every sample's version checked against the step that took it;
 - max_staleness=0 is synchronous: every sample comes from the weights being trained, so the behaviour weight
   pi_prox / pi_behav is 1 up to generation-vs-training rounding;
-- a run preempted after step 3 and resumed trains on every issued prompt exactly once: no prompt lost, none
-  repeated, counted from the ledger and the checkpoint's buffer state independently of the trainer's own metrics;
+- a run preempted after step 3, then SIGKILLed during a weight publish and during a sample hand-off, and resumed
+  each time, trains on every issued prompt exactly once: no prompt lost, none repeated, counted from the ledger
+  and the checkpoint's buffer state independently of the trainer's own metrics;
 - the same k = 0 run at other layouts and transports gives the same metrics: rollout replicas at their own TP
   (weights resharded through a distributed checkpoint), and gloo between 2 TP2 trainers and a 2-process TP2
   rollout world.
@@ -144,29 +145,39 @@ def test_max_staleness_0_trains_only_on_samples_of_the_current_weights(sync_tp1,
 
 
 # ------------------------------------------------------------------ preemption
-def test_a_preempted_async_run_resumes_without_losing_or_repeating_a_prompt(launch, tmp_path):
+def test_a_preempted_or_killed_async_run_resumes_without_losing_or_repeating_a_prompt(launch, tmp_path):
+    """One run, four launches: preempted after step 3; SIGKILLed while publishing step 5's weights (step 5 trained,
+    not saved); SIGKILLed once it took step 6's samples out of the channel (held nowhere else); then run to the
+    end. Each resume trains every issued prompt exactly once, on samples of the versions the bound allows."""
     run_dir = tmp_path / "preempted"
-    args = ("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=6", *SHORT)
+    args = ("--config", "configs/grpo_async_tiny.yaml", f"run.dir={run_dir}", "run.steps=7", *SHORT)
     first = launch(*args, env={"MEGATRON_RL_STOP_AFTER_STEP": "3"}, timeout=600)
     assert first.returncode == 3, first.stdout[-3000:] + first.stderr[-3000:]
     assert "the trainers stopped (exit code 3)" in (run_dir / "logs" / "rank1.log").read_text()
     at_stop = _buffer_state(run_dir / "checkpoints" / "step_00000003")
     assert at_stop["outstanding"]  # prompts were in flight when it stopped: these must come back
-    second = launch(*args, timeout=600)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed from" in second.stdout
+    for fault, saved in (("kill-during-weight-publish:5", 4), ("kill-during-sample-handoff:6", 5)):
+        killed = launch(*args, env={"MEGATRON_RL_FAULT": fault}, timeout=600)
+        assert killed.returncode == 137, fault + killed.stdout[-3000:] + killed.stderr[-3000:]
+        assert "rank 0 was killed by signal 9" in killed.stderr, killed.stderr[-3000:]
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{saved:08d}"
+    last = launch(*args, timeout=600)
+    assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
+    assert "resumed from" in last.stdout
 
     ledger = _ledger(run_dir)
-    assert [entry["step"] for entry in ledger] == [1, 2, 3, 4, 5, 6]
-    assert len({entry["session"] for entry in ledger}) == 2
+    assert [entry["step"] for entry in ledger] == [1, 2, 3, 4, 5, 6, 7]  # the killed launches' unsaved steps dropped
+    assert len({entry["session"] for entry in ledger}) == 4
     consumed = [i for entry in ledger for i in entry["prompt_ids"]]
     assert len(consumed) == len(set(consumed))  # none repeated
-    after_resume = {i for entry in ledger[3:] for i in entry["prompt_ids"]}
-    final = _buffer_state(run_dir / "checkpoints" / "step_00000006")
+    final = _buffer_state(run_dir / "checkpoints" / "step_00000007")
     assert set(consumed) | set(final["outstanding"]) == set(range(final["next_id"]))  # none lost
-    assert set(at_stop["outstanding"]) <= after_resume | set(final["outstanding"])
+    after_stop = {i for entry in ledger[3:] for i in entry["prompt_ids"]}
+    assert set(at_stop["outstanding"]) <= after_stop | set(final["outstanding"])
+    for entry in ledger:  # trainers and workers agreed on the weights' version across every resume
+        assert all(entry["step"] - 2 <= version <= entry["step"] - 1 for version in entry["versions"]), entry
     metrics = [m for m in read_metrics(run_dir) if m.get("phase", "train") == "train"]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert sorted({m["step"] for m in metrics}) == [1, 2, 3, 4, 5, 6, 7]
     assert all(m["prompts_lost"] == 0 and m["prompts_repeated"] == 0 for m in metrics)
 
 

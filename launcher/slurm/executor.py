@@ -132,7 +132,8 @@ def submit(job: PreparedJob, script: str, *, after: Sequence[str] = ()) -> str:
     captured = io.StringIO()  # submitit prints sbatch's stderr itself; we turn it into one line instead
     try:
         with contextlib.redirect_stderr(captured):
-            submitted = executor.submit(TrainTask(config_path=str(job.config_path), python=python))
+            submitted = executor.submit(TrainTask(config_path=str(job.config_path), python=python,
+                                                     timeout_s=job.cfg.parallel.timeout_s))
     except FailedJobError as exc:
         raise sbatch_error(str(exc) or captured.getvalue(), cluster) from None
     return str(submitted.job_id)

@@ -16,14 +16,18 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from megatron_rl.spec.local_ranks import is_stopped
 from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 
 POLL_S = 0.5
 FAILURE_MARK = "megatron-rl task failed:"  # the watcher looks for this line in the tasks' .err logs
+STOPPED_MARK = "megatron-rl task stopped:"  # ... and this one, which names the cause over any rank's failure
+CONTINUED_MARK = "megatron-rl task continued:"  # ... unless this one follows it
 PLACEMENT_MARK = "megatron-rl task placement:"  # ... and for this one in their .out logs (no pickle is read)
 
 
@@ -35,6 +39,9 @@ class TrainTask:
     """The run's resolved config.yaml."""
     python: str
     """Interpreter that runs the trainer."""
+    timeout_s: float
+    """``parallel.timeout_s``: a trainer stopped for half of it is reported, as the others' collectives will time
+    out waiting for it (srun then names only the first rank that failed, one of those)."""
 
     def __call__(self) -> dict[str, Any]:
         from submitit.helpers import TorchDistributedEnvironment
@@ -51,6 +58,8 @@ class TrainTask:
         pending = []  # a checkpoint request the trainer could not take yet
 
         def forward(signum: int) -> None:
+            if signum == signal.SIGTERM:
+                stopped.ending = True  # Slurm's teardown continues a stopped trainer: that is no recovery
             if signum != signal.SIGTERM and not catches(child.pid, signal.SIGUSR1):
                 pending[:] = [signum]  # still starting up: deliver once its handler is installed
                 return
@@ -65,6 +74,7 @@ class TrainTask:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
         child = subprocess.Popen([self.python, "-u", "-m", "megatron_rl.main", self.config_path])
+        stopped = StoppedWatch(child.pid, report_after_s=self.timeout_s / 2, who=f"rank {dist.rank} on {node}")
         for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: forward(signum))
         while True:
@@ -72,6 +82,7 @@ class TrainTask:
                 code = child.wait(timeout=POLL_S)
                 break
             except subprocess.TimeoutExpired:
+                stopped.poll()
                 if pending:
                     forward(pending[0])
         if code == 0:
@@ -85,6 +96,32 @@ class TrainTask:
             print(f"{FAILURE_MARK} rank {dist.rank} on {node}: the trainer {reason}", file=sys.stderr, flush=True)
         # SystemExit passes through submitit (it records only Exceptions), so srun sees the trainer's code.
         raise SystemExit(code if code > 0 else 128 - code)
+
+
+class StoppedWatch:
+    """Reports a trainer that stays stopped (SIGSTOP, a debugger): at ``report_after_s`` one STOPPED_MARK line
+    on stderr, and a CONTINUED_MARK line if it runs again before the job ends."""
+
+    def __init__(self, pid: int, *, report_after_s: float, who: str) -> None:
+        self.pid, self.report_after_s, self.who = pid, report_after_s, who
+        self.since: Optional[float] = None
+        self.reported = False
+        self.ending = False
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if is_stopped(self.pid):
+            self.since = self.since or now
+            if not self.reported and now - self.since >= self.report_after_s:
+                self.reported = True
+                print(f"{STOPPED_MARK} {self.who}: the trainer was stopped (SIGSTOP or a debugger) and never "
+                      f"answered: the others' collectives timed out waiting for it (parallel.timeout_s)",
+                      file=sys.stderr, flush=True)
+        else:
+            if self.reported and not self.ending:
+                print(f"{CONTINUED_MARK} {self.who} after {now - self.since:.0f} s", file=sys.stderr, flush=True)
+                self.reported = False
+            self.since = None
 
 
 def catches(pid: int, signum: int) -> bool:

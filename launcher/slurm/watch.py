@@ -20,7 +20,7 @@ from typing import Optional, TextIO
 
 from launcher.runs.logs import LogTail
 from launcher.slurm.query import FINAL_STATES, JobState, run_tool, sacct_state, squeue_state
-from launcher.slurm.task import FAILURE_MARK, PLACEMENT_MARK
+from launcher.slurm.task import CONTINUED_MARK, FAILURE_MARK, PLACEMENT_MARK, STOPPED_MARK
 from megatron_rl.spec.config.schema import ClusterConfig
 from megatron_rl.spec.run_files import GATE_EXIT_CODE, REQUEUE_EXIT_CODE
 
@@ -176,21 +176,32 @@ def first_failed_task(batch_log: Path) -> Optional[tuple[int, str]]:
 
 
 def failure_details(watch: Watch) -> str:
-    """Which rank failed first, its own report and the last lines of its stderr log."""
+    """Which rank caused the failure (a trainer left stopped, else the first that srun saw fail), its own report
+    and the last lines of its stderr log."""
+    logs = {task: _task_err_lines(watch, task) for task in range(watch.num_tasks)}
+    for task, lines in logs.items():
+        marks = [line for line in lines if line.startswith((STOPPED_MARK, CONTINUED_MARK))]
+        if marks and marks[-1].startswith(STOPPED_MARK):
+            return _named(watch, task, marks[-1][len(STOPPED_MARK):].strip(), lines)
     found = first_failed_task(watch.log_dir / f"{watch.job_id}_batch.log")
-    ranks = [found[0]] if found else list(range(watch.num_tasks))
-    for task in ranks:
-        path = watch.log_dir / f"{watch.job_id}_{task}_log.err"
-        try:
-            lines = path.read_text(errors="replace").splitlines()
-        except OSError:
-            lines = []
+    for task in [found[0]] if found else logs:
+        lines = logs.get(task, [])
         marks = [line[len(FAILURE_MARK):].strip() for line in lines if line.startswith(FAILURE_MARK)]
         if found or marks:
-            what = marks[-1] if marks else f"rank {task}: {found[1]}"
-            tail = "\n".join("  " + line for line in lines[-12:])
-            return f": {what}\nlast lines of {path}:\n{tail}"
+            return _named(watch, task, marks[-1] if marks else f"rank {task}: {found[1]}", lines)
     return f"; see the task logs {watch.log_dir}/{watch.job_id}_<rank>_log.err"
+
+
+def _task_err_lines(watch: Watch, task: int) -> list[str]:
+    try:
+        return (watch.log_dir / f"{watch.job_id}_{task}_log.err").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _named(watch: Watch, task: int, what: str, lines: list[str]) -> str:
+    tail = "\n".join("  " + line for line in lines[-12:])
+    return f": {what}\nlast lines of {watch.log_dir / f'{watch.job_id}_{task}_log.err'}:\n{tail}"
 
 
 def _down_nodes() -> str:

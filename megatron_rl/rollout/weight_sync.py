@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_rl.rollout.buffer import Sample
-from megatron_rl.runtime.checkpoint import _fault, fsync_path
+from megatron_rl.runtime.checkpoint import fault_point, fsync_path
 from megatron_rl.spec.private import DIR_MODE, FILE_MODE, make_private_dir, write_private_text
 
 VERSION_DIR = re.compile(r"^v(\d{8})$")
@@ -173,7 +173,7 @@ class FileWeightPublisher(WeightPublisher):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tmp}: not every one of the {self.num_shards} shards came in {timeout_s} s")
             time.sleep(0.01)
-        _fault("kill-during-weight-publish", version)
+        fault_point("kill-during-weight-publish", version)
         nbytes = sum((tmp / name).stat().st_size for name in shards)
         write_private_text(tmp / COMPLETE, json.dumps({"version": version, "shards": shards, "bytes": nbytes,
                                                        "id": f"{time.time_ns()}-{os.getpid()}"}) + "\n")

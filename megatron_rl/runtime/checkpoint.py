@@ -211,7 +211,7 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _fault(name: str, step: Optional[int]) -> None:
+def fault_point(name: str, step: Optional[int]) -> None:
     """Fault injection for the crash tests: ``MEGATRON_RL_FAULT=NAME:STEP`` SIGKILLs this process here."""
     if step is not None and os.environ.get("MEGATRON_RL_FAULT") == f"{name}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -263,7 +263,7 @@ def publish_checkpoint(root: Path, tmp: Path, step: int, *, keep_last: int) -> l
             doomed.append(_retire(aside))
         os.replace(final, aside)
         fsync_path(root)
-        _fault("kill-during-resave", step)
+        fault_point("kill-during-resave", step)
         doomed.append(aside)
     os.replace(tmp, final)
     fsync_path(root)
@@ -301,7 +301,7 @@ def _delete_all(folders: list[Path], step: Optional[int]) -> None:
             first = next((os.path.join(d, f[0]) for d, _, f in os.walk(folder) if f), None)
             if first is not None:
                 os.remove(first)  # half-deleted, then killed
-            _fault("kill-during-retention", step)
+            fault_point("kill-during-retention", step)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -474,7 +474,7 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
     except (OSError, CheckpointException) as exc:  # Megatron raises a write failure on every rank (its broadcast)
         raise _save_failed(root, tmp, step, exc) from None
     _barrier()
-    _fault("kill-during-save", step)
+    fault_point("kill-during-save", step)
     doomed = publish_checkpoint(root, tmp, step, keep_last=keep_last) if _rank() == 0 else []
     _barrier()
     delete_later(doomed, step=step)

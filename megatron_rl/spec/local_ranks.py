@@ -18,8 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, NoReturn, Optional, Union
 
+from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
+
 STOP_GRACE_S = 10.0
 """Seconds a stopped rank gets between SIGTERM and SIGKILL."""
+FAILED_GRACE_S = 3.0
+"""The same once a rank has failed: the others cannot finish a collective (a save) without it, so they get only the
+time to flush their logs (an async rollout worker, which leaves stopping to the trainers, would wait it out)."""
 
 
 def exit_process(code: Optional[int] = 0) -> NoReturn:
@@ -85,8 +90,9 @@ def watch_ranks(procs: list[subprocess.Popen], *, timeout: Optional[float] = Non
         codes = [p.poll() for p in procs]
         failed = [rank for rank, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            stopped = [rank for rank, c in enumerate(codes) if c is None and _is_stopped(procs[rank].pid)]
-            stop(procs, signal.SIGTERM)
+            stopped = [rank for rank, c in enumerate(codes) if c is None and is_stopped(procs[rank].pid)]
+            preempted = all(codes[rank] == REQUEUE_EXIT_CODE for rank in failed)  # the others are saving too
+            stop(procs, signal.SIGTERM, grace_s=STOP_GRACE_S if preempted else FAILED_GRACE_S)
             if stopped:
                 return RanksEnded(code=128 + signal.SIGSTOP, rank=stopped[0],
                                   how="was stopped (SIGSTOP or a debugger) and never answered: the others' "
@@ -104,7 +110,7 @@ def watch_ranks(procs: list[subprocess.Popen], *, timeout: Optional[float] = Non
         time.sleep(poll_s)
 
 
-def _is_stopped(pid: int) -> bool:
+def is_stopped(pid: int) -> bool:
     """Whether the process is stopped (state T: SIGSTOP, SIGTSTP; t: held by a debugger), from /proc (Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -119,7 +125,7 @@ def stop(procs: list[subprocess.Popen], sig: int, grace_s: float = STOP_GRACE_S)
     once to a stopped one, which would only take ``sig`` once continued."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL if _is_stopped(p.pid) else sig)
+            os.killpg(p.pid, signal.SIGKILL if is_stopped(p.pid) else sig)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

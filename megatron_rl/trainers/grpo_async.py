@@ -44,6 +44,7 @@ from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.rollout.worker import reshards
+from megatron_rl.runtime.checkpoint import fault_point
 from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, run_loop
 
@@ -130,19 +131,21 @@ class SplitGrpoRun(GrpoRun):
     def sample(self, step: int) -> SampledBatch:
         self._step_began = time.perf_counter()
         with self.ctx.timer() as t_wait:
-            taken = broadcast(self.take(self.algo.prompts_per_step) if self.ctx.rank == 0 else None)
+            taken = broadcast(self.take(self.algo.prompts_per_step, step) if self.ctx.rank == 0 else None)
         rollout = self.rollout_of(taken)
         with self.ctx.timer() as t_score:
             self.score(rollout)
         self.record_consumed(step, taken)
         return SampledBatch(drawn=rollout, kept=rollout, draws=1, sample_s=t_wait.seconds, score_s=t_score.seconds)
 
-    def take(self, n: int) -> list[Sample]:
+    def take(self, n: int, step: int) -> list[Sample]:
         """Rank 0: ``n`` samples within the staleness bound, moving the workers' samples into the buffer while it
         waits (and issuing the prompts of dropped samples again)."""
         deadline = time.monotonic() + self.cfg.parallel.timeout_s
         while True:
             samples, stats = self.channel.collect()
+            if samples:  # read and deleted from the channel, held only here until the step's checkpoint
+                fault_point("kill-during-sample-handoff", step)
             for key, value in stats.items():
                 self.worker_stats[key] = self.worker_stats.get(key, 0.0) + value
             for sample in samples:

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from helpers import without_measurements
+from helpers import SESSION_MARKER, without_measurements
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEV_CLUSTER_SCRIPT = REPO_ROOT / "slurm" / "dev-cluster.sh"
@@ -56,6 +56,15 @@ class DevCluster:
         if check and result.returncode != 0:
             raise AssertionError(f"{args} exited {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}")
         return result
+
+    def restart_controller(self) -> None:
+        """Stop slurmctld and start it again from its saved state (slurm/dev-cluster.sh restart-controller); the new
+        daemon is the cluster's, not this test session's, so it does not carry the session's marker."""
+        env = {key: value for key, value in self.env().items() if key != SESSION_MARKER}
+        result = subprocess.run([str(self.script), "restart-controller"], env=env, capture_output=True, text=True,
+                                timeout=60, stdin=subprocess.DEVNULL)
+        if result.returncode != 0:
+            raise AssertionError(f"restart-controller exited {result.returncode}: {result.stderr}")
 
     def sacct_state(self, job_id: str) -> str:
         """The job's state as accounting records it (e.g. `COMPLETED`, `CANCELLED`), or "" before it is recorded."""

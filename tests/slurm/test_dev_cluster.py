@@ -174,4 +174,4 @@ def test_down_without_a_cluster_is_a_no_op(tmp_path: Path) -> None:
 def test_unknown_command_is_rejected_with_the_valid_ones(tmp_path: Path) -> None:
     result = _script_in_empty_state_dir(tmp_path, "restart")
     assert result.returncode == 1
-    assert "unknown command 'restart'; use up, down or status" in result.stderr
+    assert "unknown command 'restart'; use up, down, status or restart-controller" in result.stderr

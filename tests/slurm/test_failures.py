@@ -1,4 +1,5 @@
-"""Failures are reported, not hung on: cancel, a node going DOWN, a crashing rank, missing Slurm tools, bad keys.
+"""Failures are reported, not hung on: cancel, a node going DOWN, a crashing rank, a stopped rank, missing Slurm
+tools, bad keys.
 
     slurm/dev-cluster.sh up && REQUIRE_SLURM=1 .venv/bin/python -m pytest tests/slurm/test_failures.py
     .venv/bin/python -m pytest tests/slurm/test_failures.py -m "not slurm"      # the ones that need no cluster
@@ -157,3 +158,28 @@ def test_crashing_rank_stops_the_others_and_is_named(launcher: Launcher, tmp_pat
     assert run.stderr.startswith(f"slurm: job {job_id} FAILED with exit code 1:0: rank 1 on n2: the trainer killed by "
                                  "signal SIGKILL\n"), run.stderr
     assert _trainer_pid(job_id, rank=0) is None, "rank 0 outlived the job"
+
+
+@pytest.mark.slurm
+def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(launcher: Launcher, tmp_path: Path) -> None:
+    """Rank 1's trainer is SIGSTOPped mid-training: rank 0's collective times out (parallel.timeout_s=10) and srun
+    reports rank 0 first, but --wait names rank 1, which its task saw stopped, and no trainer is left behind."""
+    started, job_id = _running(launcher, tmp_path, "parallel.timeout_s=10")
+    metrics = started.run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.1)
+    pid = _trainer_pid(job_id, rank=1)
+    assert pid is not None
+    stopped_at = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        run = _ends_within(launcher, started, stopped_at)
+    finally:
+        if _trainer_pid(job_id, rank=1) == pid:
+            os.kill(pid, signal.SIGKILL)
+    assert run.returncode == 1
+    assert run.stderr.startswith(f"slurm: job {job_id} FAILED with exit code 1:0: rank 1 on n2: the trainer was "
+                                 "stopped (SIGSTOP or a debugger) and never answered"), run.stderr
+    assert _trainer_pid(job_id, rank=0) is None and _trainer_pid(job_id, rank=1) is None
