@@ -253,10 +253,15 @@ def stage_job_ids(folder: Path) -> list[str]:
     return [stage["jobs"][-1]["job_id"] for stage in status["stages"]]
 
 
-@pytest.mark.slurm
-def test_slurm_pipeline_runs_its_chained_jobs_in_order(slurm_cluster, tmp_path_factory) -> None:
+@pytest.fixture(scope="module")
+def slurm_chain(slurm_cluster, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     folder = tmp_path_factory.mktemp("slurm-pipeline") / "chain"
-    result = slurm_pipeline(slurm_cluster, folder, "--wait")
+    return folder, slurm_pipeline(slurm_cluster, folder, "--wait")
+
+
+@pytest.mark.slurm
+def test_slurm_pipeline_runs_its_chained_jobs_in_order(slurm_cluster, slurm_chain) -> None:
+    folder, result = slurm_chain
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ids = [slurm_fixtures.JOB_ID.search(part).group(1) for part in result.stdout.split("pipeline: stage ")[1:]]
     assert len(ids) == 3 and f"after job(s) {ids[0]} (afterok)" in result.stdout
@@ -276,6 +281,26 @@ def test_slurm_pipeline_runs_its_chained_jobs_in_order(slurm_cluster, tmp_path_f
     assert "sft" in json.loads((folder / "eval.json").read_text())
     again = slurm_pipeline(slurm_cluster, folder)
     assert again.returncode == 0 and again.stdout.count(") skipped: ") == 3, again.stdout + again.stderr
+
+
+@pytest.mark.slurm
+def test_a_missed_eval_gate_on_slurm_ends_the_job_with_the_gate_code_and_is_not_requeued(slurm_cluster, slurm_chain,
+                                                                                        tmp_path) -> None:
+    """The gate's exit code (4) is not the requeue code (3) the job script requeues on: one job, FAILED, named."""
+    from megatron_rl.spec.run_files import GATE_EXIT_CODE
+
+    folder, _ = slurm_chain
+    run_dir = tmp_path / "gated"
+    result = run_launch("eval", "--ckpt", str(folder / "sft" / "checkpoints"), "--wait", "eval.stage=gated",
+                        "eval.samples=1", "eval.max_prompts=8", "eval.min_pass_at_1=1.0", "cluster.executor=slurm",
+                        "cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.max_requeues=2",
+                        f"run.dir={run_dir}", env=slurm_cluster.env(), timeout=300)
+    assert result.returncode == GATE_EXIT_CODE, result.stdout[-3000:] + result.stderr[-3000:]
+    job_id = slurm_fixtures.JOB_ID.search(result.stdout).group(1)
+    assert f"slurm: job {job_id} ended with exit code 4: the evaluation missed eval.min_pass_at_1" in result.stderr
+    assert json.loads((run_dir / "eval.json").read_text())["gated"]["kept"] is False
+    records = slurm_cluster.run("sacct", "-n", "-X", "-D", "-P", "-j", job_id, "-o", "State").stdout.split()
+    assert records == ["FAILED"], records  # -D lists every requeued run of the job: there is one
 
 
 @pytest.mark.slurm
