@@ -330,6 +330,40 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def test_a_slurm_task_reports_its_stopped_trainer_and_the_watcher_names_it_over_the_first_failure(tmp_path, capsys):
+    """launcher/slurm/task.py's StoppedWatch on a real stopped process, and launcher/slurm/watch.py's choice:
+    a task whose last word is "stopped" is the cause, one that was continued afterwards is not."""
+    from launcher.slurm.task import CONTINUED_MARK, FAILURE_MARK, STOPPED_MARK, StoppedWatch
+    from launcher.slurm.watch import Watch, failure_details
+    from megatron_rl.spec.config.schema import ClusterConfig
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        watch = StoppedWatch(child.pid, report_after_s=0.2, who="rank 1 on n2")
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while STOPPED_MARK not in capsys.readouterr().err:
+            assert time.monotonic() < deadline
+            watch.poll()
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.1)
+        watch.poll()
+        assert capsys.readouterr().err.startswith(f"{CONTINUED_MARK} rank 1 on n2 after ")
+    finally:
+        child.kill()
+        child.wait()
+
+    (tmp_path / "7_batch.log").write_text("srun: error: n1: task 0: Exited with exit code 1\n")
+    (tmp_path / "7_0_log.err").write_text(f"{FAILURE_MARK} rank 0 on n1: the trainer exited with code 1\n")
+    stopped = f"{STOPPED_MARK} rank 1 on n2: the trainer was stopped (SIGSTOP or a debugger) and never answered\n"
+    (tmp_path / "7_1_log.err").write_text(stopped)
+    watched = Watch(job_id="7", log_dir=tmp_path, num_tasks=2, cluster=ClusterConfig())
+    assert failure_details(watched).startswith(": rank 1 on n2: the trainer was stopped")
+    (tmp_path / "7_1_log.err").write_text(stopped + f"{CONTINUED_MARK} rank 1 on n2 after 3 s\n")
+    assert failure_details(watched).startswith(": rank 0 on n1: the trainer exited with code 1")
+
+
 def test_a_stale_lock_of_a_dead_pid_is_taken_over(launch, tmp_path):
     run_dir = tmp_path / "stale"
     run_dir.mkdir(mode=0o700)

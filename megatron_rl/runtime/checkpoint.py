@@ -461,6 +461,7 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
                              "rng_state": _rng_sharded_object(_rng_state())}
     if optimizer is not None and save_optimizer:
         _allocate_optimizer_state(optimizer)  # a never-stepped one (PPO's policy while the critic warms up)
+        _align_reshardable_state_with_parameters()
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -535,6 +536,7 @@ def load_checkpoint(path: str | Path, *, chunks: list, optimizer=None, scheduler
     if optimizer is not None and load_optimizer and "optimizer" in common:
         _allocate_optimizer_state(optimizer)
         _skip_step_in_reshardable_load()
+        _align_reshardable_state_with_parameters()
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)
     if same_layout and load_rng:
         request["rng_state"] = _rng_sharded_object(None)
@@ -573,6 +575,54 @@ def _allocate_optimizer_state(optimizer) -> None:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param.data)
                     state["exp_avg_sq"] = torch.zeros_like(param.data)
+
+
+def _align_reshardable_state_with_parameters() -> None:
+    """Make Megatron's fully_reshardable save cut each parameter's optimizer state where it lies.
+
+    megatron-core 0.19.2 gathers a buffer's state with the padding after each bucket dropped, then cuts every
+    parameter out of it at its offset in the padded buffer (``param_index_map``). Every parameter after a bucket
+    that ended in padding was saved shifted by that padding (64 elements where a tied embedding or the 40M-element
+    buckets of ``overlap_grad_reduce`` split the buffer), the last one zero-filled with the warning "param range
+    exceeds unpadded buffer ... data corruption" (Megatron-LM issue #504), and a resume loaded the shifted copies
+    as weights and moments. Here the gathered state gets its padding back, so both offsets agree; loading was
+    already right (it cuts each parameter's own tensor by its own range).
+    """
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_param_state_fully_reshardable
+    if getattr(original, "_aligned", False):
+        return
+
+    def padded_like_the_buffers(self, gather):
+        def gathered(*args, **kwargs):
+            state = gather(*args, **kwargs)
+            for gbuf_idx, by_dtype in (state or {}).items():
+                if not isinstance(gbuf_idx, int):  # "buckets_coalesced"
+                    continue
+                buffer = self.buffers[gbuf_idx]
+                for world in by_dtype.values():
+                    for key in [k for k in world if k != "numel_unpadded"]:
+                        padded = torch.zeros(buffer.numel, dtype=world[key].dtype, device=world[key].device)
+                        start = 0
+                        for bucket in buffer.buckets:
+                            padded[bucket.offset:bucket.offset + bucket.numel_unpadded] = \
+                                world[key][start:start + bucket.numel_unpadded]
+                            start += bucket.numel_unpadded
+                        world[key] = padded
+            return state
+        return gathered
+
+    def sharded_state(self, *args, **kwargs):
+        self.get_parameter_state_dp_zero = padded_like_the_buffers(self, self.get_parameter_state_dp_zero)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self.get_parameter_state_dp_zero  # the class's method again
+
+    sharded_state._aligned = True
+    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_state
 
 
 def _skip_step_in_reshardable_load() -> None:

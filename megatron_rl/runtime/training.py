@@ -378,7 +378,7 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
     chunks = build_chunks(shape, opts)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.runtime.grad_dtype == "fp32", overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+        bucket_size=cfg.runtime.grad_bucket_size, use_distributed_optimizer=cfg.parallel.distributed_optimizer)
     wrapped = []
     for i, chunk in enumerate(chunks):
         chunk.config.calculate_per_token_loss = True

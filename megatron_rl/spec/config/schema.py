@@ -220,6 +220,10 @@ class RuntimeConfig:
     overlap_grad_reduce: bool = True
     """Reduce the data-parallel gradients bucket by bucket during the last micro-batch's backward pass (Megatron
     DDP's overlap_grad_reduce) instead of all after it."""
+    grad_bucket_size: Optional[int] = None
+    """Elements per data-parallel gradient bucket (Megatron DDP's bucket_size): smaller buckets start their
+    reduction earlier in the backward pass, larger ones move more per message. None: Megatron's max(40M, 1M x DP)
+    with overlap_grad_reduce, one bucket without it."""
     grad_dtype: str = "fp32"
     """Main gradients and their data-parallel reduction: fp32, or bf16 (half the gradient memory and traffic;
     needs bf16 parameters)."""
@@ -230,6 +234,9 @@ class RuntimeConfig:
                               "or auto")
         _one_of("runtime", "attention", self.attention, ATTENTION_KERNELS)
         _one_of("runtime", "grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        if self.grad_bucket_size is not None and self.grad_bucket_size < 1:
+            raise ConfigError(f"runtime.grad_bucket_size={self.grad_bucket_size} must be positive (or null for "
+                              "Megatron's default)")
 
     def uses_transformer_engine(self, *, gpus: bool) -> bool:
         """Whether a job on GPUs (or not) runs TE layers, as planned: auto counts on TE wherever there are GPUs."""
