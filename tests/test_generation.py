@@ -227,7 +227,9 @@ def test_tokens_do_not_depend_on_budget_cap_sharing_or_pipeline_parts(request, l
     rows, budgets of 10 and 24 blocks (rows wait, are evicted and prefilled again) and, under PP2 x VPP2, 1 and 3
     pipeline parts instead of 2 (uneven): the same tokens, finish reasons and log-probs, greedy, sampled with the
     same seed and with a stop token; each group's prompt is prefilled once; the budgets hold; the unbounded run's
-    log-probs are the training forward's."""
+    log-probs are the training forward's. And a fed session (the async rollout worker's engine) under the
+    24-block budget, its groups handed in two, then one per stop question while earlier rows decode: the same
+    tokens, finish reasons and log-probs, each group reported whole when its last completion ends."""
     for rank in request.getfixturevalue(layout):
         paged = rank["paged"]
         parts = paged["parts"]
@@ -235,7 +237,10 @@ def test_tokens_do_not_depend_on_budget_cap_sharing_or_pipeline_parts(request, l
         for name in ("greedy", "sampled", "greedy_eos"):
             case = paged[name]
             assert case["vs_sequence_logprobs"] < LOGPROB_TOL, (name, case)
-            assert set(case) == variants | {"block_bytes", "stopped", "vs_sequence_logprobs", "unbounded"}
+            assert set(case) == variants | {"block_bytes", "stopped", "vs_sequence_logprobs", "unbounded", "fed"}
+            fed = case["fed"]
+            assert fed["tokens_equal"] and fed["finish_reasons_equal"] and fed["logprob_diff"] < LOGPROB_TOL, fed
+            assert fed["questions"] > 2  # prompts were handed in while others decoded
             for variant in variants:
                 run = case[variant]
                 assert run["tokens_equal"] and run["finish_reasons_equal"], (name, variant, run)

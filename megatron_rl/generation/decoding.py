@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, GenerationStopped, TurnEnded, generate_paged
+from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, Feed, GenerationStopped, TurnEnded, generate_paged
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.pipeline import StageChain
 from megatron_rl.generation.sampling import SamplingParams, draw_seed
@@ -139,7 +139,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              kv_memory_gib: Optional[float] = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
              stop_requested: Optional[Callable[[bool], tuple]] = None,
              turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
-             max_total_tokens: Optional[int] = None) -> GenerationOutput:
+             max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None) -> GenerationOutput:
     """Generate a response for every prompt; see the module docstring and engine.py.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
@@ -160,20 +160,27 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     the prompt, turns of at most ``max_turn_tokens`` and the replies between them, at most ``max_new_tokens`` in
     all and at most ``max_total_tokens`` with the prompt; ``policy_mask`` tells the policy's tokens from the
     replies'.
+
+    With a ``feed`` (engine.py ``Feed``) it is a session over the feed's prompts instead of ``prompts`` (empty),
+    which ends only when the feed raises ``GenerationStopped``: rows join and leave while others decode, each
+    prompt's completions go to ``feed.finished`` as soon as they have all ended, and a row may be as long as the
+    model's positions (or ``max_total_tokens``).
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if (not prompts and feed is None) or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
     if max_concurrent is not None and max_concurrent < 1:
         raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
     chunks = model_chunks(models)
     check_generation_layout(chunks)
     device = next(chunks[0].parameters()).device
-    longest = max(len(p) for p in prompts)
-    total = min(longest + max_new_tokens, max_total_tokens or longest + max_new_tokens)
     max_positions = getattr(chunks[0], "max_sequence_length", None)
+    if feed is not None:
+        max_total_tokens = min(max_total_tokens or max_positions, max_positions or max_total_tokens)
+    longest = max((len(p) for p in prompts), default=0)
+    total = min(longest + max_new_tokens, max_total_tokens or longest + max_new_tokens)
     if max_positions is not None and total > max_positions:
         raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                          f"model's max_position_embeddings ({max_positions})")
@@ -190,7 +197,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
                 max_concurrent=max_concurrent, share_prompts=share_prefill, record_routes=record_routes,
                 stop_requested=stop_requested, turn_ended=turn_ended, max_turn_tokens=max_turn_tokens,
-                max_total_tokens=max_total_tokens)
+                max_total_tokens=max_total_tokens, feed=feed)
         finally:
             drop_inference_tensors_from_megatron_caches(chunks)
     return GenerationOutput(

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -64,11 +64,18 @@ class GenerationStopped(Exception):
 @dataclass(eq=False)
 class _Row:
     index: int
-    """The request's place in the call's prompts (its output slot and its draws' counter)."""
+    """The row's slot in the block tables (in a call without a feed, its place in the call's prompts)."""
     tokens: list
     """Prompt then response so far."""
     prompt_len: int
     max_len: int
+    seed: int = 0
+    """Its draws' seed: the call's, or its FedPrompt's."""
+    request: int = 0
+    """Its draws' counter (``position_draws``): its place in the call's prompts, or in its FedPrompt's order."""
+    fed_prompt: Optional["FedPrompt"] = None
+    group: Optional[list] = None
+    """A fed prompt's rows (its completions), reported together once all ended."""
     blocks: list = field(default_factory=list)
     fed: int = 0
     """Tokens whose K/V the cache holds."""
@@ -130,6 +137,46 @@ turn ends, and returns the tokens to append (the environment's reply, rendered, 
 or None to end the row."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class FedPrompt:
+    """A prompt a ``Feed`` hands a running session: ``completions`` rows of it are decoded."""
+
+    tokens: tuple
+    completions: int
+    seed: int
+    """Its draws' seed (every completion's)."""
+    first_request: int
+    """Its first completion's draws counter; the others follow. With the seed, this makes a completion's tokens
+    those a call of the same prompts would give it (``generate``'s row ``first_request + j``)."""
+    tag: Any = None
+    """The feed's own label, handed back with the completions."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishedPrompt:
+    """The completions of one FedPrompt, all ended (``Feed.finished``)."""
+
+    prompt: FedPrompt
+    responses: list
+    logprobs: list
+    """Per completion, the policy log-prob of each response token (the weights that chose it)."""
+    finish_reasons: list
+
+
+class Feed(Protocol):
+    """What keeps a session decoding across calls' worth of prompts (the async rollout worker's orders): rows join
+    as the feed hands them in, while the rows before them still decode, and leave as they end."""
+
+    def more(self, generating: bool, counters: dict) -> list:
+        """FedPrompts to admit now: asked every STOP_POLL_STEPS engine steps while rows decode (``generating``) and
+        whenever none is left (then it may wait for work). A collective over the session's ranks: every rank gets
+        the same list. Raises ``GenerationStopped`` to end the session. ``counters``: the engine's (admitted,
+        evictions, prefills, forwards, fed, sampled)."""
+
+    def finished(self, done: FinishedPrompt) -> None:
+        """Every completion of ``done.prompt`` has ended (called on every rank)."""
+
+
 def _stop_hit(row: _Row, stop_ids: set, stop_sequences: list) -> bool:
     if row.tokens[-1] in stop_ids:
         return True
@@ -147,24 +194,42 @@ class _Part:
     def __init__(self, units: list, *, layers: dict, num_blocks: int, block_tokens: int, dtype: torch.dtype,
                  device: torch.device, rows: int, longest: int, lockstep, max_concurrent: Optional[int],
                  counters: dict, recorder, stops: tuple, turn_ended: Optional[TurnEnded] = None,
-                 max_turn_tokens: Optional[int] = None) -> None:
+                 max_turn_tokens: Optional[int] = None,
+                 finished: Optional[Callable[[list], None]] = None, positions: Optional[int] = None) -> None:
         self.block_tokens, self.num_blocks, self.device, self.lockstep = block_tokens, num_blocks, device, lockstep
         self.pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens,
                               dtype=dtype, device=device)
         # an expert-parallel lockstep's padding tokens write to a block of their own, one past the budget
         self.scratch = self.pool.reserve() if lockstep.enabled else None
-        self.context = PagedContext(self.pool, max_sequence_length=longest, device=device)
+        self.context = PagedContext(self.pool, max_sequence_length=max(longest, positions or 0), device=device)
         self.table = torch.zeros((rows, -(-longest // block_tokens)), dtype=torch.int32)
         self.waiting, self.running = deque(units), []
         self.max_concurrent, self.counters, self.recorder = max_concurrent, counters, recorder
         self.stop_ids, self.stop_seqs = stops
         self.turn_ended, self.max_turn_tokens = turn_ended, max_turn_tokens
+        self.finished = finished
+        self.fed_rows = 0
+        """Rows a feed added (a count every pipeline stage agrees on when it adds more: rows end on the last stage
+        a step before the others learn of it)."""
         self.peak_blocks, self.peak_held = 0, 0
         self.live, self.in_flight, self.awaiting = True, False, False
         self.fresh: list = []
         self.feeders: list = []
         self.sampled: list = []
         self.source: list = []
+
+    def add(self, units: list) -> None:
+        """Fed units join the queue (the table grows to their slots); a part that had run dry goes on."""
+        slots = 1 + max(row.index for unit in units for row in unit.rows)
+        width = max(-(-row.max_len // self.block_tokens) for unit in units for row in unit.rows)
+        if slots > self.table.size(0) or width > self.table.size(1):
+            grown = self.table.new_zeros((max(slots, 2 * self.table.size(0)), max(width, self.table.size(1))))
+            grown[:self.table.size(0), :self.table.size(1)] = self.table
+            self.table = grown
+        self.waiting.extend(units)
+        self.fed_rows += sum(len(unit.rows) for unit in units)
+        self.live = True
+
 
     # ------------------------------------------------------------------ memory
     def _evict(self, victim: _Row) -> None:
@@ -266,11 +331,12 @@ class _Part:
                                              torch.tensor(self.q_lens, device=self.device, dtype=torch.long))
         self.recorder.take_tokens(token_rows, self.positions[:token_rows.numel()], chunk=chunk)
 
-    def choose(self, logits: torch.Tensor, *, seed: int, params: SamplingParams, vocab_size: int) -> StepChoice:
+    def choose(self, logits: torch.Tensor, *, params: SamplingParams, vocab_size: int) -> StepChoice:
         """The sampled rows' tokens from the last stage's logits ``[fed rows (+ padding rows), vocab]``."""
         race = None
         if not params.greedy:
-            race = position_draws(seed, torch.tensor([r.index for r in self.sampled], device=self.device),
+            race = position_draws(torch.tensor([r.seed for r in self.sampled], device=self.device),
+                                  torch.tensor([r.request for r in self.sampled], device=self.device),
                                   torch.tensor([len(r.tokens) for r in self.sampled], device=self.device), vocab_size)
         return choose_tokens(logits[self.source], vocab_size=vocab_size, params=params, race=race)
 
@@ -301,6 +367,7 @@ class _Part:
             self.peak_blocks, self.peak_held = pool.taken, sum(row.fed for row in self.running) - shared
         if choice is None:
             return
+        self.counters["sampled"] += len(self.sampled)
         for row, token, lp, slp in zip(self.sampled, choice.tokens.tolist(), choice.policy_logprobs.tolist(),
                                        choice.sampling_logprobs.tolist()):
             row.tokens.append(token)
@@ -318,6 +385,8 @@ class _Part:
                 pool.release(row.blocks)
                 row.blocks = []
                 self.running.remove(row)
+                if row.group is not None and all(r.finish is not None for r in row.group):
+                    self.finished(row.group)
 
 
     def _next_turn(self, row: _Row) -> None:
@@ -354,7 +423,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                    max_concurrent: Optional[int] = None, share_prompts: bool = True, record_routes: bool = False,
                    stop_requested: Optional[Callable[[bool], tuple]] = None,
                    turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
-                   max_total_tokens: Optional[int] = None) -> tuple[list, PagedStats]:
+                   max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None) -> tuple[list, PagedStats]:
     """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``chain`` (a
     pipeline.py ``StageChain``) runs forwards across pipeline stages and hands TP rank 0's choice to every rank;
     ``stop_requested(generating) -> (stop, anyone generating)`` is the stop question (a collective).
@@ -363,7 +432,12 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     workers, every worker runs the same forwards with the same token count (``_padding_rows``) until no worker
     generates. Under PP the rows decode in ``chain.microbatches`` parts, each with 1/parts of the KV budget.
     Multi-turn (``turn_ended``, TP = PP = 1): a turn ends at a stop or after ``max_turn_tokens``; the reply's
-    tokens are context (``policy_mask`` 0); a row never passes ``max_total_tokens`` (prompt, turns and replies)."""
+    tokens are context (``policy_mask`` 0); a row never passes ``max_total_tokens`` (prompt, turns and replies).
+    With a ``feed`` the call is a session that ends only when the feed raises ``GenerationStopped``: the feed's
+    prompts join between steps while earlier rows decode, each prompt's completions are handed to
+    ``feed.finished`` as soon as all have ended, and their slots are used again. Without ``kv_memory_bytes`` the
+    first prompts' rows at their longest size the pool; every later row must fit it whole. No route recording,
+    multi-turn or expert-parallel lockstep in a session."""
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
@@ -374,24 +448,71 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     if turn_ended is not None and (chain.pp_size > 1 or chain.tp_size > 1 or lockstep.enabled):
         raise NotImplementedError("multi-turn generation runs at tp = pp = 1 without an expert-parallel lockstep "
                                   "for now")
+    if feed is not None and (record_routes or turn_ended is not None or lockstep.enabled):
+        raise NotImplementedError("a fed session records no routes, runs no turns and no expert-parallel lockstep")
     cap = max_total_tokens or 1 << 62
     rows = [_Row(index=i, tokens=list(p), prompt_len=len(p), max_len=min(len(p) + max_new_tokens, cap),
-                 turn_start=len(p)) for i, p in enumerate(prompts)]
+                 turn_start=len(p), seed=seed, request=i) for i, p in enumerate(prompts)]
     blocks_of = lambda length: -(-length // block_tokens)  # noqa: E731
-    longest = max(row.max_len for row in rows)
-    if share_prompts:
+
+    def units_of(rows: list) -> list:
+        if not share_prompts:
+            return [_Unit(rows=[row]) for row in rows]
         groups: dict = {}
         for row in rows:
             groups.setdefault(tuple(row.tokens), []).append(row)
-        units = [_Unit(rows=members) for members in groups.values()]
-    else:
-        units = [_Unit(rows=[row]) for row in rows]
+        return [_Unit(rows=members) for members in groups.values()]
+
+    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "forwards": 0, "fed": 0, "sampled": 0}
+    free_slots: list = []
+
+    def fed_rows(fed: list) -> list:
+        """The rows of a feed's prompts, in free slots; one list per prompt."""
+        groups = []
+        for prompt in fed:
+            group: list = []
+            for j in range(prompt.completions):
+                slot = free_slots.pop() if free_slots else len(rows)
+                if slot == len(rows):
+                    rows.append(None)
+                row = _Row(index=slot, tokens=list(prompt.tokens), prompt_len=len(prompt.tokens),
+                           max_len=min(len(prompt.tokens) + max_new_tokens, cap), turn_start=len(prompt.tokens),
+                           seed=prompt.seed, request=prompt.first_request + j, fed_prompt=prompt, group=group)
+                rows[slot] = row
+                group.append(row)
+            groups.append(group)
+        return groups
+
+    def finished(group: list) -> None:
+        feed.finished(FinishedPrompt(prompt=group[0].fed_prompt, responses=[r.tokens[r.prompt_len:] for r in group],
+                                     logprobs=[r.policy_lp for r in group], finish_reasons=[r.finish for r in group]))
+        free_slots.extend(row.index for row in group)
+
+    def admit(fed: list) -> None:
+        """A feed's prompts join the part that was fed the fewest rows; each row must fit the part's whole pool."""
+        for group in fed_rows(fed):
+            if blocks_of(group[0].max_len) > min(budgets):
+                raise ValueError(f"generation.kv_memory_gib holds {min(budgets)} KV blocks of {block_tokens} tokens; a "
+                                 f"completion of {group[0].max_len} tokens needs {blocks_of(group[0].max_len)}: "
+                                 f"raise generation.kv_memory_gib")
+            for unit in units_of(group):
+                min(parts, key=lambda part: part.fed_rows).add([unit])
+
+    if feed is None:
+        units = units_of(rows)
+        longest = max(row.max_len for row in rows)
+    else:  # a session: its first prompts give the KV budget, as a call's would
+        if rows:
+            raise ValueError("a fed session takes its prompts from the feed, not from prompts")
+        units = [unit for group in fed_rows(feed.more(False, counters)) for unit in units_of(group)]
+        longest = max(row.max_len for row in rows)
     # under PP the rows decode in parts; an expert-parallel lockstep wants as many parts on every worker
     count = 1 if chain.pp_size == 1 else chain.microbatches if lockstep.enabled \
         else max(1, min(chain.microbatches, len(units)))
     split = _split_units(units, count)
-    if kv_memory_bytes is None:
-        budgets = [sum(blocks_of(row.max_len) for unit in part for row in unit.rows) for part in split]
+    if kv_memory_bytes is None:  # a session's first prompts give its budget, as a call's would
+        budgets = [max(sum(blocks_of(row.max_len) for unit in part for row in unit.rows),
+                       blocks_of(longest) if feed is not None else 0) for part in split]
     else:
         blocks = int(kv_memory_bytes // count // block_bytes)
         if chain.pp_size > 1:  # stages with fewer layers get as many blocks as the fullest: they admit the same rows
@@ -409,20 +530,31 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         from megatron_rl.models.router_replay import RouteRecorder
 
         recorder = RouteRecorder(chunks, batch=len(rows), total=longest, device=device)
-    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "forwards": 0, "fed": 0}
     stops = (set(stop_ids), [list(s) for s in stop_sequences if len(s)])
     parts = [_Part(units_of_part, layers=layers, num_blocks=budget, block_tokens=block_tokens, dtype=dtype,
                    device=device, rows=len(rows), longest=longest, lockstep=lockstep, max_concurrent=max_concurrent,
                    counters=counters, recorder=recorder, stops=stops, turn_ended=turn_ended,
-                   max_turn_tokens=max_turn_tokens)
+                   max_turn_tokens=max_turn_tokens, finished=None if feed is None else finished,
+                   positions=max_total_tokens if feed is not None else None)
              for units_of_part, budget in zip(split, budgets)]
     kernels = paged_kernels(device)
-    choose = dict(seed=seed, params=params, vocab_size=vocab_size)
+    choose = dict(params=params, vocab_size=vocab_size)
     steps = 0
 
     def poll() -> None:
-        if stop_requested is not None and steps % STOP_POLL_STEPS == 0 and stop_requested(True)[0]:
+        if steps % STOP_POLL_STEPS:
+            return
+        if stop_requested is not None and stop_requested(True)[0]:
             raise GenerationStopped(f"stopped after {steps} engine steps")
+        if feed is not None:
+            admit(feed.more(True, counters))
+
+    def dry() -> bool:
+        """Nothing left to feed: True to go on (a feed's next prompts admitted), False when the call is done."""
+        if feed is None:
+            return False
+        admit(feed.more(False, counters))
+        return True
 
     was_training = [chunk.training for chunk in chunks]
     for chunk in chunks:
@@ -431,7 +563,11 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         with torch.inference_mode(), megatron_paged_attention(chunks, kernels):
             if chain.pp_size == 1:
                 part = parts[0]
-                while part.prepare():
+                while True:
+                    if not part.prepare():
+                        if dry():  # a feed's prompts came: admitted at the next prepare
+                            continue
+                        break
                     logits = chunks[0](part.ids.unsqueeze(0), part.positions.unsqueeze(0), None,
                                        inference_context=part.context, runtime_gather_output=True)[0]
                     part.take_routes()
@@ -440,7 +576,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                     steps += 1
                     poll()
             else:
-                steps = _pipelined(chain, parts, choose=choose, poll=poll)
+                steps = _pipelined(chain, parts, choose=choose, poll=poll, dry=dry)
         while stop_requested is not None:
             stop, anyone = stop_requested(False)
             if stop:
@@ -463,7 +599,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     return rows, stats
 
 
-def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None]) -> int:
+def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None], dry: Callable[[], bool]) -> int:
     """Steps of ``parts`` decoding on their own across the pipeline stages, successive steps overlapping
     (pipeline.py ``StageChain``): every rank walks (step, virtual stage, part); a part's step enters stage 0's first
     virtual stage once its previous choice is known there (the last stage sends each choice to every
@@ -499,6 +635,8 @@ def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None]) ->
             for handle, _ in earlier:  # received by now: every rank has moved past the previous step
                 handle.wait()
             if not fed_any:
+                if dry():
+                    continue
                 return steps
             steps += 1
             poll()

@@ -102,13 +102,14 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def position_draws(seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def position_draws(seed, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The exponential race ``[len(rows), vocab_size]`` of request ``rows[i]`` writing position ``positions[i]``:
     counter-based (a hash of seed, request, position and token id), so a row's draws do not depend on which other
-    rows share its batch, in what order rows are admitted, on eviction and re-prefill, or on the device."""
+    rows share its batch, in what order rows are admitted, on eviction and re-prefill, or on the device. ``seed``:
+    one int for every row, or an int64 tensor of one seed per row (rows of several calls decoding together)."""
     device = rows.device
-    key = _hash32(torch.tensor([seed & _MASK32], dtype=torch.long, device=device)
-                  ^ _hash32(torch.tensor([(seed >> 32) & _MASK32], dtype=torch.long, device=device)))
+    seeds = torch.as_tensor(seed, dtype=torch.long, device=device).reshape(-1)
+    key = _hash32((seeds & _MASK32) ^ _hash32((seeds >> 32) & _MASK32))
     key = _hash32(key ^ (rows.long() & _MASK32))
     key = _hash32(key ^ (positions.long() & _MASK32))
     tokens = _hash32((torch.arange(vocab_size, dtype=torch.long, device=device) + 0x9E3779B9) & _MASK32)

@@ -110,6 +110,54 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)), default=0.0)
 
 
+class WaveFeed:
+    """A session's feed (megatron_rl.generation.engine.Feed) of ``prompts``, grouped as runs of equal prompts: two
+    groups at the first question, then one per question (asked every STOP_POLL_STEPS steps while rows decode), as
+    the async rollout worker's orders come in while earlier rows still decode; it ends the session once every
+    group was handed out and nothing decodes. ``done``: request -> (tokens, log-probs, finish reason)."""
+
+    def __init__(self, prompts: list[list[int]], seed: int) -> None:
+        from megatron_rl.generation.engine import FedPrompt
+
+        self.pending, start = [], 0
+        while start < len(prompts):
+            end = start
+            while end < len(prompts) and prompts[end] == prompts[start]:
+                end += 1
+            self.pending.append(FedPrompt(tokens=tuple(prompts[start]), completions=end - start, seed=seed,
+                                          first_request=start))
+            start = end
+        self.done: dict[int, tuple] = {}
+        self.questions = 0
+
+    def more(self, generating: bool, counters: dict) -> list:
+        from megatron_rl.generation import GenerationStopped
+
+        self.questions += 1
+        if not self.pending and not generating:
+            raise GenerationStopped("every fed prompt has ended")
+        take = 2 if self.questions == 1 else 1
+        handed, self.pending = self.pending[:take], self.pending[take:]
+        return handed
+
+    def finished(self, done) -> None:
+        for j, row in enumerate(zip(done.responses, done.logprobs, done.finish_reasons)):
+            self.done[done.prompt.first_request + j] = row
+
+
+def fed_session(chunks, prompts: list[list[int]], *, seed: int, **options) -> WaveFeed:
+    """``prompts`` decoded by a session fed by a WaveFeed (what generate's caller gets is in ``feed.done``)."""
+    from megatron_rl.generation import GenerationStopped, generate
+
+    feed = WaveFeed(prompts, seed)
+    try:
+        generate(chunks, [], seed=seed, feed=feed, **options)
+    except GenerationStopped:
+        pass
+    assert len(feed.done) == len(prompts), (len(feed.done), len(prompts))
+    return feed
+
+
 def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
     """Two sampled turns of 4 tokens with a scripted 3-token reply between them (engine.py ``TurnEnded``), in
     groups of 2 and 4-token blocks: the policy mask; the policy tokens' log-probs against the training forward of the
@@ -273,6 +321,10 @@ def check(args: argparse.Namespace) -> dict:
                        for blocks in (10, 24)}}
         if args.pp > 1:
             variants.update({f"parts_{n}": run(pipeline_microbatches=n) for n in (1, 3)})
+        fed = fed_session(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, kv_block_tokens=4,
+                          kv_memory_gib=24 * parts * block_bytes / 2**30,
+                          **{**kwargs, "seed": kwargs.get("seed", 0)})
+        fed_rows = [fed.done[i] for i in range(len(grouped))]
         full = sequence_logprobs(chunks, padded(grouped, unbounded.tokens))
         summary = lambda out: {"evictions": out.evictions, "prefill_rows": out.prefill_rows,  # noqa: E731
                                "peak_blocks": out.kv_peak_blocks, "pool_bytes": out.kv_cache_bytes,
@@ -285,7 +337,11 @@ def check(args: argparse.Namespace) -> dict:
                          "finish_reasons_equal": out.finish_reasons == unbounded.finish_reasons,
                          "logprob_diff": max_abs_diff(out.logprobs, unbounded.logprobs),
                          "sampling_logprob_diff": max_abs_diff(out.sampling_logprobs, unbounded.sampling_logprobs)}
-               for variant, out in variants.items()}}
+               for variant, out in variants.items()},
+            "fed": {"tokens_equal": [list(r[0]) for r in fed_rows] == unbounded.tokens,
+                    "finish_reasons_equal": [r[2] for r in fed_rows] == unbounded.finish_reasons,
+                    "logprob_diff": max_abs_diff([r[1] for r in fed_rows], unbounded.logprobs),
+                    "questions": fed.questions}}
 
     if args.pp == 1 and args.tp == 1:
         result["multi_turn"] = multi_turn_check(chunks, prompts, vocab)
