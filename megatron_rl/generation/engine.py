@@ -20,6 +20,11 @@ Sampling. Every row draws from ``position_draws(seed, request, position)`` (samp
 the batch around it nor on admission order, evictions or pipeline parts; so the tokens do not depend on the
 KV budget, and the TP ranks of a replica (which also share TP rank 0's choice) stay in step.
 
+Sessions. With a ``Feed`` (the async rollout worker's orders) the call runs until the feed ends it: at every stop
+question the feed hands in more prompts (``FedPrompt``: its completions' seed and draw counters, so they decode to
+the tokens a call of the same prompts would give), which join the part fed the fewest rows while earlier rows
+decode; each prompt's completions go to ``Feed.finished`` as soon as all have ended, and their slots are reused.
+
 Stopping. With ``stop_requested``, the engine asks every ``STOP_POLL_STEPS`` steps, and a rank that has finished
 keeps asking until no rank generates: the question is a collective over ranks whose rollouts end at different
 steps. A yes raises ``GenerationStopped`` on every rank at the same question.

@@ -19,8 +19,8 @@ rank 0 picks it and tells the others. Orders and the stop file belong to one ses
 that starts removes the other sessions and the samples left behind, and publishes its weights before its
 first order, so a worker never mixes an earlier attempt's weights or prompts into this one.
 
-Only trainer rank 0 and rollout rank 0 touch orders and samples; the roles' other ranks get what they need
-from them over their own world (``broadcast``).
+Only trainer rank 0 and rollout rank 0 touch orders, and trainer rank 0 samples; the roles' other ranks get what
+they need from them over their own world (``broadcast``). Each rollout replica sends its own samples.
 
 Test: ``.venv/bin/python -m pytest tests/test_async_grpo.py -q``
 """
@@ -206,7 +206,8 @@ class TrainerChannel:
 
 
 class WorkerChannel:
-    """Rollout side: wait for orders or the stop (rank 0, told to all), load weights, send samples (rank 0)."""
+    """Rollout side: take orders or the stop (rank 0, told to all), load weights, send samples (one rank of each
+    replica)."""
 
     def __init__(self, folder: Path, session: str, *, worker: str = "rollout0", weight_sync: str = "files",
                  bridge: Optional["WeightBridge"] = None) -> None:
@@ -223,19 +224,23 @@ class WorkerChannel:
         self.idle_s = 0.0
         """Seconds spent waiting for an order since the last ``send``."""
 
-    def next_order(self, *, timeout_s: float) -> Optional[Order] | int:
-        """The next order, or the exit code once the trainer has stopped; every rank gets the same."""
+    def take_orders(self, *, wait: bool, timeout_s: float) -> list[Order] | int:
+        """Every order that has come, in sequence (with ``wait``, at least one: it waits up to ``timeout_s``), or
+        the exit code once the trainers have stopped; every rank gets the same."""
         start = time.perf_counter()
         found: Any = None
         if self.rank == 0:
-            path = self.session_dir / "orders" / ORDER_NAME.format(self._next_seq)
+            orders: list[Order] = []
             deadline = time.monotonic() + timeout_s
             while found is None:
+                path = self.session_dir / "orders" / ORDER_NAME.format(self._next_seq + len(orders))
                 if path.is_file():
                     data = json.loads(path.read_text())
-                    found = Order(seq=self._next_seq, prompt_ids=data["prompt_ids"], prompts=data["prompts"],
-                                  seed=data["seed"])
+                    orders.append(Order(seq=self._next_seq + len(orders), prompt_ids=data["prompt_ids"],
+                                        prompts=data["prompts"], seed=data["seed"]))
                     path.unlink()
+                elif orders or not wait:
+                    found = orders
                 elif (self.session_dir / STOP_FILE).is_file():
                     found = int(json.loads((self.session_dir / STOP_FILE).read_text())["exit_code"])
                 elif time.monotonic() > deadline:
@@ -243,12 +248,15 @@ class WorkerChannel:
                                          "(parallel.timeout_s): did the trainers stop?")
                 else:
                     time.sleep(POLL_S)
+            if found == [] and (self.session_dir / STOP_FILE).is_file():
+                found = int(json.loads((self.session_dir / STOP_FILE).read_text())["exit_code"])
         found = broadcast(found)
         if isinstance(found, Exception):
             raise found
-        if isinstance(found, Order):
-            self._next_seq += 1
-        self.idle_s += time.perf_counter() - start
+        if isinstance(found, list):
+            self._next_seq += len(found)
+        if wait:
+            self.idle_s += time.perf_counter() - start
         return found
 
     def load_newest(self, chunks: list, *, timeout_s: float) -> tuple[int, dict[str, float]]:
@@ -259,10 +267,11 @@ class WorkerChannel:
         return version, {"weight_sync_bytes": nbytes, "weight_sync_s": time.perf_counter() - start}
 
     def send(self, samples: list[Sample], stats: dict[str, float]) -> dict[str, float]:
-        """Rank 0: the samples of one order, with the worker's stats (its idle time is reset)."""
+        """One replica's finished samples, with its stats (and the worker's idle time, then reset): called by
+        the rank of each replica that sends."""
         stats = {**stats, "generator_idle_s": self.idle_s}
         self.idle_s = 0.0
-        return self.samples.publish_samples(samples, stats) if self.rank == 0 else {}
+        return self.samples.publish_samples(samples, stats)
 
 
 def _all_ranks_ok(ok: bool) -> bool:

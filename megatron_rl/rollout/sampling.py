@@ -26,6 +26,15 @@ RULE_VERIFIERS = ("exact", "math", "math_verify")
 """Rewards that judge an answer right or wrong: a completion is correct when one of them gives it full score."""
 
 
+def generation_options(cfg, shape, tokenizer) -> dict:
+    """``generate``'s sampling, stopping and KV-memory options from the job's ``generation`` settings."""
+    gen = cfg.generation
+    return dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in gen.stop],
+                vocab_size=min(tokenizer.vocab_size, shape.vocab_size), max_concurrent=gen.max_concurrent,
+                kv_memory_gib=gen.kv_memory_gib, kv_block_tokens=gen.kv_block_tokens)
+
+
 def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group: int, seed: int,
                    record_routes: bool, seq_multiple: int,
                    stop_requested: Optional[Callable[[bool], tuple]] = None) -> Rollout:
@@ -37,15 +46,9 @@ def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group:
 
     texts = [p.prompt for p in prompts for _ in range(group)]
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts for _ in range(group)]
-    gen = cfg.generation
     mine = data_parallel_share(prompt_ids, with_context_parallel=True)
-    out = generate(
-        [ckpt.unwrap(c) for c in chunks], mine,
-        max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-        eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in gen.stop],
-        vocab_size=min(tokenizer.vocab_size, shape.vocab_size), seed=data_parallel_seed(seed),
-        record_routes=record_routes, max_concurrent=gen.max_concurrent, kv_memory_gib=gen.kv_memory_gib,
-        kv_block_tokens=gen.kv_block_tokens, stop_requested=stop_requested)
+    out = generate([ckpt.unwrap(c) for c in chunks], mine, seed=data_parallel_seed(seed), record_routes=record_routes,
+                   stop_requested=stop_requested, **generation_options(cfg, shape, tokenizer))
     routes = out.routes or [None] * len(out.tokens)
     sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length", route)
                                     for tokens, lp, reason, route in zip(out.tokens, out.logprobs,

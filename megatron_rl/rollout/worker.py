@@ -1,8 +1,11 @@
 """A split-placement rollout worker (``cluster.rollout_tasks``): the job's last processes run this instead of a
 trainer. It holds a copy of the policy at the training layout's tp x pp, or at parallel.rollout_tp x rollout_pp
 (then each version arrives as a distributed checkpoint that Megatron reshards as it loads), cp = ep = 1,
-data-parallel over the rollout processes, and loops: take the next order of prompts, load the newest weights the
-trainers published, sample ``group_size`` completions per prompt, send them back tagged with the weights' version.
+data-parallel over the rollout processes, and runs one generation session of the paged engine for the whole job
+(``OrderFeed``): the trainers' orders of prompts join it as they come, while earlier rows still decode, each
+replica decodes ``group_size`` completions of its share of every order's prompts, the newest weights the trainers
+published are loaded between engine steps, and each prompt's completions go back as soon as all have ended,
+tagged with the weights' version when the prompt came in.
 
     python launch.py --config configs/grpo_async_tiny.yaml      # 1 trainer + 1 rollout process on CPU
 
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Optional
 
 import torch
 
+from megatron_rl.generation import GenerationStopped
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, WeightBridge, WorkerChannel
 from megatron_rl.rollout.placement import Placement
@@ -57,10 +62,12 @@ def reshards(cfg: JobConfig) -> bool:
 def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded: bool = False) -> int:
     """Generate orders until the trainers stop; returns the exit code they gave. ``cfg``: the rollout_config;
     ``resharded``: the trainers run another tp x pp (``reshards`` of the job's config)."""
-    from megatron_rl.data.prompts import PromptRecord
+    from megatron.core import parallel_state as ps
+
     from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.generation import generate
     from megatron_rl.models.builder import build_model_chunks
-    from megatron_rl.rollout.sampling import sample_rollout
+    from megatron_rl.rollout.sampling import generation_options
     from megatron_rl.runtime.training import model_options
 
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
@@ -70,38 +77,107 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
     weight_sync = cfg.algorithm.weight_sync
     bridge = None
     if weight_sync in BRIDGE_DEVICES:
-        from megatron.core import parallel_state as ps
-
         bridge = WeightBridge.open(placement, backend=weight_sync, replicas=ps.get_data_parallel_world_size(),
                                    timeout_s=WORKER_WAIT_S)
     channel = WorkerChannel(placement.folder, placement.session, worker=f"rollout{placement.world.rank}",
                             weight_sync="resharded" if resharded else weight_sync, bridge=bridge)
-    timeout_s = WORKER_WAIT_S
     say = print if placement.world.rank == 0 else (lambda *_, **__: None)
     say(f"rollout worker: {placement.world.world_size} process(es) serving session {placement.session}", flush=True)
-    orders = 0
-    while True:
-        order = channel.next_order(timeout_s=timeout_s)
-        if isinstance(order, int):
-            say(f"rollout worker: {orders} orders generated; the trainers stopped (exit code {order})", flush=True)
-            return order
-        version, sync = channel.load_newest(chunks, timeout_s=timeout_s)
-        prompts = [PromptRecord(prompt=p["prompt"], answer=None, metadata={}, source=p["source"],
-                                prompt_ids=None if p["prompt_ids"] is None else tuple(p["prompt_ids"]))
-                   for p in order.prompts]
-        began = time.perf_counter()
+    feed = OrderFeed(channel, chunks, tokenizer=tokenizer, group=cfg.algorithm.group_size,
+                     replica=ps.get_data_parallel_rank(), replicas=ps.get_data_parallel_world_size(),
+                     sends=ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0)
+    try:
         with torch.no_grad():
-            rollout = sample_rollout(chunks, prompts, cfg=cfg, shape=shape, tokenizer=tokenizer,
-                                     group=cfg.algorithm.group_size, seed=order.seed, record_routes=False,
-                                     seq_multiple=1)
-        generate_s = time.perf_counter() - began
-        group = cfg.algorithm.group_size
-        samples = [Sample(prompt_id=prompt_id, version=version,
-                          payload={"response_ids": rollout.response_ids[i * group:(i + 1) * group],
-                                   "logprobs": rollout.logprobs[i * group:(i + 1) * group],
-                                   "truncated": rollout.truncated[i * group:(i + 1) * group]})
-                   for i, prompt_id in enumerate(order.prompt_ids)]
-        channel.send(samples, {"generate_s": generate_s, "generated_tokens": float(sum(map(len, rollout.response_ids))),
-                               "weight_load_s": sync["weight_sync_s"], "weight_load_bytes": sync["weight_sync_bytes"],
-                               "orders": 1.0})
-        orders += 1
+            generate(chunks, [], feed=feed, **generation_options(cfg, shape, tokenizer))
+    except TrainersStopped as stopped:
+        say(f"rollout worker: {feed.orders} orders taken; the trainers stopped (exit code {stopped.code})", flush=True)
+        return stopped.code
+    raise AssertionError("a fed generation session ends only through its feed")
+
+
+class TrainersStopped(GenerationStopped):
+    """The trainers wrote their stop file: the worker's session ends with their exit code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the trainers stopped (exit code {code})")
+        self.code = code
+
+
+class OrderFeed:
+    """The worker's engine feed (``megatron_rl.generation.engine.Feed``): one generation session runs for the
+    whole job, and the trainers' orders join it while earlier rows still decode, so the batch stays full across
+    GRPO steps instead of draining to each order's longest completion.
+
+    At every question of the engine (every few steps while rows decode, and when none is left) it takes the
+    orders that have come (waiting for one only when no replica has rows left), loads the newest weights the
+    trainers published (all rows then go on under them, each token's log-prob that of the weights that chose it),
+    hands in this replica's prompts (prompt i of an order goes to replica i mod replicas, ``group`` completions of
+    it, drawn with the order's seed as a colocated rollout of the order would draw them) and sends the samples that
+    ended since. A sample's version is the one loaded when its prompt came in: the oldest weights any of its tokens
+    saw, which the trainers' staleness bound counts."""
+
+    def __init__(self, channel: WorkerChannel, chunks: list, *, tokenizer, group: int, replica: int, replicas: int,
+                 sends: bool) -> None:
+        self.channel, self.chunks, self.tokenizer, self.group = channel, chunks, tokenizer, group
+        self.replica, self.replicas, self.sends = replica, replicas, sends
+        self.version: Optional[int] = None
+        self.orders = 0
+        self.done: list[Sample] = []
+        self.stats: dict[str, float] = {}
+        self.counted = {"forwards": 0, "sampled": 0}
+        self.clock = time.perf_counter()
+
+    def more(self, generating: bool, counters: dict) -> list:
+        from megatron_rl.data.prompts import PromptRecord, encode_prompt
+        from megatron_rl.generation.engine import FedPrompt
+
+        self._count(decode_steps=float(counters["forwards"] - self.counted["forwards"]),
+                    decode_rows=float(counters["sampled"] - self.counted["sampled"]))
+        self.counted = {key: counters[key] for key in self.counted}
+        self._send()  # before waiting: the trainers' next order may wait for these
+        orders = self.channel.take_orders(wait=not _anyone(generating), timeout_s=WORKER_WAIT_S)
+        if isinstance(orders, int):
+            raise TrainersStopped(orders)
+        self.version, sync = self.channel.load_newest(self.chunks, timeout_s=WORKER_WAIT_S)
+        self._count(weight_load_s=sync["weight_sync_s"], weight_load_bytes=sync["weight_sync_bytes"],
+                    orders=float(len(orders)))
+        self.orders += len(orders)
+        fed = []
+        for order in orders:
+            for i in range(self.replica, len(order.prompt_ids), self.replicas):
+                p = order.prompts[i]
+                record = PromptRecord(prompt=p["prompt"], answer=None, metadata={}, source=p["source"],
+                                      prompt_ids=None if p["prompt_ids"] is None else tuple(p["prompt_ids"]))
+                fed.append(FedPrompt(tokens=tuple(encode_prompt(self.tokenizer, record)), completions=self.group,
+                                     seed=order.seed, first_request=i * self.group,
+                                     tag=(order.prompt_ids[i], self.version)))
+        return fed
+
+    def finished(self, done) -> None:
+        if not self.sends:
+            return
+        prompt_id, version = done.prompt.tag
+        self.done.append(Sample(prompt_id=prompt_id, version=version,
+                                payload={"response_ids": done.responses, "logprobs": done.logprobs,
+                                         "truncated": [reason == "length" for reason in done.finish_reasons]}))
+
+    def _count(self, **stats: float) -> None:
+        for key, value in stats.items():
+            self.stats[key] = self.stats.get(key, 0.0) + value
+
+    def _send(self) -> None:
+        """The samples that ended since the last question, with the stats since then."""
+        now = time.perf_counter()
+        if self.sends and self.done:
+            generated = float(sum(len(r) for sample in self.done for r in sample.payload["response_ids"]))
+            self.channel.send(self.done, {**self.stats, "generated_tokens": generated,
+                                          "generate_s": now - self.clock - self.channel.idle_s})
+            self.done, self.stats, self.clock = [], {}, now
+
+
+def _anyone(generating: bool) -> bool:
+    """Whether any rank of the rollout world still has rows to decode (a collective)."""
+    flag = torch.tensor([1.0 if generating else 0.0])
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())

@@ -218,6 +218,8 @@ class SplitGrpoRun(GrpoRun):
             "time_generate_s": stats.get("generate_s", 0.0),  # the workers' seconds, beside the trainers' wait
             "time_wait_s": batch.sample_s,
             "generate_tokens_per_s": stats.get("generated_tokens", 0.0) / max(stats.get("generate_s", 0.0), 1e-9),
+            # rows decoding per engine step on the workers: their one session takes orders in as rows end
+            "rollout_rows_per_step": stats.get("decode_rows", 0.0) / max(stats.get("decode_steps", 0.0), 1.0),
             "prompts_lost": float(lost), "prompts_repeated": float(self.repeated),
             **self.sync_metrics,
             **({"sample_sync_bytes": stats["sample_sync_bytes"]} if "sample_sync_bytes" in stats else {}),
