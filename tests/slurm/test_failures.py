@@ -141,16 +141,23 @@ def _trainer_pid(job_id: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slurm
-def test_crashing_rank_stops_the_others_and_is_named(launcher: Launcher, tmp_path: Path) -> None:
-    started, job_id = _running(launcher, tmp_path)
+def _training_rank_1(launcher: Launcher, tmp_path: Path, *extra: str) -> tuple[StartedLaunch, str, int]:
+    """A running two-node job once it trains (metrics written: mid-training, between collectives), and the pid
+    of its rank 1 trainer."""
+    started, job_id = _running(launcher, tmp_path, *extra)
     metrics = started.run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while not (metrics.exists() and metrics.read_text().strip()):  # crash mid-training, between collectives
+    while not (metrics.exists() and metrics.read_text().strip()):
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.1)
     pid = _trainer_pid(job_id, rank=1)
     assert pid is not None
+    return started, job_id, pid
+
+
+@pytest.mark.slurm
+def test_crashing_rank_stops_the_others_and_is_named(launcher: Launcher, tmp_path: Path) -> None:
+    started, job_id, pid = _training_rank_1(launcher, tmp_path)
     crashed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     run = _ends_within(launcher, started, crashed_at)
@@ -164,14 +171,7 @@ def test_crashing_rank_stops_the_others_and_is_named(launcher: Launcher, tmp_pat
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(launcher: Launcher, tmp_path: Path) -> None:
     """Rank 1's trainer is SIGSTOPped mid-training: rank 0's collective times out (parallel.timeout_s=10) and srun
     reports rank 0 first, but --wait names rank 1, which its task saw stopped, and no trainer is left behind."""
-    started, job_id = _running(launcher, tmp_path, "parallel.timeout_s=10")
-    metrics = started.run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert time.monotonic() < deadline, "training did not start"
-        time.sleep(0.1)
-    pid = _trainer_pid(job_id, rank=1)
-    assert pid is not None
+    started, job_id, pid = _training_rank_1(launcher, tmp_path, "parallel.timeout_s=10")
     stopped_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
