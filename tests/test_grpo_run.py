@@ -97,8 +97,9 @@ def test_tp2_matches_tp1(launch, tmp_path):
 def test_preempted_grpo_resumes_exactly(launch, tmp_path, whole):
     """Save-and-exit inside the SFT warm-up (after its step 3 of 5), resume, save-and-exit after GRPO step 2,
     resume, a stop inside the generation of step 4 (generation.max_concurrent=4: 4 rows at a time; the
-    step is abandoned and step 3 saved), resume: every metric, warm-up lines included and each logged once,
-    equals the uninterrupted run's (the shared ``whole`` run).
+    step is abandoned and step 3 saved), resume, every rank SIGKILLed inside step 4's generation (nothing saved),
+    resume: every metric, warm-up lines included and each logged once, equals the uninterrupted run's (the shared
+    ``whole`` run).
 
     The uninterrupted run also parks optimizer state and grads in host memory while it generates
     (generation.offload_optimizer, as the 70B config does), so this also shows that the offload is exact."""
@@ -119,13 +120,17 @@ def test_preempted_grpo_resumes_exactly(launch, tmp_path, whole):
     assert stopped.returncode == 3, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "preemption requested during step 4: stopped its generation, saved step 3" in stopped.stdout
     assert [m["step"] for m in read_metrics(run_dir) if m.get("phase") is None] == [1, 2, 3]
+    killed = launch(*SHORT, f"run.dir={run_dir}", *WHOLE, env={"MEGATRON_RL_FAULT": "kill-during-generation:4"})
+    assert killed.returncode == 137 and "was killed by signal 9" in killed.stderr, killed.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run_dir) if m.get("phase") is None] == [1, 2, 3]
     resumed = _grpo(launch, run_dir, *WHOLE)
     assert _stable(resumed) == _stable(whole)  # the evaluations of `whole` changed none of its training steps
     not_eval = lambda run: [m for m in read_metrics(run) if m.get("phase") != "eval"]  # noqa: E731
     assert _stable(not_eval(run_dir)) == _stable(not_eval(whole_dir))  # warm-up lines too
     assert (run_dir / "samples.jsonl").read_text() == (whole_dir / "samples.jsonl").read_text()  # each step once
     assert all(m["kl"] >= 0 for m in whole)  # k3 is non-negative; the reference model is in play
-    audit = check_run_manifest(run_dir, statuses=["preempted"] * 3 + ["completed"])  # 3 stops, one record
+    audit = check_run_manifest(run_dir, statuses=["preempted"] * 3 + ["lost: ended without recording its end",
+                                                                      "completed"])  # 3 stops and a kill, one record
     synthetic = {Path(e["path"]).name: e for e in audit["inputs"] if e["key"] == "data.synthetic"}
     assert sorted(synthetic) == ["sft.jsonl", "test.jsonl", "train.jsonl"], "rewritten identically: listed once"
     for name, entry in synthetic.items():

@@ -213,7 +213,7 @@ class _Part:
         self.stop_ids, self.stop_seqs = stops
         self.turn_ended, self.max_turn_tokens = turn_ended, max_turn_tokens
         self.finished = finished
-        self.fed_rows = 0
+        self.fed_count = 0
         """Rows a feed added (a count every pipeline stage agrees on when it adds more: rows end on the last stage
         a step before the others learn of it)."""
         self.peak_blocks, self.peak_held = 0, 0
@@ -232,7 +232,7 @@ class _Part:
             grown[:self.table.size(0), :self.table.size(1)] = self.table
             self.table = grown
         self.waiting.extend(units)
-        self.fed_rows += sum(len(unit.rows) for unit in units)
+        self.fed_count += sum(len(unit.rows) for unit in units)
         self.live = True
 
 
@@ -501,7 +501,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                                  f"completion of {group[0].max_len} tokens needs {blocks_of(group[0].max_len)}: "
                                  f"raise generation.kv_memory_gib")
             for unit in units_of(group):
-                min(parts, key=lambda part: part.fed_rows).add([unit])
+                min(parts, key=lambda part: part.fed_count).add([unit])
 
     if feed is None:
         units = units_of(rows)
@@ -509,7 +509,10 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     else:  # a session: its first prompts give the KV budget, as a call's would
         if rows:
             raise ValueError("a fed session takes its prompts from the feed, not from prompts")
-        units = [unit for group in fed_rows(feed.more(False, counters)) for unit in units_of(group)]
+        first: list = []
+        while not first:  # a replica may get no prompt of an order
+            first = feed.more(False, counters)
+        units = [unit for group in fed_rows(first) for unit in units_of(group)]
         longest = max(row.max_len for row in rows)
     # under PP the rows decode in parts; an expert-parallel lockstep wants as many parts on every worker
     count = 1 if chain.pp_size == 1 else chain.microbatches if lockstep.enabled \

@@ -216,6 +216,7 @@ class TrainerContext:
     def stop_while_generating(self, phase: str, step: int, generating: bool) -> tuple[bool, bool]:
         """(whether any rank was asked to stop, whether any rank still generates): the generation engines' stop
         question (megatron_rl/generation/engine.py), asked by rollouts that end at different steps. A collective."""
+        ckpt.fault_point("kill-during-generation", step)
         stop, anyone = self._agree(self._stop_requested(phase, step), generating)
         return stop, anyone
 
