@@ -275,10 +275,19 @@ class WorkerChannel:
 
 
 def _all_ranks_ok(ok: bool) -> bool:
-    flag = torch.tensor([1.0 if ok else 0.0])
+    return _reduce_flag(ok, torch.distributed.ReduceOp.MIN)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of this world (a collective)."""
+    return _reduce_flag(flag, torch.distributed.ReduceOp.MAX)
+
+
+def _reduce_flag(flag: bool, op) -> bool:
+    value = torch.tensor([1.0 if flag else 0.0])
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return flag.item() == 1.0
+        torch.distributed.all_reduce(value, op=op)
+    return value.item() == 1.0
 
 
 class FileWeights:

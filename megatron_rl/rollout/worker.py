@@ -27,7 +27,7 @@ import torch
 
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rollout.buffer import Sample
-from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, WeightBridge, WorkerChannel
+from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, WeightBridge, WorkerChannel, any_rank
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
@@ -135,7 +135,8 @@ class OrderFeed:
                     decode_rows=float(counters["sampled"] - self.counted["sampled"]))
         self.counted = {key: counters[key] for key in self.counted}
         self._send()  # before waiting: the trainers' next order may wait for these
-        orders = self.channel.take_orders(wait=not _anyone(generating), timeout_s=WORKER_WAIT_S)
+        # wait for an order only when no replica still decodes
+        orders = self.channel.take_orders(wait=not any_rank(generating), timeout_s=WORKER_WAIT_S)
         if isinstance(orders, int):
             raise TrainersStopped(orders)
         self.version, sync = self.channel.load_newest(self.chunks, timeout_s=WORKER_WAIT_S)
@@ -174,10 +175,3 @@ class OrderFeed:
                                           "generate_s": now - self.clock - self.channel.idle_s})
             self.done, self.stats, self.clock = [], {}, now
 
-
-def _anyone(generating: bool) -> bool:
-    """Whether any rank of the rollout world still has rows to decode (a collective)."""
-    flag = torch.tensor([1.0 if generating else 0.0])
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
