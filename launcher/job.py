@@ -19,7 +19,7 @@ from megatron_rl.spec.config.validate import check_layout, with_pipeline_split
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.limits import check_limits, trainer_limits
 from megatron_rl.spec.model_shape import ModelShape, load_model_shape
-from megatron_rl.spec.parallel import PACKING_CP_REASON, pads_sequences
+from megatron_rl.spec.parallel import PACKING_CP_REASON, layout_vpp, pads_sequences
 from megatron_rl.spec.private import check_run_dir, make_private_dir, write_private_text
 from megatron_rl.spec.run_files import CONFIG_FILE
 
@@ -210,10 +210,10 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     check_limits({key: getattr(par, key) for key in given_parallel}, limits)
     fixed = {key: getattr(par, key) for key in PLANNED_KEYS if key in given_parallel}
     if "vpp" in fixed:
-        fixed["vpp"] = fixed["vpp"] or 1  # null: plain 1F1B
-    for key in ("etp", "recompute_num_layers"):
+        fixed["vpp"] = fixed["vpp"] or layout_vpp(par.pipeline_layout, par.pp)  # null: plain 1F1B, or the layout's
+    for key in ("etp", "recompute_num_layers", "pipeline_layout"):
         if key in fixed and fixed[key] is None:
-            del fixed[key]  # null: the default (etp 1 under EP, else tp; every layer recomputed)
+            del fixed[key]  # null: the default (etp 1 under EP, else tp; every layer recomputed; the other keys' split)
     runtime = runtime_of(cfg, shape)
     if mean_response_length is not None and algo.name not in RL_ALGORITHMS:
         raise ConfigError(f"--mean-response-len sizes a rollout; algorithm.name={algo.name} generates none")

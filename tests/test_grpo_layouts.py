@@ -1,4 +1,5 @@
-"""GRPO and its colocated generation at MoE TP2·EP2·SP, CP2 and an uneven PP2 split (real Megatron Core, gloo, CPU).
+"""GRPO and its colocated generation at MoE TP2·EP2·SP, CP2, an uneven PP2 split and a hand-written PP2 x VPP2 pipeline
+layout (real Megatron Core, gloo, CPU).
 
 Every case runs in its own processes, started through launch.py.
 
@@ -51,6 +52,9 @@ RUNS = {  # name: overrides; FIVE_LAYERS is the 5-layer tiny-cpu variant
                        "algorithm.router_replay=true", *PACKED],
     "pp1_5layers": ["FIVE_LAYERS", "cluster.tasks_per_node=1"],
     "pp2_5layers": ["FIVE_LAYERS", "parallel.pp=2", *PACKED],
+    # a hand-written uneven interleaved layout: rank 0 holds the embedding alone, then 1 layer; rank 1 holds 3, then 1
+    # and the loss (0 + 3 + 1 + 1 layers over pp 2 x vpp 2)
+    "pp2_vpp2_layout": ["FIVE_LAYERS", "parallel.pp=2", "parallel.pipeline_layout=E|ttt|t|tL"],
     "dp2_seq_mean": [*SEQ_MEAN, *PACKED],
     "cp2_seq_mean": [*SEQ_MEAN, "parallel.cp=2"],
 }
@@ -97,9 +101,10 @@ def test_first_minibatch_ratio_is_one(job, name):
 
 
 @pytest.mark.parametrize("layout, reference", [("moe_tp2_ep2_sp", "moe_1proc"), ("pp2_5layers", "pp1_5layers"),
-                                               ("cp2_seq_mean", "dp2_seq_mean")])
+                                               ("pp2_vpp2_layout", "pp1_5layers"), ("cp2_seq_mean", "dp2_seq_mean")])
 def test_same_rollout_workers_give_the_same_run(job, layout, reference):
-    """One generation worker at TP2·EP2·SP and at PP2 (3 + 2 layers), as in the 1-process run; two at CP2
+    """One generation worker at TP2·EP2·SP, at PP2 (3 + 2 layers) and at the PP2 x VPP2 layout, as in the 1-process
+    run; two at CP2
     (the CP ranks), as in the DP2 run: the same rewards, and the same losses as the reference layout."""
     got, _ = job(layout)
     ref, _ = job(reference)

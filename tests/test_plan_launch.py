@@ -18,6 +18,7 @@ import yaml
 from launcher import cli
 from megatron_rl.spec.config import load_config
 from megatron_rl.spec.config.loader import find_config, given_keys
+from megatron_rl.spec.parallel import ParallelDims
 from megatron_rl.spec.config.validate import check_layout
 from megatron_rl.spec.errors import ConfigError
 from launcher.job import apply_plan, prepare
@@ -183,7 +184,12 @@ def test_deepseek_v3_plans_a_pool_of_latents_and_launch_writes_it(capsys, tmp_pa
     planned = _plan(capsys, "--config", "grpo_deepseek_v3")
     pool = planned["kv_pool"]
     assert pool["source"] == "chosen" and pool["key"] == "generation.kv_memory_gib"
-    most_layers = math.ceil(61 / planned["layout"]["pp"])  # the fullest pipeline rank (loss counted as a layer)
+    lay = planned["layout"]
+    dims = ParallelDims(world_size=lay["pp"], pp=lay["pp"], vpp=lay["vpp"], pipeline_layout=lay["pipeline_layout"],
+                        first_stage_layers=lay["first_stage_layers"], last_stage_layers=lay["last_stage_layers"],
+                        account_for_embedding=lay["account_for_embedding"], account_for_loss=lay["account_for_loss"])
+    counts = dims.stage_layers(61)
+    most_layers = max(sum(counts[rank::lay["pp"]]) for rank in range(lay["pp"]))  # the fullest pipeline rank
     assert pool["gib"] * 2**30 / pool["tokens"] == pytest.approx((512 + 64) * 2 * most_layers, rel=0.01)
     assert _dry_run_generation(capsys, tmp_path, "grpo_deepseek_v3", [])["kv_memory_gib"] == pool["gib"]
     capped = _plan(capsys, "--config", "grpo_deepseek_v3", "generation.max_concurrent=4")["kv_pool"]

@@ -15,6 +15,7 @@ from launcher.planner import PLANNED_KEYS, GrpoSizing, NoFeasibleLayout, Runtime
 from launcher.cli.plan import main as cli_main
 from launcher.planner.costs import Workload
 from megatron_rl.spec.parallel import virtual_stage_layers
+from megatron_rl.spec.pipeline_layout import expand_layout
 from launcher.planner.estimate import Layout
 from launcher.planner.rl_step import estimate
 from launcher.planner.gpus import GPUS, get_gpu
@@ -48,7 +49,7 @@ def test_gpu_catalogue_has_required_parts():
     ("llama-3.1-405b", "tp=16", "exceeds the 8 GPUs of one NVLink node"),
     ("qwen3-235b-a22b", "tp=8", r"tp=8 does not divide the 4 query groups \(KV heads\)"),
     ("llama-3.1-405b", "tp=8,cp=1,pp=5", "1024 GPUs not divisible by tp\\*cp\\*pp=40"),
-    ("llama-3.1-405b", "tp=8,pp=16,vpp=3", "no legal pipeline split for 126 layers"),
+    ("llama-3.1-405b", "tp=8,pp=16,vpp=9", "no legal pipeline split for 126 layers"),
     ("qwen3-235b-a22b", "ep=3", "ep=3 does not divide the 128 experts"),
     ("llama-3.3-70b", "ep=2", "ep=2 but llama-3.3-70b has no experts; set ep=1"),
     ("llama-3.3-70b", "tp=8,pp=1,cp=1,mbs=3", r"global batch 1024 not divisible by dp\*mbs=384"),
@@ -69,11 +70,14 @@ def test_parse_layout():
     every = ("tp=8,pp=16,vpp=1,cp=1,ep=1,etp=1,micro_batch_size=1,recompute=none,sequence_parallel=false,"
              "first_stage_layers=7,last_stage_layers=7,account_for_embedding=false,account_for_loss=false,"
              "recompute_num_layers=2")
+    # a pipeline layout replaces the four split keys; its comma is Megatron's, not a key's
+    assert parse_layout("pp=8,pipeline_layout=Et*3|(tt|)*29,m|L,tp=2") == {
+        "pp": 8, "pipeline_layout": "Et*3|(tt|)*29,m|L", "tp": 2}
     # not layout keys: the search's switches, the rollout replicas' sizes (split placement's own input) and
     # packing (a rollout input: GrpoSizing.micro_batch_tokens)
-    assert set(parse_layout(every)) == set(ParallelConfig.__dataclass_fields__) - {
+    assert set(parse_layout(every)) | {"pipeline_layout"} == set(ParallelConfig.__dataclass_fields__) - {
         "auto", "distributed_optimizer", "backend", "timeout_s", "rollout_tp", "rollout_pp", "micro_batch_tokens"}
-    assert set(PLANNED_KEYS) == set(parse_layout(every))
+    assert set(PLANNED_KEYS) == set(parse_layout(every)) | {"pipeline_layout"}
     assert set(Layout.of(**parse_layout(every), dp=1).to_dict()) == {*PLANNED_KEYS, "dp"}
     with pytest.raises(ConfigError, match="unknown field 'dp'"):
         parse_layout("dp=4")
@@ -92,13 +96,19 @@ def test_pipeline_splits_for_126_and_61_layers():
     # with VPP 8: one layer per virtual stage, none in the embedding and loss slots
     counts = virtual_stage_layers(126, 16, 8, None, None, True, True)
     assert len(counts) == 128 and counts[0] == 0 and counts[-1] == 0 and sum(counts) == 126
-    # DeepSeek-V3 on PP16: uneven first/last stages
-    res = evaluate(load_model_shape("deepseek-v3"), "tp=1,pp=16,ep=64,cp=1", num_gpus=2048, gpu_type=H100,
+    # DeepSeek-V3 on PP16: uneven first/last stages without interleaving
+    res = evaluate(load_model_shape("deepseek-v3"), "tp=1,pp=16,vpp=1,ep=64,cp=1", num_gpus=2048, gpu_type=H100,
                    global_batch_size=4096)
     lay = res.layout
     assert lay.dims.first_stage_layers is not None and lay.dims.last_stage_layers is not None
     assert lay.dims.first_stage_layers + lay.dims.last_stage_layers + 14 * 4 == 61
     assert res.fits
+    # ... and with it, which no first/last split reaches (61 is odd): a pipeline layout of 32 stages
+    res = evaluate(load_model_shape("deepseek-v3"), "tp=1,pp=16,vpp=2,ep=64,cp=1", num_gpus=2048, gpu_type=H100,
+                   global_batch_size=4096)
+    stages = expand_layout(res.layout.dims.pipeline_layout)
+    assert len(stages) == 32 and stages[0].startswith("E") and stages[-1].endswith("L")
+    assert sum(stage.count("t") for stage in stages) == 61 and res.fits
 
 
 # ---------------- memory against independent numbers ----------------

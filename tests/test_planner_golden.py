@@ -25,7 +25,7 @@ from launcher.job import evaluate_layout, load_shape, plan_job
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "planner_picks.json"
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "dp", "micro_batch_size", "recompute", "sequence_parallel",
-               "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss")
+               "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss", "pipeline_layout")
 REL_TOL = 1e-3
 """Step time and memory may move by 0.1% (float noise is ~1e-15); anything more is a model change."""
 

@@ -13,6 +13,7 @@ Tests: ``.venv/bin/python -m pytest tests/test_planner.py tests/test_planner_cal
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -181,7 +182,8 @@ def parse_layout(text: str) -> dict:
             "recompute_num_layers"}
     bools = {"sequence_parallel", "account_for_embedding", "account_for_loss"}
     out: dict = {}
-    for item in filter(None, (p.strip() for p in str(text).split(","))):
+    # a comma inside a pipeline_layout is Megatron's cosmetic one: items start at a comma before 'key='
+    for item in filter(None, (p.strip() for p in re.split(r",(?=\s*[A-Za-z_]+\s*=)", str(text)))):
         if "=" not in item:
             raise ConfigError(f"--layout: '{item}' is not key=value (e.g. tp=8,pp=16,mbs=1)")
         key, value = (x.strip() for x in item.split("=", 1))
@@ -199,12 +201,14 @@ def parse_layout(text: str) -> dict:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ConfigError(f"--layout {key}={value}: must be true or false")
             out[key] = value.lower() in ("true", "1", "yes")
+        elif key == "pipeline_layout":
+            out[key] = value
         elif key == "recompute":
             if value not in RECOMPUTE_MODES:
                 raise ConfigError(f"--layout recompute={value}: use one of {', '.join(RECOMPUTE_MODES)}")
             out[key] = value
         else:
-            known = sorted(ints | bools | {"recompute"} | set(aliases))
+            known = sorted(ints | bools | {"recompute", "pipeline_layout"} | set(aliases))
             raise ConfigError(f"--layout: unknown field '{key}'{did_you_mean(key, known)}; known: {', '.join(known)}")
     return out
 

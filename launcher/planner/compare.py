@@ -16,8 +16,7 @@ from megatron_rl.spec.config.schema import RECOMPUTE_MODES
 
 CHANGE_COST = {"tp": 3, "cp": 3, "ep": 3, "etp": 3, "sequence_parallel": 3, "pp": 2, "vpp": 1, "micro_batch_size": 1,
                "recompute": 1, "recompute_num_layers": 1, "first_stage_layers": 1, "last_stage_layers": 1,
-               "account_for_embedding": 1,
-               "account_for_loss": 1}
+               "account_for_embedding": 1, "account_for_loss": 1, "pipeline_layout": 1}
 """How big a change of each kept layout key is, for the nearest fitting layout: more recompute, a smaller
 micro-batch or another split first, then more pipeline stages, and only then another TP, CP, EP or SP."""
 SIZE_KEYS = ("tp", "cp", "ep", "sequence_parallel")

@@ -57,7 +57,7 @@ waits for rollouts beyond its own work (all of the generation when max_staleness
 
 PLANNED_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "micro_batch_size", "recompute", "sequence_parallel",
                 "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
-                "recompute_num_layers")
+                "pipeline_layout", "recompute_num_layers")
 """The ``parallel:`` keys a Layout gives (the planner's --layout names; dp follows from them)."""
 
 
@@ -87,6 +87,8 @@ class Layout:
 
     def split_name(self) -> str:
         """Short description of the pipeline split."""
+        if self.dims.pipeline_layout is not None:
+            return f"layout {self.dims.pipeline_layout}"
         if self.dims.first_stage_layers is not None or self.dims.last_stage_layers is not None:
             return f"uneven first={self.dims.first_stage_layers} last={self.dims.last_stage_layers}"
         tags = [t for t, on in (("embedding", self.dims.account_for_embedding), ("loss", self.dims.account_for_loss))
@@ -125,6 +127,9 @@ class Layout:
             args["account-for-embedding-in-pipeline-split"] = True
         if self.dims.account_for_loss:
             args["account-for-loss-in-pipeline-split"] = True
+        if self.dims.pipeline_layout is not None:
+            args["pipeline-model-parallel-layout"] = self.dims.pipeline_layout
+            args.pop("num-virtual-stages-per-pipeline-rank", None)  # Megatron-LM reads it from the layout
         if self.recompute == "full" and self.recompute_num_layers is not None:
             args.update({"recompute-granularity": "full", "recompute-method": "block",
                          "recompute-num-layers": self.recompute_num_layers})
@@ -149,9 +154,10 @@ class RankGroup(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def rank_groups(moe_pattern: tuple[bool, ...], num_layers: int, pp: int, vpp: int, first, last, emb, loss):
+def rank_groups(moe_pattern: tuple[bool, ...], num_layers: int, pp: int, vpp: int, first, last, emb, loss,
+                layout=None):
     """Group pipeline ranks by (dense layers, MoE layers, first, last)."""
-    counts = virtual_stage_layers(num_layers, pp, vpp, first, last, emb, loss)
+    counts = virtual_stage_layers(num_layers, pp, vpp, first, last, emb, loss, layout)
     per_rank = [[0, 0] for _ in range(pp)]
     start = 0
     for vs, n in enumerate(counts):

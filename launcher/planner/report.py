@@ -12,6 +12,7 @@ from launcher.planner.costs import TCP_GB_S
 from launcher.planner.estimate import TIME_PARTS, Estimate, Layout
 from launcher.planner.rl_step import SUGGESTION_SLACK, generation_pool
 from megatron_rl.spec.errors import as_yaml
+from megatron_rl.spec.pipeline_layout import format_layout, layout_from_counts
 
 if TYPE_CHECKING:
     from launcher.planner import PlanResult
@@ -201,6 +202,8 @@ def explain(result: PlanResult) -> str:
              "", f"Layout      {layout_line(e.layout)}",
              f"Pipeline    {e.layout.split_name()}; decoder layers per rank: "
              f"{stage_summary(e.stage_layers, e.layout.dims.pp, e.layout.dims.vpp)}",
+             *([f"            as parallel.pipeline_layout: {format_layout(layout_from_counts(e.stage_layers))}"]
+               if e.layout.dims.pp > 1 and e.layout.dims.pipeline_layout is None else []),
              "", f"Memory per {'trainer ' if e.split else ''}GPU (GiB, fullest pipeline rank = {e.worst_rank})"]
     always = {"weights", "gradients", "optimizer", "activations", "overhead",
               *(("kv_cache",) if "grpo" in w and e.split is None else ())}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from launcher.planner.costs import ADAM_BYTES_PER_PARAM, GIB, Workload
 from launcher.planner.estimate import Estimate, Layout, rank_groups, stage_params
@@ -36,6 +37,7 @@ from megatron_rl.spec.parallel import (
     attention_split_error,
     default_etp,
     expert_split_error,
+    layout_vpp,
     microbatch_error,
     mla_error,
     mlp_split_error,
@@ -45,10 +47,12 @@ from megatron_rl.spec.parallel import (
     split_error,
     uneven_splits,
 )
+from megatron_rl.spec.pipeline_layout import format_layout, layout_from_counts
 
 MAX_CP = 64
 MAX_MBS = 16
-SPLIT_KEYS = ("vpp", "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss")
+SPLIT_KEYS = ("vpp", "first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
+              "pipeline_layout")
 """Layout keys that shape the pipeline split (with pp)."""
 
 
@@ -84,9 +88,21 @@ class SearchOutcome:
         self.examples.setdefault(constraint, example)
 
 
+LAYOUT_VPPS = (1, 2, 4, 8)
+"""Virtual stages per rank the search tries as pipeline layouts where no other split is legal."""
+STAGE_WEIGHTS = ((0, 1), (1, 1), (0, 2))
+"""(embedding, loss) weights in decoder layers that balanced_layout tries: the output layer and loss cost one or two
+layers' time, the embedding next to nothing or a layer's memory."""
+
+
 def pipeline_splits(num_layers: int, pp: int, vpp_fixed: int | None, fixed: dict) -> list[tuple]:
-    """Candidate (first, last, emb, loss, vpp) splits for `pp`, with the planner choosing what is not fixed."""
+    """Candidate (first, last, emb, loss, vpp, layout) splits for `pp`, with the planner choosing what is not fixed:
+    Megatron's even and uneven splits, then, at each virtual size none of them reaches, pipeline layouts that
+    balance the ranks with the embedding and loss weighed as STAGE_WEIGHTS (61 layers at pp 8 x vpp 4)."""
     keys = ("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss")
+    if "pipeline_layout" in fixed:
+        layout = fixed["pipeline_layout"]
+        return [(None, None, False, False, vpp_fixed or layout_vpp(layout, pp), layout)]
     if any(k in fixed for k in keys):
         base = [(fixed.get(keys[0]), fixed.get(keys[1]), bool(fixed.get(keys[2], False)),
                  bool(fixed.get(keys[3], False)))]
@@ -107,8 +123,35 @@ def pipeline_splits(num_layers: int, pp: int, vpp_fixed: int | None, fixed: dict
             per_rank = math.gcd(math.gcd(first or 0, last or 0), rest // middle if middle and rest % middle == 0 else 0)
             per_rank = per_rank or 1
         vpps = [vpp_fixed] if vpp_fixed else (divisors(per_rank) if pp > 1 else [1])
-        out.extend((first, last, emb, loss, v) for v in vpps)
+        out.extend((first, last, emb, loss, v, None) for v in vpps)
+    if pp == 1 or any(k in fixed for k in keys):
+        return out
+    reached = {c[4] for c in out if split_error(num_layers, pp, *c[4:5], *c[:4]) is None}
+    for vpp in [vpp_fixed] if vpp_fixed else LAYOUT_VPPS:
+        if vpp in reached or pp * vpp > num_layers + 2:
+            continue
+        layouts = dict.fromkeys(balanced_layout(num_layers, pp, vpp, emb, loss) for emb, loss in STAGE_WEIGHTS)
+        out.extend((None, None, False, False, vpp, layout) for layout in layouts)
     return out
+
+
+@lru_cache(maxsize=1024)
+def balanced_layout(num_layers: int, pp: int, vpp: int, emb: int, loss: int) -> str:
+    """A pipeline layout of ``num_layers`` decoder layers on pp x vpp stages, each layer placed on the stage whose rank
+    (then the stage itself) carries the least so far, the embedding and the loss counted as ``emb`` and ``loss``
+    layers; Megatron's syntax (megatron_rl/spec/pipeline_layout.py)."""
+    stages = pp * vpp
+    rank_load, stage_load = [0] * pp, [0] * stages
+    for stage, weight in ((0, emb), (stages - 1, loss)):
+        rank_load[stage % pp] += weight
+        stage_load[stage] += weight
+    counts = [0] * stages
+    for _ in range(num_layers):
+        stage = min(range(stages), key=lambda i: (rank_load[i % pp], stage_load[i], i))
+        counts[stage] += 1
+        rank_load[stage % pp] += 1
+        stage_load[stage] += 1
+    return format_layout(layout_from_counts(tuple(counts)))
 
 
 class _FirstFit(Exception):
@@ -240,7 +283,7 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
         eps = [fixed.get("ep", 1)]
     splits, whys = [], []
     for cand in pipeline_splits(s.num_layers, pp, fixed.get("vpp"), fixed):
-        why = split_error(s.num_layers, pp, *cand[4:], *cand[:4])
+        why = split_error(s.num_layers, pp, cand[4], *cand[:4], cand[5])
         (whys if why else splits).append(why or cand)
     if not splits and "pp" in fixed:
         raise ConfigError(f"--layout {_given(fixed, (*SPLIT_KEYS, 'pp'))}: no legal pipeline split for "
@@ -251,7 +294,7 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
     for why in whys:
         out.reject("pipeline split", inner * len(eps), why)
         out.considered += inner * len(eps)
-    for first, last, emb, loss, vpp in splits:
+    for first, last, emb, loss, vpp, layout in splits:
         for ep in eps:
             out.considered += inner
             why = f"ep={ep} must be a positive integer" if ep < 1 else expert_split_error(s, ep, key="")
@@ -273,7 +316,8 @@ def _search_pp(w, fixed, out, tp, sp, cp, pp, dp, capacity, overhead, bad, keep_
                 continue
             dims = ParallelDims(world_size=w.num_gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sp=sp,
                                 first_stage_layers=first, last_stage_layers=last, account_for_embedding=emb,
-                                account_for_loss=loss, **w.split.dims_keys() if w.split is not None else {})
+                                account_for_loss=loss, pipeline_layout=layout,
+                                **w.split.dims_keys() if w.split is not None else {})
             probe = Layout(dims=dims, micro_batch_size=1, recompute="full")
             why = rollout_memory_error(w, probe) if w.split is not None else None
             if why:

@@ -23,6 +23,7 @@ from megatron_rl.spec.config.schema import LoraConfig, attention_kernel
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.spec.parallel import ParallelDims, mla_error
+from megatron_rl.spec.pipeline_layout import expand_layout, megatron_layout
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -182,6 +183,8 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         num_layers_in_last_pipeline_stage=dims.last_stage_layers,
         account_for_embedding_in_pipeline_split=dims.account_for_embedding,
         account_for_loss_in_pipeline_split=dims.account_for_loss,
+        pipeline_model_parallel_layout=(megatron_layout(expand_layout(dims.pipeline_layout))
+                                        if dims.pipeline_layout is not None else None),
         params_dtype=opts.dtype, bf16=opts.dtype == torch.bfloat16, fp16=opts.dtype == torch.float16,
         pipeline_dtype=opts.dtype, use_cpu_initialization=not torch.cuda.is_available(),
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
@@ -502,10 +505,24 @@ def build_gpt_model(shape: ModelShape, opts: ModelOptions, *, vp_stage: Optional
     return model
 
 
+def check_built_split(chunks: list, shape: ModelShape, dims: ParallelDims) -> None:
+    """Megatron built, on each of this rank's virtual stages, the decoder layers the planner and the launch check
+    counted there (``ParallelDims.stage_layers``: one reading of the split for both)."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    planned = dims.stage_layers(shape.num_layers)[rank::dims.pp]
+    built = tuple(len(chunk.decoder.layers) for chunk in chunks)
+    if built != planned:
+        raise RuntimeError(f"pipeline rank {rank} built {built} decoder layers per virtual stage where the split "
+                           f"{dims.split()} gives {planned}")
+
+
 def build_model_chunks(shape: ModelShape, opts: ModelOptions) -> list:
     """All model chunks this rank holds: one, or vpp of them with interleaved pipelining."""
     chunks = [build_gpt_model(shape, opts, vp_stage=i) for i in range(opts.dims.vpp)] if opts.dims.vpp > 1 \
         else [build_gpt_model(shape, opts)]
+    check_built_split(chunks, shape, opts.dims)
     if opts.router_replay and shape.is_moe:
         from megatron_rl.models.router_replay import install
 

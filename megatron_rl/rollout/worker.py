@@ -45,7 +45,7 @@ def rollout_config(cfg: JobConfig, shape: ModelShape) -> JobConfig:
                                    rollout_tp=None, rollout_pp=None)
     if pp != par.pp:
         parallel = dataclasses.replace(parallel, pp=pp, vpp=None, **{key: None for key in SPLIT_KEYS[:2]},
-                                       account_for_embedding=False, account_for_loss=False)
+                                       account_for_embedding=False, account_for_loss=False, pipeline_layout=None)
         dims = ParallelDims(world_size=tp * pp, tp=tp, pp=pp).with_split(shape.num_layers)
         parallel = dataclasses.replace(parallel, first_stage_layers=dims.first_stage_layers,
                                        last_stage_layers=dims.last_stage_layers)

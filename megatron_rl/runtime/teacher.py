@@ -76,7 +76,8 @@ class Teacher:
                               "distillation compares log-probs of the same tokens, so give a teacher trained with "
                               "the student's tokenizer")
         dims = dataclasses.replace(engine.opts.dims, first_stage_layers=None, last_stage_layers=None,
-                                   account_for_embedding=False, account_for_loss=False).with_split(self.shape.num_layers)
+                                   account_for_embedding=False, account_for_loss=False,
+                                   pipeline_layout=None).with_split(self.shape.num_layers)
         try:
             dims.check_model(self.shape)
         except ConfigError as err:

@@ -14,7 +14,10 @@ Megatron's rules (``parallel_state.initialize_model_parallel`` and ``Transformer
 - the pipeline split is even (pp·vpp divides the layers, embedding and loss optionally counted as layers) or
   uneven (``first_stage_layers`` / ``last_stage_layers``, the middle stages sharing the rest evenly); every
   stage's layers divide by vpp. When the layers do not divide evenly and no split is given, ``with_split``
-  picks one (5 layers on pp=2 -> 3+2; 126 on pp=16 -> 7 + 14x8 + 7).
+  picks one (5 layers on pp=2 -> 3+2; 126 on pp=16 -> 7 + 14x8 + 7);
+- or any split, given as a layout in Megatron's syntax (``pipeline_layout``, megatron_rl/spec/pipeline_layout.py:
+  the layers of each virtual stage, embedding and loss placed as stages' members; vpp = stages / pp), which no
+  other split key may join.
 
 This job's rule for split placement (``cluster.rollout_tasks`` = R > 0): the world above is the training processes
 (world size - R), and the R rollout processes form R / (tp·pp) replicas at the training tp x pp (cp=1, ep=1), so R
@@ -38,8 +41,10 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from megatron_rl.spec.errors import ConfigError
+from megatron_rl.spec.pipeline_layout import LayoutSyntaxError, expand_layout, layout_error, stage_decoder_counts
 
-SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss")
+SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
+              "pipeline_layout")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +75,9 @@ class ParallelDims:
     """Count the embedding as one layer in an even split (Megatron's account_for_embedding_in_pipeline_split)."""
     account_for_loss: bool = False
     """Count the output layer and loss as one layer in an even split."""
+    pipeline_layout: Optional[str] = None
+    """The layers of every virtual stage in Megatron's syntax ('Et*3|(tt|)*29,m|L'); vpp must be stages / pp (the
+    config's vpp: null takes it). None: the split the keys above give."""
     rollout_tasks: int = 0
     """Processes beyond world_size that only generate (cluster.rollout_tasks, split placement): world_size is then
     the training processes alone, and the rollout tasks must split into replicas of tp x pp at ep=1
@@ -86,7 +94,9 @@ class ParallelDims:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel.{key}={value!r} must be a positive integer")
-        why = sequence_parallel_error(self.tp, self.sp) or interleave_error(self.pp, self.vpp)
+        why = (sequence_parallel_error(self.tp, self.sp) or interleave_error(self.pp, self.vpp)
+               or pipeline_layout_error(self.pipeline_layout, pp=self.pp, vpp=self.vpp,
+                                        other_split=self.uneven or self.account_for_embedding or self.account_for_loss))
         if why is not None:
             raise ConfigError(why)
         why = rollout_replica_error(self.rollout_tasks, self.rollout_tp or self.tp, self.rollout_pp or self.pp,
@@ -109,7 +119,8 @@ class ParallelDims:
     def from_config(cls, parallel: Any, *, world_size: int, rollout_tasks: int = 0) -> "ParallelDims":
         """From a ``ParallelConfig`` (the schema's ``parallel:`` section); ``world_size`` counts the training
         processes, ``rollout_tasks`` the generating ones beyond them."""
-        return cls(world_size=world_size, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp or 1, cp=parallel.cp,
+        return cls(world_size=world_size, tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
+                   vpp=parallel.vpp or layout_vpp(parallel.pipeline_layout, parallel.pp),
                    ep=parallel.ep, etp=parallel.etp, sp=parallel.sequence_parallel, rollout_tasks=rollout_tasks,
                    rollout_tp=parallel.rollout_tp, rollout_pp=parallel.rollout_pp,
                    **{key: getattr(parallel, key) for key in SPLIT_KEYS})
@@ -140,7 +151,8 @@ class ParallelDims:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
 
     def split(self) -> tuple:
-        """(first, last, account_for_embedding, account_for_loss), the arguments of ``split_error``."""
+        """(first, last, account_for_embedding, account_for_loss, pipeline_layout), the arguments of
+        ``split_error``."""
         return tuple(getattr(self, key) for key in SPLIT_KEYS)
 
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
@@ -149,7 +161,8 @@ class ParallelDims:
 
     def with_split(self, num_layers: int) -> "ParallelDims":
         """These dims with an uneven split chosen when the layers do not divide evenly and none is given."""
-        if self.uneven or self.account_for_embedding or self.account_for_loss or self.pp == 1:
+        if (self.uneven or self.account_for_embedding or self.account_for_loss or self.pipeline_layout is not None
+                or self.pp == 1):
             return self
         if split_error(num_layers, self.pp, self.vpp, None, None, False, False) is None:
             return self
@@ -165,6 +178,12 @@ class ParallelDims:
                or expert_training_error(shape, tp=self.tp, ep=self.ep, etp=self.etp, sp=self.sp))
         if why is not None:
             raise ConfigError(why)
+        if self.pipeline_layout is not None:
+            why = layout_error(expand_layout(self.pipeline_layout), num_layers=shape.num_layers, pp=self.pp,
+                               vpp=self.vpp, mtp_layers=shape.mtp_num_layers)
+            if why is not None:
+                raise ConfigError(f"parallel.pipeline_layout={self.pipeline_layout} does not fit {shape.name} "
+                                  f"({shape.num_layers} layers) at pp={self.pp}: {why}")
         why = split_error(shape.num_layers, self.pp, self.vpp, *self.split())
         if why is not None:
             raise ConfigError(f"the pipeline split of {shape.name}'s {shape.num_layers} layers over parallel.pp="
@@ -338,6 +357,36 @@ def rollout_replica_error(rollout_tasks: int, tp: int, pp: int, ep: int) -> str 
     return None
 
 
+def layout_vpp(layout: str | None, pp: int) -> int:
+    """The virtual stages per rank a pipeline layout gives at ``pp`` (1 without one, or when it is unreadable:
+    ``pipeline_layout_error`` says why)."""
+    if layout is None:
+        return 1
+    try:
+        return max(len(expand_layout(layout)) // pp, 1)
+    except LayoutSyntaxError:
+        return 1
+
+
+def pipeline_layout_error(layout: str | None, *, pp: int, vpp: int, other_split: bool = False,
+                          key: str = "parallel.") -> str | None:
+    """A layout is readable, has pp*vpp stages and is the only split given (Megatron refuses it beside
+    first/last stage layers or accounting for embedding and loss)."""
+    if layout is None:
+        return None
+    try:
+        stages = expand_layout(layout)
+    except LayoutSyntaxError as err:
+        return f"{key}pipeline_layout={layout}: {err}"
+    if other_split:
+        return (f"{key}pipeline_layout cannot be combined with {key}first_stage_layers/last_stage_layers/"
+                "account_for_embedding/account_for_loss (the layout places every layer); drop one")
+    if len(stages) != pp * vpp:
+        return (f"{key}pipeline_layout has {len(stages)} stages, not pp*vpp = {pp}*{vpp}; give one stage per "
+                f"pipeline rank and virtual chunk, or set {key}vpp to null (stages / pp)")
+    return None
+
+
 def uneven_splits(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """Candidate (first, last) stage sizes for ``num_layers`` on ``pp`` ranks when they do not divide evenly,
     best first: the middle stages take the smallest per-stage count k that fits, and first + last share the rest
@@ -355,10 +404,14 @@ def uneven_splits(num_layers: int, pp: int) -> list[tuple[int, int]]:
 
 
 def split_error(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
-                loss: bool) -> str | None:
+                loss: bool, layout: str | None = None) -> str | None:
     """Why Megatron rejects this split, or None when it is legal."""
     if vpp > 1 and pp < 2:
         return f"interleaving (vpp={vpp}) needs pp >= 2"
+    if layout is not None:
+        if first is not None or last is not None or emb or loss:
+            return "a pipeline layout cannot be combined with first/last stage sizes or accounting for embedding/loss"
+        return layout_error(expand_layout(layout), num_layers=num_layers, pp=pp, vpp=vpp)
     if (first is not None or last is not None) and (emb or loss):
         return "first/last stage sizes cannot be combined with accounting for embedding/loss"
     if first is not None or last is not None:
@@ -394,8 +447,10 @@ def split_error(num_layers: int, pp: int, vpp: int, first: int | None, last: int
 
 @lru_cache(maxsize=4096)
 def virtual_stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, emb: bool,
-                         loss: bool) -> tuple[int, ...]:
+                         loss: bool, layout: str | None = None) -> tuple[int, ...]:
     """Decoder layers of each virtual stage, in execution order (virtual stage c*pp + rank)."""
+    if layout is not None:
+        return stage_decoder_counts(expand_layout(layout))
     counts = [0] * (pp * vpp)
     if first is not None or last is not None:
         rest, middle = num_layers, pp

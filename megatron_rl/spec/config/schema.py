@@ -21,7 +21,7 @@ from megatron_rl.spec.config.fields import (  # noqa: F401 (ALGORITHMS and DPO_L
     _one_of, _positive)
 from megatron_rl.spec.environments import check_environment
 from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.parallel import interleave_error, sequence_parallel_error
+from megatron_rl.spec.parallel import interleave_error, layout_vpp, pipeline_layout_error, sequence_parallel_error
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts.linear_fc1", "experts.linear_fc2",
                 "shared_experts.linear_fc1", "shared_experts.linear_fc2", "linear_q_proj", "linear_q_down_proj",
@@ -135,6 +135,11 @@ class ParallelConfig:
     """Even split only: count the embedding as one layer (the first stage gets one decoder layer fewer)."""
     account_for_loss: bool = False
     """Even split only: count the output layer and loss as one layer (the last stage gets one fewer)."""
+    pipeline_layout: Optional[str] = None
+    """Any pipeline split, as the layers of every virtual stage in Megatron's syntax
+    (``pipeline_model_parallel_layout``): stages separated by '|', E the embedding, t a decoder layer, m an MTP
+    layer (accepted, not built), L the loss; x*n and (...)*n repeat. NVIDIA's DeepSeek-V3 at pp=8:
+    'Et*3|(tt|)*29,m|L' (32 stages: vpp 4). vpp null takes stages / pp. Not with the four keys above."""
     micro_batch_size: int = 32
     """Sequences per micro-batch."""
     micro_batch_tokens: Optional[int] = None
@@ -174,9 +179,17 @@ class ParallelConfig:
             raise ConfigError(f"parallel.recompute_num_layers={self.recompute_num_layers} needs parallel.recompute="
                               f"full (it is {self.recompute}); set recompute=full or recompute_num_layers=null")
         _one_of("parallel", "backend", self.backend, BACKENDS)
+        other_split = (self.first_stage_layers is not None or self.last_stage_layers is not None
+                       or self.account_for_embedding or self.account_for_loss)
+        why = pipeline_layout_error(self.pipeline_layout, pp=1, vpp=layout_vpp(self.pipeline_layout, 1),
+                                    other_split=other_split)
+        if why is not None:
+            raise ConfigError(why)
         if self.auto:
             return  # the planner picks the tp and pp these need; ParallelDims checks the layout it resolves
-        why = sequence_parallel_error(self.tp, self.sequence_parallel) or interleave_error(self.pp, self.vpp or 1)
+        vpp = self.vpp or layout_vpp(self.pipeline_layout, self.pp)
+        why = (sequence_parallel_error(self.tp, self.sequence_parallel) or interleave_error(self.pp, vpp)
+               or pipeline_layout_error(self.pipeline_layout, pp=self.pp, vpp=vpp))
         if why is not None:
             raise ConfigError(why)
 
