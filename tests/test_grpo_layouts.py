@@ -20,6 +20,7 @@ Run: ``.venv/bin/python -m pytest tests/test_grpo_layouts.py -q``
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -54,7 +55,8 @@ RUNS = {  # name: overrides; FIVE_LAYERS is the 5-layer tiny-cpu variant
     "pp2_5layers": ["FIVE_LAYERS", "parallel.pp=2", *PACKED],
     # a hand-written uneven interleaved layout: rank 0 holds the embedding alone, then 1 layer; rank 1 holds 3, then 1
     # and the loss (0 + 3 + 1 + 1 layers over pp 2 x vpp 2)
-    "pp2_vpp2_layout": ["FIVE_LAYERS", "parallel.pp=2", "parallel.pipeline_layout=E|ttt|t|tL"],
+    "pp2_vpp2_layout": ["FIVE_LAYERS", "parallel.pp=2", "parallel.pipeline_layout=E|ttt|t|tL",
+                        "checkpoint.save_at_end=true"],
     "dp2_seq_mean": [*SEQ_MEAN, *PACKED],
     "cp2_seq_mean": [*SEQ_MEAN, "parallel.cp=2"],
 }
@@ -135,6 +137,17 @@ def test_uneven_split_is_chosen_by_the_launcher(job):
     _, run_dir = job("pp2_5layers")
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]
     assert (resolved["first_stage_layers"], resolved["last_stage_layers"]) == (3, 2)
+
+
+def test_a_checkpoint_trained_at_a_pipeline_layout_exports_and_verifies(job, tmp_path):
+    """Checkpoints are layout-free: the one the PP2 x VPP2 layout saved exports to HF (the converter at its own
+    pipeline split), whose transformers logits equal the Megatron checkpoint's."""
+    _, run_dir = job("pp2_vpp2_layout")
+    result = run_launch("convert", "megatron-to-hf", "--ckpt", str(run_dir / "checkpoints"), "--out",
+                        str(tmp_path / "hf"), "--verify")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    verified = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verified["tensors_equal"] and verified["max_abs_logit_diff"] < 1e-4, verified
 
 
 # ------------------------------------------------------------------------------------------ generation checks

@@ -47,6 +47,13 @@ JOBS = {
     "rm-shipped-qwen3-235b": ("rm_qwen3_235b", []),
     "grpo-shipped-deepseek-v3": ("grpo_deepseek_v3", []),
     "grpo-shipped-llama8b": ("grpo_llama8b", []),
+    # NVIDIA's published pipeline layouts (#34): DeepSeek-V3 at PP8 x VPP4 and PP16, the 405B at PP16 x VPP8
+    "grpo-shipped-deepseek-v3-pp8-vpp4-layout": ("grpo_deepseek_v3", ["parallel.pp=8",
+                                                                      "parallel.pipeline_layout=Et*3|(tt|)*29,m|L"]),
+    "grpo-shipped-deepseek-v3-pp16-layout": ("grpo_deepseek_v3", ["parallel.pp=16",
+                                                                  "parallel.pipeline_layout=Et*4|(t*4|)*14,tmL"]),
+    "grpo-shipped-llama405b-pp16-vpp8-layout": ("grpo_llama405b", ["parallel.pp=16",
+                                                                   "parallel.pipeline_layout=E|(t|)*126,L"]),
     "pretrain-llama70b-4-nodes": ("grpo_llama70b", ["algorithm.name=pretrain", "cluster.nodes=4"]),
     "sft-llama70b-4-nodes-given-pp8": ("grpo_llama70b", ["algorithm.name=sft", "cluster.nodes=4", "parallel.pp=8"]),
     "rm-tiny": ("rm_tiny", ["parallel.auto=true"]),

@@ -90,6 +90,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.etp is None:
             object.__setattr__(self, "etp", default_etp(tp=self.tp, ep=self.ep))
+        object.__setattr__(self, "_split", tuple(getattr(self, key) for key in SPLIT_KEYS))  # a key of the planner's caches
         for key in ("world_size", "tp", "pp", "vpp", "cp", "ep", "etp"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
@@ -153,7 +154,7 @@ class ParallelDims:
     def split(self) -> tuple:
         """(first, last, account_for_embedding, account_for_loss, pipeline_layout), the arguments of
         ``split_error``."""
-        return tuple(getattr(self, key) for key in SPLIT_KEYS)
+        return self._split
 
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
         """Decoder layers of each virtual stage, in execution order (virtual stage c*pp + rank)."""
