@@ -191,3 +191,79 @@ def test_the_launch_table_of_built_in_options_is_each_class_s_keywords():
     for name, cls in BUILTIN_ENVIRONMENTS.items():
         keywords = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is p.KEYWORD_ONLY]
         assert BUILTIN_ENVIRONMENT_OPTIONS[name] == tuple(keywords), name
+
+
+# ------------------------------------------------------------------------------------------------ episode journal
+class _Counted:
+    """An environment that counts its own calls (state kept across a resume through the journal's pickle) and
+    records every call in a shared list (the side effects)."""
+
+    stop = ("</c>",)
+    made: list = []
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def reset(self, record):
+        self.made.append(("reset", record["prompt"]))
+        return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, text):
+        self.calls += 1
+        self.made.append(("step", text))
+        return [{"role": "tool", "content": f"call {self.calls}"}], 0.5, False, {"calls": self.calls}
+
+
+def _episode(journal, index=0):
+    from megatron_rl.environments import Episode, EpisodeLimits
+
+    return Episode(_Counted(), EpisodeLimits(max_turns=4), bounded=False, journal=journal, index=index)
+
+
+def test_a_journal_replays_the_calls_made_before_and_makes_the_rest(tmp_path):
+    from megatron_rl.environments.journal import EpisodeJournal, prune_journals
+
+    path = tmp_path / "episodes" / "step_00000002_draw0_rank0.jsonl"
+    _Counted.made = []
+    first = _episode(EpisodeJournal(path))
+    assert first.start({"prompt": "2*3"}) == [{"role": "user", "content": "2*3"}]
+    assert first.advance("<c>2*3</c>", tokens=3) == [{"role": "tool", "content": "call 1"}]
+    made = list(_Counted.made)
+    assert made == [("reset", "2*3"), ("step", "<c>2*3</c>")]
+    # the process is killed here; the resumed step makes the same calls, then one more
+    journal = EpisodeJournal(path)
+    again = _episode(journal)
+    assert again.start({"prompt": "2*3"}) == [{"role": "user", "content": "2*3"}]
+    assert again.advance("<c>2*3</c>", tokens=3) == [{"role": "tool", "content": "call 1"}]
+    assert _Counted.made == made and journal.replayed == 2  # answered from the journal, not made again
+    assert again.advance("<c>6+1</c>", tokens=3) == [{"role": "tool", "content": "call 2"}]  # its state came back
+    assert _Counted.made == [*made, ("step", "<c>6+1</c>")] and again.reward == 1.0
+    # a turn that differs from the journal's is made for real, from the state before it, and the older entries
+    # from that turn on are dropped for good (a third attempt replays the new one)
+    journal = EpisodeJournal(path)
+    other = _episode(journal)
+    other.start({"prompt": "2*3"})
+    assert other.advance("<c>9*9</c>", tokens=3) == [{"role": "tool", "content": "call 1"}]
+    assert _Counted.made[-1] == ("step", "<c>9*9</c>")
+    third = EpisodeJournal(path)
+    assert sorted(third.entries[0]) == [0, 1] and third.entries[0][1]["text"] == "<c>9*9</c>"
+    third.close()
+    prune_journals(tmp_path, upto=1)
+    assert path.exists()
+    prune_journals(tmp_path, upto=2)
+    assert not path.exists()
+
+
+def test_a_journal_line_cut_by_the_kill_is_ignored(tmp_path):
+    from megatron_rl.environments.journal import EpisodeJournal
+
+    path = tmp_path / "j.jsonl"
+    journal = EpisodeJournal(path)
+    episode = _episode(journal)
+    episode.start({"prompt": "1+1"})
+    episode.advance("<c>1+1</c>", tokens=3)
+    journal.close()
+    text = path.read_text()
+    path.write_text(text[:-20])  # the last line cut short
+    assert sorted(EpisodeJournal(path).entries[0]) == [0]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"

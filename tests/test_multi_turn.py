@@ -5,6 +5,8 @@ blocks, log-probs equal to the training forward) runs on a real model in tests/t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -181,3 +183,44 @@ def test_episodes_run_with_grpo_and_eval_only():
     assert load_config("grpo_calculator_tiny", ["algorithm.name=eval"]).environment.name == "calculator"
     with pytest.raises(ConfigError, match="multi-turn episodes run with algorithm.name=grpo or eval, not ppo"):
         load_config("grpo_calculator_tiny", ["algorithm.name=ppo"])
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_call(launch, tmp_path):
+    """SIGKILLed in step 2 right after an environment's step (other episodes of the step half done), the rerun
+    resumes from step 1's checkpoint and replays step 2's journaled calls instead of making them again: every
+    reset and step is made exactly as often as in an uninterrupted run (the counting environment's ledger), and
+    every metric equals that run's."""
+    import json
+    from collections import Counter
+
+    from helpers import read_metrics, without_measurements
+
+    tests = str(Path(__file__).parent)
+
+    def run(name: str, **env) -> tuple:
+        ledger = tmp_path / f"{name}.ledger"
+        args = ["--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={tmp_path / name}", "run.steps=3",
+                "algorithm.sft_warmup_steps=60", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
+                "algorithm.global_batch_size=16", "parallel.micro_batch_size=8", "checkpoint.save_interval=1", "logging.console=quiet",
+                "logging.tensorboard=false", "logging.plot=false", "environment.name=counting_env:CountingCalculator",
+                f"environment.options.ledger={ledger}"]
+        return launch(*args, env={"PYTHONPATH": tests, **env}, timeout=600), ledger
+
+    whole, whole_ledger = run("whole")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    killed, ledger = run("resumed", MEGATRON_RL_FAULT="kill-between-turns:2")
+    assert killed.returncode == 137 and "was killed by signal 9" in killed.stderr, killed.stderr[-3000:]
+    journals = sorted((tmp_path / "resumed" / "episodes").glob("step_00000002_*.jsonl"))
+    stepped = [e for j in journals for e in map(json.loads, j.read_text().splitlines()) if e["turn"] > 0]
+    assert stepped  # step 2's environments had stepped when the kill came
+    made_before = Counter(ledger.read_text().splitlines())
+    resumed, _ = run("resumed")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    calls, expected = Counter(ledger.read_text().splitlines()), Counter(whole_ledger.read_text().splitlines())
+    assert sum(expected.values()) > sum(made_before.values()) > 0
+    assert calls == expected  # nothing called twice, nothing skipped
+    steps = lambda run_dir: [m for m in read_metrics(run_dir) if m.get("phase") is None]  # noqa: E731
+    assert without_measurements(steps(tmp_path / "resumed")) == without_measurements(steps(tmp_path / "whole"))
+    assert [m["step"] for m in steps(tmp_path / "resumed")] == [1, 2, 3]
+    assert not list((tmp_path / "resumed" / "episodes").glob("step_00000001_*"))  # checkpointed steps forgotten

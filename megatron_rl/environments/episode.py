@@ -18,6 +18,7 @@ Test: ``.venv/bin/python -m pytest tests/test_environments.py -q``
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence
@@ -84,10 +85,15 @@ class Episode:
     """One environment instance driven turn by turn: ``start`` gives the first messages; ``advance`` takes a policy
     turn and gives what to append (None when the episode has ended, ``end_reason`` says why)."""
 
-    def __init__(self, env: Environment, limits: EpisodeLimits, *, bounded: bool = True) -> None:
+    def __init__(self, env: Environment, limits: EpisodeLimits, *, bounded: bool = True, journal=None,
+                 index: int = 0) -> None:
         self.env = env
         self.limits = limits
         self._bounded = bounded
+        self._journal = journal
+        """An ``EpisodeJournal`` (journal.py) that records each call, and answers those made before a resume."""
+        self._index = index
+        """This episode's index in the journal."""
         self.turns: list[Turn] = []
         self.tokens = 0
         self.end_reason: Optional[str] = None
@@ -103,7 +109,9 @@ class Episode:
 
     def start(self, record: Mapping[str, Any]) -> Messages:
         """The environment's first messages for ``record``."""
-        return self.env.reset(record)
+        outcome = self._journaled(0, json.dumps(record, sort_keys=True, default=str),
+                                  lambda: {"messages": self.env.reset(record)})
+        return outcome["messages"]
 
     def count_prompt(self, tokens: int) -> None:
         """The rendered first messages' length: the conversation's start."""
@@ -120,14 +128,13 @@ class Episode:
         self.tokens += tokens
         if cut is not None:
             return self._end({"turn": "turn_tokens", "episode": "episode_tokens"}[cut])
-        try:
-            result = self._step(text)
-        except TimeoutError:
+        outcome = self._journaled(len(self.turns), text, lambda: self._step_outcome(text))
+        if "timeout" in outcome:
             return self._end("step_timeout")
-        except Exception as error:  # noqa: BLE001 - an environment's bug ends its episode, not the job
-            self.error = f"{type(error).__name__}: {error}"
+        if "error" in outcome:
+            self.error = outcome["error"]
             return self._end("env_error")
-        messages, reward, done, info = result
+        messages, reward, done, info = _as_step_result(outcome["result"])
         turn.reward, turn.reply, turn.info = float(reward), messages, dict(info or {})
         if done:
             return self._end("done")
@@ -146,6 +153,28 @@ class Episode:
             self._end("episode_tokens")
             return False
         return True
+
+    def _step_outcome(self, text: str) -> dict:
+        """The step of ``text`` as the journal keeps it: its result, or how it failed."""
+        try:
+            return {"result": list(self._step(text))}
+        except TimeoutError:
+            return {"timeout": True}
+        except Exception as error:  # noqa: BLE001 - an environment's bug ends its episode, not the job
+            return {"error": f"{type(error).__name__}: {error}"}
+
+    def _journaled(self, turn: int, text: str, call: Callable[[], dict]) -> dict:
+        """``call()`` (the environment's reset or step), or its outcome from the journal when a run before a
+        resume made it with the same text (the environment then put back to its state after it)."""
+        if self._journal is None:
+            return call()
+        entry = self._journal.recorded(self._index, turn, text)
+        if entry is not None:
+            self.env = self._journal.restore(entry, self.env)
+            return entry["outcome"]
+        outcome = call()
+        self._journal.write(self._index, turn, text, outcome, self.env)
+        return outcome
 
     def _step(self, text: str) -> StepResult:
         if not self._bounded:

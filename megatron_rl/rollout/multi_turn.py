@@ -14,11 +14,15 @@ Test: ``.venv/bin/python -m pytest tests/test_multi_turn.py -q``
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional
+
+import torch
 
 from megatron_rl.data.chat import ChatFormat, Messages, as_messages, plain_text
 from megatron_rl.data.prompts import PromptRecord, encode_prompt, prompt_record
 from megatron_rl.environments import END_REASONS, Environment, Episode, EpisodeLimits, build_environment
+from megatron_rl.environments.journal import EpisodeJournal, journal_path, prune_journals
 from megatron_rl.environments.sandbox import hide_always
 from megatron_rl.rollout.batch import Rollout
 from megatron_rl.runtime import checkpoint as ckpt
@@ -30,8 +34,10 @@ class Environments:
     """A job's environment (``environment:``): the factory of fresh environments and the episode limits. The run
     and checkpoint folders are hidden from every sandbox."""
 
-    def __init__(self, env_cfg, *, hidden: list) -> None:
+    def __init__(self, env_cfg, *, hidden: list, run_dir: Optional[str] = None) -> None:
         hide_always(hidden)
+        self.run_dir = run_dir
+        """Where the training rollouts' episode journals go (None: no journal)."""
         self.make = build_environment(env_cfg.name, env_cfg.options)
         self.limits = EpisodeLimits(max_turns=env_cfg.max_turns, max_turn_tokens=env_cfg.max_turn_tokens,
                                     max_episode_tokens=env_cfg.max_episode_tokens,
@@ -40,11 +46,25 @@ class Environments:
     @classmethod
     def of_job(cls, cfg) -> Optional["Environments"]:
         """The job's environments (its run and checkpoint folders hidden), or None without environment.name."""
-        return None if cfg.environment.name is None else cls(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
+        return None if cfg.environment.name is None else cls(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir],
+                                                             run_dir=cfg.run.dir)
 
-    def sample(self, chunks: list, prompts: list, **options) -> Rollout:
-        """``sample_episodes`` of ``prompts`` in fresh environments of this job, within its limits."""
-        return sample_episodes(chunks, prompts, make_env=self.make, limits=self.limits, **options)
+    def sample(self, chunks: list, prompts: list, *, step: Optional[int] = None, draw: int = 0,
+               **options) -> Rollout:
+        """``sample_episodes`` of ``prompts`` in fresh environments of this job, within its limits; a training
+        rollout (``step``, its ``draw``-th) keeps this rank's episode journal, so a resumed step does not call its
+        environments again for what they did before the stop."""
+        journal = None
+        if step is not None and self.run_dir is not None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            journal = journal_path(self.run_dir, step=step, draw=draw, rank=rank)
+        return sample_episodes(chunks, prompts, make_env=self.make, limits=self.limits, journal=journal, step=step,
+                               **options)
+
+    def forget_through(self, step: Optional[int]) -> None:
+        """Delete the episode journals of steps up to ``step`` (a checkpoint holds them)."""
+        if step is not None and self.run_dir is not None:
+            prune_journals(self.run_dir, upto=step)
 
 
 def episode_metrics(episodes: list) -> dict:
@@ -102,17 +122,21 @@ class Conversation:
 
 def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_env: Callable[[], Environment],
                     limits: EpisodeLimits, group: int, seed: int, seq_multiple: int,
-                    stop_requested: Optional[Callable[[bool], tuple]] = None) -> Rollout:
+                    stop_requested: Optional[Callable[[bool], tuple]] = None, journal: Optional[Path] = None,
+                    step: Optional[int] = None) -> Rollout:
     """``group`` episodes of each prompt record (prompt-major), each rollout worker running its share; every rank
-    gets the whole rollout with ``episodes`` (each one's log) and ``response_mask``. Inside a generation phase."""
+    gets the whole rollout with ``episodes`` (each one's log) and ``response_mask``. Inside a generation phase.
+    ``journal``: this rank's episode journal (environments/journal.py), whose calls made before a resume are
+    replayed, not made again; ``step``: the training step (fault point ``kill-between-turns``)."""
     from megatron_rl.generation import data_parallel_seed, generate
 
     chat = ChatFormat.from_config(cfg.data, tokenizer)
     records = [p for p in prompts for _ in range(group)]
     mine_records = data_parallel_share(records, with_context_parallel=True)
+    book = EpisodeJournal(journal) if journal is not None else None
     episodes, conversations = [], []
-    for record in mine_records:
-        episode = Episode(make_env(), limits)
+    for index, record in enumerate(mine_records):
+        episode = Episode(make_env(), limits, journal=book, index=index)
         conversation = Conversation(chat, record, episode.start(env_record(record)))
         episode.count_prompt(len(conversation.prompt_ids))
         episodes.append(episode)
@@ -124,20 +148,25 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
         text = tokenizer.decode(turn)
         cut = None if finish == "stop" else "turn" if len(turn) >= limits.max_turn_tokens else "episode"
         reply = episode.advance(text, tokens=len(turn), cut=cut)
+        ckpt.fault_point("kill-between-turns", step)
         if reply is None:
             return None
         ids = conversation.reply_ids(text, reply, ended_with_eos=turn[-1] == tokenizer.eos_id)
         return ids if episode.count_reply(len(ids)) else None
 
-    out = generate(
-        [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations],
-        max_new_tokens=limits.max_episode_tokens, max_total_tokens=limits.max_episode_tokens,
-        max_turn_tokens=limits.max_turn_tokens, turn_ended=turn_ended,
-        temperature=cfg.generation.temperature, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
-        eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in stops],
-        vocab_size=min(tokenizer.vocab_size, shape.vocab_size), seed=data_parallel_seed(seed),
-        max_concurrent=cfg.generation.max_concurrent, kv_memory_gib=cfg.generation.kv_memory_gib,
-        kv_block_tokens=cfg.generation.kv_block_tokens, stop_requested=stop_requested)
+    try:
+        out = generate(
+            [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations],
+            max_new_tokens=limits.max_episode_tokens, max_total_tokens=limits.max_episode_tokens,
+            max_turn_tokens=limits.max_turn_tokens, turn_ended=turn_ended,
+            temperature=cfg.generation.temperature, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
+            eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in stops],
+            vocab_size=min(tokenizer.vocab_size, shape.vocab_size), seed=data_parallel_seed(seed),
+            max_concurrent=cfg.generation.max_concurrent, kv_memory_gib=cfg.generation.kv_memory_gib,
+            kv_block_tokens=cfg.generation.kv_block_tokens, stop_requested=stop_requested)
+    finally:
+        if book is not None:
+            book.close()
     sampled = gather_data_parallel(
         [(c.prompt_ids, list(tokens), list(map(float, lp)), list(mask), e.end_reason in ("turn_tokens",
           "episode_tokens"), e.turns[-1].text if e.turns else "", e.reward, e.log())

@@ -183,12 +183,14 @@ class GrpoRun:
         group, wanted = self.algo.group_size, self.algo.prompts_per_step
         drawn, kept, sample_s, score_s = [], [], 0.0, 0.0
         at_start = self.extra_state()
+        if self.environments is not None:
+            self.environments.forget_through(self.ctx.last_saved_step)
         while True:
             with self.ctx.timer() as t_generate:
                 try:
                     rollout = self.generate(self.sampler.next_batch(),
                                             stop_requested=lambda generating: self.ctx.stop_while_generating(
-                                                "generate", step, generating))
+                                                "generate", step, generating), episodes_of=(step, len(drawn)))
                 except GenerationStopped:
                     self.sampler.load_state_dict(at_start["sampler"])
                     self.generator.set_state(at_start["generator"])
@@ -210,18 +212,21 @@ class GrpoRun:
                             draws=len(drawn), sample_s=sample_s, score_s=score_s)
 
     def generate(self, prompts: list, *, group: Optional[int] = None, seed: Optional[int] = None,
-                 record_routes: Optional[bool] = None, stop_requested=None) -> Rollout:
+                 record_routes: Optional[bool] = None, stop_requested=None,
+                 episodes_of: Optional[tuple[int, int]] = None) -> Rollout:
         """``group`` (default group_size) completions per prompt; each rollout worker (data-parallel x
         context-parallel rank) samples its share, then all see all. ``seed``: default the next draw of the run's
         generation RNG. ``record_routes`` (default algorithm.router_replay): keep the experts each token was
-        routed to, for the training forwards to replay. ``stop_requested``: see ``sample_rollout``."""
+        routed to, for the training forwards to replay. ``stop_requested``: see ``sample_rollout``. ``episodes_of``:
+        (step, draw) of a training rollout with environments, whose episode journal it keeps."""
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
         with generation_phase(self.engine, offload_optimizer=self.cfg.generation.offload_optimizer):
             if self.environments is not None:
                 return self.environments.sample(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                                 tokenizer=self.tokenizer, group=group or self.algo.group_size,
                                                 seed=step_seed, seq_multiple=self.engine.sequence_multiple,
-                                                stop_requested=stop_requested)
+                                                stop_requested=stop_requested,
+                                                **dict(zip(("step", "draw"), episodes_of or ())))
             return sample_rollout(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                   tokenizer=self.tokenizer, group=group or self.algo.group_size, seed=step_seed,
                                   record_routes=self.algo.router_replay if record_routes is None else record_routes,
