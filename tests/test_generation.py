@@ -313,13 +313,17 @@ def test_offload_round_trip_and_training_after_generation(request, layout):
         assert math.isfinite(rank["train_after_generation"]["loss"])
 
 
-def test_multi_turn_replies_are_context_fed_onto_the_rows_own_blocks(tp1_dp2):
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2"])
+def test_multi_turn_replies_are_context_fed_onto_the_rows_own_blocks(request, layout):
     """engine.py ``TurnEnded``: a scripted 3-token reply after a 4-token turn, then a second turn (groups of 2,
     4-token blocks). The policy mask marks the turns; the replies' log-probs are placeholders; the policy tokens'
     log-probs equal the training forward of the whole conversation; each turn equals a single-turn generation of
     the conversation so far with the same seed; and every token was fed once (the reply onto the row's blocks,
-    not the conversation again)."""
-    for rank in tp1_dp2:
+    not the conversation again). At TP2 both ranks sample the same turns, so they hand the same turns over."""
+    ranks = request.getfixturevalue(layout)
+    if layout == "tp2":
+        assert ranks[0]["multi_turn"]["calls"] == ranks[1]["multi_turn"]["calls"]
+    for rank in ranks:
         run = rank["multi_turn"]
         assert run["policy_mask"] == [[1] * 4 + [0] * 3 + [1] * 4] * len(run["policy_mask"])
         assert sorted(i for i, _, finish in run["calls"] if finish == "length") == sorted(

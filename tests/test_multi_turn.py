@@ -187,10 +187,11 @@ def test_episodes_run_with_grpo_and_eval_only():
 
 @pytest.mark.slow
 def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_call(launch, tmp_path):
-    """SIGKILLed in step 2 right after an environment's step (other episodes of the step half done), the rerun
-    resumes from step 1's checkpoint and replays step 2's journaled calls instead of making them again: every
-    reset and step is made exactly as often as in an uninterrupted run (the counting environment's ledger), and
-    every metric equals that run's."""
+    """At TP2 x DP2: the first TP rank of each rollout worker makes the environment calls and shares them, so each
+    episode's environment runs once. SIGKILLed in step 2 right after an environment's step (other episodes of the
+    step half done), the rerun resumes from step 1's checkpoint and replays step 2's journaled calls instead of
+    making them again: every reset and step is made exactly as often as in an uninterrupted run (the counting
+    environment's ledger), and every metric equals that run's."""
     import json
     from collections import Counter
 
@@ -200,9 +201,10 @@ def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_cal
 
     def run(name: str, **env) -> tuple:
         ledger = tmp_path / f"{name}.ledger"
-        args = ["--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={tmp_path / name}", "run.steps=3",
+        args = ["--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={tmp_path / name}", "run.steps=2",
                 "algorithm.sft_warmup_steps=60", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
-                "algorithm.global_batch_size=16", "parallel.micro_batch_size=8", "checkpoint.save_interval=1", "logging.console=quiet",
+                "algorithm.global_batch_size=16", "parallel.micro_batch_size=8", "checkpoint.save_interval=1",
+                "parallel.tp=2", "cluster.tasks_per_node=4", "logging.console=quiet",
                 "logging.tensorboard=false", "logging.plot=false", "environment.name=counting_env:CountingCalculator",
                 f"environment.options.ledger={ledger}"]
         return launch(*args, env={"PYTHONPATH": tests, **env}, timeout=600), ledger
@@ -220,7 +222,8 @@ def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_cal
     calls, expected = Counter(ledger.read_text().splitlines()), Counter(whole_ledger.read_text().splitlines())
     assert sum(expected.values()) > sum(made_before.values()) > 0
     assert calls == expected  # nothing called twice, nothing skipped
+    assert sum(n for line, n in expected.items() if line.startswith('["reset"')) == 2 * 4 * 4  # once per episode
     steps = lambda run_dir: [m for m in read_metrics(run_dir) if m.get("phase") is None]  # noqa: E731
     assert without_measurements(steps(tmp_path / "resumed")) == without_measurements(steps(tmp_path / "whole"))
-    assert [m["step"] for m in steps(tmp_path / "resumed")] == [1, 2, 3]
+    assert [m["step"] for m in steps(tmp_path / "resumed")] == [1, 2]
     assert not list((tmp_path / "resumed" / "episodes").glob("step_00000001_*"))  # checkpointed steps forgotten

@@ -328,3 +328,22 @@ def test_an_environment_config_gives_the_planner_its_turns_and_replies(capsys):
     assert cli(["plan", "--config", "grpo_python_math_llama8b", "environment.mean_reply_tokens=5000"]) == 2
     assert "environment.mean_reply_tokens=5000 must be below environment.max_episode_tokens=4096" in \
         capsys.readouterr().err
+
+
+def test_environment_steps_add_their_time_one_after_another_per_rollout_worker(capsys):
+    """environment.mean_step_s: a rollout worker makes its episodes' steps one at a time between engine steps, up to
+    max_turns each: the hand count is rows per worker x turns x seconds per step, added to the step time; the search
+    then prefers more rollout workers."""
+    free = _plan_json(capsys, "--config", "grpo_python_math_llama8b", "environment.mean_step_s=0.5")
+    assert free["layout"]["dp"] > _plan_json(capsys, "--config", "grpo_python_math_llama8b")["layout"]["dp"]  # fewer rows
+    kept = ["parallel.tp=4", "parallel.pp=1", "parallel.cp=1", "parallel.recompute=none"]
+    planned = _plan_json(capsys, "--config", "grpo_python_math_llama8b", "environment.mean_step_s=0.5", *kept)
+    without = _plan_json(capsys, "--config", "grpo_python_math_llama8b", *kept)
+    layout, grpo = planned["layout"], planned["workload"]["grpo"]
+    assert layout == without["layout"] and grpo["env_step_s"] == 0.5
+    hand = grpo["rollout_batch_size"] / (layout["dp"] * layout["cp"]) * grpo["turns"] * 0.5
+    assert planned["time_breakdown_s"]["environment"] == pytest.approx(hand, rel=1e-6)
+    assert without["time_breakdown_s"]["environment"] == 0
+    assert planned["predicted"]["step_time_s"] == pytest.approx(without["predicted"]["step_time_s"] + hand, rel=1e-6)
+    assert cli(["plan", "--config", "grpo_python_math_llama8b", "environment.mean_step_s=-1"]) == 2
+    assert "environment.mean_step_s" in capsys.readouterr().err

@@ -188,6 +188,9 @@ class GrpoSizing:
     reply_tokens: int = 0
     """Tokens of the environment's replies in a mean episode (environment.mean_reply_tokens): held in the KV pool,
     prefilled between turns (not decoded) and in the training forwards (out of the loss)."""
+    env_step_s: float = 0.0
+    """Seconds of one environment step (environment.mean_step_s): a rollout worker makes its episodes' steps one
+    after another between engine steps, ``turns`` per episode at the most."""
     micro_batch_tokens: int | None = None
     """parallel.micro_batch_tokens: the training and log-prob forwards pack rows into micro-batches of this many
     tokens, computing the rows' own tokens (plus PACKING_SLACK), not every row padded to the longest; None =

@@ -34,14 +34,15 @@ from launcher.planner.costs import (
 TRAINING_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_all_to_all", "pp_p2p", "pp_bubble", "dp_comm",
                   "optimizer")
 """The TIME_PARTS of the optimizer steps (what ``plan --mode pretrain`` of the same layout and tokens prints)."""
-RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "phase_switch", "reward_model", "teacher",
-            "critic", "weight_sync", "rollout_wait")
+RL_PARTS = ("logprob_passes", "generation_prefill", "generation_decode", "environment", "phase_switch",
+            "reward_model", "teacher", "critic", "weight_sync", "rollout_wait")
 """The TIME_PARTS an RL step adds (rl_step.py; weight_sync and rollout_wait with split placement)."""
 TIME_PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP communication",
               "cp_comm": "CP communication", "ep_all_to_all": "EP all-to-all", "pp_p2p": "PP send/recv",
               "pp_bubble": "PP bubble", "dp_comm": "DP grad reduce/param gather", "optimizer": "optimizer step",
               "logprob_passes": "log-prob passes", "generation_prefill": "generation prefill",
-              "generation_decode": "generation decode", "phase_switch": "phase switches (KV, offload)",
+              "generation_decode": "generation decode", "environment": "environment steps",
+              "phase_switch": "phase switches (KV, offload)",
               "reward_model": "reward model scoring", "teacher": "teacher (distillation)",
               "critic": "critic (values + training)",
               "weight_sync": "weight sync to rollout GPUs", "rollout_wait": "waiting for rollouts"}

@@ -216,6 +216,7 @@ def _rl_timing(w: Workload, layout: Layout, r: Rollout, optimizer_bytes: float, 
         offloads = g.optimizer_offloaded_for_generation and w.mode != "eval"
         offload = 2 * optimizer_bytes / w.host_link if offloads else 0.0
         rl_parts = {**trainer_parts, "generation_prefill": prefill, "generation_decode": decode,
+                    "environment": environment_time(w, layout, r),
                     "phase_switch": kv_pool(w, layout).budget / w.hbm + offload}
         total = train_time + sum(rl_parts.values())
     else:
@@ -459,6 +460,15 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
         replies = _pipelined(w, L, stages, rows, lambda st, n: _prefill_part(w, L, st, n * chunk, chunk))
         prefill += share / rows * (r.turns - 1) * replies
     return prefill, decode
+
+
+def environment_time(w: Workload, L: Layout, r: Rollout) -> float:
+    """Seconds a rollout worker spends in its episodes' environment steps: its share of the rows, ``turns`` steps
+    each (the planner takes the most), one after another between engine steps (GrpoSizing.env_step_s)."""
+    g = w.grpo or GrpoSizing()
+    if r.turns == 1 and not g.env_step_s:
+        return 0.0
+    return r.sequences / (L.dims.dp * L.dims.cp) * r.turns * g.env_step_s
 
 
 def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:

@@ -86,7 +86,7 @@ class Episode:
     turn and gives what to append (None when the episode has ended, ``end_reason`` says why)."""
 
     def __init__(self, env: Environment, limits: EpisodeLimits, *, bounded: bool = True, journal=None,
-                 index: int = 0) -> None:
+                 index: int = 0, share: Optional[Callable[[Callable[[], dict]], dict]] = None) -> None:
         self.env = env
         self.limits = limits
         self._bounded = bounded
@@ -94,6 +94,9 @@ class Episode:
         """An ``EpisodeJournal`` (journal.py) that records each call, and answers those made before a resume."""
         self._index = index
         """This episode's index in the journal."""
+        self._share = share
+        """``share(call)``: ``call()``'s outcome, made by one process and handed to the others that hold the same
+        episode (the TP ranks of a rollout worker), so the environment runs once; None: made here."""
         self.turns: list[Turn] = []
         self.tokens = 0
         self.end_reason: Optional[str] = None
@@ -165,7 +168,12 @@ class Episode:
 
     def _journaled(self, turn: int, text: str, call: Callable[[], dict]) -> dict:
         """``call()`` (the environment's reset or step), or its outcome from the journal when a run before a
-        resume made it with the same text (the environment then put back to its state after it)."""
+        resume made it with the same text (the environment then put back to its state after it); shared."""
+        if self._share is not None:
+            return self._share(lambda: self._made(turn, text, call))
+        return self._made(turn, text, call)
+
+    def _made(self, turn: int, text: str, call: Callable[[], dict]) -> dict:
         if self._journal is None:
             return call()
         entry = self._journal.recorded(self._index, turn, text)

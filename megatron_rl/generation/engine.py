@@ -450,9 +450,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         raise NotImplementedError("generation needs self-attention layers in the model chunks")
     dtype = chunks[0].config.params_dtype
     block_bytes = BlockPool.block_bytes(layers, block_tokens=block_tokens, dtype=dtype)
-    if turn_ended is not None and (chain.pp_size > 1 or chain.tp_size > 1 or lockstep.enabled):
-        raise NotImplementedError("multi-turn generation runs at tp = pp = 1 without an expert-parallel lockstep "
-                                  "for now")
+    if turn_ended is not None and (chain.pp_size > 1 or lockstep.enabled):
+        raise NotImplementedError("multi-turn generation runs at pp = 1 without an expert-parallel lockstep for now")
     if feed is not None and (record_routes or turn_ended is not None or lockstep.enabled):
         raise NotImplementedError("a fed session records no routes, runs no turns and no expert-parallel lockstep")
     cap = max_total_tokens or 1 << 62

@@ -120,6 +120,25 @@ class Conversation:
         return self.chat.ids(delta)
 
 
+def tensor_parallel_share() -> tuple[Optional[Callable], bool]:
+    """(share, whether this rank makes the environment calls): at tp > 1 the TP ranks of a rollout worker hold the
+    same episodes and sample the same tokens, so the first makes each environment call and broadcasts its outcome
+    (``Episode``'s ``share``) in the order all of them reach it; at tp = 1, (None, True)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return None, True
+    group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+    leader = ps.get_tensor_model_parallel_rank() == 0
+
+    def share(call: Callable[[], dict]) -> dict:
+        box = [call() if leader else None]
+        torch.distributed.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    return share, leader
+
+
 def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_env: Callable[[], Environment],
                     limits: EpisodeLimits, group: int, seed: int, seq_multiple: int,
                     stop_requested: Optional[Callable[[bool], tuple]] = None, journal: Optional[Path] = None,
@@ -133,10 +152,11 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
     chat = ChatFormat.from_config(cfg.data, tokenizer)
     records = [p for p in prompts for _ in range(group)]
     mine_records = data_parallel_share(records, with_context_parallel=True)
-    book = EpisodeJournal(journal) if journal is not None else None
+    share, leader = tensor_parallel_share()
+    book = EpisodeJournal(journal) if journal is not None and leader else None
     episodes, conversations = [], []
     for index, record in enumerate(mine_records):
-        episode = Episode(make_env(), limits, journal=book, index=index)
+        episode = Episode(make_env(), limits, journal=book, index=index, share=share)
         conversation = Conversation(chat, record, episode.start(env_record(record)))
         episode.count_prompt(len(conversation.prompt_ids))
         episodes.append(episode)

@@ -43,9 +43,10 @@ TRAINER_LIMITS: tuple[TrainerLimit, ...] = (
     TrainerLimit(key="cp", value=1, algorithms=("ppo",),
                  reason="PPO's critic (a value head at every position) does not support context parallelism yet"),
     *(TrainerLimit(key=key, value=1, algorithms=("grpo",), multi_turn_only=True,
-                   reason="multi-turn episodes (environment.name) step their environment on the rank that "
-                          "generates, so generation runs at tp = pp = ep = 1 for now")
-      for key in ("tp", "pp", "ep")),
+                   reason="multi-turn episodes (environment.name) hand each turn to their environment where the "
+                          "tokens are sampled, so generation runs at pp = ep = 1 for now (tp > 1 runs: the first "
+                          "TP rank steps the environment and shares what it says)")
+      for key in ("pp", "ep")),
 )
 
 

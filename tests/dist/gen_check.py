@@ -343,7 +343,7 @@ def check(args: argparse.Namespace) -> dict:
                     "logprob_diff": max_abs_diff([r[1] for r in fed_rows], unbounded.logprobs),
                     "questions": fed.questions}}
 
-    if args.pp == 1 and args.tp == 1:
+    if args.pp == 1:
         result["multi_turn"] = multi_turn_check(chunks, prompts, vocab)
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.

@@ -435,11 +435,15 @@ class EnvironmentConfig:
     planner: the rows hold them in the KV pool, the engine prefills them between turns, and the training forwards
     run over them (out of the loss). 0: only the policy's tokens are counted. The episode's policy tokens are
     generation.max_new_tokens at most and generation.mean_new_tokens on average, as for single turns."""
+    mean_step_s: float = 0.0
+    """Seconds one environment step takes on average (a tool's run, a judge's call), for the planner: a rollout
+    worker makes its episodes' steps one at a time between engine steps, so they add to the rollout's time (up to
+    max_turns per episode)."""
 
     def __post_init__(self) -> None:
         _positive("environment", max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
                   max_episode_tokens=self.max_episode_tokens, step_timeout_s=self.step_timeout_s)
-        _non_negative("environment", mean_reply_tokens=self.mean_reply_tokens)
+        _non_negative("environment", mean_reply_tokens=self.mean_reply_tokens, mean_step_s=self.mean_step_s)
         if self.mean_reply_tokens >= self.max_episode_tokens:
             raise ConfigError(f"environment.mean_reply_tokens={self.mean_reply_tokens} must be below "
                               f"environment.max_episode_tokens={self.max_episode_tokens}")
