@@ -177,12 +177,42 @@ def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, t
     assert 0 < entry["env_tool_call_rate"] <= 1 and 1 <= entry["env_turns"] <= 2, entry
 
 
-def test_episodes_run_with_grpo_and_eval_only():
+def test_episodes_run_with_grpo_ppo_and_eval_only():
     from megatron_rl.spec.config import load_config
 
-    assert load_config("grpo_calculator_tiny", ["algorithm.name=eval"]).environment.name == "calculator"
-    with pytest.raises(ConfigError, match="multi-turn episodes run with algorithm.name=grpo or eval, not ppo"):
-        load_config("grpo_calculator_tiny", ["algorithm.name=ppo"])
+    for name in ("eval", "ppo"):
+        assert load_config("grpo_calculator_tiny", [f"algorithm.name={name}"]).environment.name == "calculator"
+    with pytest.raises(ConfigError, match="multi-turn episodes run with algorithm.name=grpo, ppo or eval, not sft"):
+        load_config("grpo_calculator_tiny", ["algorithm.name=sft"])
+
+
+@pytest.mark.slow
+def test_ppo_runs_episodes_with_its_critic_over_the_policys_tokens(launch, tmp_path):
+    """PPO on the calculator task: episodes as in GRPO, the episode's reward (the sum of its turns') at the last
+    policy token, GAE and the critic's loss over the policy's tokens only (the replies are masked holes, which
+    tests/test_gae.py shows take no part); the first mini-batch's ratio is 1 (the episode's log-probs are the
+    training forward's)."""
+    import json
+    import math
+
+    from helpers import read_metrics
+
+    run_dir = tmp_path / "ppo"
+    result = launch("--config", "configs/grpo_calculator_tiny.yaml", "algorithm.name=ppo", f"run.dir={run_dir}",
+                    "run.steps=2", "algorithm.sft_warmup_steps=100", "algorithm.prompts_per_step=8",
+                    "algorithm.group_size=2", "algorithm.global_batch_size=16", "parallel.micro_batch_size=8",
+                    "logging.console=quiet", "logging.tensorboard=false", "logging.plot=false",
+                    "logging.sample_every=1", "logging.samples=16", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert 1 <= m["env_turns"] <= 2 and abs(m["first_ratio_max"] - 1) < 1e-5, m
+        assert math.isfinite(m["value_loss"]) and math.isfinite(m["loss"]), m
+    for sample in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
+        replies = sum(len("\ntool: " + t["reply"][0]["content"] + "\nassistant: ")
+                      for t in sample["episode"]["turns"] if t["reply"] and t.get("reply_fed", True))
+        assert sample["response_tokens"] == sample["trained_tokens"] + replies
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ TRAINER_LIMITS: tuple[TrainerLimit, ...] = (
                         "parallelism would put on another rank"),
     TrainerLimit(key="cp", value=1, algorithms=("ppo",),
                  reason="PPO's critic (a value head at every position) does not support context parallelism yet"),
-    *(TrainerLimit(key=key, value=1, algorithms=("grpo",), multi_turn_only=True,
+    *(TrainerLimit(key=key, value=1, algorithms=("grpo", "ppo", "eval"), multi_turn_only=True,
                    reason="multi-turn episodes (environment.name) hand each turn to their environment where the "
                           "tokens are sampled, so generation runs at pp = ep = 1 for now (tp > 1 runs: the first "
                           "TP rank steps the environment and shares what it says)")

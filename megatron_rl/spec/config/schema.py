@@ -696,9 +696,9 @@ class JobConfig:
     def _check_environment(self) -> None:
         if self.environment.name is None:
             return
-        if self.algorithm.name not in ("grpo", "eval"):
+        if self.algorithm.name not in ("grpo", "ppo", "eval"):
             raise ConfigError(f"environment.name={self.environment.name}: multi-turn episodes run with "
-                              f"algorithm.name=grpo or eval, not {self.algorithm.name}; set environment.name=null")
+                              f"algorithm.name=grpo, ppo or eval, not {self.algorithm.name}; set environment.name=null")
         if self.cluster.rollout_tasks:
             raise ConfigError(f"environment.name={self.environment.name} with cluster.rollout_tasks="
                               f"{self.cluster.rollout_tasks}: multi-turn episodes run colocated for now; set "
