@@ -188,10 +188,10 @@ def test_episodes_run_with_grpo_ppo_and_eval_only():
 
 @pytest.mark.slow
 def test_ppo_runs_episodes_with_its_critic_over_the_policys_tokens(launch, tmp_path):
-    """PPO on the calculator task: episodes as in GRPO, the episode's reward (the sum of its turns') at the last
-    policy token, GAE and the critic's loss over the policy's tokens only (the replies are masked holes, which
+    """PPO on the calculator task at TP2: episodes as in GRPO, the episode's reward (the sum of its turns') at the
+    last policy token, GAE and the critic's loss over the policy's tokens only (the replies are masked holes, which
     tests/test_gae.py shows take no part); the first mini-batch's ratio is 1 (the episode's log-probs are the
-    training forward's)."""
+    training forward's). The first TP rank makes the environment calls and shares them: one reset per episode."""
     import json
     import math
 
@@ -202,13 +202,18 @@ def test_ppo_runs_episodes_with_its_critic_over_the_policys_tokens(launch, tmp_p
                     "run.steps=2", "algorithm.sft_warmup_steps=100", "algorithm.prompts_per_step=8",
                     "algorithm.group_size=2", "algorithm.global_batch_size=16", "parallel.micro_batch_size=8",
                     "logging.console=quiet", "logging.tensorboard=false", "logging.plot=false",
-                    "logging.sample_every=1", "logging.samples=16", timeout=600)
+                    "logging.sample_every=1", "logging.samples=16", "parallel.tp=2",
+                    "environment.name=counting_env:CountingCalculator", f"environment.options.ledger={tmp_path / 'calls'}",
+                    "environment.options.tag=c", "environment.options.max_calls=1",
+                    env={"PYTHONPATH": str(Path(__file__).parent)}, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         assert 1 <= m["env_turns"] <= 2 and abs(m["first_ratio_max"] - 1) < 1e-5, m
         assert math.isfinite(m["value_loss"]) and math.isfinite(m["loss"]), m
+    resets = [line for line in (tmp_path / "calls").read_text().splitlines() if line.startswith('["reset"')]
+    assert len(resets) == 2 * 8 * 2  # steps x prompts x group: once per episode, not once per TP rank
     for sample in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
         replies = sum(len("\ntool: " + t["reply"][0]["content"] + "\nassistant: ")
                       for t in sample["episode"]["turns"] if t["reply"] and t.get("reply_fed", True))
@@ -217,11 +222,10 @@ def test_ppo_runs_episodes_with_its_critic_over_the_policys_tokens(launch, tmp_p
 
 @pytest.mark.slow
 def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_call(launch, tmp_path):
-    """At TP2 x DP2: the first TP rank of each rollout worker makes the environment calls and shares them, so each
-    episode's environment runs once. SIGKILLed in step 2 right after an environment's step (other episodes of the
-    step half done), the rerun resumes from step 1's checkpoint and replays step 2's journaled calls instead of
-    making them again: every reset and step is made exactly as often as in an uninterrupted run (the counting
-    environment's ledger), and every metric equals that run's."""
+    """SIGKILLed in step 2 right after an environment's step (other episodes of the step half done; the steps run in
+    threads beside generation), the rerun resumes from step 1's checkpoint and replays step 2's journaled calls
+    instead of making them again: every reset and step is made exactly as often as in an uninterrupted run (the
+    counting environment's ledger), and every metric equals that run's."""
     import json
     from collections import Counter
 
@@ -234,7 +238,7 @@ def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_cal
         args = ["--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={tmp_path / name}", "run.steps=2",
                 "algorithm.sft_warmup_steps=60", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
                 "algorithm.global_batch_size=16", "parallel.micro_batch_size=8", "checkpoint.save_interval=1",
-                "parallel.tp=2", "cluster.tasks_per_node=4", "logging.console=quiet",
+                "logging.console=quiet",
                 "logging.tensorboard=false", "logging.plot=false", "environment.name=counting_env:CountingCalculator",
                 f"environment.options.ledger={ledger}"]
         return launch(*args, env={"PYTHONPATH": tests, **env}, timeout=600), ledger

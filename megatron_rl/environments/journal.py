@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -77,6 +78,7 @@ class EpisodeJournal:
                 else:
                     turns[entry["turn"]] = entry
         self.replayed = 0
+        self._lock = threading.Lock()  # episodes step in threads (environment.concurrent_steps)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._file = os.fdopen(fd, "a", encoding="utf-8")
@@ -84,6 +86,10 @@ class EpisodeJournal:
     def recorded(self, episode: int, turn: int, text: str) -> Optional[dict]:
         """The entry of this call when the journal has one for the same text; None (and the episode's entries from
         this turn on are dropped) otherwise."""
+        with self._lock:
+            return self._recorded(episode, turn, text)
+
+    def _recorded(self, episode: int, turn: int, text: str) -> Optional[dict]:
         entry = self.entries.get(episode, {}).get(turn)
         if entry is None:
             return None
@@ -98,8 +104,9 @@ class EpisodeJournal:
     def write(self, episode: int, turn: int, text: str, outcome: Any, env: Environment) -> None:
         """Record a call made now: its outcome (JSON) and the environment's state after it."""
         entry = {"episode": episode, "turn": turn, "text": text, "outcome": outcome, "state": _state(env)}
-        self.entries.setdefault(episode, {})[turn] = entry
-        self._append(entry)
+        with self._lock:
+            self.entries.setdefault(episode, {})[turn] = entry
+            self._append(entry)
 
     @staticmethod
     def restore(entry: dict, env: Environment) -> Environment:

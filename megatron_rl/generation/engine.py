@@ -46,6 +46,8 @@ Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 from __future__ import annotations
 
 from collections import deque
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -92,6 +94,11 @@ class _Row:
     turn_start: int = 0
     """Where the current policy turn began (the prompt's end, then after each reply)."""
     finish: Optional[str] = None
+    reply: Optional[Future] = None
+    """Multi-turn: the environment's reply while it is being made (``turn_ended`` returned a future); the row keeps
+    its blocks and is neither fed nor sampled until it comes."""
+    turn_finish: Optional[str] = None
+    """How the turn awaiting ``reply`` ended ("stop" or "length"): the row's finish if the reply ends it."""
 
 
 @dataclass(eq=False)
@@ -136,10 +143,11 @@ class PagedStats:
     """With ``record_routes``: per row, ``[positions, slots, topk]`` int16 on the CPU."""
 
 
-TurnEnded = Callable[[int, list, str], Optional[list]]
+TurnEnded = Callable[[int, list, str], "Optional[list] | Future"]
 """Multi-turn generation: ``turn_ended(row index, the turn's tokens, "stop" or "length")`` is called when a row's
 turn ends, and returns the tokens to append (the environment's reply, rendered, ending where the policy goes on)
-or None to end the row."""
+or None to end the row; or a ``concurrent.futures.Future`` of either, while the other rows go on decoding (the row
+waits, holding its blocks; its tokens do not depend on when the reply comes: a row's draws are its own)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,7 +297,19 @@ class _Part:
     # ------------------------------------------------------------------ a step
     def prepare(self) -> bool:
         """Give blocks to the rows that grow, admit waiting ones, and describe the next forward (``ids``,
-        ``positions``, the context's step). False when nothing is left to feed (on any worker of a lockstep)."""
+        ``positions``, the context's step). False when nothing is left to feed (on any worker of a lockstep).
+        Multi-turn replies that came are taken first; when only rows awaiting replies are left, it waits for one."""
+        while True:
+            self._take_replies()
+            if not self._prepare_rows() and any(row.reply is not None for row in self.running):
+                futures.wait([row.reply for row in self.running if row.reply is not None],
+                             return_when=futures.FIRST_COMPLETED)
+                continue
+            break
+        return self._describe_step()
+
+    def _prepare_rows(self) -> bool:
+        """Grow, admit and pick this step's feeders (not the rows awaiting replies); whether any row is fed."""
         generating = bool(self.waiting or self.running)
         self.fresh, self.feeders = [], []
         if generating:
@@ -300,7 +320,12 @@ class _Part:
             if not self.running:
                 raise RuntimeError("the KV pool could not admit any row")  # excluded by the sizes checked
             pending = {id(row) for unit in self.fresh for row in unit.rows[1:]}
-            self.feeders = [row for row in self.running if id(row) not in pending and row.fed < len(row.tokens)]
+            self.feeders = [row for row in self.running if id(row) not in pending and row.fed < len(row.tokens)
+                            and row.reply is None]
+        return bool(self.feeders)
+
+    def _describe_step(self) -> bool:
+        generating = bool(self.waiting or self.running)
         q_lens = [len(row.tokens) - row.fed for row in self.feeders]
         most, anyone = self.lockstep.step_shape(sum(q_lens), generating)
         if not anyone:
@@ -387,17 +412,34 @@ class _Part:
             if row.finish is not None and self.turn_ended is not None:
                 self._next_turn(row)
             if row.finish is not None:
-                pool.release(row.blocks)
-                row.blocks = []
-                self.running.remove(row)
-                if row.group is not None and all(r.finish is not None for r in row.group):
-                    self.finished(row.group)
+                self._end(row)
 
+    def _end(self, row: _Row) -> None:
+        self.pool.release(row.blocks)
+        row.blocks = []
+        self.running.remove(row)
+        if row.group is not None and all(r.finish is not None for r in row.group):
+            self.finished(row.group)
+
+    def _take_replies(self) -> None:
+        """Rows whose environment replied since the last step: the reply joins them, or they end."""
+        for row in [row for row in self.running if row.reply is not None and row.reply.done()]:
+            reply, row.reply, row.finish = row.reply.result(), None, row.turn_finish
+            self._append_reply(row, reply)
+            if row.finish is not None:
+                self._end(row)
 
     def _next_turn(self, row: _Row) -> None:
         """Multi-turn: the environment's reply joins the row as context (fed at the next step onto the row's own
-        blocks, no prefill of the conversation again), and the row goes on; or the row ends."""
+        blocks, no prefill of the conversation again), and the row goes on; or the row ends. A reply still being
+        made leaves the row waiting for it (``_take_replies``)."""
         reply = self.turn_ended(row.index, row.tokens[row.turn_start:], row.finish)
+        if isinstance(reply, Future):
+            row.reply, row.turn_finish, row.finish = reply, row.finish, None
+            return
+        self._append_reply(row, reply)
+
+    def _append_reply(self, row: _Row, reply: Optional[list]) -> None:
         if not reply:
             return
         if len(row.tokens) + len(reply) >= row.max_len:

@@ -4,7 +4,9 @@
 an episode (``env.reset(record)`` gives the first messages, rendered like any prompt; a GRPO group shares the
 prompt's KV blocks), and whenever a turn ends (a stop string such as ``</calc>``, end-of-sequence, or
 ``max_turn_tokens``) the engine hands it to the episode, whose reply is rendered through the chat format and fed
-onto the row's own KV blocks (engine.py ``TurnEnded``). The response is the whole conversation after the prompt;
+onto the row's own KV blocks (engine.py ``TurnEnded``). At tp = 1 the environment steps run in
+``environment.concurrent_steps`` threads while the other rows go on decoding; at tp > 1 the first TP rank makes
+each call in the engine's order and shares its outcome (``tensor_parallel_share``). The response is the whole conversation after the prompt;
 ``Rollout.response_mask`` marks the policy's tokens (the only ones trained: the replies are context), the reward
 is the environment's (the sum of its turns'), and ``completions`` hold each episode's last turn, which
 ``algorithm.rewards`` score as the final answer.
@@ -14,6 +16,7 @@ Test: ``.venv/bin/python -m pytest tests/test_multi_turn.py -q``
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -163,7 +166,7 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
         conversations.append(conversation)
     stops = sorted({stop for episode in episodes for stop in episode.env.stop} | set(cfg.generation.stop))
 
-    def turn_ended(index: int, turn: list, finish: str) -> Optional[list]:
+    def next_turn(index: int, turn: list, finish: str) -> Optional[list]:
         episode, conversation = episodes[index], conversations[index]
         text = tokenizer.decode(turn)
         cut = None if finish == "stop" else "turn" if len(turn) >= limits.max_turn_tokens else "episode"
@@ -173,6 +176,12 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
             return None
         ids = conversation.reply_ids(text, reply, ended_with_eos=turn[-1] == tokenizer.eos_id)
         return ids if episode.count_reply(len(ids)) else None
+
+    threads = cfg.environment.concurrent_steps if share is None else 0  # TP ranks take each turn in one order
+    steps = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-step") if threads else None
+
+    def turn_ended(index: int, turn: list, finish: str):
+        return next_turn(index, turn, finish) if steps is None else steps.submit(next_turn, index, turn, finish)
 
     try:
         out = generate(
@@ -185,6 +194,8 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
             max_concurrent=cfg.generation.max_concurrent, kv_memory_gib=cfg.generation.kv_memory_gib,
             kv_block_tokens=cfg.generation.kv_block_tokens, stop_requested=stop_requested)
     finally:
+        if steps is not None:
+            steps.shutdown(wait=True, cancel_futures=True)  # a step ends within environment.step_timeout_s
         if book is not None:
             book.close()
     sampled = gather_data_parallel(

@@ -158,7 +158,7 @@ def fed_session(chunks, prompts: list[list[int]], *, seed: int, **options) -> Wa
     return feed
 
 
-def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
+def multi_turn_check(chunks, prompts: list[list[int]], vocab: int, *, overlap: bool) -> dict:
     """Two sampled turns of 4 tokens with a scripted 3-token reply between them (engine.py ``TurnEnded``), in
     groups of 2 and 4-token blocks: the policy mask; the policy tokens' log-probs against the training forward of the
     whole conversation; each turn against a single-turn ``generate`` of the conversation so far (same seed: a
@@ -177,6 +177,9 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
 
     out = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
                    kv_block_tokens=4, turn_ended=turn_ended, max_turn_tokens=turn_tokens)
+    result = {}
+    if overlap:  # tp = 1: TP ranks must take each reply at the same step, so replies overlap only without TP
+        result = _overlapped(chunks, rows, out, vocab=vocab, seed=seed, reply=reply, turn_tokens=turn_tokens)
     first = generate(chunks, rows, vocab_size=vocab, max_new_tokens=turn_tokens, temperature=0.9, seed=seed,
                      kv_block_tokens=4)
     second = generate(chunks, [r + t[:turn_tokens] + reply for r, t in zip(rows, out.tokens)], vocab_size=vocab,
@@ -191,8 +194,32 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
             "reply_logprobs": [v for row, mask in zip(out.logprobs, out.policy_mask) for v, m in zip(row, mask)
                                if not m],
             "vs_sequence_logprobs": max_abs_diff(policy(out.logprobs), policy(whole)),
-            "fed_tokens": out.fed_tokens,
+            "fed_tokens": out.fed_tokens, **result,
             "fed_once": sum(len(r) + len(t) - 1 for r, t in zip(rows, out.tokens)) - sum(len(p) for p in prompts)}
+
+
+def _overlapped(chunks, rows: list, out, *, vocab: int, seed: int, reply: list, turn_tokens: int) -> dict:
+    """``multi_turn_check``'s replies made in threads, each after its own delay, while the other rows decode
+    (engine.py: a row waits for its future; the last row's reply comes last of all): the same episodes."""
+    import random
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_rl.generation import generate
+
+    late, delays = [], random.Random(5)
+
+    def slow_turn_ended(index, turn, finish):
+        wait = 0.3 if index == len(rows) - 1 else delays.uniform(0.0, 0.05)
+        return threads.submit(lambda: (time.sleep(wait), late.append(index),
+                                       list(reply) if late.count(index) == 1 else None)[2])
+
+    with ThreadPoolExecutor(max_workers=4) as threads:
+        overlapped = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
+                              kv_block_tokens=4, turn_ended=slow_turn_ended, max_turn_tokens=turn_tokens)
+    return {"overlapped_equal": (overlapped.tokens == out.tokens and overlapped.policy_mask == out.policy_mask
+                                 and overlapped.finish_reasons == out.finish_reasons),
+            "overlapped_logprob_diff": max_abs_diff(overlapped.logprobs, out.logprobs)}
 
 
 LAYOUTS = {"tp1_dp2": ["--tp", "1"], "tp2": ["--tp", "2", "--attention", "unfused"],
@@ -344,7 +371,7 @@ def check(args: argparse.Namespace) -> dict:
                     "questions": fed.questions}}
 
     if args.pp == 1:
-        result["multi_turn"] = multi_turn_check(chunks, prompts, vocab)
+        result["multi_turn"] = multi_turn_check(chunks, prompts, vocab, overlap=args.tp == 1)
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]

@@ -435,6 +435,11 @@ class EnvironmentConfig:
     planner: the rows hold them in the KV pool, the engine prefills them between turns, and the training forwards
     run over them (out of the loss). 0: only the policy's tokens are counted. The episode's policy tokens are
     generation.max_new_tokens at most and generation.mean_new_tokens on average, as for single turns."""
+    concurrent_steps: int = 8
+    """Environment steps a rollout worker runs at once, in threads, while its other rows go on decoding (at tp = 1;
+    the TP ranks of a worker take each turn in one order). Each episode's steps stay in order; a row waits for its
+    reply holding its KV blocks, and its tokens do not depend on when the reply comes. 0: each step runs between
+    engine steps, the others waiting."""
     mean_step_s: float = 0.0
     """Seconds one environment step takes on average (a tool's run, a judge's call), for the planner: a rollout
     worker makes its episodes' steps one at a time between engine steps, so they add to the rollout's time (up to
@@ -443,7 +448,8 @@ class EnvironmentConfig:
     def __post_init__(self) -> None:
         _positive("environment", max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
                   max_episode_tokens=self.max_episode_tokens, step_timeout_s=self.step_timeout_s)
-        _non_negative("environment", mean_reply_tokens=self.mean_reply_tokens, mean_step_s=self.mean_step_s)
+        _non_negative("environment", mean_reply_tokens=self.mean_reply_tokens, mean_step_s=self.mean_step_s,
+                      concurrent_steps=self.concurrent_steps)
         if self.mean_reply_tokens >= self.max_episode_tokens:
             raise ConfigError(f"environment.mean_reply_tokens={self.mean_reply_tokens} must be below "
                               f"environment.max_episode_tokens={self.max_episode_tokens}")
