@@ -261,3 +261,38 @@ def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_cal
     assert without_measurements(steps(tmp_path / "resumed")) == without_measurements(steps(tmp_path / "whole"))
     assert [m["step"] for m in steps(tmp_path / "resumed")] == [1, 2]
     assert not list((tmp_path / "resumed" / "episodes").glob("step_00000001_*"))  # checkpointed steps forgotten
+
+
+@pytest.mark.slow
+def test_async_grpo_runs_episodes_on_its_rollout_worker(launch, tmp_path):
+    """Split placement (cluster.rollout_tasks=1, max_staleness 1): the rollout worker's session runs each prompt's
+    group of episodes (FedPrompt.turns; steps in threads beside decoding) and sends back what the trainer trains on:
+    the conversation's prompt, the policy mask (replies not trained), the environment's rewards and each episode's
+    log. The trainer gets one reset per episode, never more (the worker alone steps environments)."""
+    import json
+
+    from helpers import read_metrics
+
+    run_dir, ledger = tmp_path / "async", tmp_path / "calls"
+    result = launch("--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={run_dir}", "cluster.rollout_tasks=1",
+                    "algorithm.max_staleness=1", "algorithm.weight_sync=files", "algorithm.off_policy_correction=decoupled",
+                    "algorithm.is_cap=2.0", "run.steps=3", "algorithm.sft_warmup_steps=200",
+                    "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",
+                    "parallel.micro_batch_size=8", "logging.console=quiet", "logging.tensorboard=false",
+                    "logging.plot=false", "logging.sample_every=1", "logging.samples=16",
+                    "environment.name=counting_env:CountingCalculator", f"environment.options.ledger={ledger}",
+                    "environment.options.tag=c", "environment.options.max_calls=1",
+                    env={"PYTHONPATH": str(Path(__file__).parent)}, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(1 <= m["env_turns"] <= 2 for m in steps) and any(m["env_tool_call_rate"] > 0 for m in steps)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    called = [s for s in samples if s["episode"]["turns"][0]["reply"] and s["episode"]["turns"][0].get("reply_fed", True)]
+    assert called, "no episode called the calculator"
+    for sample in called:
+        reply = sample["episode"]["turns"][0]["reply"][0]["content"]
+        assert sample["response_tokens"] == sample["trained_tokens"] + len("\ntool: " + reply + "\nassistant: ")
+    resets = [line for line in ledger.read_text().splitlines() if line.startswith('["reset"')]
+    # every prompt the trainer issued (3 steps, and at most one order ahead at max_staleness 1) once per episode
+    assert 3 * 4 * 4 <= len(resets) <= 5 * 4 * 4 and len(resets) % 4 == 0

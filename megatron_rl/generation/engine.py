@@ -163,6 +163,9 @@ class FedPrompt:
     those a call of the same prompts would give it (``generate``'s row ``first_request + j``)."""
     tag: Any = None
     """The feed's own label, handed back with the completions."""
+    turns: Optional[Callable[[int, list, str], Any]] = None
+    """Multi-turn: ``turns(completion, the turn's tokens, "stop" or "length")`` when a completion's turn ends, as
+    ``TurnEnded`` (the completion's place among ``completions`` instead of a row index). None: single turns."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +177,8 @@ class FinishedPrompt:
     logprobs: list
     """Per completion, the policy log-prob of each response token (the weights that chose it)."""
     finish_reasons: list
+    policy_masks: list
+    """Per completion, per response token: 1 when the policy sampled it, 0 for a multi-turn reply's tokens."""
 
 
 class Feed(Protocol):
@@ -409,7 +414,7 @@ class _Part:
             elif len(row.tokens) >= row.max_len or (self.max_turn_tokens is not None
                                                     and len(row.tokens) - row.turn_start >= self.max_turn_tokens):
                 row.finish = "length"
-            if row.finish is not None and self.turn_ended is not None:
+            if row.finish is not None and self._turns_of(row) is not None:
                 self._next_turn(row)
             if row.finish is not None:
                 self._end(row)
@@ -433,11 +438,19 @@ class _Part:
         """Multi-turn: the environment's reply joins the row as context (fed at the next step onto the row's own
         blocks, no prefill of the conversation again), and the row goes on; or the row ends. A reply still being
         made leaves the row waiting for it (``_take_replies``)."""
-        reply = self.turn_ended(row.index, row.tokens[row.turn_start:], row.finish)
+        fed = row.fed_prompt
+        place = row.index if fed is None or fed.turns is None else row.request - fed.first_request
+        reply = self._turns_of(row)(place, row.tokens[row.turn_start:], row.finish)
         if isinstance(reply, Future):
             row.reply, row.turn_finish, row.finish = reply, row.finish, None
             return
         self._append_reply(row, reply)
+
+    def _turns_of(self, row: _Row) -> Optional[Callable]:
+        """Who takes the row's ended turns: its fed prompt's ``turns``, else the call's ``turn_ended``."""
+        if row.fed_prompt is not None and row.fed_prompt.turns is not None:
+            return row.fed_prompt.turns
+        return self.turn_ended
 
     def _append_reply(self, row: _Row, reply: Optional[list]) -> None:
         if not reply:
@@ -483,8 +496,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     With a ``feed`` the call is a session that ends only when the feed raises ``GenerationStopped``: the feed's
     prompts join between steps while earlier rows decode, each prompt's completions are handed to
     ``feed.finished`` as soon as all have ended, and their slots are used again. Without ``kv_memory_bytes`` the
-    first prompts' rows at their longest size the pool; every later row must fit it whole. No route recording,
-    multi-turn or expert-parallel lockstep in a session."""
+    first prompts' rows at their longest size the pool; every later row must fit it whole. No route recording or
+    expert-parallel lockstep in a session; its prompts may bring their own turns (``FedPrompt.turns``)."""
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
@@ -495,7 +508,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     if turn_ended is not None and (chain.pp_size > 1 or lockstep.enabled):
         raise NotImplementedError("multi-turn generation runs at pp = 1 without an expert-parallel lockstep for now")
     if feed is not None and (record_routes or turn_ended is not None or lockstep.enabled):
-        raise NotImplementedError("a fed session records no routes, runs no turns and no expert-parallel lockstep")
+        raise NotImplementedError("a fed session records no routes and runs no expert-parallel lockstep; its "
+                                  "prompts bring their own turns (FedPrompt.turns)")
     cap = max_total_tokens or 1 << 62
     rows = [_Row(index=i, tokens=list(p), prompt_len=len(p), max_len=min(len(p) + max_new_tokens, cap),
                  turn_start=len(p), seed=seed, request=i) for i, p in enumerate(prompts)]
@@ -516,6 +530,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         """The rows of a feed's prompts, in free slots; one list per prompt."""
         groups = []
         for prompt in fed:
+            if prompt.turns is not None and chain.pp_size > 1:
+                raise NotImplementedError("multi-turn generation runs at pp = 1 for now")
             group: list = []
             for j in range(prompt.completions):
                 slot = free_slots.pop() if free_slots else len(rows)
@@ -531,7 +547,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
 
     def finished(group: list) -> None:
         feed.finished(FinishedPrompt(prompt=group[0].fed_prompt, responses=[r.tokens[r.prompt_len:] for r in group],
-                                     logprobs=[r.policy_lp for r in group], finish_reasons=[r.finish for r in group]))
+                                     logprobs=[r.policy_lp for r in group], finish_reasons=[r.finish for r in group],
+                                     policy_masks=[r.policy_mask for r in group]))
         free_slots.extend(row.index for row in group)
 
     def admit(fed: list) -> None:

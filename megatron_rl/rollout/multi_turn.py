@@ -24,6 +24,7 @@ import torch
 
 from megatron_rl.data.chat import ChatFormat, Messages, as_messages, plain_text
 from megatron_rl.data.prompts import PromptRecord, encode_prompt, prompt_record
+from megatron_rl.rollout.sampling import generation_options
 from megatron_rl.environments import END_REASONS, Environment, Episode, EpisodeLimits, build_environment
 from megatron_rl.environments.journal import EpisodeJournal, journal_path, prune_journals
 from megatron_rl.environments.sandbox import hide_always
@@ -142,6 +143,92 @@ def tensor_parallel_share() -> tuple[Optional[Callable], bool]:
     return share, leader
 
 
+def episode_turn(episode: Episode, conversation: Conversation, turn: list, finish: str, *,
+                 step: Optional[int] = None) -> Optional[list]:
+    """A policy turn (its tokens, and "stop" or "length") handed to its episode: the reply's tokens to feed, or None
+    when the episode has ended. ``step``: the training step (fault point ``kill-between-turns``)."""
+    tokenizer, limits = conversation.chat.tokenizer, episode.limits
+    text = tokenizer.decode(turn)
+    cut = None if finish == "stop" else "turn" if len(turn) >= limits.max_turn_tokens else "episode"
+    reply = episode.advance(text, tokens=len(turn), cut=cut)
+    ckpt.fault_point("kill-between-turns", step)
+    if reply is None:
+        return None
+    ids = conversation.reply_ids(text, reply, ended_with_eos=turn[-1] == tokenizer.eos_id)
+    return ids if episode.count_reply(len(ids)) else None
+
+
+def episode_generation_options(cfg, shape, tokenizer, limits: EpisodeLimits, envs: list) -> dict:
+    """``generate``'s options for episodes: the generation settings, with an episode's token limits and the
+    environments' stop strings (tool calls) beside generation.stop."""
+    stops = sorted({stop for env in envs for stop in env.stop} | set(cfg.generation.stop))
+    return {**generation_options(cfg, shape, tokenizer), "max_new_tokens": limits.max_episode_tokens,
+            "max_total_tokens": limits.max_episode_tokens, "max_turn_tokens": limits.max_turn_tokens,
+            "stop_sequences": [tokenizer.encode(s) for s in stops]}
+
+
+class StepThreads:
+    """Where environment steps run: in ``concurrent`` threads beside generation (``run`` returns a future the
+    engine waits on), or, with 0, at once (``run`` returns the reply)."""
+
+    def __init__(self, concurrent: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=concurrent, thread_name_prefix="env-step") if concurrent else None
+
+    def run(self, fn: Callable, *args, **kwargs):
+        return fn(*args, **kwargs) if self.pool is None else self.pool.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # a step ends within environment.step_timeout_s
+
+
+class WorkerEpisodes:
+    """The async rollout worker's episodes (rollout/worker.py ``OrderFeed``): each prompt of an order starts a group
+    of episodes in fresh environments, handed to the engine's session as a ``FedPrompt`` whose ``turns`` steps
+    them; when the group has ended, ``payload`` gives the trainers what a colocated rollout holds (the first
+    prompt's ids, the policy mask, the environments' rewards and each episode's log). Resumed runs issue a
+    prompt again, so its environments are called again (no journal: the worker keeps no step's state)."""
+
+    def __init__(self, cfg, shape, tokenizer) -> None:
+        self.envs = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
+        self.chat = ChatFormat.from_config(cfg.data, tokenizer)
+        self.share, _ = tensor_parallel_share()
+        self.steps = StepThreads(cfg.environment.concurrent_steps if self.share is None else 0)
+        self.options = episode_generation_options(cfg, shape, tokenizer, self.envs.limits, [self.envs.make()])
+        self.open: dict = {}
+
+    def fed_prompt(self, record: PromptRecord, *, group: int, seed: int, first_request: int, tag):
+        """The FedPrompt of ``group`` episodes of ``record``."""
+        from megatron_rl.generation.engine import FedPrompt
+
+        episodes = [Episode(self.envs.make(), self.envs.limits, share=self.share) for _ in range(group)]
+        conversations = [Conversation(self.chat, record, e.start(env_record(record))) for e in episodes]
+        if any(c.prompt_ids != conversations[0].prompt_ids for c in conversations):
+            raise ConfigError("the environment's reset gave the episodes of one prompt different first messages: a "
+                              "GRPO group shares its prompt, so make reset depend on the record alone")
+        for episode, conversation in zip(episodes, conversations):
+            episode.count_prompt(len(conversation.prompt_ids))
+        self.open[tag] = (episodes, conversations)
+
+        def turns(j: int, turn: list, finish: str):
+            return self.steps.run(episode_turn, episodes[j], conversations[j], turn, finish)
+
+        return FedPrompt(tokens=tuple(conversations[0].prompt_ids), completions=group, seed=seed,
+                         first_request=first_request, tag=tag, turns=turns)
+
+    def payload(self, tag, done) -> dict:
+        """The ended group's sample payload (``done``: the engine's FinishedPrompt)."""
+        episodes, conversations = self.open.pop(tag)
+        return {"response_ids": done.responses, "logprobs": done.logprobs, "policy_mask": done.policy_masks,
+                "truncated": [e.end_reason in ("turn_tokens", "episode_tokens") for e in episodes],
+                "prompt_token_ids": [list(c.prompt_ids) for c in conversations],
+                "completions": [e.turns[-1].text if e.turns else "" for e in episodes],
+                "env_rewards": [e.reward for e in episodes], "episodes": [e.log() for e in episodes]}
+
+    def close(self) -> None:
+        self.steps.close()
+
+
 def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_env: Callable[[], Environment],
                     limits: EpisodeLimits, group: int, seed: int, seq_multiple: int,
                     stop_requested: Optional[Callable[[bool], tuple]] = None, journal: Optional[Path] = None,
@@ -164,38 +251,18 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
         episode.count_prompt(len(conversation.prompt_ids))
         episodes.append(episode)
         conversations.append(conversation)
-    stops = sorted({stop for episode in episodes for stop in episode.env.stop} | set(cfg.generation.stop))
-
-    def next_turn(index: int, turn: list, finish: str) -> Optional[list]:
-        episode, conversation = episodes[index], conversations[index]
-        text = tokenizer.decode(turn)
-        cut = None if finish == "stop" else "turn" if len(turn) >= limits.max_turn_tokens else "episode"
-        reply = episode.advance(text, tokens=len(turn), cut=cut)
-        ckpt.fault_point("kill-between-turns", step)
-        if reply is None:
-            return None
-        ids = conversation.reply_ids(text, reply, ended_with_eos=turn[-1] == tokenizer.eos_id)
-        return ids if episode.count_reply(len(ids)) else None
-
-    threads = cfg.environment.concurrent_steps if share is None else 0  # TP ranks take each turn in one order
-    steps = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-step") if threads else None
+    steps = StepThreads(cfg.environment.concurrent_steps if share is None else 0)
 
     def turn_ended(index: int, turn: list, finish: str):
-        return next_turn(index, turn, finish) if steps is None else steps.submit(next_turn, index, turn, finish)
+        return steps.run(episode_turn, episodes[index], conversations[index], turn, finish, step=step)
 
     try:
         out = generate(
-            [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations],
-            max_new_tokens=limits.max_episode_tokens, max_total_tokens=limits.max_episode_tokens,
-            max_turn_tokens=limits.max_turn_tokens, turn_ended=turn_ended,
-            temperature=cfg.generation.temperature, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
-            eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in stops],
-            vocab_size=min(tokenizer.vocab_size, shape.vocab_size), seed=data_parallel_seed(seed),
-            max_concurrent=cfg.generation.max_concurrent, kv_memory_gib=cfg.generation.kv_memory_gib,
-            kv_block_tokens=cfg.generation.kv_block_tokens, stop_requested=stop_requested)
+            [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations], turn_ended=turn_ended,
+            seed=data_parallel_seed(seed), stop_requested=stop_requested,
+            **episode_generation_options(cfg, shape, tokenizer, limits, [e.env for e in episodes]))
     finally:
-        if steps is not None:
-            steps.shutdown(wait=True, cancel_futures=True)  # a step ends within environment.step_timeout_s
+        steps.close()
         if book is not None:
             book.close()
     sampled = gather_data_parallel(

@@ -67,6 +67,7 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.generation import generate
     from megatron_rl.models.builder import build_model_chunks
+    from megatron_rl.rollout.multi_turn import WorkerEpisodes
     from megatron_rl.rollout.sampling import generation_options
     from megatron_rl.runtime.training import model_options
 
@@ -83,15 +84,21 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
                             weight_sync="resharded" if resharded else weight_sync, bridge=bridge)
     say = print if placement.world.rank == 0 else (lambda *_, **__: None)
     say(f"rollout worker: {placement.world.world_size} process(es) serving session {placement.session}", flush=True)
+    episodes = WorkerEpisodes(cfg, shape, tokenizer) if cfg.environment.name is not None else None
     feed = OrderFeed(channel, chunks, tokenizer=tokenizer, group=cfg.algorithm.group_size,
                      replica=ps.get_data_parallel_rank(), replicas=ps.get_data_parallel_world_size(),
-                     sends=ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0)
+                     sends=ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0,
+                     episodes=episodes)
     try:
         with torch.no_grad():
-            generate(chunks, [], feed=feed, **generation_options(cfg, shape, tokenizer))
+            generate(chunks, [], feed=feed,
+                     **(episodes.options if episodes is not None else generation_options(cfg, shape, tokenizer)))
     except TrainersStopped as stopped:
         say(f"rollout worker: {feed.orders} orders taken; the trainers stopped (exit code {stopped.code})", flush=True)
         return stopped.code
+    finally:
+        if episodes is not None:
+            episodes.close()
     raise AssertionError("a fed generation session ends only through its feed")
 
 
@@ -114,10 +121,12 @@ class OrderFeed:
     hands in this replica's prompts (prompt i of an order goes to replica i mod replicas, ``group`` completions of
     it, drawn with the order's seed as a colocated rollout of the order would draw them) and sends the samples that
     ended since. A sample's version is the one loaded when its prompt came in: the oldest weights any of its tokens
-    saw, which the trainers' staleness bound counts."""
+    saw, which the trainers' staleness bound counts. With ``episodes`` (an environment's job) each prompt's
+    completions are episodes (``WorkerEpisodes``), and their samples carry what the trainers need of them."""
 
     def __init__(self, channel: WorkerChannel, chunks: list, *, tokenizer, group: int, replica: int, replicas: int,
-                 sends: bool) -> None:
+                 sends: bool, episodes=None) -> None:
+        self.episodes = episodes
         self.channel, self.chunks, self.tokenizer, self.group = channel, chunks, tokenizer, group
         self.replica, self.replicas, self.sends = replica, replicas, sends
         self.version: Optional[int] = None
@@ -147,20 +156,26 @@ class OrderFeed:
         for order in orders:
             for i in range(self.replica, len(order.prompt_ids), self.replicas):
                 p = order.prompts[i]
-                record = PromptRecord(prompt=p["prompt"], answer=None, metadata={}, source=p["source"],
+                record = PromptRecord(prompt=p["prompt"], answer=p.get("answer"), metadata=p.get("metadata") or {},
+                                      source=p["source"],
                                       prompt_ids=None if p["prompt_ids"] is None else tuple(p["prompt_ids"]))
+                tag = (order.prompt_ids[i], self.version)
+                if self.episodes is not None:
+                    fed.append(self.episodes.fed_prompt(record, group=self.group, seed=order.seed,
+                                                        first_request=i * self.group, tag=tag))
+                    continue
                 fed.append(FedPrompt(tokens=tuple(encode_prompt(self.tokenizer, record)), completions=self.group,
-                                     seed=order.seed, first_request=i * self.group,
-                                     tag=(order.prompt_ids[i], self.version)))
+                                     seed=order.seed, first_request=i * self.group, tag=tag))
         return fed
 
     def finished(self, done) -> None:
+        payload = (self.episodes.payload(done.prompt.tag, done) if self.episodes is not None else
+                   {"response_ids": done.responses, "logprobs": done.logprobs,
+                    "truncated": [reason == "length" for reason in done.finish_reasons]})
         if not self.sends:
             return
         prompt_id, version = done.prompt.tag
-        self.done.append(Sample(prompt_id=prompt_id, version=version,
-                                payload={"response_ids": done.responses, "logprobs": done.logprobs,
-                                         "truncated": [reason == "length" for reason in done.finish_reasons]}))
+        self.done.append(Sample(prompt_id=prompt_id, version=version, payload=payload))
 
     def _count(self, **stats: float) -> None:
         for key, value in stats.items():

@@ -124,7 +124,10 @@ class SplitGrpoRun(GrpoRun):
             ids = self.buffer.issue(per_order)
             prompts = [self.sampler.record_at(i) for i in ids]
             fields = [{"prompt": p.prompt, "source": p.source,
-                       "prompt_ids": None if p.prompt_ids is None else list(p.prompt_ids)} for p in prompts]
+                       "prompt_ids": None if p.prompt_ids is None else list(p.prompt_ids),
+                       # an environment's reset reads the whole record (the calculator scores against the answer)
+                       **({"answer": p.answer, "metadata": p.metadata} if self.environments is not None else {})}
+                      for p in prompts]
             seed = random.Random(f"rollout:{self.cfg.run.seed}:{ids[0]}").getrandbits(62)
             self.channel.issue(ids, fields, seed=seed)
 
@@ -163,6 +166,14 @@ class SplitGrpoRun(GrpoRun):
         group = self.algo.group_size
         records = [self.sampler.record_at(s.prompt_id) for s in taken for _ in range(group)]
         responses = [r for s in taken for r in s.payload["response_ids"]]
+        if self.environments is not None:  # episodes (rollout/multi_turn.py WorkerEpisodes)
+            joined = lambda key: [x for s in taken for x in s.payload[key]]  # noqa: E731
+            return Rollout(prompt_ids=joined("prompt_token_ids"), response_ids=responses,
+                           logprobs=joined("logprobs"), response_mask=joined("policy_mask"),
+                           prompts=[r.prompt for r in records], completions=joined("completions"),
+                           answers=[r.answer for r in records], truncated=joined("truncated"),
+                           env_rewards=joined("env_rewards"), episodes=joined("episodes"),
+                           seq_multiple=self.engine.sequence_multiple)
         return Rollout(prompt_ids=[encode_prompt(self.tokenizer, r) for r in records], response_ids=responses,
                        logprobs=[lp for s in taken for lp in s.payload["logprobs"]],
                        prompts=[r.prompt for r in records], completions=[self.tokenizer.decode(r) for r in responses],
