@@ -140,6 +140,17 @@ def test_a_turn_that_ended_with_the_end_of_turn_token_is_not_closed_twice(tmp_pa
     assert _text(tok, cut.reply_ids("ok", reply, ended_with_eos=False)) == "</s><|user|>more</s><|assistant|>"
 
 
+COUNTED = ["--config", "configs/grpo_calculator_tiny.yaml", "environment.name=counting_env:CountingCalculator",
+           "environment.options.tag=c", "environment.options.max_calls=1", "logging.console=quiet",
+           "logging.tensorboard=false", "logging.plot=false"]
+"""The calculator job with tests/counting_env.py's environment, which writes each reset and step to a ledger."""
+
+
+def _counted_run(launch, run_dir, ledger, *overrides: str, env: dict | None = None):
+    return launch(*COUNTED, f"run.dir={run_dir}", f"environment.options.ledger={ledger}", *overrides,
+                  env={"PYTHONPATH": str(Path(__file__).parent), **(env or {})}, timeout=600)
+
+
 @pytest.mark.slow
 def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, tmp_path):
     """configs/grpo_calculator_tiny.yaml, a few steps: episodes call the calculator and answer after its reply;
@@ -198,14 +209,10 @@ def test_ppo_runs_episodes_with_its_critic_over_the_policys_tokens(launch, tmp_p
     from helpers import read_metrics
 
     run_dir = tmp_path / "ppo"
-    result = launch("--config", "configs/grpo_calculator_tiny.yaml", "algorithm.name=ppo", f"run.dir={run_dir}",
-                    "run.steps=2", "algorithm.sft_warmup_steps=100", "algorithm.prompts_per_step=8",
-                    "algorithm.group_size=2", "algorithm.global_batch_size=16", "parallel.micro_batch_size=8",
-                    "logging.console=quiet", "logging.tensorboard=false", "logging.plot=false",
-                    "logging.sample_every=1", "logging.samples=16", "parallel.tp=2",
-                    "environment.name=counting_env:CountingCalculator", f"environment.options.ledger={tmp_path / 'calls'}",
-                    "environment.options.tag=c", "environment.options.max_calls=1",
-                    env={"PYTHONPATH": str(Path(__file__).parent)}, timeout=600)
+    result = _counted_run(launch, run_dir, tmp_path / "calls", "algorithm.name=ppo", "run.steps=2",
+                          "algorithm.sft_warmup_steps=100", "algorithm.prompts_per_step=8", "algorithm.group_size=2",
+                          "algorithm.global_batch_size=16", "parallel.micro_batch_size=8", "logging.sample_every=1",
+                          "logging.samples=16", "parallel.tp=2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     assert [m["step"] for m in steps] == [1, 2]
@@ -231,17 +238,11 @@ def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_cal
 
     from helpers import read_metrics, without_measurements
 
-    tests = str(Path(__file__).parent)
-
     def run(name: str, **env) -> tuple:
         ledger = tmp_path / f"{name}.ledger"
-        args = ["--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={tmp_path / name}", "run.steps=2",
-                "algorithm.sft_warmup_steps=60", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
-                "algorithm.global_batch_size=16", "parallel.micro_batch_size=8", "checkpoint.save_interval=1",
-                "logging.console=quiet",
-                "logging.tensorboard=false", "logging.plot=false", "environment.name=counting_env:CountingCalculator",
-                f"environment.options.ledger={ledger}"]
-        return launch(*args, env={"PYTHONPATH": tests, **env}, timeout=600), ledger
+        return _counted_run(launch, tmp_path / name, ledger, "run.steps=2", "algorithm.sft_warmup_steps=60",
+                            "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",
+                            "parallel.micro_batch_size=8", "checkpoint.save_interval=1", env=env), ledger
 
     whole, whole_ledger = run("whole")
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
@@ -274,15 +275,11 @@ def test_async_grpo_runs_episodes_on_its_rollout_worker(launch, tmp_path):
     from helpers import read_metrics
 
     run_dir, ledger = tmp_path / "async", tmp_path / "calls"
-    result = launch("--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={run_dir}", "cluster.rollout_tasks=1",
-                    "algorithm.max_staleness=1", "algorithm.weight_sync=files", "algorithm.off_policy_correction=decoupled",
-                    "algorithm.is_cap=2.0", "run.steps=3", "algorithm.sft_warmup_steps=200",
-                    "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",
-                    "parallel.micro_batch_size=8", "logging.console=quiet", "logging.tensorboard=false",
-                    "logging.plot=false", "logging.sample_every=1", "logging.samples=16",
-                    "environment.name=counting_env:CountingCalculator", f"environment.options.ledger={ledger}",
-                    "environment.options.tag=c", "environment.options.max_calls=1",
-                    env={"PYTHONPATH": str(Path(__file__).parent)}, timeout=600)
+    result = _counted_run(launch, run_dir, ledger, "cluster.rollout_tasks=1", "algorithm.max_staleness=1",
+                          "algorithm.weight_sync=files", "algorithm.off_policy_correction=decoupled",
+                          "algorithm.is_cap=2.0", "run.steps=3", "algorithm.sft_warmup_steps=200",
+                          "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",
+                          "parallel.micro_batch_size=8", "logging.sample_every=1", "logging.samples=16")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     assert [m["step"] for m in steps] == [1, 2, 3]
