@@ -202,6 +202,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
     from launcher.planner import PLANNED_KEYS, NoFeasibleLayout, plan
     from launcher.planner.inputs import RL_ALGORITHMS, rollout_sizing, runtime_of, split_placement
 
+    shape = shape.as_built()  # what the trainers run: the planner counts no MTP layer they do not build
     algo, par = cfg.algorithm, cfg.parallel
     limits = trainer_limits(shape, algo.name, multi_turn=cfg.environment.name is not None)
     if par.micro_batch_tokens is not None:

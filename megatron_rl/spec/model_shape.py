@@ -246,6 +246,11 @@ class ModelShape:
             total += self.mtp_num_layers * (self.layer_params(self.num_layers - 1) + 2 * self.hidden_size**2)
         return total
 
+    def as_built(self) -> "ModelShape":
+        """The model the trainers build of this shape: no multi-token-prediction layers (conversion drops them;
+        ``mtp_num_layers`` stays for what reads the checkpoint's layout, and for published runs that had them)."""
+        return dataclasses.replace(self, mtp_num_layers=0) if self.mtp_num_layers else self
+
     def num_active_params(self) -> int:
         """Parameters touched per token (routed experts counted top-k times)."""
         dense = self.attention_params() + self.dense_mlp_params()
