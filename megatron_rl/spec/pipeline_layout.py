@@ -104,11 +104,6 @@ def stage_decoder_counts(stages: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(stage.count("t") for stage in stages)
 
 
-def mtp_stage(stages: tuple[str, ...]) -> int | None:
-    """The virtual stage holding the MTP layers, or None."""
-    return next((i for i, stage in enumerate(stages) if "m" in stage), None)
-
-
 def megatron_layout(stages: tuple[str, ...]) -> str:
     """``stages`` as the string ``TransformerConfig.pipeline_model_parallel_layout`` takes, without the MTP layers
     (not built here)."""

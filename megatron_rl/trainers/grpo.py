@@ -220,13 +220,13 @@ class GrpoRun:
         routed to, for the training forwards to replay. ``stop_requested``: see ``sample_rollout``. ``episodes_of``:
         (step, draw) of a training rollout with environments, whose episode journal it keeps."""
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
+        step, draw = episodes_of if episodes_of is not None else (None, 0)
         with generation_phase(self.engine, offload_optimizer=self.cfg.generation.offload_optimizer):
             if self.environments is not None:
                 return self.environments.sample(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                                 tokenizer=self.tokenizer, group=group or self.algo.group_size,
                                                 seed=step_seed, seq_multiple=self.engine.sequence_multiple,
-                                                stop_requested=stop_requested,
-                                                **dict(zip(("step", "draw"), episodes_of or ())))
+                                                stop_requested=stop_requested, step=step, draw=draw)
             return sample_rollout(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                   tokenizer=self.tokenizer, group=group or self.algo.group_size, seed=step_seed,
                                   record_routes=self.algo.router_replay if record_routes is None else record_routes,
