@@ -231,9 +231,10 @@ def test_layouts_tp2_pp2_padding_and_scorer(tmp_path):
     pad = res["padding"]
     assert pad["right"] == pytest.approx(pad["single"], abs=1e-5)
     assert pad["left"] == pytest.approx(pad["single"], abs=1e-5)
-    # scorer: one checkpoint, three layouts, padded and unpadded micro-batches
+    # scorer: one checkpoint, three layouts, padded, unpadded and packed micro-batches
     reference = res["scorer_tp1_dp2_mbs1"]
-    for key in ("scorer_tp1_dp2", "scorer_tp2", "scorer_tp2_mbs1", "scorer_pp2", "scorer_pp2_mbs1"):
+    for key in ("scorer_tp1_dp2", "scorer_tp2", "scorer_tp2_mbs1", "scorer_pp2", "scorer_pp2_mbs1",
+                *(f"scorer_{name}_packed" for name in ("tp1_dp2", "tp2", "pp2"))):
         assert res[key] == pytest.approx(reference, abs=1e-5), key
     # untruncated rows score as the direct model; row 2 is cut to max_length 24 keeping its end
     assert res["scorer_tp1_dp2_lengths"] == [14, 13, 24, 4, 18, 5]

@@ -73,6 +73,32 @@ def right_padded_batch(seqs: list[list[int]], *, pad_id: int, length: int) -> di
     return batch
 
 
+def packed_reward_batch(seqs: list[list[int]], *, pad_id: int, length: int, thd: bool) -> dict:
+    """A packed reward-model micro-batch: the rows one after another in tokens [1, length] (each at its own
+    positions, attending within itself: ``packed_sequences.attention_inputs``), and ``last_position`` [rows], where
+    each row's reward is read."""
+    from megatron_rl.models.packed_sequences import attention_inputs
+
+    tokens = torch.full((1, length), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((1, length), dtype=torch.long)
+    starts = [0]
+    for ids in seqs:
+        start, n = starts[-1], len(ids)
+        tokens[0, start:start + n] = torch.tensor(ids, dtype=torch.long)
+        position_ids[0, start:start + n] = torch.arange(n)
+        starts.append(start + n)
+    if starts[-1] > length:
+        raise ValueError(f"{starts[-1]} tokens do not fit a packed micro-batch of {length}")
+    last = torch.tensor(starts[1:], dtype=torch.long) - 1
+    if starts[-1] < length:  # the padding tail: a segment of its own
+        starts.append(length)
+    batch = {"tokens": tokens, "position_ids": position_ids, "last_position": last}
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=batch["tokens"].device)
+    return {**batch, **attention_inputs(cu_seqlens, thd=thd)}
+
+
 def causal_padding_mask(mask: torch.Tensor) -> torch.Tensor:
     """[batch, 1, seq, seq] boolean attention mask (True = blocked): causal, and no attention to padding keys.
 

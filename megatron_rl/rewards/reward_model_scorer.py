@@ -12,7 +12,10 @@ Calling it is the batched reward-fn signature of ``megatron_rl.rewards``:
 
 The call is COLLECTIVE: every rank of the job calls it with the same lists. Items are split over the
 data-parallel ranks, run forward-only through the pipeline (no grad), and the rewards are shared back so that
-every rank returns all of them. Sequences are formed exactly as in training (``SequenceEncoder``) and cut to the
+every rank returns all of them. With ``micro_batch_tokens`` (the job's parallel.micro_batch_tokens) the rows are
+packed into micro-batches of that many tokens, as the training forwards pack theirs (rollout/packing.py
+``pack_rows``; each row attending within itself, its reward read at its last token); else right-padded
+micro-batches of ``micro_batch_size`` rows. Sequences are formed exactly as in training (``SequenceEncoder``) and cut to the
 RM's max length keeping the end. Registered in the rewards registry as ``rm`` (options: checkpoint, ...).
 
 Test: `.venv/bin/python -m pytest tests/test_rm.py -q -k scorer`
@@ -34,9 +37,11 @@ from megatron_rl.models.builder import ModelOptions, compute_dtype
 from megatron_rl.models.reward_model import (
     build_reward_model_chunks,
     load_reward_model_weights,
+    packed_reward_batch,
     padded_length,
     reward_forward,
     right_padded_batch,
+    value_forward,
 )
 from megatron_rl.rewards.registry import register_reward, registered_rewards
 from megatron_rl.runtime.checkpoint import preserved_rng
@@ -69,17 +74,20 @@ def read_reward_model_metadata(checkpoint: str | Path) -> tuple[Path, dict, Opti
 class RewardModelScorer:
     """A frozen reward model colocated with the policy; ``scorer(prompts, completions, answers) -> list[float]``."""
 
-    def __init__(self, checkpoint: str, *, micro_batch_size: int = 8, tokenizer: Optional[str] = None,
-                 dtype: str = "auto", sequence_parallel: bool = False, max_length: Optional[int] = None,
-                 transformer_engine: Optional[bool] = None, attention: str = "auto") -> None:
+    def __init__(self, checkpoint: str, *, micro_batch_size: int = 8, micro_batch_tokens: Optional[int] = None,
+                 tokenizer: Optional[str] = None, dtype: str = "auto", sequence_parallel: bool = False,
+                 max_length: Optional[int] = None, transformer_engine: Optional[bool] = None,
+                 attention: str = "auto") -> None:
         """``checkpoint``: an rm run's checkpoint folder (or a step folder). ``micro_batch_size``: sequences per
-        forward. ``tokenizer``: override the stored tokenizer folder. ``dtype``: auto (bf16 on GPUs, fp32 on CPU),
+        forward; ``micro_batch_tokens``: instead, tokens per packed forward. ``tokenizer``: override the stored tokenizer folder. ``dtype``: auto (bf16 on GPUs, fp32 on CPU),
         fp32, bf16 or fp16. ``sequence_parallel``: as the job's parallel.sequence_parallel (MoE with TP > 1).
         ``max_length``: override the stored max length. ``transformer_engine`` (None: whether TE is usable) and
         ``attention``: the job's runtime.* layers, which the policy's must match (TE's attention backend is one
         per process)."""
         if micro_batch_size < 1:
             raise ConfigError(f"reward model scorer: micro_batch_size={micro_batch_size} must be >= 1")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ConfigError(f"reward model scorer: micro_batch_tokens={micro_batch_tokens} must be >= 1")
         self.folder, meta, lora = read_reward_model_metadata(checkpoint)
         self.shape = ModelShape.from_dict(meta["shape"])
         self.max_length = int(max_length or meta["max_length"])
@@ -88,7 +96,7 @@ class RewardModelScorer:
         # pairs are scored in the chat format the reward model was trained with (older checkpoints: plain text)
         self.encoder = SequenceEncoder(loaded, ChatFormat(loaded, chat_template=bool(meta.get("chat_template")),
                                                           system_prompt=meta.get("system_prompt")))
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         dims = current_dims()
         dims = dataclasses.replace(dims, sp=sequence_parallel and dims.tp > 1).with_split(self.shape.num_layers)
         dims.check_model(self.shape)
@@ -126,40 +134,72 @@ class RewardModelScorer:
         count = len(seqs)
         if count == 0:
             return []
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        mbs = self.micro_batch_size
-        # the interleaved schedule runs micro-batches in groups of pp
-        group = mbs * (self.opts.dims.pp if self.opts.dims.vpp > 1 else 1)
-        per_rank = -(-count // (dp * group)) * group
-        padded = seqs + [seqs[0]] * (per_rank * dp - count)
-        mine = padded[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        batches = []
-        for start in range(0, per_rank, mbs):
-            micro = mine[start:start + mbs]
-            length = padded_length(max(len(s) for s in micro), fixed=self.fixed_length, multiple=self.multiple)
-            batches.append(right_padded_batch(micro, pad_id=self.encoder.pad_id, length=length))
+        batches, rows = self._packed(seqs) if self.micro_batch_tokens is not None else self._padded(seqs)
         iterator = iter(batches) if len(self.chunks) == 1 else [iter(batches) for _ in self.chunks]
         outputs = get_forward_backward_func()(
             forward_step_func=_forward_step, data_iterator=iterator, model=self.chunks,
             num_microbatches=len(batches), seq_length=max(b["tokens"].shape[1] for b in batches),
-            micro_batch_size=mbs, forward_only=True)
+            micro_batch_size=batches[0]["tokens"].shape[0], forward_only=True)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        local = torch.zeros(per_rank, dtype=torch.float32, device=device)
-        if outputs:  # the last pipeline stage
-            local.copy_(torch.cat([out["rewards"] for out in outputs]).float())
+        # each row is scored on one data-parallel rank, by its last pipeline stage: a sum over both shares them
+        scores = torch.zeros(count, dtype=torch.float32, device=device)
+        if outputs:
+            picked = torch.cat([out["rewards"] for out in outputs]).float()
+            index = torch.tensor(rows, dtype=torch.long, device=device)
+            scores[index[index >= 0]] = picked[index >= 0]
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(local, group=ps.get_pipeline_model_parallel_group())
-        gathered = [torch.zeros_like(local) for _ in range(dp)]
-        torch.distributed.all_gather(gathered, local, group=ps.get_data_parallel_group())
-        return torch.cat(gathered)[:count].tolist()
+            torch.distributed.all_reduce(scores, group=ps.get_pipeline_model_parallel_group())
+        torch.distributed.all_reduce(scores, group=ps.get_data_parallel_group())
+        return scores.tolist()
+
+    def _interleaved_multiple(self) -> int:
+        """Micro-batches the schedule takes in groups of: pp under interleaved pipelining."""
+        return self.opts.dims.pp if self.opts.dims.vpp > 1 else 1
+
+    def _padded(self, seqs: list[list[int]]) -> tuple[list[dict], list[int]]:
+        """This data-parallel rank's right-padded micro-batches of ``micro_batch_size`` rows, and each row's place
+        in ``seqs`` (-1: a filler copy)."""
+        from megatron.core import parallel_state as ps
+
+        count, mbs = len(seqs), self.micro_batch_size
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        group = mbs * self._interleaved_multiple()
+        per_rank = -(-count // (dp * group)) * group
+        places = [i if i < count else -1 for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+        batches = []
+        for start in range(0, per_rank, mbs):
+            micro = [seqs[max(i, 0)] for i in places[start:start + mbs]]
+            length = padded_length(max(len(s) for s in micro), fixed=self.fixed_length, multiple=self.multiple)
+            batches.append(right_padded_batch(micro, pad_id=self.encoder.pad_id, length=length))
+        return batches, places
+
+    def _packed(self, seqs: list[list[int]]) -> tuple[list[dict], list[int]]:
+        """This data-parallel rank's packed micro-batches of ``micro_batch_tokens``, and each row's place in
+        ``seqs`` (-1: a filler copy); every rank runs as many, all at one length."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.rollout.packing import pack_rows
+
+        per_rank, length = pack_rows([len(s) for s in seqs], dp=ps.get_data_parallel_world_size(),
+                                     token_budget=self.micro_batch_tokens, multiple=self.multiple,
+                                     count_multiple=self._interleaved_multiple())
+        thd = self.opts.takes_packed_sequences(self.shape)
+        batches, places = [], []
+        for bin_ in per_rank[ps.get_data_parallel_rank()]:
+            batches.append(packed_reward_batch([seqs[i if i >= 0 else -1 - i] for i in bin_],
+                                               pad_id=self.encoder.pad_id, length=length, thd=thd))
+            places += [i if i >= 0 else -1 for i in bin_]
+        return batches, places
 
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    return reward_forward(model, batch), partial(_collect, batch=batch)
+    forward = value_forward if "last_position" in batch else reward_forward  # packed: the head at every position
+    return forward(model, batch), partial(_collect, batch=batch)
 
 
-def _collect(rewards: torch.Tensor, batch: dict):
+def _collect(output: torch.Tensor, batch: dict):
+    rewards = output[0, batch["last_position"]] if "last_position" in batch else output
     return rewards.sum(), torch.tensor(rewards.shape[0], dtype=torch.int), {"rewards": rewards.detach()}
 
 

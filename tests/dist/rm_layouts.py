@@ -5,7 +5,8 @@
 Writes OUT_DIR/results.json (rank 0) with rewards of the same sequences computed:
 - from the seed at TP=1 and at TP=2 (Megatron's CPU init is layout-independent);
 - through RewardModelScorer from one saved RM checkpoint at TP=1 x DP=2, TP=2 and PP=2, with micro-batches of
-  3 (right-padded rows of different lengths) and of 1 (no padding);
+  3 (right-padded rows of different lengths), of 1 (no padding) and packed by 30 tokens (rows one after another,
+  each attending within itself);
 - directly through the model, right-padded vs left-padded (with a causal+padding attention mask);
 - two Bradley-Terry training steps (Engine, Megatron DDP + distributed optimizer) from the checkpoint's weights
   at TP=1 x DP=2, TP=2 and PP=2;
@@ -158,6 +159,8 @@ def main(out_dir: Path) -> None:
         results[f"scorer_{name}"] = scorer(PROMPTS, COMPLETIONS, [None] * len(PROMPTS))
         scorer.micro_batch_size = 1
         results[f"scorer_{name}_mbs1"] = scorer(PROMPTS, COMPLETIONS, [None] * len(PROMPTS))
+        scorer.micro_batch_tokens = 30  # rows of 14, 13, 24, 4, 18 and 5 tokens packed by 30 over the DP ranks
+        results[f"scorer_{name}_packed"] = scorer(PROMPTS, COMPLETIONS, [None] * len(PROMPTS))
         results[f"scorer_{name}_lengths"] = [len(ids) for ids in scorer.encode(PROMPTS, COMPLETIONS)]
     if rank == 0:
         (out_dir / "results.json").write_text(json.dumps(results))
