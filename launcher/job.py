@@ -204,7 +204,7 @@ def plan_job(cfg: JobConfig, shape: ModelShape, *, given: Collection[str] = froz
 
     shape = shape.as_built()  # what the trainers run: the planner counts no MTP layer they do not build
     algo, par = cfg.algorithm, cfg.parallel
-    limits = trainer_limits(shape, algo.name, multi_turn=cfg.environment.name is not None)
+    limits = trainer_limits(shape, algo.name)
     if par.micro_batch_tokens is not None:
         limits = {**limits, "cp": (1, PACKING_CP_REASON)}
     given_parallel = {key.removeprefix("parallel.") for key in given if key.startswith("parallel.")}

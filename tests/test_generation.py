@@ -313,15 +313,17 @@ def test_offload_round_trip_and_training_after_generation(request, layout):
         assert math.isfinite(rank["train_after_generation"]["loss"])
 
 
-@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
 def test_multi_turn_replies_are_context_fed_onto_the_rows_own_blocks(request, layout):
     """engine.py ``TurnEnded``: a scripted 3-token reply after a 4-token turn, then a second turn (groups of 2,
     4-token blocks). The policy mask marks the turns; the replies' log-probs are placeholders; the policy tokens'
     log-probs equal the training forward of the whole conversation; each turn equals a single-turn generation of
     the conversation so far with the same seed; and every token was fed once (the reply onto the row's blocks,
-    not the conversation again). At TP2 both ranks sample the same turns, so they hand the same turns over."""
+    not the conversation again). At TP2 both ranks sample the same turns, and under PP2·VPP2 (two pipeline parts,
+    steps overlapping across the stages) both stages replay the same choices: either way they hand the same turns
+    over, in the same order."""
     ranks = request.getfixturevalue(layout)
-    if layout == "tp2":
+    if layout != "tp1_dp2":
         assert ranks[0]["multi_turn"]["calls"] == ranks[1]["multi_turn"]["calls"]
     for rank in ranks:
         run = rank["multi_turn"]

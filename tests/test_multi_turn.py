@@ -153,17 +153,21 @@ def _counted_run(launch, run_dir, ledger, *overrides: str, env: dict | None = No
 
 @pytest.mark.slow
 def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, tmp_path):
-    """configs/grpo_calculator_tiny.yaml, a few steps: episodes call the calculator and answer after its reply;
-    the metrics count turns and tool calls; the sample log holds whole conversations, the reply as context."""
+    """configs/grpo_calculator_tiny.yaml at PP2 (its calculator counting its calls), a few steps: episodes call the
+    calculator and answer after its reply; the metrics count turns and tool calls; the sample log holds whole
+    conversations, the reply as context. The first stage makes the environment calls and shares them with the
+    other (rollout/multi_turn.py ``model_parallel_share``): one reset per episode. The checkpoint evaluates at
+    PP1."""
     import json
 
     from helpers import read_metrics
 
-    run_dir = tmp_path / "calc"
-    result = launch("--config", "configs/grpo_calculator_tiny.yaml", f"run.dir={run_dir}", "run.steps=3",
-                    "algorithm.sft_warmup_steps=200", "logging.console=quiet", "logging.tensorboard=false",
-                    "logging.sample_every=1", "logging.samples=16", "logging.plot=false", timeout=600)
+    run_dir, ledger = tmp_path / "calc", tmp_path / "calls"
+    result = _counted_run(launch, run_dir, ledger, "parallel.pp=2", "run.steps=3", "algorithm.sft_warmup_steps=200",
+                          "logging.sample_every=1", "logging.samples=16")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    resets = [line for line in ledger.read_text().splitlines() if line.startswith('["reset"')]
+    assert len(resets) == 3 * 16 * 8  # steps x prompts x group: once per episode, not once per pipeline stage
     steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     assert len(steps) == 3
     assert all(0 < m["env_tool_call_rate"] <= 1 and 1 <= m["env_turns"] <= 2 for m in steps)
@@ -225,6 +229,28 @@ def test_ppo_runs_episodes_with_its_critic_over_the_policys_tokens(launch, tmp_p
         replies = sum(len("\ntool: " + t["reply"][0]["content"] + "\nassistant: ")
                       for t in sample["episode"]["turns"] if t["reply"] and t.get("reply_fed", True))
         assert sample["response_tokens"] == sample["trained_tokens"] + replies
+
+
+@pytest.mark.slow
+def test_moe_episodes_run_with_experts_over_two_workers_and_router_replay(launch, tmp_path):
+    """tiny-cpu-moe at EP2 over two rollout workers (the experts span them, so they decode in lockstep while their
+    environments step in threads), with router replay: the episodes' routes (the replies' positions included)
+    replay in the training forwards, whose first mini-batch's ratio is 1; one reset per episode."""
+    from helpers import read_metrics
+
+    run_dir, ledger = tmp_path / "moe", tmp_path / "calls"
+    result = _counted_run(launch, run_dir, ledger, "model.name=tiny-cpu-moe", "parallel.ep=2",
+                          "algorithm.router_replay=true", "run.steps=2", "algorithm.sft_warmup_steps=40",
+                          "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",
+                          "parallel.micro_batch_size=8")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["replayed_routes"] > 0 and abs(m["first_ratio_max"] - 1) < 1e-5, m
+        assert 1 <= m["env_turns"] <= 2, m
+    resets = [line for line in ledger.read_text().splitlines() if line.startswith('["reset"')]
+    assert len(resets) == 2 * 4 * 4
 
 
 @pytest.mark.slow

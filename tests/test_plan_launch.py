@@ -299,10 +299,6 @@ def test_nothing_fitting_names_the_smallest_gpu_count_in_plan_and_the_node_count
 # ---------------- trainer limits: held by the planner, refused by check_layout, one reason ----------------
 CONTRARY = {  # per limit key: a job that sets another value and is legal apart from the limit
     "cp": ("tiny-cpu", ["parallel.cp=2"]),
-    "sequence_parallel": ("tiny-cpu", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "ep": ("tiny-cpu-moe", ["parallel.ep=2"]),
-    "tp": ("tiny-cpu", ["parallel.tp=2"]),
-    "pp": ("tiny-cpu", ["parallel.pp=2"]),
 }
 
 
@@ -311,9 +307,8 @@ CONTRARY = {  # per limit key: a job that sets another value and is legal apart 
 def test_each_limit_is_reported_by_plan_and_refused_by_check_layout_with_the_same_reason(capsys, limit):
     model, contrary = CONTRARY[limit.key]
     job = [f"model.name={model}", f"algorithm.name={limit.algorithms[0]}", "algorithm.global_batch_size=64",
-           "algorithm.prompts_per_step=8", *(["environment.name=calculator"] if limit.multi_turn_only else [])]
-    assert trainer_limits(load_model_shape(model), limit.algorithms[0],
-                          multi_turn=limit.multi_turn_only)[limit.key] == (limit.value, limit.reason)
+           "algorithm.prompts_per_step=8"]
+    assert trainer_limits(load_model_shape(model), limit.algorithms[0])[limit.key] == (limit.value, limit.reason)
     planned = _plan(capsys, *job)
     assert planned["limits"][limit.key] == [limit.value, limit.reason]
     if limit.key in planned["layout"]:

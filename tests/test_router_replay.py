@@ -44,9 +44,11 @@ def test_training_forwards_use_the_recorded_experts(checks, layout):
     assert (sum(checked) if split else min(checked)) == wanted > 80, (checked, wanted)
     for rank in ranks:
         # the paged engine, 2 rows at a time, admits rows as earlier ones finish (their routes are kept): 16
-        # prompts over the rollout workers, 6 new tokens each; under PP in pp parts, each capped at 2 rows
+        # prompts over the rollout workers, every other one with a reply and a second turn; under PP in pp parts,
+        # each capped at 2 rows
         parts = 2 if layout.startswith("pp2") else 1
-        assert rank["rows"] >= 8 and rank["forward_passes"] >= rank["rows"] // (2 * parts) * 6, rank
+        assert rank["rows"] >= 8 and rank["replies_fed"] == rank["rows"] // 2, rank
+        assert rank["forward_passes"] >= rank["sampled_tokens"] // (2 * parts), rank
         assert rank["recorded_slots"] == (1 if layout.startswith("pp2") else 2)
         recording = rank["recording"]
         assert recording["mismatch"] == 0, recording

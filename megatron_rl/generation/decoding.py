@@ -156,7 +156,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     (generating) -> (stop, anyone generating)`` is asked every ``engine.STOP_POLL_STEPS`` steps (a collective);
     a yes raises ``GenerationStopped``. Returns on every rank of the model-parallel group.
 
-    Multi-turn (``turn_ended``, engine.py ``TurnEnded``; TP = PP = 1): a response is the whole conversation after
+    Multi-turn (``turn_ended``, engine.py ``TurnEnded``): a response is the whole conversation after
     the prompt, turns of at most ``max_turn_tokens`` and the replies between them, at most ``max_new_tokens`` in
     all and at most ``max_total_tokens`` with the prompt; ``policy_mask`` tells the policy's tokens from the
     replies'.

@@ -34,6 +34,14 @@ own share of the KV budget, and successive steps overlap across the stages: a pa
 soon as its tokens are chosen, while the later stages work on the other parts (``_pipelined``). Every stage replays each part's admissions, evictions and choices in the
 same order, so every stage knows each forward's token count and its rows' blocks.
 
+Multi-turn. With ``turn_ended`` (or a fed prompt's ``turns``) a row's turn ends at a stop or after
+``max_turn_tokens``; the reply's tokens join the row as context, fed at its next step onto its own blocks. Every TP
+and PP rank hands the same turns over in the same order (at the step's ``record``: on the last stage right after its
+choice, on the others when the choice reaches them), so the caller makes each environment call once per replica and
+shares its outcome over the replica's ranks (rollout/multi_turn.py ``model_parallel_share``). At tp = pp = 1 a reply
+may be a ``Future``: the row waits for it while the others decode, and a worker whose rows all wait blocks until one
+replies (under an expert-parallel lockstep the other workers wait for it at the step's all-reduce).
+
 Layouts: any TP, PP, virtual PP, DP, CP and SP (SP and CP are switched off for the call, layout.py),
 dense and MoE, with route recording (router replay). When the experts span rollout workers (ep > tp with several workers), the
 workers step in lockstep: one all-reduce a step agrees on the most tokens any worker feeds and whether any still
@@ -98,7 +106,8 @@ class _Row:
     """Multi-turn: the environment's reply while it is being made (``turn_ended`` returned a future); the row keeps
     its blocks and is neither fed nor sampled until it comes."""
     turn_finish: Optional[str] = None
-    """How the turn awaiting ``reply`` ended ("stop" or "length"): the row's finish if the reply ends it."""
+    """How the turn awaiting its hand-over or ``reply`` ended ("stop" or "length"): the row's finish if the reply
+    ends it."""
 
 
 @dataclass(eq=False)
@@ -147,7 +156,8 @@ TurnEnded = Callable[[int, list, str], "Optional[list] | Future"]
 """Multi-turn generation: ``turn_ended(row index, the turn's tokens, "stop" or "length")`` is called when a row's
 turn ends, and returns the tokens to append (the environment's reply, rendered, ending where the policy goes on)
 or None to end the row; or a ``concurrent.futures.Future`` of either, while the other rows go on decoding (the row
-waits, holding its blocks; its tokens do not depend on when the reply comes: a row's draws are its own)."""
+waits, holding its blocks; its tokens do not depend on when the reply comes: a row's draws are its own), at
+tp = pp = 1 only: the ranks of a replica must take each reply at the same step."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,7 +222,7 @@ class _Part:
     def __init__(self, units: list, *, layers: dict, num_blocks: int, block_tokens: int, dtype: torch.dtype,
                  device: torch.device, rows: int, longest: int, lockstep, max_concurrent: Optional[int],
                  counters: dict, recorder, stops: tuple, turn_ended: Optional[TurnEnded] = None,
-                 max_turn_tokens: Optional[int] = None,
+                 max_turn_tokens: Optional[int] = None, replies_may_wait: bool = True,
                  finished: Optional[Callable[[list], None]] = None, positions: Optional[int] = None) -> None:
         self.block_tokens, self.num_blocks, self.device, self.lockstep = block_tokens, num_blocks, device, lockstep
         self.pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens,
@@ -224,7 +234,7 @@ class _Part:
         self.waiting, self.running = deque(units), []
         self.max_concurrent, self.counters, self.recorder = max_concurrent, counters, recorder
         self.stop_ids, self.stop_seqs = stops
-        self.turn_ended, self.max_turn_tokens = turn_ended, max_turn_tokens
+        self.turn_ended, self.max_turn_tokens, self.replies_may_wait = turn_ended, max_turn_tokens, replies_may_wait
         self.finished = finished
         self.fed_count = 0
         """Rows a feed added (a count every pipeline stage agrees on when it adds more: rows end on the last stage
@@ -232,6 +242,10 @@ class _Part:
         self.peak_blocks, self.peak_held = 0, 0
         self.live, self.in_flight, self.awaiting = True, False, False
         self.fresh: list = []
+        self.turns_ended: list = []
+        """Rows whose turn ended at the last ``record``, handed over at the next ``prepare`` (under PP the last stage
+        records a step before the others: handing over there too keeps every rank's environment calls, which
+        a replica shares, at the same point of the walk)."""
         self.feeders: list = []
         self.sampled: list = []
         self.source: list = []
@@ -303,7 +317,11 @@ class _Part:
     def prepare(self) -> bool:
         """Give blocks to the rows that grow, admit waiting ones, and describe the next forward (``ids``,
         ``positions``, the context's step). False when nothing is left to feed (on any worker of a lockstep).
-        Multi-turn replies that came are taken first; when only rows awaiting replies are left, it waits for one."""
+        Multi-turn: the turns that ended are handed over, and replies that came are taken, first; when only rows
+        awaiting replies are left, it waits for one."""
+        for row in self.turns_ended:
+            self._next_turn(row)
+        self.turns_ended = []
         while True:
             self._take_replies()
             if not self._prepare_rows() and any(row.reply is not None for row in self.running):
@@ -415,7 +433,8 @@ class _Part:
                                                     and len(row.tokens) - row.turn_start >= self.max_turn_tokens):
                 row.finish = "length"
             if row.finish is not None and self._turns_of(row) is not None:
-                self._next_turn(row)
+                row.turn_finish, row.finish = row.finish, None
+                self.turns_ended.append(row)
             if row.finish is not None:
                 self._end(row)
 
@@ -429,10 +448,8 @@ class _Part:
     def _take_replies(self) -> None:
         """Rows whose environment replied since the last step: the reply joins them, or they end."""
         for row in [row for row in self.running if row.reply is not None and row.reply.done()]:
-            reply, row.reply, row.finish = row.reply.result(), None, row.turn_finish
-            self._append_reply(row, reply)
-            if row.finish is not None:
-                self._end(row)
+            reply, row.reply = row.reply.result(), None
+            self._reply_came(row, reply)
 
     def _next_turn(self, row: _Row) -> None:
         """Multi-turn: the environment's reply joins the row as context (fed at the next step onto the row's own
@@ -440,11 +457,21 @@ class _Part:
         made leaves the row waiting for it (``_take_replies``)."""
         fed = row.fed_prompt
         place = row.index if fed is None or fed.turns is None else row.request - fed.first_request
-        reply = self._turns_of(row)(place, row.tokens[row.turn_start:], row.finish)
+        reply = self._turns_of(row)(place, row.tokens[row.turn_start:], row.turn_finish)
         if isinstance(reply, Future):
-            row.reply, row.turn_finish, row.finish = reply, row.finish, None
+            if not self.replies_may_wait:
+                raise NotImplementedError("a multi-turn reply made while rows decode (a Future) needs tp = pp = 1: "
+                                          "the ranks of a replica must take each reply at the same step")
+            row.reply = reply
             return
+        self._reply_came(row, reply)
+
+    def _reply_came(self, row: _Row, reply: Optional[list]) -> None:
+        """The reply joins the row, which goes on; None (or nothing) ends it as its turn ended."""
+        row.finish = row.turn_finish
         self._append_reply(row, reply)
+        if row.finish is not None:
+            self._end(row)
 
     def _turns_of(self, row: _Row) -> Optional[Callable]:
         """Who takes the row's ended turns: its fed prompt's ``turns``, else the call's ``turn_ended``."""
@@ -491,8 +518,9 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     the positions a training forward feeds). ``lockstep`` (layout.py ``Lockstep``): when the experts span rollout
     workers, every worker runs the same forwards with the same token count (``_padding_rows``) until no worker
     generates. Under PP the rows decode in ``chain.microbatches`` parts, each with 1/parts of the KV budget.
-    Multi-turn (``turn_ended``, TP = PP = 1): a turn ends at a stop or after ``max_turn_tokens``; the reply's
-    tokens are context (``policy_mask`` 0); a row never passes ``max_total_tokens`` (prompt, turns and replies).
+    Multi-turn (``turn_ended``, any layout; a ``Future`` reply at tp = pp = 1 only): a turn ends at a stop or after
+    ``max_turn_tokens``; the reply's tokens are context (``policy_mask`` 0); a row never passes
+    ``max_total_tokens`` (prompt, turns and replies).
     With a ``feed`` the call is a session that ends only when the feed raises ``GenerationStopped``: the feed's
     prompts join between steps while earlier rows decode, each prompt's completions are handed to
     ``feed.finished`` as soon as all have ended, and their slots are used again. Without ``kv_memory_bytes`` the
@@ -505,8 +533,6 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         raise NotImplementedError("generation needs self-attention layers in the model chunks")
     dtype = chunks[0].config.params_dtype
     block_bytes = BlockPool.block_bytes(layers, block_tokens=block_tokens, dtype=dtype)
-    if turn_ended is not None and (chain.pp_size > 1 or lockstep.enabled):
-        raise NotImplementedError("multi-turn generation runs at pp = 1 without an expert-parallel lockstep for now")
     if feed is not None and (record_routes or turn_ended is not None or lockstep.enabled):
         raise NotImplementedError("a fed session records no routes and runs no expert-parallel lockstep; its "
                                   "prompts bring their own turns (FedPrompt.turns)")
@@ -530,8 +556,6 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         """The rows of a feed's prompts, in free slots; one list per prompt."""
         groups = []
         for prompt in fed:
-            if prompt.turns is not None and chain.pp_size > 1:
-                raise NotImplementedError("multi-turn generation runs at pp = 1 for now")
             group: list = []
             for j in range(prompt.completions):
                 slot = free_slots.pop() if free_slots else len(rows)
@@ -600,7 +624,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     parts = [_Part(units_of_part, layers=layers, num_blocks=budget, block_tokens=block_tokens, dtype=dtype,
                    device=device, rows=len(rows), longest=longest, lockstep=lockstep, max_concurrent=max_concurrent,
                    counters=counters, recorder=recorder, stops=stops, turn_ended=turn_ended,
-                   max_turn_tokens=max_turn_tokens, finished=None if feed is None else finished,
+                   max_turn_tokens=max_turn_tokens, replies_may_wait=chain.pp_size == 1 and chain.tp_size == 1,
+                   finished=None if feed is None else finished,
                    positions=max_total_tokens if feed is not None else None)
              for units_of_part, budget in zip(split, budgets)]
     kernels = paged_kernels(device)

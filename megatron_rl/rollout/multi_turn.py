@@ -5,8 +5,10 @@ an episode (``env.reset(record)`` gives the first messages, rendered like any pr
 prompt's KV blocks), and whenever a turn ends (a stop string such as ``</calc>``, end-of-sequence, or
 ``max_turn_tokens``) the engine hands it to the episode, whose reply is rendered through the chat format and fed
 onto the row's own KV blocks (engine.py ``TurnEnded``). At tp = 1 the environment steps run in
-``environment.concurrent_steps`` threads while the other rows go on decoding; at tp > 1 the first TP rank makes
-each call in the engine's order and shares its outcome (``tensor_parallel_share``). The response is the whole conversation after the prompt;
+``environment.concurrent_steps`` threads while the other rows go on decoding; at tp > 1 or pp > 1 the first rank
+of the replica makes each call in the engine's order and shares its outcome with the others (``model_parallel_share``);
+with experts over several workers they decode in lockstep as in single-turn runs. The response is the whole
+conversation after the prompt;
 ``Rollout.response_mask`` marks the policy's tokens (the only ones trained: the replies are context), the reward
 is the environment's (the sum of its turns'), and ``completions`` hold each episode's last turn, which
 ``algorithm.rewards`` score as the final answer.
@@ -124,16 +126,19 @@ class Conversation:
         return self.chat.ids(delta)
 
 
-def tensor_parallel_share() -> tuple[Optional[Callable], bool]:
-    """(share, whether this rank makes the environment calls): at tp > 1 the TP ranks of a rollout worker hold the
-    same episodes and sample the same tokens, so the first makes each environment call and broadcasts its outcome
-    (``Episode``'s ``share``) in the order all of them reach it; at tp = 1, (None, True)."""
+def model_parallel_share() -> tuple[Optional[Callable], bool]:
+    """(share, whether this rank makes the environment calls): the TP and PP ranks of a rollout worker hold the same
+    episodes and sample the same tokens, so the first of them makes each environment call and broadcasts its outcome
+    (``Episode``'s ``share``) in the order all of them reach it (engine.py hands turns over in the same order on every
+    rank; under PP the last stage reaches each one first and waits there for the others); at tp = pp = 1, (None,
+    True)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_tensor_model_parallel_world_size() == 1:
+    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() == 1:
         return None, True
-    group, src = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
-    leader = ps.get_tensor_model_parallel_rank() == 0
+    group = ps.get_model_parallel_group()
+    src = min(torch.distributed.get_process_group_ranks(group))
+    leader = torch.distributed.get_rank() == src
 
     def share(call: Callable[[], dict]) -> dict:
         box = [call() if leader else None]
@@ -192,7 +197,7 @@ class WorkerEpisodes:
     def __init__(self, cfg, shape, tokenizer) -> None:
         self.envs = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
         self.chat = ChatFormat.from_config(cfg.data, tokenizer)
-        self.share, _ = tensor_parallel_share()
+        self.share, _ = model_parallel_share()
         self.steps = StepThreads(cfg.environment.concurrent_steps if self.share is None else 0)
         self.options = episode_generation_options(cfg, shape, tokenizer, self.envs.limits, [self.envs.make()])
         self.open: dict = {}
@@ -230,11 +235,12 @@ class WorkerEpisodes:
 
 
 def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_env: Callable[[], Environment],
-                    limits: EpisodeLimits, group: int, seed: int, seq_multiple: int,
+                    limits: EpisodeLimits, group: int, seed: int, seq_multiple: int, record_routes: bool = False,
                     stop_requested: Optional[Callable[[bool], tuple]] = None, journal: Optional[Path] = None,
                     step: Optional[int] = None) -> Rollout:
     """``group`` episodes of each prompt record (prompt-major), each rollout worker running its share; every rank
     gets the whole rollout with ``episodes`` (each one's log) and ``response_mask``. Inside a generation phase.
+    ``record_routes``: each episode's experts (router replay), the replies' positions included (their prefill's).
     ``journal``: this rank's episode journal (environments/journal.py), whose calls made before a resume are
     replayed, not made again; ``step``: the training step (fault point ``kill-between-turns``)."""
     from megatron_rl.generation import data_parallel_seed, generate
@@ -242,7 +248,7 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
     chat = ChatFormat.from_config(cfg.data, tokenizer)
     records = [p for p in prompts for _ in range(group)]
     mine_records = data_parallel_share(records, with_context_parallel=True)
-    share, leader = tensor_parallel_share()
+    share, leader = model_parallel_share()
     book = EpisodeJournal(journal) if journal is not None and leader else None
     episodes, conversations = [], []
     for index, record in enumerate(mine_records):
@@ -259,20 +265,22 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
     try:
         out = generate(
             [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations], turn_ended=turn_ended,
-            seed=data_parallel_seed(seed), stop_requested=stop_requested,
+            seed=data_parallel_seed(seed), stop_requested=stop_requested, record_routes=record_routes,
             **episode_generation_options(cfg, shape, tokenizer, limits, [e.env for e in episodes]))
     finally:
         steps.close()
         if book is not None:
             book.close()
+    routes = out.routes or [None] * len(out.tokens)
     sampled = gather_data_parallel(
         [(c.prompt_ids, list(tokens), list(map(float, lp)), list(mask), e.end_reason in ("turn_tokens",
-          "episode_tokens"), e.turns[-1].text if e.turns else "", e.reward, e.log())
-         for c, e, tokens, lp, mask in zip(conversations, episodes, out.tokens, out.logprobs, out.policy_mask)],
+          "episode_tokens"), e.turns[-1].text if e.turns else "", e.reward, e.log(), route)
+         for c, e, tokens, lp, mask, route in zip(conversations, episodes, out.tokens, out.logprobs, out.policy_mask,
+                                                  routes)],
         with_context_parallel=True)
     return Rollout(prompt_ids=[s[0] for s in sampled], response_ids=[s[1] for s in sampled],
                    logprobs=[s[2] for s in sampled], response_mask=[s[3] for s in sampled],
                    prompts=[r.prompt for r in records], completions=[s[5] for s in sampled],
                    answers=[r.answer for r in records], truncated=[s[4] for s in sampled],
                    env_rewards=[s[6] for s in sampled], episodes=[s[7] for s in sampled],
-                   seq_multiple=seq_multiple)
+                   routes=[s[8] for s in sampled] if out.routes is not None else [], seq_multiple=seq_multiple)

@@ -32,8 +32,6 @@ class TrainerLimit:
     """Applies to MoE models only."""
     algorithms: tuple[str, ...] = ALGORITHMS
     """The trainers (algorithm.name) it applies to."""
-    multi_turn_only: bool = False
-    """Applies to jobs with an environment (multi-turn episodes) only."""
 
 
 TRAINER_LIMITS: tuple[TrainerLimit, ...] = (
@@ -42,11 +40,6 @@ TRAINER_LIMITS: tuple[TrainerLimit, ...] = (
                         "parallelism would put on another rank"),
     TrainerLimit(key="cp", value=1, algorithms=("ppo",),
                  reason="PPO's critic (a value head at every position) does not support context parallelism yet"),
-    *(TrainerLimit(key=key, value=1, algorithms=("grpo", "ppo", "eval"), multi_turn_only=True,
-                   reason="multi-turn episodes (environment.name) hand each turn to their environment where the "
-                          "tokens are sampled, so generation runs at pp = ep = 1 for now (tp > 1 runs: the first "
-                          "TP rank steps the environment and shares what it says)")
-      for key in ("pp", "ep")),
 )
 
 
@@ -65,12 +58,10 @@ def check_job_limits(cfg: Any) -> None:
             raise ConfigError(f"{dotted}={as_yaml(given)}: {reason}; set {dotted}={as_yaml(only)}")
 
 
-def trainer_limits(shape: ModelShape, algorithm: str, *, multi_turn: bool = False) -> dict[str, tuple[Any, str]]:
-    """``{parallel key: (the only value the trainers run, why)}`` for this model and algorithm.name (with an
-    environment when ``multi_turn``)."""
+def trainer_limits(shape: ModelShape, algorithm: str) -> dict[str, tuple[Any, str]]:
+    """``{parallel key: (the only value the trainers run, why)}`` for this model and algorithm.name."""
     return {limit.key: (limit.value, limit.reason) for limit in TRAINER_LIMITS
-            if algorithm in limit.algorithms and (shape.is_moe or not limit.moe_only)
-            and (multi_turn or not limit.multi_turn_only)}
+            if algorithm in limit.algorithms and (shape.is_moe or not limit.moe_only)}
 
 
 def check_limits(values: Mapping[str, Any], limits: Mapping[str, tuple[Any, str]]) -> None:

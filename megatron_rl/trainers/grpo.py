@@ -221,15 +221,17 @@ class GrpoRun:
         (step, draw) of a training rollout with environments, whose episode journal it keeps."""
         step_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
         step, draw = episodes_of if episodes_of is not None else (None, 0)
+        record_routes = self.algo.router_replay if record_routes is None else record_routes
         with generation_phase(self.engine, offload_optimizer=self.cfg.generation.offload_optimizer):
             if self.environments is not None:
                 return self.environments.sample(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                                 tokenizer=self.tokenizer, group=group or self.algo.group_size,
                                                 seed=step_seed, seq_multiple=self.engine.sequence_multiple,
-                                                stop_requested=stop_requested, step=step, draw=draw)
+                                                record_routes=record_routes, stop_requested=stop_requested,
+                                                step=step, draw=draw)
             return sample_rollout(self.engine.chunks, prompts, cfg=self.cfg, shape=self.shape,
                                   tokenizer=self.tokenizer, group=group or self.algo.group_size, seed=step_seed,
-                                  record_routes=self.algo.router_replay if record_routes is None else record_routes,
+                                  record_routes=record_routes,
                                   seq_multiple=self.engine.sequence_multiple, stop_requested=stop_requested)
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -498,6 +500,7 @@ def build_rewards(cfg: JobConfig, shape: ModelShape):
 
             fns[name] = RewardModelScorer(cfg.algorithm.reward_model, dtype=cfg.model.dtype,
                                           micro_batch_size=cfg.parallel.micro_batch_size,
+                                          micro_batch_tokens=cfg.parallel.micro_batch_tokens,
                                           sequence_parallel=cfg.parallel.sequence_parallel,
                                           transformer_engine=resolve_transformer_engine(
                                               cfg.runtime.transformer_engine),

@@ -178,7 +178,7 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int, *, overlap: b
     out = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
                    kv_block_tokens=4, turn_ended=turn_ended, max_turn_tokens=turn_tokens)
     result = {}
-    if overlap:  # tp = 1: TP ranks must take each reply at the same step, so replies overlap only without TP
+    if overlap:  # tp = pp = 1: a replica's ranks must take each reply at the same step
         result = _overlapped(chunks, rows, out, vocab=vocab, seed=seed, reply=reply, turn_tokens=turn_tokens)
     first = generate(chunks, rows, vocab_size=vocab, max_new_tokens=turn_tokens, temperature=0.9, seed=seed,
                      kv_block_tokens=4)
@@ -370,8 +370,7 @@ def check(args: argparse.Namespace) -> dict:
                     "logprob_diff": max_abs_diff([r[1] for r in fed_rows], unbounded.logprobs),
                     "questions": fed.questions}}
 
-    if args.pp == 1:
-        result["multi_turn"] = multi_turn_check(chunks, prompts, vocab, overlap=args.tp == 1)
+    result["multi_turn"] = multi_turn_check(chunks, prompts, vocab, overlap=args.tp == args.pp == 1)
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]

@@ -11,7 +11,9 @@ arithmetic: rows are sequence-major, a sequence-parallel rank holds the tp-th pa
 the model's position ids give the position, and the tokens at those positions name the sequence.
 
 1. Recording: generation's recorded experts are those the training forward at the layout chooses (free routing),
-   wherever the k-th and (k+1)-th router logits are more than 1e-5 apart.
+   wherever the k-th and (k+1)-th router logits are more than 1e-5 apart. The generation is multi-turn (engine.py
+   ``TurnEnded``): turns of 3 tokens, and every other row's first turn gets a 2-token reply, fed onto its blocks,
+   and a second turn; so workers' rows end at different steps and the replies' positions are recorded too.
 2. Replay: with the router weights perturbed, free routing disagrees with the recording; a forward of the
    collated rollout (``collate_rollout``, the GRPO trainer's path) routes every recorded position by the
    recording and every padding position freely.
@@ -27,7 +29,9 @@ import argparse
 import torch
 
 PROMPT_LENGTHS = (5, 9, 3, 7, 6, 4, 11, 24, 2, 8, 5, 3, 10, 6, 4, 24)  # 8 per worker; the 24s outlive the rest
-NEW_TOKENS = 6
+TURN_TOKENS = 3
+REPLY = (7, 8)
+NEW_TOKENS = 2 * TURN_TOKENS + len(REPLY)
 TIE_GAP = 1e-5
 
 
@@ -75,10 +79,15 @@ class RouterProbe:
             handle.remove()
 
 
-def row_of(full_tokens: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> int:
+def row_of(full_tokens: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, recorded: list) -> int:
+    """The sequence whose tokens at ``positions`` are ``tokens``. Several match only where these positions are
+    padding for each of them (a context-parallel chunk past their ends): then they are all past their recordings
+    there, and route freely whichever is named."""
     matches = [r for r in range(full_tokens.size(0))
                if torch.equal(full_tokens[r, positions], tokens) and full_tokens[r, positions].numel()]
-    assert len(matches) == 1, matches
+    assert matches and all(bool((positions >= recorded[r].size(0)).all()) for r in matches[1:]), matches
+    if len(matches) > 1:
+        assert bool((positions >= recorded[matches[0]].size(0)).all()), matches
     return matches[0]
 
 
@@ -88,7 +97,7 @@ def compare(probe: RouterProbe, calls: list[dict], full_tokens: torch.Tensor, re
     counts = {"compared": 0, "mismatch": 0, "near_ties": 0, "free_compared": 0, "free_mismatch": 0}
     for call in calls:
         tokens, positions = call["model_input"]
-        rows = {b: row_of(full_tokens, tokens[b], positions[b]) for b in range(tokens.size(0))}
+        rows = {b: row_of(full_tokens, tokens[b], positions[b], recorded) for b in range(tokens.size(0))}
         used = call["map"]
         logits = call["logits"]
         k = call["topk"]
@@ -167,10 +176,21 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
     gen = torch.Generator().manual_seed(2025)
     prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     mine = data_parallel_share(prompts, with_context_parallel=True)
+    replied = set()
+
+    def turn_ended(index: int, turn: list, finish: str):
+        if index % 2 and index not in replied:
+            replied.add(index)
+            return list(REPLY)
+        return None
+
     # the engine admits 2 rows at a time: later rows join as earlier ones finish
     out = generate(engine.chunks, mine, vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, temperature=1.0,
                    seed=3 + ps.get_data_parallel_rank(with_context_parallel=True), record_routes=True,
-                   max_concurrent=2)
+                   max_concurrent=2, turn_ended=turn_ended, max_turn_tokens=TURN_TOKENS)
+    result["replies_fed"] = sum(mask == [1] * TURN_TOKENS + [0] * len(REPLY) + [1] * TURN_TOKENS
+                                for mask in out.policy_mask)
+    result["sampled_tokens"] = sum(map(sum, out.policy_mask))
     every = gather_data_parallel(list(zip(mine, out.tokens, out.logprobs, out.routes)), with_context_parallel=True)
     assert all(route.size(0) == len(p) + len(t) - 1 for p, t, _, route in every)
     rows = [RolloutRow(prompt_ids=p, response_ids=t, logprobs=lp, advantage=(-1.0) ** i, routes=route)

@@ -705,9 +705,6 @@ class JobConfig:
         if self.algorithm.name not in ("grpo", "ppo", "eval"):
             raise ConfigError(f"environment.name={self.environment.name}: multi-turn episodes run with "
                               f"algorithm.name=grpo, ppo or eval, not {self.algorithm.name}; set environment.name=null")
-        if self.algorithm.router_replay:
-            raise ConfigError("environment.name with algorithm.router_replay=true: multi-turn generation does not "
-                              "record routes yet; set algorithm.router_replay=false")
 
     def _check_runtime(self) -> None:
         rt, gpus = self.runtime, self.cluster.has_gpus

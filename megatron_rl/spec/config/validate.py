@@ -58,8 +58,7 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
     if cfg.algorithm.router_replay and not shape.is_moe:
         raise ConfigError(f"algorithm.router_replay=true needs an MoE model and {shape.name} is dense; set it to false")
     check_runtime(cfg, dims, shape)
-    check_limits(dataclasses.asdict(par), trainer_limits(shape, cfg.algorithm.name,
-                                                         multi_turn=cfg.environment.name is not None))
+    check_limits(dataclasses.asdict(par), trainer_limits(shape, cfg.algorithm.name))
     return dp
 
 
