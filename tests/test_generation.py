@@ -339,6 +339,15 @@ def test_multi_turn_replies_are_context_fed_onto_the_rows_own_blocks(request, la
             assert run["overlapped_equal"] and run["overlapped_logprob_diff"] < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
+def test_a_stop_abandons_the_call_and_the_next_one_decodes_as_before(request, layout):
+    """A yes to the stop question mid-decode raises GenerationStopped on every rank; under PP the choices in flight
+    are taken, so the stages' channels hold nothing of it and the next call gives the greedy tokens again."""
+    for rank in request.getfixturevalue(layout):
+        assert rank["stopped"].startswith("stopped after 16 engine steps"), rank["stopped"]
+        assert rank["after_stop_equal"]
+
+
 def test_training_after_generation_is_layout_independent(tp1_dp2, tp2):
     a, b = tp1_dp2[0]["train_after_generation"], tp2[0]["train_after_generation"]
     assert a["loss"] == pytest.approx(b["loss"], abs=2e-5)

@@ -292,16 +292,19 @@ def test_a_run_killed_between_turns_resumes_without_repeating_an_environment_cal
 
 @pytest.mark.slow
 def test_async_grpo_runs_episodes_on_its_rollout_worker(launch, tmp_path):
-    """Split placement (cluster.rollout_tasks=1, max_staleness 1): the rollout worker's session runs each prompt's
-    group of episodes (FedPrompt.turns; steps in threads beside decoding) and sends back what the trainer trains on:
-    the conversation's prompt, the policy mask (replies not trained), the environment's rewards and each episode's
-    log. The trainer gets one reset per episode, never more (the worker alone steps environments)."""
+    """Split placement (a rollout worker of two pipeline stages, max_staleness 1): the worker's session runs each
+    prompt's group of episodes (FedPrompt.turns, the first stage making each environment call for both) and sends
+    back what the trainer trains on: the conversation's prompt, the policy mask (replies not trained), the
+    environment's rewards and each episode's log. The trainer gets one reset per episode, never more (the worker
+    alone steps environments). The trainers' stop comes while the worker decodes orders ahead: its stages take the
+    choices in flight and leave together (engine.py ``_pipelined``)."""
     import json
 
     from helpers import read_metrics
 
     run_dir, ledger = tmp_path / "async", tmp_path / "calls"
-    result = _counted_run(launch, run_dir, ledger, "cluster.rollout_tasks=1", "algorithm.max_staleness=1",
+    result = _counted_run(launch, run_dir, ledger, "cluster.tasks_per_node=3", "cluster.rollout_tasks=2",
+                          "parallel.rollout_pp=2", "algorithm.max_staleness=1",
                           "algorithm.weight_sync=files", "algorithm.off_policy_correction=decoupled",
                           "algorithm.is_cap=2.0", "run.steps=3", "algorithm.sft_warmup_steps=200",
                           "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",

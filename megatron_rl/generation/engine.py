@@ -632,7 +632,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     choose = dict(params=params, vocab_size=vocab_size)
     steps = 0
 
-    def poll() -> None:
+    def poll(steps: int) -> None:
+        """After engine step ``steps``: the stop question, and a feed's next prompts, every STOP_POLL_STEPS steps."""
         if steps % STOP_POLL_STEPS:
             return
         if stop_requested is not None and stop_requested(True)[0]:
@@ -665,7 +666,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                     part.record(chain.share(part.choose(logits, **choose), len(part.sampled))
                                 if part.sampled else None)
                     steps += 1
-                    poll()
+                    poll(steps)
             else:
                 steps = _pipelined(chain, parts, choose=choose, poll=poll, dry=dry)
         while stop_requested is not None:
@@ -690,7 +691,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     return rows, stats
 
 
-def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None], dry: Callable[[], bool]) -> int:
+def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[int], None], dry: Callable[[], bool]) -> int:
     """Steps of ``parts`` decoding on their own across the pipeline stages, successive steps overlapping
     (pipeline.py ``StageChain``): every rank walks (step, virtual stage, part); a part's step enters stage 0's first
     virtual stage once its previous choice is known there (the last stage sends each choice to every
@@ -730,7 +731,16 @@ def _pipelined(chain, parts: list, *, choose: dict, poll: Callable[[], None], dr
                     continue
                 return steps
             steps += 1
-            poll()
+            try:
+                poll(steps)
+            except GenerationStopped:
+                # the last stage's choices of this step are on their way to the others: taken (and dropped) here,
+                # its sends complete, and no stale choice waits on a channel for a later call
+                for part in parts:
+                    if part.awaiting:
+                        chain.receive_choice(len(part.sampled))
+                        part.awaiting = False
+                raise
     finally:
         for handle, _ in sends:
             handle.wait()

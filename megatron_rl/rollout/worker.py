@@ -94,6 +94,9 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
             generate(chunks, [], feed=feed,
                      **(episodes.options if episodes is not None else generation_options(cfg, shape, tokenizer)))
     except TrainersStopped as stopped:
+        # every rank stops at the same question; under PP a stage's last sends complete only while the others are
+        # still there to take them, so none exits before all have left the session
+        torch.distributed.barrier()
         say(f"rollout worker: {feed.orders} orders taken; the trainers stopped (exit code {stopped.code})", flush=True)
         return stopped.code
     finally:

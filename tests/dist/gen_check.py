@@ -381,6 +381,20 @@ def check(args: argparse.Namespace) -> dict:
                        "lengths": stopped.lengths, "finish_reasons": stopped.finish_reasons,
                        "logprobs": stopped.logprobs}
 
+    # A stop at the first stop question (after STOP_POLL_STEPS steps, rows still decoding): the call is abandoned on
+    # every rank, and the next one decodes as before (under PP no choice of the abandoned call is left in flight).
+    from megatron_rl.generation import GenerationStopped
+    from megatron_rl.generation.engine import STOP_POLL_STEPS
+
+    try:
+        generate(chunks, prompts, vocab_size=vocab, max_new_tokens=3 * STOP_POLL_STEPS, temperature=0.0,
+                 stop_requested=lambda generating: (True, True))
+        result["stopped"] = "not stopped"
+    except GenerationStopped as stopped:
+        result["stopped"] = str(stopped)
+    result["after_stop_equal"] = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
+                                          temperature=0.0).tokens == greedy.tokens
+
     # Clear errors for what generation does not support or cannot do.
     errors = {}
     for name, call in {
