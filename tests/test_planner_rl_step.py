@@ -330,10 +330,10 @@ def test_an_environment_config_gives_the_planner_its_turns_and_replies(capsys):
         capsys.readouterr().err
 
 
-def test_environment_steps_add_their_time_one_after_another_per_rollout_worker(capsys):
-    """environment.mean_step_s: a rollout worker makes its episodes' steps one at a time between engine steps, up to
-    max_turns each: the hand count is rows per worker x turns x seconds per step, added to the step time; the search
-    then prefers more rollout workers."""
+def test_environment_steps_add_their_time_per_rollout_worker(capsys):
+    """environment.mean_step_s: a rollout worker makes its episodes' steps environment.concurrent_steps at a time,
+    up to max_turns each: the hand count is rows per worker x turns x seconds per step / concurrent steps, added to
+    the step time; the search then prefers more rollout workers. concurrent_steps 0 makes them one at a time."""
     free = _plan_json(capsys, "--config", "grpo_python_math_llama8b", "environment.mean_step_s=0.5")
     assert free["layout"]["dp"] > _plan_json(capsys, "--config", "grpo_python_math_llama8b")["layout"]["dp"]  # fewer rows
     kept = ["parallel.tp=4", "parallel.pp=1", "parallel.cp=1", "parallel.recompute=none"]
@@ -341,8 +341,12 @@ def test_environment_steps_add_their_time_one_after_another_per_rollout_worker(c
     without = _plan_json(capsys, "--config", "grpo_python_math_llama8b", *kept)
     layout, grpo = planned["layout"], planned["workload"]["grpo"]
     assert layout == without["layout"] and grpo["env_step_s"] == 0.5
-    hand = grpo["rollout_batch_size"] / (layout["dp"] * layout["cp"]) * grpo["turns"] * 0.5
+    assert grpo["env_concurrent_steps"] == 8  # the default
+    hand = grpo["rollout_batch_size"] / (layout["dp"] * layout["cp"]) * grpo["turns"] * 0.5 / 8
     assert planned["time_breakdown_s"]["environment"] == pytest.approx(hand, rel=1e-6)
+    one_at_a_time = _plan_json(capsys, "--config", "grpo_python_math_llama8b", "environment.mean_step_s=0.5",
+                               "environment.concurrent_steps=0", *kept)
+    assert one_at_a_time["time_breakdown_s"]["environment"] == pytest.approx(8 * hand, rel=1e-6)
     assert without["time_breakdown_s"]["environment"] == 0
     assert planned["predicted"]["step_time_s"] == pytest.approx(without["predicted"]["step_time_s"] + hand, rel=1e-6)
     assert cli(["plan", "--config", "grpo_python_math_llama8b", "environment.mean_step_s=-1"]) == 2

@@ -264,8 +264,8 @@ def _describe(w: Workload) -> dict:
         out["grpo"] = {"rollout_batch_size": r.sequences, "max_prompt_length": r.prompt,
                        "max_response_length": r.response, "mean_response_length": r.mean_response,
                        "samples_per_prompt": r.group, "generation_concurrency": r.concurrency or None,
-                       **({"turns": r.turns, "reply_tokens": r.reply, "env_step_s": g.env_step_s}
-                          if r.turns > 1 else {}),
+                       **({"turns": r.turns, "reply_tokens": r.reply, "env_step_s": g.env_step_s,
+                           "env_concurrent_steps": g.env_concurrent_steps} if r.turns > 1 else {}),
                        "kv_memory_gib": g.kv_memory_gib, "kv_block_tokens": g.kv_block_tokens,
                        "reference_model": g.reference_model and w.mode != "eval",
                        "recompute_old_logprobs": g.recompute_old_logprobs and w.mode != "eval",

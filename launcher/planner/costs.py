@@ -189,8 +189,10 @@ class GrpoSizing:
     """Tokens of the environment's replies in a mean episode (environment.mean_reply_tokens): held in the KV pool,
     prefilled between turns (not decoded) and in the training forwards (out of the loss)."""
     env_step_s: float = 0.0
-    """Seconds of one environment step (environment.mean_step_s): a rollout worker makes its episodes' steps one
-    after another between engine steps, ``turns`` per episode at the most."""
+    """Seconds of one environment step (environment.mean_step_s), ``turns`` per episode at the most."""
+    env_concurrent_steps: int = 1
+    """Environment steps a rollout worker runs at once (environment.concurrent_steps; 0 runs them one at a time):
+    its steps take rows x turns x env_step_s / this, counted on top of its decoding (they overlap it only in part)."""
     micro_batch_tokens: int | None = None
     """parallel.micro_batch_tokens: the training and log-prob forwards pack rows into micro-batches of this many
     tokens, computing the rows' own tokens (plus PACKING_SLACK), not every row padded to the longest; None =

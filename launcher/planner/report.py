@@ -71,7 +71,8 @@ def _grpo_line(grpo: dict | None) -> list[str]:
             *([f"            episodes of up to {grpo['turns']} turns with {grpo['reply_tokens']:g} tokens of environment "
                "replies on average (environment.max_turns, mean_reply_tokens): prefilled between turns, held in the "
                "KV pool and trained over, out of the loss"
-               + (f"; {grpo['env_step_s']:g} s per environment step (environment.mean_step_s)"
+               + (f"; {grpo['env_step_s']:g} s per environment step (environment.mean_step_s), "
+                  f"{grpo['env_concurrent_steps']} at a time"
                   if grpo.get("env_step_s") else "")] if grpo.get("turns", 1) > 1 else []),
             f"            {grpo['optimizer_steps']} optimizer steps at {grpo['train_seq_length']} tokens"
             + "".join(f", {x}" for x in extras)]

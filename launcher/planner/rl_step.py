@@ -464,11 +464,11 @@ def generation_time(w: Workload, L: Layout, r: Rollout) -> tuple[float, float]:
 
 def environment_time(w: Workload, L: Layout, r: Rollout) -> float:
     """Seconds a rollout worker spends in its episodes' environment steps: its share of the rows, ``turns`` steps
-    each (the planner takes the most), one after another between engine steps (GrpoSizing.env_step_s)."""
+    each (the planner takes the most), ``env_concurrent_steps`` at a time (GrpoSizing.env_step_s)."""
     g = w.grpo or GrpoSizing()
     if r.turns == 1 and not g.env_step_s:
         return 0.0
-    return r.sequences / (L.dims.dp * L.dims.cp) * r.turns * g.env_step_s
+    return r.sequences / (L.dims.dp * L.dims.cp) * r.turns * g.env_step_s / g.env_concurrent_steps
 
 
 def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:

@@ -34,7 +34,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.engine import DEFAULT_BLOCK_TOKENS, Feed, GenerationStopped, TurnEnded, generate_paged
+from megatron_rl.generation.engine import (DEFAULT_BLOCK_TOKENS, Feed, GenerationStopped, SettleReplies, TurnEnded,
+                                          generate_paged)
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.pipeline import StageChain
 from megatron_rl.generation.sampling import SamplingParams, draw_seed
@@ -139,7 +140,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              kv_memory_gib: Optional[float] = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
              stop_requested: Optional[Callable[[bool], tuple]] = None,
              turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
-             max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None) -> GenerationOutput:
+             max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None,
+             settle_replies: Optional[SettleReplies] = None) -> GenerationOutput:
     """Generate a response for every prompt; see the module docstring and engine.py.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
@@ -159,7 +161,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     Multi-turn (``turn_ended``, engine.py ``TurnEnded``): a response is the whole conversation after
     the prompt, turns of at most ``max_turn_tokens`` and the replies between them, at most ``max_new_tokens`` in
     all and at most ``max_total_tokens`` with the prompt; ``policy_mask`` tells the policy's tokens from the
-    replies'.
+    replies'. ``settle_replies`` (engine.py ``SettleReplies``): for replies made while rows decode at tp or pp > 1.
 
     With a ``feed`` (engine.py ``Feed``) it is a session over the feed's prompts instead of ``prompts`` (empty),
     which ends only when the feed raises ``GenerationStopped``: rows join and leave while others decode, each
@@ -197,7 +199,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
                 max_concurrent=max_concurrent, share_prompts=share_prefill, record_routes=record_routes,
                 stop_requested=stop_requested, turn_ended=turn_ended, max_turn_tokens=max_turn_tokens,
-                max_total_tokens=max_total_tokens, feed=feed)
+                max_total_tokens=max_total_tokens, feed=feed, settle_replies=settle_replies)
         finally:
             drop_inference_tensors_from_megatron_caches(chunks)
     return GenerationOutput(

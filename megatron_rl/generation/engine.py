@@ -38,9 +38,10 @@ Multi-turn. With ``turn_ended`` (or a fed prompt's ``turns``) a row's turn ends 
 ``max_turn_tokens``; the reply's tokens join the row as context, fed at its next step onto its own blocks. Every TP
 and PP rank hands the same turns over in the same order (at the step's ``record``: on the last stage right after its
 choice, on the others when the choice reaches them), so the caller makes each environment call once per replica and
-shares its outcome over the replica's ranks (rollout/multi_turn.py ``model_parallel_share``). At tp = pp = 1 a reply
-may be a ``Future``: the row waits for it while the others decode, and a worker whose rows all wait blocks until one
-replies (under an expert-parallel lockstep the other workers wait for it at the step's all-reduce).
+shares its outcome over the replica's ranks (rollout/multi_turn.py ``model_parallel_share``). A reply may be a
+``Future``: the row waits for it while the others decode, and a worker whose rows all wait blocks until one replies
+(under an expert-parallel lockstep the other workers wait for it at the step's all-reduce); at tp or pp > 1 the
+ranks agree at each step which replies came (``settle_replies``).
 
 Layouts: any TP, PP, virtual PP, DP, CP and SP (SP and CP are switched off for the call, layout.py),
 dense and MoE, with route recording (router replay). When the experts span rollout workers (ep > tp with several workers), the
@@ -152,12 +153,17 @@ class PagedStats:
     """With ``record_routes``: per row, ``[positions, slots, topk]`` int16 on the CPU."""
 
 
+SettleReplies = Callable[[list, bool], None]
+"""``settle_replies(futures, wait)``: the replies awaited (the waiting rows' futures, in one order on every rank of
+the replica) made done on every rank or on none, so that all take the same ones at the same step; with ``wait``,
+at least one. Needed for ``Future`` replies at tp or pp > 1 (rollout/multi_turn.py ``StepThreads.settle``)."""
+
 TurnEnded = Callable[[int, list, str], "Optional[list] | Future"]
 """Multi-turn generation: ``turn_ended(row index, the turn's tokens, "stop" or "length")`` is called when a row's
 turn ends, and returns the tokens to append (the environment's reply, rendered, ending where the policy goes on)
 or None to end the row; or a ``concurrent.futures.Future`` of either, while the other rows go on decoding (the row
-waits, holding its blocks; its tokens do not depend on when the reply comes: a row's draws are its own), at
-tp = pp = 1 only: the ranks of a replica must take each reply at the same step."""
+waits, holding its blocks; its tokens do not depend on when the reply comes: a row's draws are its own); at tp or
+pp > 1 only with a ``SettleReplies``: the ranks of a replica must take each reply at the same step."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,6 +229,7 @@ class _Part:
                  device: torch.device, rows: int, longest: int, lockstep, max_concurrent: Optional[int],
                  counters: dict, recorder, stops: tuple, turn_ended: Optional[TurnEnded] = None,
                  max_turn_tokens: Optional[int] = None, replies_may_wait: bool = True,
+                 settle_replies: Optional[SettleReplies] = None,
                  finished: Optional[Callable[[list], None]] = None, positions: Optional[int] = None) -> None:
         self.block_tokens, self.num_blocks, self.device, self.lockstep = block_tokens, num_blocks, device, lockstep
         self.pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens,
@@ -235,6 +242,7 @@ class _Part:
         self.max_concurrent, self.counters, self.recorder = max_concurrent, counters, recorder
         self.stop_ids, self.stop_seqs = stops
         self.turn_ended, self.max_turn_tokens, self.replies_may_wait = turn_ended, max_turn_tokens, replies_may_wait
+        self.settle_replies = settle_replies
         self.finished = finished
         self.fed_count = 0
         """Rows a feed added (a count every pipeline stage agrees on when it adds more: rows end on the last stage
@@ -322,11 +330,11 @@ class _Part:
         for row in self.turns_ended:
             self._next_turn(row)
         self.turns_ended = []
+        wait = False
         while True:
-            self._take_replies()
+            self._take_replies(wait)
             if not self._prepare_rows() and any(row.reply is not None for row in self.running):
-                futures.wait([row.reply for row in self.running if row.reply is not None],
-                             return_when=futures.FIRST_COMPLETED)
+                wait = True
                 continue
             break
         return self._describe_step()
@@ -445,11 +453,20 @@ class _Part:
         if row.group is not None and all(r.finish is not None for r in row.group):
             self.finished(row.group)
 
-    def _take_replies(self) -> None:
-        """Rows whose environment replied since the last step: the reply joins them, or they end."""
-        for row in [row for row in self.running if row.reply is not None and row.reply.done()]:
-            reply, row.reply = row.reply.result(), None
-            self._reply_came(row, reply)
+    def _take_replies(self, wait: bool = False) -> None:
+        """Rows whose environment replied since the last step (``wait``: waiting for one first): the reply joins
+        them, or they end. Under ``settle_replies`` the replica's ranks agree which replies came."""
+        waiting = [row for row in self.running if row.reply is not None]
+        if not waiting:
+            return
+        if self.settle_replies is not None:
+            self.settle_replies([row.reply for row in waiting], wait)
+        elif wait:
+            futures.wait([row.reply for row in waiting], return_when=futures.FIRST_COMPLETED)
+        for row in waiting:
+            if row.reply.done():
+                reply, row.reply = row.reply.result(), None
+                self._reply_came(row, reply)
 
     def _next_turn(self, row: _Row) -> None:
         """Multi-turn: the environment's reply joins the row as context (fed at the next step onto the row's own
@@ -460,8 +477,9 @@ class _Part:
         reply = self._turns_of(row)(place, row.tokens[row.turn_start:], row.turn_finish)
         if isinstance(reply, Future):
             if not self.replies_may_wait:
-                raise NotImplementedError("a multi-turn reply made while rows decode (a Future) needs tp = pp = 1: "
-                                          "the ranks of a replica must take each reply at the same step")
+                raise NotImplementedError("a multi-turn reply made while rows decode (a Future) at tp or pp > 1 "
+                                          "needs settle_replies: the ranks of a replica must take each reply at the "
+                                          "same step")
             row.reply = reply
             return
         self._reply_came(row, reply)
@@ -510,7 +528,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                    max_concurrent: Optional[int] = None, share_prompts: bool = True, record_routes: bool = False,
                    stop_requested: Optional[Callable[[bool], tuple]] = None,
                    turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
-                   max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None) -> tuple[list, PagedStats]:
+                   max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None,
+                   settle_replies: Optional[SettleReplies] = None) -> tuple[list, PagedStats]:
     """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``chain`` (a
     pipeline.py ``StageChain``) runs forwards across pipeline stages and hands TP rank 0's choice to every rank;
     ``stop_requested(generating) -> (stop, anyone generating)`` is the stop question (a collective).
@@ -518,7 +537,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     the positions a training forward feeds). ``lockstep`` (layout.py ``Lockstep``): when the experts span rollout
     workers, every worker runs the same forwards with the same token count (``_padding_rows``) until no worker
     generates. Under PP the rows decode in ``chain.microbatches`` parts, each with 1/parts of the KV budget.
-    Multi-turn (``turn_ended``, any layout; a ``Future`` reply at tp = pp = 1 only): a turn ends at a stop or after
+    Multi-turn (``turn_ended``, any layout; a ``Future`` reply at tp = pp = 1, or with ``settle_replies``): a turn
+    ends at a stop or after
     ``max_turn_tokens``; the reply's tokens are context (``policy_mask`` 0); a row never passes
     ``max_total_tokens`` (prompt, turns and replies).
     With a ``feed`` the call is a session that ends only when the feed raises ``GenerationStopped``: the feed's
@@ -624,7 +644,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     parts = [_Part(units_of_part, layers=layers, num_blocks=budget, block_tokens=block_tokens, dtype=dtype,
                    device=device, rows=len(rows), longest=longest, lockstep=lockstep, max_concurrent=max_concurrent,
                    counters=counters, recorder=recorder, stops=stops, turn_ended=turn_ended,
-                   max_turn_tokens=max_turn_tokens, replies_may_wait=chain.pp_size == 1 and chain.tp_size == 1,
+                   max_turn_tokens=max_turn_tokens, settle_replies=settle_replies,
+                   replies_may_wait=(chain.pp_size == 1 and chain.tp_size == 1) or settle_replies is not None,
                    finished=None if feed is None else finished,
                    positions=max_total_tokens if feed is not None else None)
              for units_of_part, budget in zip(split, budgets)]

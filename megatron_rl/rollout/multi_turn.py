@@ -5,9 +5,11 @@ an episode (``env.reset(record)`` gives the first messages, rendered like any pr
 prompt's KV blocks), and whenever a turn ends (a stop string such as ``</calc>``, end-of-sequence, or
 ``max_turn_tokens``) the engine hands it to the episode, whose reply is rendered through the chat format and fed
 onto the row's own KV blocks (engine.py ``TurnEnded``). At tp = 1 the environment steps run in
-``environment.concurrent_steps`` threads while the other rows go on decoding; at tp > 1 or pp > 1 the first rank
-of the replica makes each call in the engine's order and shares its outcome with the others (``model_parallel_share``);
-with experts over several workers they decode in lockstep as in single-turn runs. The response is the whole
+``environment.concurrent_steps`` threads while the other rows go on decoding; at tp > 1 or pp > 1 only the first
+rank of the replica steps the environments (in its threads; the ranks agree at each engine step which replies came,
+``StepThreads.settle``; the resets, and the steps with ``concurrent_steps`` 0, are shared in the engine's order,
+``ReplicaShare``), and the rollout takes its episodes (the async worker's first rank sends them); with experts over several workers they decode in lockstep as
+in single-turn runs. The response is the whole
 conversation after the prompt;
 ``Rollout.response_mask`` marks the policy's tokens (the only ones trained: the replies are context), the reward
 is the environment's (the sum of its turns'), and ``completions`` hold each episode's last turn, which
@@ -18,7 +20,9 @@ Test: ``.venv/bin/python -m pytest tests/test_multi_turn.py -q``
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -126,26 +130,47 @@ class Conversation:
         return self.chat.ids(delta)
 
 
-def model_parallel_share() -> tuple[Optional[Callable], bool]:
-    """(share, whether this rank makes the environment calls): the TP and PP ranks of a rollout worker hold the same
-    episodes and sample the same tokens, so the first of them makes each environment call and broadcasts its outcome
-    (``Episode``'s ``share``) in the order all of them reach it (engine.py hands turns over in the same order on every
-    rank; under PP the last stage reaches each one first and waits there for the others); at tp = pp = 1, (None,
-    True)."""
+class ReplicaShare:
+    """``Episode``'s ``share`` in a rollout worker of several TP or PP ranks, which hold the same episodes and sample
+    the same tokens: the first rank makes each environment call and broadcasts its outcome in the order all of them
+    reach it (engine.py hands turns over at the same point of its walk on every rank). Inside ``alone()`` (a step in
+    the first rank's threads, ``StepThreads``) the first rank makes the call by itself: the others make none."""
+
+    def __init__(self, group, src: int) -> None:
+        self.group, self.src = group, src
+        self.leader = torch.distributed.get_rank() == src
+        self._thread = threading.local()
+
+    def __call__(self, call: Callable[[], dict]) -> dict:
+        if getattr(self._thread, "alone", False):
+            return call()
+        return self.broadcast(call() if self.leader else None)
+
+    def alone(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its environment calls made here only."""
+        self._thread.alone = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._thread.alone = False
+
+    def broadcast(self, value):
+        """The first rank's ``value`` on every rank of the replica."""
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+
+def model_parallel_share() -> tuple[Optional[ReplicaShare], bool]:
+    """(share, whether this rank makes the environment calls): a ``ReplicaShare`` over the TP and PP ranks of this
+    rollout worker (Megatron's model-parallel group; its first rank calls); at tp = pp = 1, (None, True)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() == 1:
         return None, True
     group = ps.get_model_parallel_group()
-    src = min(torch.distributed.get_process_group_ranks(group))
-    leader = torch.distributed.get_rank() == src
-
-    def share(call: Callable[[], dict]) -> dict:
-        box = [call() if leader else None]
-        torch.distributed.broadcast_object_list(box, src=src, group=group)
-        return box[0]
-
-    return share, leader
+    share = ReplicaShare(group, min(torch.distributed.get_process_group_ranks(group)))
+    return share, share.leader
 
 
 def episode_turn(episode: Episode, conversation: Conversation, turn: list, finish: str, *,
@@ -174,32 +199,69 @@ def episode_generation_options(cfg, shape, tokenizer, limits: EpisodeLimits, env
 
 class StepThreads:
     """Where environment steps run: in ``concurrent`` threads beside generation (``run`` returns a future the
-    engine waits on), or, with 0, at once (``run`` returns the reply)."""
+    engine waits on), or, with 0, at once (``run`` returns the reply). With a ``share`` (a replica of several
+    ranks) only its first rank runs them, in its threads; every rank's engine gets a future that ``settle``
+    completes, on all ranks at the same step, with the first rank's reply."""
 
-    def __init__(self, concurrent: int) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=concurrent, thread_name_prefix="env-step") if concurrent else None
+    def __init__(self, concurrent: int, share: Optional[ReplicaShare] = None) -> None:
+        self.share = share if concurrent else None
+        threads = concurrent and (share is None or share.leader)
+        self.pool = ThreadPoolExecutor(max_workers=concurrent, thread_name_prefix="env-step") if threads else None
+        self.concurrent = concurrent
+        self.made: dict = {}
+        """The first rank's running steps: id of the future its engine holds -> the thread's future."""
 
     def run(self, fn: Callable, *args, **kwargs):
-        return fn(*args, **kwargs) if self.pool is None else self.pool.submit(fn, *args, **kwargs)
+        if not self.concurrent:
+            return fn(*args, **kwargs)
+        if self.share is None:
+            return self.pool.submit(fn, *args, **kwargs)
+        shown = Future()
+        if self.share.leader:
+            self.made[id(shown)] = self.pool.submit(self.share.alone, fn, *args, **kwargs)
+        return shown
+
+    def settle(self, waiting: list, wait: bool) -> None:
+        """The engine's ``settle_replies``: which of ``waiting`` (the same futures on every rank, in one order) are
+        done is the first rank's word, broadcast; with ``wait``, it waits for one first."""
+        done = None
+        if self.share.leader:
+            made = [self.made[id(future)] for future in waiting]
+            if wait:
+                futures.wait(made, return_when=futures.FIRST_COMPLETED)
+            done = [(i, _outcome(step)) for i, step in enumerate(made) if step.done()]
+        for i, (failed, reply) in self.share.broadcast(done):
+            self.made.pop(id(waiting[i]), None)
+            if failed:
+                raise RuntimeError(f"an environment step failed on the replica's first rank: {reply}")
+            waiting[i].set_result(reply)
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)  # a step ends within environment.step_timeout_s
 
 
+def _outcome(step: Future) -> tuple[bool, object]:
+    """(whether it raised, its reply or the error) of a finished step."""
+    error = step.exception()
+    return (True, f"{type(error).__name__}: {error}") if error is not None else (False, step.result())
+
+
 class WorkerEpisodes:
     """The async rollout worker's episodes (rollout/worker.py ``OrderFeed``): each prompt of an order starts a group
     of episodes in fresh environments, handed to the engine's session as a ``FedPrompt`` whose ``turns`` steps
     them; when the group has ended, ``payload`` gives the trainers what a colocated rollout holds (the first
-    prompt's ids, the policy mask, the environments' rewards and each episode's log). Resumed runs issue a
+    prompt's ids, the policy mask, the environments' rewards and each episode's log; at tp or pp > 1 the first rank,
+    which steps the environments and sends the samples, holds them). Resumed runs issue a
     prompt again, so its environments are called again (no journal: the worker keeps no step's state)."""
 
     def __init__(self, cfg, shape, tokenizer) -> None:
         self.envs = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
         self.chat = ChatFormat.from_config(cfg.data, tokenizer)
         self.share, _ = model_parallel_share()
-        self.steps = StepThreads(cfg.environment.concurrent_steps if self.share is None else 0)
-        self.options = episode_generation_options(cfg, shape, tokenizer, self.envs.limits, [self.envs.make()])
+        self.steps = StepThreads(cfg.environment.concurrent_steps, self.share)
+        self.options = {**episode_generation_options(cfg, shape, tokenizer, self.envs.limits, [self.envs.make()]),
+                        **({"settle_replies": self.steps.settle} if self.steps.share is not None else {})}
         self.open: dict = {}
 
     def fed_prompt(self, record: PromptRecord, *, group: int, seed: int, first_request: int, tag):
@@ -257,7 +319,7 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
         episode.count_prompt(len(conversation.prompt_ids))
         episodes.append(episode)
         conversations.append(conversation)
-    steps = StepThreads(cfg.environment.concurrent_steps if share is None else 0)
+    steps = StepThreads(cfg.environment.concurrent_steps, share)
 
     def turn_ended(index: int, turn: list, finish: str):
         return steps.run(episode_turn, episodes[index], conversations[index], turn, finish, step=step)
@@ -266,17 +328,22 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
         out = generate(
             [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations], turn_ended=turn_ended,
             seed=data_parallel_seed(seed), stop_requested=stop_requested, record_routes=record_routes,
+            settle_replies=steps.settle if steps.share is not None else None,
             **episode_generation_options(cfg, shape, tokenizer, limits, [e.env for e in episodes]))
     finally:
         steps.close()
         if book is not None:
             book.close()
+    # the episodes as the first rank of the replica stepped them (the others hold its replies only)
+    ended = [(e.end_reason in ("turn_tokens", "episode_tokens"), e.turns[-1].text if e.turns else "", e.reward,
+              e.log()) for e in episodes]
+    if share is not None:
+        ended = share.broadcast(ended if leader else None)
     routes = out.routes or [None] * len(out.tokens)
     sampled = gather_data_parallel(
-        [(c.prompt_ids, list(tokens), list(map(float, lp)), list(mask), e.end_reason in ("turn_tokens",
-          "episode_tokens"), e.turns[-1].text if e.turns else "", e.reward, e.log(), route)
-         for c, e, tokens, lp, mask, route in zip(conversations, episodes, out.tokens, out.logprobs, out.policy_mask,
-                                                  routes)],
+        [(c.prompt_ids, list(tokens), list(map(float, lp)), list(mask), *episode, route)
+         for c, episode, tokens, lp, mask, route in zip(conversations, ended, out.tokens, out.logprobs,
+                                                        out.policy_mask, routes)],
         with_context_parallel=True)
     return Rollout(prompt_ids=[s[0] for s in sampled], response_ids=[s[1] for s in sampled],
                    logprobs=[s[2] for s in sampled], response_mask=[s[3] for s in sampled],

@@ -158,7 +158,7 @@ def fed_session(chunks, prompts: list[list[int]], *, seed: int, **options) -> Wa
     return feed
 
 
-def multi_turn_check(chunks, prompts: list[list[int]], vocab: int, *, overlap: bool) -> dict:
+def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
     """Two sampled turns of 4 tokens with a scripted 3-token reply between them (engine.py ``TurnEnded``), in
     groups of 2 and 4-token blocks: the policy mask; the policy tokens' log-probs against the training forward of the
     whole conversation; each turn against a single-turn ``generate`` of the conversation so far (same seed: a
@@ -177,9 +177,7 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int, *, overlap: b
 
     out = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
                    kv_block_tokens=4, turn_ended=turn_ended, max_turn_tokens=turn_tokens)
-    result = {}
-    if overlap:  # tp = pp = 1: a replica's ranks must take each reply at the same step
-        result = _overlapped(chunks, rows, out, vocab=vocab, seed=seed, reply=reply, turn_tokens=turn_tokens)
+    result = _overlapped(chunks, rows, out, vocab=vocab, seed=seed, reply=reply, turn_tokens=turn_tokens)
     first = generate(chunks, rows, vocab_size=vocab, max_new_tokens=turn_tokens, temperature=0.9, seed=seed,
                      kv_block_tokens=4)
     second = generate(chunks, [r + t[:turn_tokens] + reply for r, t in zip(rows, out.tokens)], vocab_size=vocab,
@@ -200,23 +198,29 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int, *, overlap: b
 
 def _overlapped(chunks, rows: list, out, *, vocab: int, seed: int, reply: list, turn_tokens: int) -> dict:
     """``multi_turn_check``'s replies made in threads, each after its own delay, while the other rows decode
-    (engine.py: a row waits for its future; the last row's reply comes last of all): the same episodes."""
+    (engine.py: a row waits for its future; the last row's reply comes last of all), through the multi-turn
+    rollout's ``StepThreads``: at tp or pp > 1 the replica's first rank runs them and the ranks agree at each step
+    which came (``settle``). The same episodes."""
     import random
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
     from megatron_rl.generation import generate
+    from megatron_rl.rollout.multi_turn import StepThreads, model_parallel_share
 
     late, delays = [], random.Random(5)
+    steps = StepThreads(4, model_parallel_share()[0])
 
     def slow_turn_ended(index, turn, finish):
         wait = 0.3 if index == len(rows) - 1 else delays.uniform(0.0, 0.05)
-        return threads.submit(lambda: (time.sleep(wait), late.append(index),
-                                       list(reply) if late.count(index) == 1 else None)[2])
+        return steps.run(lambda: (time.sleep(wait), late.append(index),
+                                  list(reply) if late.count(index) == 1 else None)[2])
 
-    with ThreadPoolExecutor(max_workers=4) as threads:
+    try:
         overlapped = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
-                              kv_block_tokens=4, turn_ended=slow_turn_ended, max_turn_tokens=turn_tokens)
+                              kv_block_tokens=4, turn_ended=slow_turn_ended, max_turn_tokens=turn_tokens,
+                              settle_replies=steps.settle if steps.share is not None else None)
+    finally:
+        steps.close()
     return {"overlapped_equal": (overlapped.tokens == out.tokens and overlapped.policy_mask == out.policy_mask
                                  and overlapped.finish_reasons == out.finish_reasons),
             "overlapped_logprob_diff": max_abs_diff(overlapped.logprobs, out.logprobs)}
@@ -370,7 +374,7 @@ def check(args: argparse.Namespace) -> dict:
                     "logprob_diff": max_abs_diff([r[1] for r in fed_rows], unbounded.logprobs),
                     "questions": fed.questions}}
 
-    result["multi_turn"] = multi_turn_check(chunks, prompts, vocab, overlap=args.tp == args.pp == 1)
+    result["multi_turn"] = multi_turn_check(chunks, prompts, vocab)
 
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]

@@ -436,14 +436,14 @@ class EnvironmentConfig:
     run over them (out of the loss). 0: only the policy's tokens are counted. The episode's policy tokens are
     generation.max_new_tokens at most and generation.mean_new_tokens on average, as for single turns."""
     concurrent_steps: int = 8
-    """Environment steps a rollout worker runs at once, in threads, while its other rows go on decoding (at tp = 1;
-    the TP ranks of a worker take each turn in one order). Each episode's steps stay in order; a row waits for its
-    reply holding its KV blocks, and its tokens do not depend on when the reply comes. 0: each step runs between
-    engine steps, the others waiting."""
+    """Environment steps a rollout worker runs at once, in threads, while its other rows go on decoding (at tp or
+    pp > 1 in the threads of its first rank, its ranks agreeing at each engine step which replies came). Each
+    episode's steps stay in order; a row waits for its reply holding its KV blocks, and its tokens do not depend on
+    when the reply comes. 0: each step runs between engine steps, the others waiting."""
     mean_step_s: float = 0.0
     """Seconds one environment step takes on average (a tool's run, a judge's call), for the planner: a rollout
-    worker makes its episodes' steps one at a time between engine steps, so they add to the rollout's time (up to
-    max_turns per episode)."""
+    worker makes its episodes' steps concurrent_steps at a time (one for 0), and the planner adds them to the
+    rollout's time (up to max_turns per episode)."""
 
     def __post_init__(self) -> None:
         _positive("environment", max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
