@@ -36,9 +36,10 @@ same order, so every stage knows each forward's token count and its rows' blocks
 
 Multi-turn. With ``turn_ended`` (or a fed prompt's ``turns``) a row's turn ends at a stop or after
 ``max_turn_tokens``; the reply's tokens join the row as context, fed at its next step onto its own blocks. Every TP
-and PP rank hands the same turns over in the same order (at the step's ``record``: on the last stage right after its
-choice, on the others when the choice reaches them), so the caller makes each environment call once per replica and
-shares its outcome over the replica's ranks (rollout/multi_turn.py ``model_parallel_share``). A reply may be a
+and PP rank hands the same turns over in the same order, at the part's next ``prepare``, which every rank reaches at
+the same point of its walk (under PP the last stage learns a choice a step before the others), so the caller makes
+each environment call once per replica and shares its outcome over the replica's ranks (rollout/multi_turn.py
+``model_parallel_share``). A reply may be a
 ``Future``: the row waits for it while the others decode, and a worker whose rows all wait blocks until one replies
 (under an expert-parallel lockstep the other workers wait for it at the step's all-reduce); at tp or pp > 1 the
 ranks agree at each step which replies came (``settle_replies``).
@@ -538,9 +539,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     workers, every worker runs the same forwards with the same token count (``_padding_rows``) until no worker
     generates. Under PP the rows decode in ``chain.microbatches`` parts, each with 1/parts of the KV budget.
     Multi-turn (``turn_ended``, any layout; a ``Future`` reply at tp = pp = 1, or with ``settle_replies``): a turn
-    ends at a stop or after
-    ``max_turn_tokens``; the reply's tokens are context (``policy_mask`` 0); a row never passes
-    ``max_total_tokens`` (prompt, turns and replies).
+    ends at a stop or after ``max_turn_tokens``; the reply's tokens are context (``policy_mask`` 0); a row never
+    passes ``max_total_tokens`` (prompt, turns and replies).
     With a ``feed`` the call is a session that ends only when the feed raises ``GenerationStopped``: the feed's
     prompts join between steps while earlier rows decode, each prompt's completions are handed to
     ``feed.finished`` as soon as all have ended, and their slots are used again. Without ``kv_memory_bytes`` the

@@ -4,13 +4,13 @@
 an episode (``env.reset(record)`` gives the first messages, rendered like any prompt; a GRPO group shares the
 prompt's KV blocks), and whenever a turn ends (a stop string such as ``</calc>``, end-of-sequence, or
 ``max_turn_tokens``) the engine hands it to the episode, whose reply is rendered through the chat format and fed
-onto the row's own KV blocks (engine.py ``TurnEnded``). At tp = 1 the environment steps run in
-``environment.concurrent_steps`` threads while the other rows go on decoding; at tp > 1 or pp > 1 only the first
+onto the row's own KV blocks (engine.py ``TurnEnded``). The environment steps run in
+``environment.concurrent_steps`` threads while the other rows go on decoding. At tp > 1 or pp > 1 only the first
 rank of the replica steps the environments (in its threads; the ranks agree at each engine step which replies came,
 ``StepThreads.settle``; the resets, and the steps with ``concurrent_steps`` 0, are shared in the engine's order,
-``ReplicaShare``), and the rollout takes its episodes (the async worker's first rank sends them); with experts over several workers they decode in lockstep as
-in single-turn runs. The response is the whole
-conversation after the prompt;
+``ReplicaShare``), and the rollout takes its episodes (the async worker's first rank sends them). With experts over
+several workers the workers decode in lockstep, as in single-turn runs. The response is the whole conversation after
+the prompt;
 ``Rollout.response_mask`` marks the policy's tokens (the only ones trained: the replies are context), the reward
 is the environment's (the sum of its turns'), and ``completions`` hold each episode's last turn, which
 ``algorithm.rewards`` score as the final answer.
