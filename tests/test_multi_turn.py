@@ -233,14 +233,16 @@ def test_ppo_runs_episodes_with_its_critic_over_the_policys_tokens(launch, tmp_p
 
 @pytest.mark.slow
 def test_moe_episodes_run_with_experts_over_two_workers_and_router_replay(launch, tmp_path):
-    """tiny-cpu-moe at EP2 over two rollout workers (the experts span them, so they decode in lockstep while their
-    environments step in threads), with router replay: the episodes' routes (the replies' positions included)
+    """tiny-cpu-moe at TP2·EP2·SP: two rollout workers of two TP ranks each, the experts spanning the workers, so
+    they decode in lockstep while each worker's first rank steps its environments in threads (the ranks settling
+    which replies came at each step); with router replay: the episodes' routes (the replies' positions included)
     replay in the training forwards, whose first mini-batch's ratio is 1; one reset per episode."""
     from helpers import read_metrics
 
     run_dir, ledger = tmp_path / "moe", tmp_path / "calls"
-    result = _counted_run(launch, run_dir, ledger, "model.name=tiny-cpu-moe", "parallel.ep=2",
-                          "algorithm.router_replay=true", "run.steps=2", "algorithm.sft_warmup_steps=40",
+    result = _counted_run(launch, run_dir, ledger, "model.name=tiny-cpu-moe", "cluster.tasks_per_node=4",
+                          "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                          "algorithm.router_replay=true", "run.steps=2", "algorithm.sft_warmup_steps=200",
                           "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",
                           "parallel.micro_batch_size=8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -249,6 +251,7 @@ def test_moe_episodes_run_with_experts_over_two_workers_and_router_replay(launch
     for m in steps:
         assert m["replayed_routes"] > 0 and abs(m["first_ratio_max"] - 1) < 1e-5, m
         assert 1 <= m["env_turns"] <= 2, m
+    assert any(m["env_turns"] > 1 for m in steps)  # replies were fed, and their routes replayed
     resets = [line for line in ledger.read_text().splitlines() if line.startswith('["reset"')]
     assert len(resets) == 2 * 4 * 4
 

@@ -389,7 +389,9 @@ class _Part:
         """After a forward (of chunk ``chunk`` only, under virtual pipeline stages): the fed tokens' experts."""
         if self.recorder is None:
             return
-        token_rows = torch.repeat_interleave(torch.tensor([row.index for row in self.feeders], device=self.device),
+        # long even when empty: an expert-parallel lockstep's worker with nothing to feed steps on padding alone
+        token_rows = torch.repeat_interleave(torch.tensor([row.index for row in self.feeders], dtype=torch.long,
+                                                          device=self.device),
                                              torch.tensor(self.q_lens, device=self.device, dtype=torch.long))
         self.recorder.take_tokens(token_rows, self.positions[:token_rows.numel()], chunk=chunk)
 

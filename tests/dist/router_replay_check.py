@@ -12,8 +12,9 @@ the model's position ids give the position, and the tokens at those positions na
 
 1. Recording: generation's recorded experts are those the training forward at the layout chooses (free routing),
    wherever the k-th and (k+1)-th router logits are more than 1e-5 apart. The generation is multi-turn (engine.py
-   ``TurnEnded``): turns of 3 tokens, and every other row's first turn gets a 2-token reply, fed onto its blocks,
-   and a second turn; so workers' rows end at different steps and the replies' positions are recorded too.
+   ``TurnEnded``): turns of 3 tokens, and on the first rollout worker every other row's first turn gets a 2-token
+   reply, fed onto its blocks, and a second turn; so the replies' positions are recorded too, and where experts
+   span the workers the other one runs out of rows first and steps on padding alone.
 2. Replay: with the router weights perturbed, free routing disagrees with the recording; a forward of the
    collated rollout (``collate_rollout``, the GRPO trainer's path) routes every recorded position by the
    recording and every padding position freely.
@@ -177,9 +178,11 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
     prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     mine = data_parallel_share(prompts, with_context_parallel=True)
     replied = set()
+    replying = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    result["replying"] = replying
 
     def turn_ended(index: int, turn: list, finish: str):
-        if index % 2 and index not in replied:
+        if replying and index % 2 and index not in replied:
             replied.add(index)
             return list(REPLY)
         return None
