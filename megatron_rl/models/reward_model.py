@@ -79,6 +79,8 @@ def packed_reward_batch(seqs: list[list[int]], *, pad_id: int, length: int, thd:
     each row's reward is read."""
     from megatron_rl.models.packed_sequences import attention_inputs
 
+    if sum(map(len, seqs)) > length:
+        raise ValueError(f"{sum(map(len, seqs))} tokens do not fit a packed micro-batch of {length}")
     tokens = torch.full((1, length), pad_id, dtype=torch.long)
     position_ids = torch.zeros((1, length), dtype=torch.long)
     starts = [0]
@@ -87,8 +89,6 @@ def packed_reward_batch(seqs: list[list[int]], *, pad_id: int, length: int, thd:
         tokens[0, start:start + n] = torch.tensor(ids, dtype=torch.long)
         position_ids[0, start:start + n] = torch.arange(n)
         starts.append(start + n)
-    if starts[-1] > length:
-        raise ValueError(f"{starts[-1]} tokens do not fit a packed micro-batch of {length}")
     last = torch.tensor(starts[1:], dtype=torch.long) - 1
     if starts[-1] < length:  # the padding tail: a segment of its own
         starts.append(length)

@@ -15,8 +15,8 @@ data-parallel ranks, run forward-only through the pipeline (no grad), and the re
 every rank returns all of them. With ``micro_batch_tokens`` (the job's parallel.micro_batch_tokens) the rows are
 packed into micro-batches of that many tokens, as the training forwards pack theirs (rollout/packing.py
 ``pack_rows``; each row attending within itself, its reward read at its last token); else right-padded
-micro-batches of ``micro_batch_size`` rows. Sequences are formed exactly as in training (``SequenceEncoder``) and cut to the
-RM's max length keeping the end. Registered in the rewards registry as ``rm`` (options: checkpoint, ...).
+micro-batches of ``micro_batch_size`` rows. Sequences are formed exactly as in training (``SequenceEncoder``) and
+cut to the RM's max length keeping the end. Registered in the rewards registry as ``rm`` (options: checkpoint, ...).
 
 Test: `.venv/bin/python -m pytest tests/test_rm.py -q -k scorer`
 """
@@ -79,8 +79,8 @@ class RewardModelScorer:
                  max_length: Optional[int] = None, transformer_engine: Optional[bool] = None,
                  attention: str = "auto") -> None:
         """``checkpoint``: an rm run's checkpoint folder (or a step folder). ``micro_batch_size``: sequences per
-        forward; ``micro_batch_tokens``: instead, tokens per packed forward. ``tokenizer``: override the stored tokenizer folder. ``dtype``: auto (bf16 on GPUs, fp32 on CPU),
-        fp32, bf16 or fp16. ``sequence_parallel``: as the job's parallel.sequence_parallel (MoE with TP > 1).
+        forward; ``micro_batch_tokens``: instead, tokens per packed forward. ``tokenizer``: override the stored
+        tokenizer folder. ``dtype``: auto (bf16 on GPUs, fp32 on CPU), fp32, bf16 or fp16. ``sequence_parallel``: as the job's parallel.sequence_parallel (MoE with TP > 1).
         ``max_length``: override the stored max length. ``transformer_engine`` (None: whether TE is usable) and
         ``attention``: the job's runtime.* layers, which the policy's must match (TE's attention backend is one
         per process)."""
@@ -178,7 +178,7 @@ class RewardModelScorer:
         ``seqs`` (-1: a filler copy); every rank runs as many, all at one length."""
         from megatron.core import parallel_state as ps
 
-        from megatron_rl.rollout.packing import pack_rows
+        from megatron_rl.rollout.packing import pack_rows, source_row
 
         per_rank, length = pack_rows([len(s) for s in seqs], dp=ps.get_data_parallel_world_size(),
                                      token_budget=self.micro_batch_tokens, multiple=self.multiple,
@@ -186,7 +186,7 @@ class RewardModelScorer:
         thd = self.opts.takes_packed_sequences(self.shape)
         batches, places = [], []
         for bin_ in per_rank[ps.get_data_parallel_rank()]:
-            batches.append(packed_reward_batch([seqs[i if i >= 0 else -1 - i] for i in bin_],
+            batches.append(packed_reward_batch([seqs[source_row(i)] for i in bin_],
                                                pad_id=self.encoder.pad_id, length=length, thd=thd))
             places += [i if i >= 0 else -1 for i in bin_]
         return batches, places

@@ -44,7 +44,7 @@ def pack_rows(lengths: list[int], *, dp: int, token_budget: int, multiple: int =
     first_fit = [_first_fit_decreasing(rows, lengths, packed) for rows in ranks]
     count = max(len(b) for b in first_fit)
     count = -(-count // count_multiple) * count_multiple
-    load = lambda b: sum(lengths[_source(i)] for i in b)  # noqa: E731
+    load = lambda b: sum(lengths[source_row(i)] for i in b)  # noqa: E731
     bins_per_rank = []
     for rows, bins in zip(ranks, first_fit):
         # the fewest micro-batches first fit needs, then the rows spread evenly over that many (longest first,
@@ -67,7 +67,7 @@ def _spread(rows: list[int], lengths: list[int], count: int) -> list[list[int]]:
     return [b for b in bins if b]
 
 
-def _source(index: int) -> int:
+def source_row(index: int) -> int:
     """The row a packed index names (a negative index is a copy outside the loss: see ``_to_count``)."""
     return index if index >= 0 else -1 - index
 
@@ -115,7 +115,7 @@ def pack_minibatch(rows: list[RolloutRow], *, dp: int, dp_rank: int, token_budge
 
 
 def _row(rows: list[RolloutRow], index: int) -> RolloutRow:
-    return rows[index] if index >= 0 else dataclasses.replace(rows[_source(index)], in_loss=False)
+    return rows[index] if index >= 0 else dataclasses.replace(rows[source_row(index)], in_loss=False)
 
 
 def collate_packed(rows: list[RolloutRow], *, packed_length: int, pad_id: int, thd: bool,
