@@ -23,6 +23,10 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
    the tiny multi-latent-attention model (latent blocks, paged_mla.py); and the paged attention kernels this device runs
    (flash-attn's where installed; else the torch reference, and flash-attn stays unverified) against the torch
    reference on random bf16 paged K/V with 256-token blocks.
+4c. decode graphs (generation.cuda_graphs, megatron_rl/generation/graphs.py): on the main model, greedy decoding
+   of an odd batch with CUDA graphs captured per row bucket, in two offload phases (captured again in each),
+   against the same bucketed steps run eagerly (tokens equal, log-probs within 1e-3) and plain eager decoding
+   (ms per engine step, peak memory, log-probs against the training forward). The dry run captures nothing.
 5. LoRA: adapters on this device's linears (TE's on a GPU with TE): zero-init equals the base, and the
    adapters' forward equals their merged weights.
 6. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
@@ -245,6 +249,63 @@ def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, 
                                                                first.logprobs, reference), dtype=sizes.dtype),
         "transformers_vs_training_forward": {"tokens": int(hf_diff.numel()), "max_abs_diff": float(hf_diff.max()),
                                              "mean_abs_diff": float(hf_diff.mean())},
+    }
+
+
+def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dict:
+    """generation.cuda_graphs (megatron_rl/generation/graphs.py) on the main model: greedy decoding of an odd batch
+    (rows padded to the next bucket) with decode graphs, each call in its own offload phase (the optimizer's and
+    the grads' storage leave and come back between them, and the call captures again); against the same bucketed
+    steps run eagerly (the CPU path: the same kernels on the same shapes, so equal), and against plain eager
+    decoding (time per engine step, peak memory; the log-probs against the training forward)."""
+    from unittest import mock
+
+    from megatron_rl.generation import generate
+    from megatron_rl.generation.graphs import DecodeGraphs
+    from megatron_rl.runtime.phases import generation_phase
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.trainers.pretrain import progression_batch
+
+    rows = max(3, sizes.gen_batch // 5 + 1)  # 13 on the GPU: bucket 16
+    batch = progression_batch(seed=8, step=0, batch_size=rows, seq_length=sizes.gen_prompt_len - 1,
+                              vocab_size=shape.vocab_size).tolist()
+    prompts = [p[:len(p) - i % 5] for i, p in enumerate(batch)]  # uneven lengths: a mixed first step
+
+    def run(cuda_graphs: bool) -> tuple:
+        with generation_phase(engine, offload_optimizer=True):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            out, seconds = timed(lambda: generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
+                                                  max_new_tokens=sizes.gen_new_tokens, temperature=0.0,
+                                                  cuda_graphs=cuda_graphs))
+            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        return out, seconds, peak
+
+    eager, eager_s, eager_peak = run(False)
+    graphs, graphs_s, graphs_peak = run(True)
+    again, again_s, _ = run(True)  # another phase: captured again
+    with mock.patch.object(DecodeGraphs, "run", lambda self, bucket, forward: forward()):
+        bucketed, bucketed_s, _ = run(True)
+    tokens = padded_sequences(prompts, graphs.tokens, device)
+    with generation_phase(engine):
+        reference = sequence_logprobs(engine.chunks, tokens)
+    vs_forward = judge(compare_logprobs([len(p) for p in prompts], graphs.tokens, graphs.logprobs, reference),
+                       dtype=sizes.dtype)
+    lp_diff = max(abs(a - b) for x, y in zip(graphs.logprobs, bucketed.logprobs) for a, b in zip(x, y))
+    replay_equal = graphs.tokens == bucketed.tokens and lp_diff <= 1e-3 and again.tokens == graphs.tokens
+    per_step = lambda out, seconds: 1e3 * seconds / out.forward_passes  # noqa: E731
+    return {
+        "rows": rows, "new_tokens": sizes.gen_new_tokens, "captured": device.type == "cuda",
+        "graph_steps": graphs.decode_graph_steps, "forward_passes": graphs.forward_passes,
+        "replay_vs_bucketed_eager": {"tokens_equal": graphs.tokens == bucketed.tokens, "max_abs_logprob_diff": lp_diff},
+        "second_phase_tokens_equal": again.tokens == graphs.tokens,
+        "tokens_vs_eager": token_agreement(graphs.tokens, eager.tokens),
+        "graphs_vs_training_forward": vs_forward,
+        "ms_per_step": {"eager": per_step(eager, eager_s), "graphs_first_call": per_step(graphs, graphs_s),
+                        "graphs": per_step(again, again_s), "bucketed_eager": per_step(bucketed, bucketed_s)},
+        "speedup_vs_eager": eager_s / again_s,
+        "peak_memory_gib": {"eager": eager_peak, "graphs": graphs_peak},
+        "passed": bool(replay_equal and graphs.decode_graph_steps > 0 and vs_forward["passed"]),
     }
 
 
@@ -539,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine = holder["run"].engine
                 attempt("training", lambda: training_mfu(engine, shape, sizes, args.gpu_type))
                 attempt("generation", lambda: generation_throughput(engine, shape, sizes, dtype, device))
+                attempt("decode_graphs", lambda: decode_graphs(engine, shape, sizes, device))
                 attempt("grpo", lambda: grpo_steps(holder["run"], sizes, device))
             attempt("planner", lambda: planner_predictions(shape, sizes.model, sizes, args.gpu_type,
                                                            result.get("grpo", {})))
@@ -591,6 +653,7 @@ def checks_of(result: dict, *, dry_run: bool) -> dict[str, bool]:
         "moe_kv_cache_logprobs": flag("moe", "kv_cache_vs_training_forward", "passed"),
         "attention_kernels_agree": flag("attention_kernels", "passed"),
         "paged_engine_matches_training_forward": flag("paged_engine", "passed"),
+        "decode_graphs_replay_equals_eager": flag("decode_graphs", "passed"),
         "packed_logprobs_equal_padded": flag("packing", "passed"),
         "lora_adapters_equal_merged_weights": flag("lora", "passed"),
         "gloo_staging_matches_reference": flag("gloo_staging", "passed"),

@@ -233,7 +233,9 @@ def test_tokens_do_not_depend_on_budget_cap_sharing_or_pipeline_parts(request, l
     for rank in request.getfixturevalue(layout):
         paged = rank["paged"]
         parts = paged["parts"]
-        variants = {"unshared", "capped", "budget_10", "budget_24"} | ({"parts_1", "parts_3"} if parts > 1 else set())
+        graphs = layout in ("tp1_dp2", "tp2")  # generation.cuda_graphs runs at one stage on dense models
+        variants = ({"unshared", "capped", "budget_10", "budget_24"} | ({"parts_1", "parts_3"} if parts > 1 else set())
+                    | ({"graphs", "graphs_budget_10"} if graphs else set()))
         for name in ("greedy", "sampled", "greedy_eos"):
             case = paged[name]
             assert case["vs_sequence_logprobs"] < LOGPROB_TOL, (name, case)
@@ -241,6 +243,7 @@ def test_tokens_do_not_depend_on_budget_cap_sharing_or_pipeline_parts(request, l
             fed = case["fed"]
             assert fed["tokens_equal"] and fed["finish_reasons_equal"] and fed["logprob_diff"] < LOGPROB_TOL, fed
             assert fed["questions"] > 2  # prompts were handed in while others decoded
+            assert (fed["graph_steps"] > 0) == graphs, fed
             for variant in variants:
                 run = case[variant]
                 assert run["tokens_equal"] and run["finish_reasons_equal"], (name, variant, run)
@@ -250,6 +253,11 @@ def test_tokens_do_not_depend_on_budget_cap_sharing_or_pipeline_parts(request, l
             assert case["budget_10"]["peak_blocks"] <= 10 * parts and case["budget_10"]["evictions"] > 0, (name, case)
             assert case["budget_10"]["pool_bytes"] == 10 * parts * case["block_bytes"]
             assert case["budget_24"]["peak_blocks"] <= 24 * parts
+            if graphs:  # decode-only steps ran on the bucketed buffers, mixed ones (prefills) eagerly
+                for variant in ("graphs", "graphs_budget_10"):
+                    assert 0 < case[variant]["graph_steps"] < case[variant]["forward_passes"], (name, case[variant])
+                assert case["graphs_budget_10"]["evictions"] > 0, case["graphs_budget_10"]
+            assert all(case[variant]["graph_steps"] == 0 for variant in variants - {"graphs", "graphs_budget_10"})
         assert paged["greedy_eos"]["stopped"] >= 4  # prompt 0's group stops at its 3rd token
 
 
@@ -355,11 +363,21 @@ def test_training_after_generation_is_layout_independent(tp1_dp2, tp2):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+def test_cuda_graphs_are_refused_where_a_graph_cannot_replay_the_decode(pp2_vpp2, mla_moe_tp1):
+    """generation.cuda_graphs in the engine: a pipeline's stages and an MoE model's dispatch are refused with the
+    launch check's reasons (spec/parallel.py ``cuda_graph_error``)."""
+    assert pp2_vpp2[0]["errors"]["cuda_graphs"].startswith(
+        "NotImplementedError: generation.cuda_graphs=true with a 2-stage rollout")
+    assert mla_moe_tp1[0]["errors"]["cuda_graphs"].startswith(
+        "NotImplementedError: generation.cuda_graphs=true: an MoE model's token dispatch")
+
+
 def test_clear_errors(tp2):
     errors = tp2[0]["errors"]
     assert errors["empty_prompt"].startswith("ValueError: every prompt needs at least one token")
     assert errors["token_out_of_vocab"].startswith("ValueError: prompt token ids")
     assert errors["too_long"].startswith("ValueError: longest prompt")
+    assert errors["cuda_graphs"] == "no error"  # TP2 over gloo on CPUs: nothing is captured
     sequence_parallel = tp2[0]["sequence_parallel_config"]  # switched off for generation, then back on
     assert sequence_parallel["tokens_equal"] and sequence_parallel["flag_after_generate"]
 

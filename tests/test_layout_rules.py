@@ -184,6 +184,10 @@ def test_what_only_this_project_refuses_is_one_of_its_own_rules(verdicts):
     ("grpo_tiny", ["model.name=tiny-cpu-deepseek-v3", "parallel.auto=false", "parallel.cp=2"],
      "parallel.cp=2: tiny-cpu-deepseek-v3's multi-latent attention with context parallelism needs Transformer "
      "Engine"),
+    ("grpo_tiny", ["model.name=tiny-cpu-moe", "generation.cuda_graphs=true"],
+     "generation.cuda_graphs=true: an MoE model's token dispatch sizes its exchanges on the host"),
+    ("grpo_tiny", ["parallel.auto=false", "parallel.pp=2", "generation.cuda_graphs=true"],
+     "generation.cuda_graphs=true with a 2-stage rollout: decode graphs are captured for one stage only"),
 ])
 def test_layouts_the_job_cannot_run_are_refused_at_launch_in_one_line(launch, tmp_path, config, overrides, message):
     result = launch("--config", config, *overrides, f"run.dir={tmp_path / 'run'}", "--dry-run", timeout=120)

@@ -214,3 +214,32 @@ def test_sampling_with_position_draws_follows_the_tempered_softmax():
     assert counts[real:] == [0, 0]
     for token, p in enumerate(expected):
         assert abs(counts[token] / n - p) < 5 * math.sqrt(p * (1 - p) / n), (token, counts[token] / n, p)
+
+
+def test_decode_graph_buckets_and_their_fixed_buffers():
+    """A decode step of n rows runs at the smallest bucket >= n (None past the largest, or past the part's rows);
+    every bucket's inputs are views of one set of buffers (a captured graph reads fixed addresses)."""
+    from megatron_rl.generation.graphs import GRAPH_ROWS, DecodeGraphs, bucket_rows
+
+    assert [bucket_rows(n) for n in (1, 3, 8, 9, 25, 512, 513)] == [1, 4, 8, 16, 32, 512, None]
+    assert all(b / a <= 2 for a, b in zip(GRAPH_ROWS, GRAPH_ROWS[1:]))
+    graphs = DecodeGraphs(rows=20, width=5, device=torch.device("cpu"))
+    assert graphs.top == 24 and graphs.bucket(20) == 24 and graphs.bucket(25) is None
+    small, large = graphs.inputs(4), graphs.inputs(24)
+    for name, view in small.items():
+        assert view.data_ptr() == large[name].data_ptr(), name
+    assert small["table"].shape == (4, 5) and small["cu_q"].tolist() == [0, 1, 2, 3, 4]
+    assert small["last"].tolist() == [0, 1, 2, 3]
+
+
+def test_the_decode_kernel_reads_no_more_than_the_table_and_needs_no_host_sync():
+    """reference_kvcache gathers the table's whole width (what a captured graph can do): a table with extra
+    columns of any block ids gives the same output as the narrow one."""
+    kv_lens = [5, 12, 1]
+    k_cache, v_cache, table, _, _ = _paged_rows(kv_lens, seed=6)
+    q = torch.randn(len(kv_lens), 1, HEADS, DIM, generator=torch.Generator().manual_seed(7))
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    wide = torch.cat([table, torch.randint(0, k_cache.shape[0], (len(kv_lens), 4), dtype=torch.int32)], dim=1)
+    torch.testing.assert_close(reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=wide),
+                               reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table),
+                               rtol=1e-6, atol=1e-6)

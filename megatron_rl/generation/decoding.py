@@ -82,6 +82,8 @@ class GenerationOutput:
     """The K/V positions those blocks held then (blocks shared by a group counted once)."""
     evictions: int
     """Rows evicted for want of blocks (and prefilled again later)."""
+    decode_graph_steps: int = 0
+    """Decode steps run from a decode graph (``cuda_graphs``; captured and replayed on a GPU)."""
     routes: Optional[list[torch.Tensor]] = None
     """With ``record_routes``: per prompt, the experts every MoE layer of this rank's chunks routed each position
     of prompt + response to, but the last (the positions a training forward feeds), as ``[positions, slots,
@@ -141,7 +143,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
              stop_requested: Optional[Callable[[bool], tuple]] = None,
              turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
              max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None,
-             settle_replies: Optional[SettleReplies] = None) -> GenerationOutput:
+             settle_replies: Optional[SettleReplies] = None, cuda_graphs: bool = False) -> GenerationOutput:
     """Generate a response for every prompt; see the module docstring and engine.py.
 
     ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
@@ -162,6 +164,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     the prompt, turns of at most ``max_turn_tokens`` and the replies between them, at most ``max_new_tokens`` in
     all and at most ``max_total_tokens`` with the prompt; ``policy_mask`` tells the policy's tokens from the
     replies'. ``settle_replies`` (engine.py ``SettleReplies``): for replies made while rows decode at tp or pp > 1.
+    ``cuda_graphs`` (generation.cuda_graphs): decode-only steps replayed from CUDA graphs per row bucket (graphs.py).
 
     With a ``feed`` (engine.py ``Feed``) it is a session over the feed's prompts instead of ``prompts`` (empty),
     which ends only when the feed raises ``GenerationStopped``: rows join and leave while others decode, each
@@ -199,7 +202,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
                 max_concurrent=max_concurrent, share_prompts=share_prefill, record_routes=record_routes,
                 stop_requested=stop_requested, turn_ended=turn_ended, max_turn_tokens=max_turn_tokens,
-                max_total_tokens=max_total_tokens, feed=feed, settle_replies=settle_replies)
+                max_total_tokens=max_total_tokens, feed=feed, settle_replies=settle_replies, cuda_graphs=cuda_graphs)
         finally:
             drop_inference_tensors_from_megatron_caches(chunks)
     return GenerationOutput(
@@ -210,4 +213,5 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
         fed_tokens=stats.fed_tokens,
         kv_cache_bytes=stats.pool_bytes, decode_attention=f"paged-{stats.kernels}",
         kv_block_tokens=stats.block_tokens, kv_peak_blocks=stats.peak_blocks,
-        kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions, routes=stats.routes)
+        kv_peak_held_tokens=stats.peak_held_tokens, evictions=stats.evictions, routes=stats.routes,
+        decode_graph_steps=stats.graph_steps)

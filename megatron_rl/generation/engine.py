@@ -44,6 +44,10 @@ each environment call once per replica and shares its outcome over the replica's
 (under an expert-parallel lockstep the other workers wait for it at the step's all-reduce); at tp or pp > 1 the
 ranks agree at each step which replies came (``settle_replies``).
 
+Decode graphs. With ``cuda_graphs`` a decode-only step (every fed row feeding one token) is padded to a row
+bucket, with padding rows on the scratch block, and runs on fixed buffers, replayed from a CUDA graph on a GPU
+(graphs.py); mixed steps run eagerly.
+
 Layouts: any TP, PP, virtual PP, DP, CP and SP (SP and CP are switched off for the call, layout.py),
 dense and MoE, with route recording (router replay). When the experts span rollout workers (ep > tp with several workers), the
 workers step in lockstep: one all-reduce a step agrees on the most tokens any worker feeds and whether any still
@@ -63,9 +67,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from megatron_rl.generation.graphs import DecodeGraphs
 from megatron_rl.generation.paged import BlockPool, PagedContext, attention_layers, megatron_paged_attention
 from megatron_rl.generation.paged_attention import kernels as paged_kernels
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens, position_draws
+from megatron_rl.spec.parallel import cuda_graph_error
 
 STOP_POLL_STEPS = 16
 """Engine steps between two stop questions (each is a collective): a stop is seen within this many decode steps."""
@@ -152,6 +158,8 @@ class PagedStats:
     kernels: str
     routes: Optional[list] = None
     """With ``record_routes``: per row, ``[positions, slots, topk]`` int16 on the CPU."""
+    graph_steps: int = 0
+    """Decode steps run on a decode graph's buffers (graphs.py; replayed from a CUDA graph on a GPU)."""
 
 
 SettleReplies = Callable[[list, bool], None]
@@ -231,14 +239,20 @@ class _Part:
                  counters: dict, recorder, stops: tuple, turn_ended: Optional[TurnEnded] = None,
                  max_turn_tokens: Optional[int] = None, replies_may_wait: bool = True,
                  settle_replies: Optional[SettleReplies] = None,
-                 finished: Optional[Callable[[list], None]] = None, positions: Optional[int] = None) -> None:
+                 finished: Optional[Callable[[list], None]] = None, positions: Optional[int] = None,
+                 cuda_graphs: bool = False) -> None:
         self.block_tokens, self.num_blocks, self.device, self.lockstep = block_tokens, num_blocks, device, lockstep
-        self.pool = BlockPool(layers, num_blocks=num_blocks + lockstep.enabled, block_tokens=block_tokens,
+        padded = lockstep.enabled or cuda_graphs
+        self.pool = BlockPool(layers, num_blocks=num_blocks + padded, block_tokens=block_tokens,
                               dtype=dtype, device=device)
-        # an expert-parallel lockstep's padding tokens write to a block of their own, one past the budget
-        self.scratch = self.pool.reserve() if lockstep.enabled else None
+        # padding rows (an expert-parallel lockstep's, a decode graph's bucket) write to a block of their own, one
+        # past the budget
+        self.scratch = self.pool.reserve() if padded else None
         self.context = PagedContext(self.pool, max_sequence_length=max(longest, positions or 0), device=device)
         self.table = torch.zeros((rows, -(-longest // block_tokens)), dtype=torch.int32)
+        self.graphs = DecodeGraphs(rows=rows, width=self.table.size(1), device=device) if cuda_graphs else None
+        self.graph_bucket: Optional[int] = None
+        """The decode graph's bucket this step runs at (None: eagerly)."""
         self.waiting, self.running = deque(units), []
         self.max_concurrent, self.counters, self.recorder = max_concurrent, counters, recorder
         self.stop_ids, self.stop_seqs = stops
@@ -267,6 +281,9 @@ class _Part:
             grown = self.table.new_zeros((max(slots, 2 * self.table.size(0)), max(width, self.table.size(1))))
             grown[:self.table.size(0), :self.table.size(1)] = self.table
             self.table = grown
+            if self.graphs is not None:  # their buffers have the table's width: captured again
+                self.graphs.close()
+                self.graphs = DecodeGraphs(rows=grown.size(0), width=grown.size(1), device=self.device)
         self.waiting.extend(units)
         self.fed_count += sum(len(unit.rows) for unit in units)
         self.live = True
@@ -363,16 +380,23 @@ class _Part:
         if not anyone:
             return False
         padding = _padding_rows(most - sum(q_lens), self.block_tokens)
+        self.graph_bucket = None
+        if self.graphs is not None and q_lens and not padding and max(q_lens) == 1:
+            self.graph_bucket = self.graphs.bucket(len(q_lens))
+            if self.graph_bucket is not None:
+                padding = [1] * (self.graph_bucket - len(q_lens))  # one token each, on the scratch block
         self.q_lens = q_lens
-        self.ids = torch.tensor([t for row in self.feeders for t in row.tokens[row.fed:]] + [0] * sum(padding),
-                                dtype=torch.long, device=self.device)
+        ids = torch.tensor([t for row in self.feeders for t in row.tokens[row.fed:]] + [0] * sum(padding),
+                           dtype=torch.long, device=self.device)
         tables = self.table[[row.index for row in self.feeders]]
         if padding:
             tables = torch.cat([tables, torch.full((len(padding), self.table.size(1)), self.scratch,
                                                    dtype=self.table.dtype)])
+        into = None if self.graph_bucket is None else self.graphs.inputs(self.graph_bucket)
         self.positions = self.context.set_step(q_lens=q_lens + padding,
                                                kv_lens=[len(row.tokens) for row in self.feeders] + padding,
-                                               tables=tables.to(self.device))
+                                               tables=tables.to(self.device), into=into)
+        self.ids = ids if into is None else into["ids"].copy_(ids)
         # every fed row samples one token; a group's completions sample from its lead's logits
         self.sampled, self.source = [], []
         by_lead = {id(unit.rows[0]): unit.rows for unit in self.fresh}
@@ -384,6 +408,18 @@ class _Part:
         self.counters["prefills"] += sum(q > 1 for q in q_lens)
         self.counters["fed"] += sum(q_lens)
         return True
+
+    def forward(self, model) -> torch.Tensor:
+        """The step's forward on the one-stage ``model``: the last tokens' logits ``[fed rows (+ padding rows),
+        vocab]``, from the bucket's decode graph when the step has one."""
+        def run() -> torch.Tensor:
+            return model(self.ids.unsqueeze(0), self.positions.unsqueeze(0), None, inference_context=self.context,
+                         runtime_gather_output=True)[0]
+
+        if self.graph_bucket is None:
+            return run()
+        self.counters["graph_steps"] += 1
+        return self.graphs.run(self.graph_bucket, run)
 
     def take_routes(self, chunk: Optional[int] = None) -> None:
         """After a forward (of chunk ``chunk`` only, under virtual pipeline stages): the fed tokens' experts."""
@@ -532,7 +568,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                    stop_requested: Optional[Callable[[bool], tuple]] = None,
                    turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
                    max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None,
-                   settle_replies: Optional[SettleReplies] = None) -> tuple[list, PagedStats]:
+                   settle_replies: Optional[SettleReplies] = None, cuda_graphs: bool = False
+                   ) -> tuple[list, PagedStats]:
     """Decode ``prompts``; returns (rows in prompt order, stats). See the module docstring. ``chain`` (a
     pipeline.py ``StageChain``) runs forwards across pipeline stages and hands TP rank 0's choice to every rank;
     ``stop_requested(generating) -> (stop, anyone generating)`` is the stop question (a collective).
@@ -547,13 +584,22 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     prompts join between steps while earlier rows decode, each prompt's completions are handed to
     ``feed.finished`` as soon as all have ended, and their slots are used again. Without ``kv_memory_bytes`` the
     first prompts' rows at their longest size the pool; every later row must fit it whole. No route recording or
-    expert-parallel lockstep in a session; its prompts may bring their own turns (``FedPrompt.turns``)."""
+    expert-parallel lockstep in a session; its prompts may bring their own turns (``FedPrompt.turns``).
+    ``cuda_graphs``: decode-only steps run padded to a row bucket on fixed buffers, replayed from CUDA graphs on a
+    GPU (graphs.py); refused where a graph cannot replay them (``cuda_graph_error``)."""
     if block_tokens < 1:
         raise ValueError(f"generation.kv_block_tokens must be >= 1, got {block_tokens}")
     layers = attention_layers(chunks)
     if not layers:
         raise NotImplementedError("generation needs self-attention layers in the model chunks")
     dtype = chunks[0].config.params_dtype
+    if cuda_graphs:
+        why = cuda_graph_error(moe=bool(chunks[0].config.num_moe_experts),
+                               mla=any(layer.latent for layer in layers.values()), pp=chain.pp_size,
+                               staged_tp=device.type == "cuda" and chain.tp_size > 1
+                               and torch.distributed.get_backend(chain.tp_group) == "gloo")
+        if why is not None:
+            raise NotImplementedError(why)
     block_bytes = BlockPool.block_bytes(layers, block_tokens=block_tokens, dtype=dtype)
     if feed is not None and (record_routes or turn_ended is not None or lockstep.enabled):
         raise NotImplementedError("a fed session records no routes and runs no expert-parallel lockstep; its "
@@ -571,7 +617,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
             groups.setdefault(tuple(row.tokens), []).append(row)
         return [_Unit(rows=members) for members in groups.values()]
 
-    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "forwards": 0, "fed": 0, "sampled": 0}
+    counters = {"admitted": 0, "evictions": 0, "prefills": 0, "forwards": 0, "fed": 0, "sampled": 0,
+                "graph_steps": 0}
     free_slots: list = []
 
     def fed_rows(fed: list) -> list:
@@ -649,7 +696,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                    max_turn_tokens=max_turn_tokens, settle_replies=settle_replies,
                    replies_may_wait=(chain.pp_size == 1 and chain.tp_size == 1) or settle_replies is not None,
                    finished=None if feed is None else finished,
-                   positions=max_total_tokens if feed is not None else None)
+                   positions=max_total_tokens if feed is not None else None, cuda_graphs=cuda_graphs)
              for units_of_part, budget in zip(split, budgets)]
     kernels = paged_kernels(device)
     choose = dict(params=params, vocab_size=vocab_size)
@@ -683,8 +730,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                         if dry():  # a feed's prompts came: admitted at the next prepare
                             continue
                         break
-                    logits = chunks[0](part.ids.unsqueeze(0), part.positions.unsqueeze(0), None,
-                                       inference_context=part.context, runtime_gather_output=True)[0]
+                    logits = part.forward(chunks[0])
                     part.take_routes()
                     part.record(chain.share(part.choose(logits, **choose), len(part.sampled))
                                 if part.sampled else None)
@@ -703,6 +749,8 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
         if recorder is not None:
             recorder.close()
         for part in parts:
+            if part.graphs is not None:
+                part.graphs.close()
             part.pool.caches.clear()
         for chunk, flag in zip(chunks, was_training):
             chunk.train(flag)
@@ -710,7 +758,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                        peak_blocks=sum(part.peak_blocks for part in parts),
                        peak_held_tokens=sum(part.peak_held for part in parts), evictions=counters["evictions"],
                        prefills=counters["prefills"], fed_tokens=counters["fed"], steps=counters["forwards"] if count == 1 else steps,
-                       kernels=kernels.name, routes=routes)
+                       kernels=kernels.name, routes=routes, graph_steps=counters["graph_steps"])
     return rows, stats
 
 

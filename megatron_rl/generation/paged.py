@@ -150,27 +150,37 @@ class PagedContext:
         self.padding_slice = slice(0, 0)
 
     # --- what the engine sets before a forward
-    def set_step(self, *, q_lens: list, kv_lens: list, tables: torch.Tensor) -> torch.Tensor:
-        """Describe the next forward; returns the position of every fed token ``[tokens]``."""
+    def set_step(self, *, q_lens: list, kv_lens: list, tables: torch.Tensor, into: Optional[dict] = None
+                 ) -> torch.Tensor:
+        """Describe the next forward; returns the position of every fed token ``[tokens]``. The table is cut to
+        the blocks of the longest row (the torch decode kernel gathers the table's whole width). ``into``
+        (graphs.py ``DecodeGraphs.inputs``, a decode-only step of exactly that many rows): the step is copied into
+        those fixed buffers, which the forward then reads, table and all."""
         device = self.device
         q = torch.tensor(q_lens, dtype=torch.int32, device=device)
         k = torch.tensor(kv_lens, dtype=torch.int32, device=device)
         zero = torch.zeros(1, dtype=torch.int32, device=device)
-        self._cu_q = torch.cat([zero, torch.cumsum(q, 0, dtype=torch.int32)])
-        self._cu_k = torch.cat([zero, torch.cumsum(k, 0, dtype=torch.int32)])
-        self._k_lens = k
-        self._max_q, self._max_k = max(q_lens), max(kv_lens)
-        self._decode_only = self._max_q == 1
-        self._table = tables
-        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q.long())
-        offsets = torch.arange(int(self._cu_q[-1]), device=device) - self._cu_q[:-1].long()[rows]
-        positions = (k - q).long()[rows] + offsets
         bt = self.pool.block_tokens
-        self._positions = positions
-        self._slot_block = tables[rows, positions // bt].long()
-        self._slot_offset = positions % bt
-        self._last = self._cu_q[1:].long() - 1
-        return positions
+        step = {"cu_q": torch.cat([zero, torch.cumsum(q, 0, dtype=torch.int32)]),
+                "cu_k": torch.cat([zero, torch.cumsum(k, 0, dtype=torch.int32)]), "k_lens": k,
+                "table": tables[:, :-(-max(kv_lens) // bt)]}
+        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q.long())
+        offsets = torch.arange(int(step["cu_q"][-1]), device=device) - step["cu_q"][:-1].long()[rows]
+        positions = (k - q).long()[rows] + offsets
+        step.update(positions=positions, slot_block=tables[rows, positions // bt].long(),
+                    slot_offset=positions % bt, last=step["cu_q"][1:].long() - 1)
+        self._max_q, self._max_k = max(q_lens), max(kv_lens)
+        if into is not None:
+            for name, value in step.items():
+                target = into[name]
+                (target[:, :value.shape[1]] if name == "table" else target).copy_(value)
+            step = {name: into[name] for name in step}
+            self._max_k = step["table"].shape[1] * bt
+        self._decode_only = self._max_q == 1
+        self._cu_q, self._cu_k, self._k_lens, self._table = step["cu_q"], step["cu_k"], step["k_lens"], step["table"]
+        self._positions, self._slot_block, self._slot_offset = step["positions"], step["slot_block"], step["slot_offset"]
+        self._last = step["last"]
+        return self._positions
 
     # --- Megatron's dynamic-context interface (megatron/core/transformer/attention.py, models/gpt/gpt_model.py)
     def is_static_batching(self) -> bool:

@@ -32,7 +32,8 @@ def generation_options(cfg, shape, tokenizer) -> dict:
     return dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
                 eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in gen.stop],
                 vocab_size=min(tokenizer.vocab_size, shape.vocab_size), max_concurrent=gen.max_concurrent,
-                kv_memory_gib=gen.kv_memory_gib, kv_block_tokens=gen.kv_block_tokens)
+                kv_memory_gib=gen.kv_memory_gib, kv_block_tokens=gen.kv_block_tokens,
+                cuda_graphs=gen.cuda_graphs)
 
 
 def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group: int, seed: int,

@@ -323,6 +323,27 @@ def packing_error(micro_batch_tokens: int | None, *, algorithm: str, cp: int, ke
     return None
 
 
+def cuda_graph_error(*, moe: bool, mla: bool, pp: int, staged_tp: bool) -> str | None:
+    """Why ``generation.cuda_graphs`` cannot replay this rollout's decode steps, or None. A captured step replays
+    fixed kernels on fixed addresses, with no host synchronisation: MoE token dispatch sizes its exchanges on the
+    host, the MLA latent kernel (the torch reference on every device) selects rows by mask, pipeline stages hand
+    activations over point-to-point between steps, and gloo's TP collectives (parallel.backend=gloo on GPUs) run
+    on the host, where a graph cannot hold them."""
+    if moe:
+        return ("generation.cuda_graphs=true: an MoE model's token dispatch sizes its exchanges on the host, which a "
+                "CUDA graph cannot replay; set generation.cuda_graphs=false")
+    if mla:
+        return ("generation.cuda_graphs=true: multi-latent attention decodes on the torch latent kernel, which "
+                "synchronises with the host; set generation.cuda_graphs=false")
+    if pp > 1:
+        return (f"generation.cuda_graphs=true with a {pp}-stage rollout: decode graphs are captured for one stage "
+                "only; set generation.cuda_graphs=false, or parallel.rollout_pp=1 (split placement)")
+    if staged_tp:
+        return ("generation.cuda_graphs=true with parallel.backend=gloo at tp > 1: gloo's collectives run on the "
+                "host, outside any CUDA graph; set parallel.backend=nccl or generation.cuda_graphs=false")
+    return None
+
+
 def mla_error(shape: Any, *, tp: int, cp: int, sp: bool, transformer_engine: bool, key: str = "parallel.") -> str | None:
     """Multi-latent attention without Transformer Engine (Megatron's local spec): context parallelism needs TE's
     attention, and at tp > 1 the latent norms' TP grad sum needs sequence parallelism."""

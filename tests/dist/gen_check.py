@@ -128,12 +128,13 @@ class WaveFeed:
                                           first_request=start))
             start = end
         self.done: dict[int, tuple] = {}
-        self.questions = 0
+        self.questions = self.graph_steps = 0
 
     def more(self, generating: bool, counters: dict) -> list:
         from megatron_rl.generation import GenerationStopped
 
         self.questions += 1
+        self.graph_steps = counters["graph_steps"]
         if not self.pending and not generating:
             raise GenerationStopped("every fed prompt has ended")
         take = 2 if self.questions == 1 else 1
@@ -339,6 +340,7 @@ def check(args: argparse.Namespace) -> dict:
     long_prompts = [[(7 * i) % 90 + 5 for i in range(30)], [(7 * i) % 90 + 5 for i in range(30)][::-1]]
     grouped = [p for p in prompts for _ in range(4)] + [prompts[0][:3] + [7, 8], prompts[0][:3] + [9], *long_prompts]
     parts = args.pp  # under PP the engine decodes in pp parts, each with its share of the budget
+    graphs = args.pp == 1 and not unwrap(chunks[0]).config.num_moe_experts  # where generation.cuda_graphs runs
     result["paged"] = {"parts": parts, "distinct_prompts": len({tuple(p) for p in grouped}), "rows": len(grouped)}
     for name, kwargs in (("greedy", dict(temperature=0.0)),
                          ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)),
@@ -352,14 +354,18 @@ def check(args: argparse.Namespace) -> dict:
                        for blocks in (10, 24)}}
         if args.pp > 1:
             variants.update({f"parts_{n}": run(pipeline_microbatches=n) for n in (1, 3)})
+        if graphs:  # decode steps padded to row buckets on fixed buffers (what a GPU replays from CUDA graphs)
+            variants.update(graphs=run(cuda_graphs=True),
+                            graphs_budget_10=run(cuda_graphs=True, kv_memory_gib=10 * block_bytes / 2**30))
+        # the fed session (the async worker's engine) runs with decode graphs where the layout has them
         fed = fed_session(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, kv_block_tokens=4,
-                          kv_memory_gib=24 * parts * block_bytes / 2**30,
+                          kv_memory_gib=24 * parts * block_bytes / 2**30, cuda_graphs=graphs,
                           **{**kwargs, "seed": kwargs.get("seed", 0)})
         fed_rows = [fed.done[i] for i in range(len(grouped))]
         full = sequence_logprobs(chunks, padded(grouped, unbounded.tokens))
         summary = lambda out: {"evictions": out.evictions, "prefill_rows": out.prefill_rows,  # noqa: E731
                                "peak_blocks": out.kv_peak_blocks, "pool_bytes": out.kv_cache_bytes,
-                               "forward_passes": out.forward_passes}
+                               "forward_passes": out.forward_passes, "graph_steps": out.decode_graph_steps}
         result["paged"][name] = {
             "block_bytes": block_bytes, "stopped": unbounded.finish_reasons.count("stop"),
             "vs_sequence_logprobs": max_abs_diff(unbounded.logprobs, response_slice(full, grouped, unbounded.lengths)),
@@ -372,7 +378,7 @@ def check(args: argparse.Namespace) -> dict:
             "fed": {"tokens_equal": [list(r[0]) for r in fed_rows] == unbounded.tokens,
                     "finish_reasons_equal": [r[2] for r in fed_rows] == unbounded.finish_reasons,
                     "logprob_diff": max_abs_diff([r[1] for r in fed_rows], unbounded.logprobs),
-                    "questions": fed.questions}}
+                    "questions": fed.questions, "graph_steps": fed.graph_steps}}
 
     result["multi_turn"] = multi_turn_check(chunks, prompts, vocab)
 
@@ -405,6 +411,7 @@ def check(args: argparse.Namespace) -> dict:
         "empty_prompt": lambda: generate(chunks, [[]], vocab_size=vocab, max_new_tokens=2),
         "token_out_of_vocab": lambda: generate(chunks, [[vocab]], vocab_size=vocab, max_new_tokens=2),
         "too_long": lambda: generate(chunks, [[5]], vocab_size=vocab, max_new_tokens=shape.max_position_embeddings),
+        "cuda_graphs": lambda: generate(chunks, [[5]], vocab_size=vocab, max_new_tokens=2, cuda_graphs=True),
     }.items():
         try:
             call()

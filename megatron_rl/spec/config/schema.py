@@ -395,6 +395,11 @@ class GenerationConfig:
     enough blocks for every completion at its longest."""
     kv_block_tokens: int = 256
     """Tokens per KV block. flash-attn's paged kernels need a multiple of 256 on GPUs; CPU runs may use less."""
+    cuda_graphs: bool = False
+    """Replay decode-only engine steps (every row feeding one token) from CUDA graphs, one per row-count bucket,
+    captured in each rollout's first steps of that size (megatron_rl/generation/graphs.py): the long tail of a
+    rollout, a few rows decoding, stops paying the kernels' launch time. Dense models decoding at one pipeline
+    stage only. Off until a GPU has validated it; on CPU jobs the same bucketed steps run without capture."""
 
     def __post_init__(self) -> None:
         _positive("generation", max_new_tokens=self.max_new_tokens)

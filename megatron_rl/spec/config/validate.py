@@ -10,6 +10,7 @@ from megatron_rl.spec.limits import check_job_limits, check_limits, trainer_limi
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.spec.parallel import (
     ParallelDims,
+    cuda_graph_error,
     microbatch_error,
     mla_error,
     packing_error,
@@ -44,7 +45,10 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
                                                 dp=dp, pp=dims.pp, vpp=dims.vpp))
            or sequence_error(seq, tp=dims.tp, cp=dims.cp, sp=dims.sp, pads=pads_sequences(cfg.algorithm.name))
            or mla_error(shape, tp=dims.tp, cp=dims.cp, sp=dims.sp, transformer_engine=transformer_engine)
-           or packing_error(par.micro_batch_tokens, algorithm=cfg.algorithm.name, cp=dims.cp))
+           or packing_error(par.micro_batch_tokens, algorithm=cfg.algorithm.name, cp=dims.cp)
+           or (cuda_graph_error(moe=shape.is_moe, mla=shape.is_mla, pp=par.rollout_pp or dims.pp,
+                                staged_tp=cfg.cluster.has_gpus and par.backend == "gloo" and (par.rollout_tp or dims.tp) > 1)
+               if cfg.generation.cuda_graphs else None))
     if why is not None:
         raise ConfigError(why)
     if cfg.algorithm.name == "grpo" and cfg.algorithm.rollout_size % dp:
