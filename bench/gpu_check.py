@@ -27,8 +27,8 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
    of an odd batch with CUDA graphs captured per row bucket, in two offload phases (captured again in each),
    against the same bucketed steps run eagerly (tokens equal, log-probs within 1e-3) and plain eager decoding
    (ms per engine step, peak memory, log-probs against the training forward). The dry run captures nothing.
-5. LoRA: adapters on this device's linears (TE's on a GPU with TE): zero-init equals the base, and the
-   adapters' forward equals their merged weights.
+5. LoRA: adapters on this device's linears (TE's on a GPU with TE), MLA's and grouped experts' (TE's grouped
+   GEMM with TE): zero-init equals the base, and the adapters' forward equals their merged weights.
 6. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
    rollout's KV-cache log-probs are checked against the training forward. bf16 tolerance: max |diff| <= 0.25
    nats and mean |diff| <= 0.02 nats (bf16 keeps 8 mantissa bits; decode and full-sequence GEMMs round

@@ -227,21 +227,25 @@ def lora_check(exact_yaml: str, device: torch.device) -> dict:
     """model.lora on this device's layers (Transformer Engine's linears, LayerNorm-fused ones included, on a GPU
     with TE), fp32: zero-initialised adapters leave the base's log-probs unchanged, and with random B the
     adapters' forward equals the base with B A alpha / r merged into each weight. Twice: the exact model with the
-    default targets, and tiny-cpu-deepseek-v3 with every MLA projection (TE's TP-replicated ``TELinear`` down
-    projections, its norm-fused up projections) and the shared expert."""
+    default targets, tiny-cpu-deepseek-v3 with every MLA projection (TE's TP-replicated ``TELinear`` down
+    projections, its norm-fused up projections) and the shared expert, and tiny-cpu-moe's grouped experts (TE's
+    grouped GEMM where TE runs, else the torch grouped linears) with one adapter per expert."""
     from megatron_rl.spec.config.schema import LoraConfig
 
     mla = LoraConfig(rank=4, targets=["linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                                       "linear_kv_up_proj", "shared_experts.linear_fc1", "shared_experts.linear_fc2"])
+    experts = LoraConfig(rank=4, targets=["linear_qkv", "experts.linear_fc1", "experts.linear_fc2"])
     checks = {"dense": _lora_numerics(str(REPO_ROOT / exact_yaml), LoraConfig(rank=4), device),
-              "mla": _lora_numerics("tiny-cpu-deepseek-v3", mla, device)}
+              "mla": _lora_numerics("tiny-cpu-deepseek-v3", mla, device),
+              # grouped experts: TE's grouped GEMM where TE runs, else the torch grouped linears
+              "moe_grouped": _lora_numerics("tiny-cpu-moe", experts, device, moe_grouped_gemm=True)}
     return {**checks, "passed": all(check["passed"] for check in checks.values())}
 
 
-def _lora_numerics(model_name: str, lora, device: torch.device) -> dict:
+def _lora_numerics(model_name: str, lora, device: torch.device, moe_grouped_gemm=None) -> dict:
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
-    from megatron_rl.models.lora import adapters, adapters_disabled
+    from megatron_rl.models.lora import adapters, adapters_disabled, merge_adapters
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import sequence_logprobs
 
@@ -250,7 +254,8 @@ def _lora_numerics(model_name: str, lora, device: torch.device) -> dict:
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7, lora=lora))
+        model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7, lora=lora,
+                                                    moe_grouped_gemm=moe_grouped_gemm))
         chunks = [model]
         with torch.no_grad():
             at_init = sequence_logprobs(model, tokens)
@@ -260,9 +265,7 @@ def _lora_numerics(model_name: str, lora, device: torch.device) -> dict:
             for adapter in adapters(chunks):
                 adapter.B.copy_(torch.randn(adapter.B.shape, generator=generator).to(adapter.B) * 0.05)
             with_adapters = sequence_logprobs(model, tokens)
-            for module in unwrap(model).modules():
-                if hasattr(module, "lora") and hasattr(module, "weight"):
-                    module.weight += module.lora.delta_weight()
+            merge_adapters(unwrap(model))
             with adapters_disabled(chunks):
                 merged = sequence_logprobs(model, tokens)
     finally:

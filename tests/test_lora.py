@@ -134,12 +134,14 @@ def test_routed_expert_adapters_train_alike_split_over_expert_tp_and_over_ep(lay
     """tiny-cpu-moe with adapters on every routed expert's fc1 and fc2: at TP2 with SP (each expert split over
     expert-TP 2: the dispatcher gathers tokens and sums outputs, and the replicated A or B of an expert linear
     gets its gradient summed over the group) and at TP2 x EP2 with SP (two whole experts per rank), step by step
-    as TP1 x DP2."""
+    as TP1 x DP2; and grouped experts (Megatron's TEGroupedMLP, one adapter per expert in each grouped linear) at
+    TP1 x DP2 and TP2 x EP2 with SP, loaded from the sequential experts' untrained checkpoint, too."""
     _, ranks = layouts
     ref = ranks[0]["moe_dp2"]
-    for name in ("moe_tp2sp", "moe_tp2ep2sp"):
+    for name in ("moe_tp2sp", "moe_tp2ep2sp", "moe_grouped_dp2", "moe_grouped_tp2ep2sp"):
         result = ranks[0][name]
-        assert result["expert_adapter_numel"] > 0, name  # the expert path (explicit expert communication) ran
+        if name != "moe_grouped_dp2":  # the expert path (explicit expert communication) ran
+            assert result["expert_adapter_numel"] > 0, name
         for ours, theirs in zip(result["steps"], ref["steps"], strict=True):
             assert abs(ours["loss"] - theirs["loss"]) < 1e-5, name
             assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-5, name
@@ -153,7 +155,10 @@ def test_routed_expert_adapters_train_alike_split_over_expert_tp_and_over_ep(lay
     lora = LoraConfig(rank=4, alpha=8, targets=["linear_qkv", "linear_proj", "experts.linear_fc1", "experts.linear_fc2"])
     planned = lora_trainable_fraction(load_model_shape("tiny-cpu-moe"), lora)  # the planner counts what trains
     assert all(ranks[0][name]["trainable_fraction"] == pytest.approx(planned, abs=1e-12)
-               for name in ("moe_dp2", "moe_tp2sp", "moe_tp2ep2sp"))
+               for name in ("moe_dp2", "moe_tp2sp", "moe_tp2ep2sp", "moe_grouped_dp2", "moe_grouped_tp2ep2sp"))
+    assert ranks[0]["moe_grouped_dp2"]["adapter_numel"] == ref["adapter_numel"]
+    for rank in ranks:  # per-expert seeds: a fresh grouped adapter's A is its sequential twin's, at either layout
+        assert rank["moe_grouped_dp2"]["fresh_a_vs_sequential"] == rank["moe_grouped_tp2ep2sp"]["fresh_a_vs_sequential"] == 0
 
 
 @slow
@@ -383,7 +388,8 @@ def test_merged_export_matches_our_engine_at_every_layout(layouts, tmp_path, lau
     out, ranks = layouts
     tokens = torch.randint(1, 128, (4, 17), generator=torch.Generator().manual_seed(3))  # lora_check's tokens
     merged = {}
-    for name, model_name in (("dp2", "tiny-cpu"), ("tp2sp", "tiny-cpu"), ("moe_tp2ep2sp", "tiny-cpu-moe")):
+    for name, model_name in (("dp2", "tiny-cpu"), ("tp2sp", "tiny-cpu"), ("moe_tp2ep2sp", "tiny-cpu-moe"),
+                             ("moe_grouped_tp2ep2sp", "tiny-cpu-moe")):
         hf_dir = tmp_path / f"hf_{name}"
         result = launch("convert", "megatron-to-hf", "--ckpt", str(out / f"ckpt_{name}"), "--out", str(hf_dir),
                         "--model", model_name)
@@ -408,6 +414,12 @@ def test_merged_export_matches_our_engine_at_every_layout(layouts, tmp_path, lau
     adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "moe_adapter")).eval()
     with torch.no_grad():
         assert float((adapted(tokens).logits - merged["moe_tp2ep2sp"](tokens).logits).abs().max()) < 1e-4
+    # the grouped experts' checkpoint holds its adapters under the sequential experts' keys: PEFT loads its export
+    export_peft_adapter(out / "ckpt_moe_grouped_tp2ep2sp", tmp_path / "grouped_adapter", base_hf=tmp_path / "hf_moe_base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_moe_base", dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "grouped_adapter")).eval()
+    with torch.no_grad():
+        assert float((adapted(tokens).logits - merged["moe_grouped_tp2ep2sp"](tokens).logits).abs().max()) < 1e-4
 
 
 # ------------------------------------------------------------------ PEFT round trip from an HF-imported model

@@ -88,6 +88,9 @@ class ModelOptions:
     """algorithm.router_replay: routers that can record and replay their top-k (megatron_rl/models/router_replay.py)."""
     transformer_engine: bool = field(default_factory=lambda: have_transformer_engine())
     """Build Transformer Engine layers (runtime.transformer_engine resolved; default: whether TE is usable)."""
+    moe_grouped_gemm: Optional[bool] = None
+    """runtime.moe_grouped_gemm: routed experts as grouped linears (TEGroupedMLP; TE's grouped GEMM, or without TE
+    the torch grouped linears of grouped_linear.py) or one MLP per expert; None: grouped where TE runs."""
     attention: str = "auto"
     """runtime.attention: flash, unfused, or auto (flash); see ``core_attention``."""
     recompute_num_layers: Optional[int] = None
@@ -96,6 +99,11 @@ class ModelOptions:
     """runtime.tp_comm_overlap: TE userbuffers overlap of the TP collectives (GPUs with TE only)."""
     lora: Optional[LoraConfig] = None
     """model.lora: low-rank adapters on a frozen base (megatron_rl/models/lora.py); None trains every weight."""
+
+    @property
+    def grouped_experts(self) -> bool:
+        """Whether routed experts are grouped linears (runtime.moe_grouped_gemm resolved)."""
+        return self.transformer_engine if self.moe_grouped_gemm is None else self.moe_grouped_gemm
 
     @property
     def core_attention(self) -> str:
@@ -146,7 +154,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_router_score_function=shape.moe_router_score_function,
             **moe_routing_options(shape, opts),
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-            moe_grouped_gemm=opts.transformer_engine,  # TE's grouped GEMM experts on GPUs
+            moe_grouped_gemm=opts.grouped_experts,
             moe_aux_loss_coeff=aux_loss_coeff(opts),
             moe_router_load_balancing_type=opts.moe_load_balancing if opts.moe_aux_loss_coeff else "none",
             moe_enable_routing_replay=opts.router_replay,
@@ -306,6 +314,10 @@ def layer_spec(shape: ModelShape, config, *, vp_stage: Optional[int] = None, tra
     use_te = have_transformer_engine() if transformer_engine is None else transformer_engine
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                       normalization=shape.normalization, vp_stage=vp_stage)
+    if config.moe_grouped_gemm and not use_te:  # Megatron's local spec has sequential experts only
+        from megatron_rl.models.grouped_linear import with_torch_grouped_experts
+
+        spec = with_torch_grouped_experts(spec)
     if use_te:
         return spec
     if config.sequence_parallel:

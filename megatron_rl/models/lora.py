@@ -24,8 +24,12 @@ adapters only. Sharding follows the base:
   does the expert-TP communication (Megatron's ``explicit_expert_comm``), so the adapter reduces no activation;
   its replicated matrix (column: A, row: B) gets its gradient summed over the expert-TP group instead
   (``LoraAdapter._expert_output``), and its parameters are reduced over the expert-data-parallel group, as the
-  expert's weights. Shared experts (``shared_experts.linear_fc1/fc2``) are dense linears. Transformer Engine's
-  grouped-GEMM experts take no adapters yet (refused in one line).
+  expert's weights. Shared experts (``shared_experts.linear_fc1/fc2``) are dense linears.
+* grouped experts (Megatron's ``TEGroupedMLP``: TE's grouped GEMM, or the torch grouped linears of
+  grouped_linear.py): the grouped linear gets a ``lora`` ModuleList of one such expert adapter per local expert
+  (seeded by its global index, as a sequential expert's), and a hook that splits the tokens by ``m_splits``; its
+  sharded state dict stores each adapter under the sequential experts' keys, so checkpoints, exports and PEFT
+  adapters do not depend on the choice.
 
 A is drawn as PEFT does (kaiming-uniform, a=sqrt(5)) on the whole [r, in] matrix from a seed of its global layer
 and target, then sliced, so the initial adapters do not depend on the layout; B starts at zero, so step 0 is the
@@ -67,6 +71,7 @@ from megatron_rl.spec.config.schema import LoraConfig
 
 ADAPTER = "lora"
 """Name of the adapter child of each adapted linear (checkpoint keys ``<linear>.lora.A`` / ``.lora.B``)."""
+_ADAPTER_KEY = re.compile(rf"\.{ADAPTER}\.(\d+\.)?[AB]\b")
 TRAINABLE_HEADS = ("rm_head.",)
 """Top-level modules that stay trainable beside the adapters (a reward model's or critic's new head)."""
 SAVED_MODULES = {"embedding": "embedding.word_embeddings.", "output_layer": "output_layer.",
@@ -81,8 +86,9 @@ experts)."""
 
 
 def is_adapter_key(key: str) -> bool:
-    """Whether a (checkpoint or state-dict) key is a LoRA adapter matrix."""
-    return f".{ADAPTER}.A" in key or f".{ADAPTER}.B" in key
+    """Whether a (checkpoint or state-dict) key is a LoRA adapter matrix (``<linear>.lora.A``, or a grouped expert
+    linear's ``<linear>.lora.<expert>.A``)."""
+    return _ADAPTER_KEY.search(key) is not None
 
 
 class LoraAdapter(torch.nn.Module):
@@ -204,6 +210,33 @@ def _sharded_state_dict(module, prefix: str = "", sharded_offsets: tuple = (), m
     return state
 
 
+def _add_grouped_adapter_output(module, args, kwargs, output):
+    """A grouped expert linear's hook: its tokens come sorted by local expert (``m_splits`` per expert), and each
+    expert's run gets its own adapter's output."""
+    if not module.lora[0].enabled:
+        return output
+    x, m_splits = args
+    out, bias = output
+    parts = torch.split(x, [int(m) for m in m_splits])
+    return out + torch.cat([adapter(part) for adapter, part in zip(module.lora, parts)]).to(out.dtype), bias
+
+
+def _grouped_sharded_state_dict(module, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    """A grouped expert linear's sharded state dict plus its adapters', each under the key a sequential expert's
+    adapter has (models/grouped_linear.py ``expert_sharded_tensors``), so checkpoints move between the two."""
+    from megatron_rl.models.grouped_linear import expert_sharded_tensors
+
+    state = {k: v for k, v in type(module).sharded_state_dict(module, prefix, sharded_offsets, metadata).items()
+             if f".{ADAPTER}." not in f".{k}"}
+    first = module.lora[0]
+    axes = {"column": {f"{ADAPTER}.B": 0}, "row": {f"{ADAPTER}.A": 1}}[first.parallel]
+    experts = [{f"{ADAPTER}.{i}.A": (f"{ADAPTER}.A", adapter.A), f"{ADAPTER}.{i}.B": (f"{ADAPTER}.B", adapter.B)}
+               for i, adapter in enumerate(module.lora)]
+    state.update(expert_sharded_tensors(module, experts, axes, prefix, sharded_offsets, metadata,
+                                        gated=(f"{ADAPTER}.B",) if first.gated else ()))
+    return state
+
+
 def _embedding_output_requires_grad(module, args, output):
     if torch.is_grad_enabled() and not output.requires_grad:
         output.requires_grad_(True)
@@ -227,6 +260,38 @@ def adapter_seed(seed: int, layer: int, target: str, expert: Optional[int] = Non
     return base if expert is None else base + (expert + 1) * 100_000_007
 
 
+def _new_adapter(*, weight: torch.nn.Parameter, parallel: str, tp_group, expert: bool, gated: bool, settings: dict,
+                 lora: LoraConfig, sequence_parallel: bool, seed: int) -> "LoraAdapter":
+    """The adapter of one linear (or one expert of a grouped linear) whose local weight is ``weight``: A drawn as
+    PEFT does on the whole [r, in] matrix from ``seed``, then sliced; B zero; TP and reduction attributes as
+    the weight's."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    out_local, in_local = weight.shape
+    adapter = LoraAdapter(settings=settings, parallel=parallel, in_local=in_local, out_local=out_local,
+                          rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, sequence_parallel=sequence_parallel,
+                          tp_group=tp_group, gated=gated, expert=expert, dtype=weight.dtype, device=weight.device)
+    size, index = (tp_group.size(), tp_group.rank()) if tp_group is not None else (
+        parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank())
+    in_full = in_local * (size if parallel == "row" else 1)
+    full_a = torch.empty(lora.rank, in_full)
+    torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        adapter.A.copy_(full_a[:, index * in_local:(index + 1) * in_local] if parallel == "row" else full_a)
+    if parallel == "column":
+        set_tensor_model_parallel_attributes(adapter.B, True, 0, 1)
+    elif parallel == "row":
+        set_tensor_model_parallel_attributes(adapter.A, True, 1, 1)
+    if adapter.sequence_parallel:  # grads cover this rank's tokens only: summed over TP by finalize_model_grads
+        replicated = {"column": [adapter.A], "row": [adapter.B], "duplicated": [adapter.A, adapter.B]}[parallel]
+        for param in replicated:
+            param.sequence_parallel = True
+    for param in (adapter.A, adapter.B):  # an expert's: reduced over the expert-data-parallel group, as its weight
+        param.allreduce = getattr(weight, "allreduce", True)
+    return adapter
+
+
 def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
     """Give ``model``'s target linears adapters and freeze everything else but ``TRAINABLE_HEADS`` and the
     modules_to_save (their parameters tagged ``lora_saved``); returns how many linears were adapted. Routed experts
@@ -235,11 +300,7 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
     projections when named (linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj,
     linear_kv_up_proj; its output projection is linear_proj)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
     config = model.config
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     adapted = 0
     settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets),
                 "modules_to_save": list(lora.modules_to_save)}
@@ -248,42 +309,39 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
         target = match and (f"{match['group']}.{match['linear']}" if match["group"] else match["linear"])
         if match is None or target not in lora.targets:
             continue
+        layer = model.decoder.layers[int(match.group(1))]
+        group = getattr(module, "tp_group", None)
+        gated = match["linear"] == "linear_fc1" and config.gated_linear_unit
+        if match["group"] == "experts" and match["expert"] is None and hasattr(module, "num_gemms"):
+            # grouped experts (TEGroupedMLP): one adapter per local expert, as SequentialMLP's would have
+            experts = layer.mlp.experts
+            first = experts.ep_group.rank() * experts.num_local_experts
+            parallel = "column" if match["linear"] == "linear_fc1" else "row"
+            found = torch.nn.ModuleList(
+                _new_adapter(weight=getattr(module, f"weight{i}"), parallel=parallel, tp_group=module._tp_group,
+                             expert=module.explicit_expert_comm, gated=gated, settings=settings, lora=lora,
+                             sequence_parallel=config.sequence_parallel,
+                             seed=adapter_seed(seed, layer.layer_number, target, first + i))
+                for i in range(module.num_gemms))
+            module.add_module(ADAPTER, found)
+            module.register_forward_hook(_add_grouped_adapter_output, with_kwargs=True)
+            module.sharded_state_dict = types.MethodType(_grouped_sharded_state_dict, module)
+            adapted += module.num_gemms
+            continue
         parallel = _parallel_mode(module)
         if parallel is None or (match["group"] == "experts" and match["expert"] is None):
             from megatron_rl.spec.errors import ConfigError
 
             raise ConfigError(f"model.lora.targets: {name} is a {type(module).__name__}, not a parallel linear of one "
-                              "expert (grouped-GEMM experts take no adapters yet): leave experts.* out of the targets, "
-                              "or run with runtime.transformer_engine=false")
-        out_local, in_local = module.weight.shape
-        layer = model.decoder.layers[int(match.group(1))]
+                              "expert nor a grouped expert linear: leave experts.* out of the targets")
         expert = None
         if match["expert"] is not None:  # global index: this EP rank's first expert + the local one
             experts = layer.mlp.experts
             expert = experts.ep_group.rank() * experts.num_local_experts + int(match["expert"])
-        explicit = bool(getattr(module, "explicit_expert_comm", False))
-        group = getattr(module, "tp_group", None)
-        adapter = LoraAdapter(settings=settings, parallel=parallel, in_local=in_local, out_local=out_local, rank=lora.rank,
-                              alpha=lora.alpha, dropout=lora.dropout, sequence_parallel=config.sequence_parallel,
-                              tp_group=group, gated=match["linear"] == "linear_fc1" and config.gated_linear_unit,
-                              expert=explicit, dtype=module.weight.dtype, device=module.weight.device)
-        size, index = (group.size(), group.rank()) if group is not None else (tp, tp_rank)
-        in_full = in_local * (size if parallel == "row" else 1)
-        generator = torch.Generator().manual_seed(adapter_seed(seed, layer.layer_number, target, expert))
-        full_a = torch.empty(lora.rank, in_full)
-        torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
-        with torch.no_grad():
-            adapter.A.copy_(full_a[:, index * in_local:(index + 1) * in_local] if parallel == "row" else full_a)
-        if parallel == "column":
-            set_tensor_model_parallel_attributes(adapter.B, True, 0, 1)
-        elif parallel == "row":
-            set_tensor_model_parallel_attributes(adapter.A, True, 1, 1)
-        if adapter.sequence_parallel:  # grads cover this rank's tokens only: summed over TP by finalize_model_grads
-            replicated = {"column": [adapter.A], "row": [adapter.B], "duplicated": [adapter.A, adapter.B]}[parallel]
-            for param in replicated:
-                param.sequence_parallel = True
-        for param in (adapter.A, adapter.B):  # an expert's: reduced over the expert-data-parallel group, as its weight
-            param.allreduce = getattr(module.weight, "allreduce", True)
+        adapter = _new_adapter(weight=module.weight, parallel=parallel, tp_group=group, gated=gated,
+                               expert=bool(getattr(module, "explicit_expert_comm", False)), settings=settings,
+                               lora=lora, sequence_parallel=config.sequence_parallel,
+                               seed=adapter_seed(seed, layer.layer_number, target, expert))
         if parallel != "row":
             adapter.norm = te_fused_norm(module)
         module.add_module(ADAPTER, adapter)
@@ -315,6 +373,20 @@ def adapters(chunks) -> Iterator[LoraAdapter]:
         for module in chunk.modules():
             if isinstance(module, LoraAdapter):
                 yield module
+
+
+def merge_adapters(chunks) -> None:
+    """Add every adapter of ``chunks`` into its base weight shard (W + B A alpha / r; a grouped expert linear's
+    each into its expert's weight); run them with the adapters disabled afterwards to see the merged model."""
+    with torch.no_grad():
+        for chunk in chunks if isinstance(chunks, (list, tuple)) else [chunks]:
+            for module in chunk.modules():
+                found = getattr(module, ADAPTER, None)
+                if isinstance(found, LoraAdapter):
+                    module.weight += found.delta_weight()
+                elif isinstance(found, torch.nn.ModuleList):
+                    for i, adapter in enumerate(found):
+                        getattr(module, f"weight{i}").add_(adapter.delta_weight())
 
 
 def stored_lora_config(extra: Optional[dict]) -> Optional[LoraConfig]:

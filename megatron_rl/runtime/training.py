@@ -145,6 +145,7 @@ def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
         router_replay=cfg.algorithm.name == "grpo" and cfg.algorithm.router_replay and shape.is_moe,
         seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed,
         transformer_engine=resolve_transformer_engine(cfg.runtime.transformer_engine),
+        moe_grouped_gemm=None if cfg.runtime.moe_grouped_gemm == "auto" else bool(cfg.runtime.moe_grouped_gemm),
         attention=cfg.runtime.attention, recompute_num_layers=cfg.parallel.recompute_num_layers,
         tp_comm_overlap=cfg.runtime.tp_comm_overlap, lora=cfg.model.lora)
 

@@ -40,15 +40,6 @@ def progression_trainer(engine, *, micro_batch_size: int) -> Callable[[int], dic
     return train_step
 
 
-def merge_adapters(chunk) -> None:
-    """Add every LoRA adapter of ``chunk`` into its base weight shard (W + B A alpha / r); run the chunk with its
-    adapters disabled afterwards to see the merged model."""
-    with torch.no_grad():
-        for module in chunk.modules():
-            if hasattr(module, "lora") and hasattr(module, "weight"):
-                module.weight += module.lora.delta_weight()
-
-
 def write_rank_result(out: str | Path, result: dict) -> None:
     """``OUT/rank{R}.json`` of this rank, then a barrier (every rank has written when any returns)."""
     out = Path(out)

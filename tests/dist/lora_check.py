@@ -26,7 +26,13 @@ LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sequence_parallel": 
            # holds two whole experts (etp 1)
            "moe_dp2": {"model": "tiny-cpu-moe"},
            "moe_tp2sp": {"model": "tiny-cpu-moe", "tp": 2, "sequence_parallel": True},
-           "moe_tp2ep2sp": {"model": "tiny-cpu-moe", "tp": 2, "ep": 2, "sequence_parallel": True}}
+           "moe_tp2ep2sp": {"model": "tiny-cpu-moe", "tp": 2, "ep": 2, "sequence_parallel": True},
+           # grouped experts (Megatron's TEGroupedMLP, here on the torch grouped linears): one adapter per expert
+           # inside each grouped linear; started from moe_tp2ep2sp's untrained checkpoint (the same keys), they
+           # train as the sequential experts do
+           "moe_grouped_dp2": {"model": "tiny-cpu-moe", "grouped": True},
+           "moe_grouped_tp2ep2sp": {"model": "tiny-cpu-moe", "tp": 2, "ep": 2, "sequence_parallel": True,
+                                    "grouped": True}}
 OVERRIDES = ["algorithm.name=pretrain", "model.lora={rank: 4, alpha: 8}", "optimizer.lr=2e-2",
              "optimizer.lr_warmup_steps=0", "optimizer.clip_grad=1.0", "run.steps=4"]
 
@@ -44,29 +50,36 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from dist_common import merge_adapters, progression_trainer
+    from dist_common import progression_trainer
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.models.lora import adapters, adapters_disabled
+    from megatron_rl.models.lora import adapters, adapters_disabled, merge_adapters
     from megatron_rl.runtime import checkpoint as ckpt
     from dist_common import start_layout
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
 
     sizes = dict(sizes)
     model = sizes.pop("model", "tiny-cpu")
+    grouped = sizes.pop("grouped", False)
     start_layout(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}, seed=1234)
     lora = ["model.lora={rank: 4, alpha: 8, targets: [linear_qkv, linear_proj, experts.linear_fc1, experts.linear_fc2]}"
             ] if model != "tiny-cpu" else []
-    cfg = load_config(None, [*OVERRIDES, *lora, f"model.name={model}",
+    cfg = load_config(None, [*OVERRIDES, *lora, f"model.name={model}", f"runtime.moe_grouped_gemm={str(grouped).lower()}",
                              *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
     shape = load_model_shape(model)
     engine = build_engine(cfg, shape)
+    fresh_a = None
+    if grouped:  # the sequential experts' untrained model (weights and adapters), through the same checkpoint keys
+        fresh_a = [a.A.detach().clone() for a in adapters(engine.chunks)]
+        ckpt.load_checkpoint(out / "ckpt_base_moe_tp2ep2sp", chunks=engine.chunks, load_optimizer=False)
+        # each grouped expert's adapter drew A from its global expert's seed, as its sequential twin did
+        fresh_a = max(float((a.A - before).abs().max()) for a, before in zip(adapters(engine.chunks), fresh_a))
     tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
 
     def logprobs() -> list:
         return sequence_logprobs(engine.chunks, tokens).tolist()
 
-    result = {"trainable_fraction": engine.trainable_fraction}
+    result = {"trainable_fraction": engine.trainable_fraction, "fresh_a_vs_sequential": fresh_a}
     if name == "moe_tp2ep2sp":  # the base model for the PEFT export (B is zero before training)
         ckpt.save_checkpoint(out / f"ckpt_base_{name}", step=0, chunks=engine.chunks, optimizer=engine.optimizer,
                              scheduler=engine.scheduler)

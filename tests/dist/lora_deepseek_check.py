@@ -32,8 +32,8 @@ OVERRIDES = ["algorithm.name=pretrain", f"model.lora={{rank: 4, alpha: 8, target
 def run_layout(sizes: dict, out: Path, *, save: bool) -> dict:
     import torch
 
-    from dist_common import merge_adapters, progression_trainer
-    from megatron_rl.models.lora import adapters, adapters_disabled
+    from dist_common import progression_trainer
+    from megatron_rl.models.lora import adapters, adapters_disabled, merge_adapters
     from megatron_rl.runtime import checkpoint as ckpt
     from dist_common import start_layout
     from megatron_rl.runtime.training import build_engine, sequence_logprobs

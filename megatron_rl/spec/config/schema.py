@@ -44,8 +44,8 @@ class LoraConfig:
     """Dropout on the adapter's input, in [0, 1)."""
     targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
     """Megatron module names to adapt, a subset of linear_qkv, linear_proj, linear_fc1, linear_fc2 (the dense
-    layers' attention and MLP), experts.linear_fc1/fc2 (an MoE layer's routed experts, every one; sequential experts
-    only, not Transformer Engine's grouped GEMM), shared_experts.linear_fc1/fc2 and multi-latent attention's
+    layers' attention and MLP), experts.linear_fc1/fc2 (an MoE layer's routed experts, every one, sequential or
+    grouped: runtime.moe_grouped_gemm), shared_experts.linear_fc1/fc2 and multi-latent attention's
     linear_q_proj (without q-LoRA), linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj
     (its output projection is linear_proj; linear_qkv names nothing there). Default: the first four."""
     modules_to_save: list[str] = field(default_factory=list)
@@ -223,6 +223,11 @@ class RuntimeConfig:
     """Transformer Engine layers: true (the job stops when TE does not import on a GPU), false (Megatron's local
     torch layers even where TE is installed) or auto (TE whenever it imports and a GPU is present). The planner
     takes auto as TE on GPU jobs (cluster.gpus_per_node > 0) and none on CPU jobs."""
+    moe_grouped_gemm: Union[bool, str] = "auto"
+    """An MoE layer's routed experts as grouped linears, one module per linear holding every local expert
+    (Megatron's TEGroupedMLP: Transformer Engine's grouped GEMM; without TE, one torch linear per expert in that
+    module, megatron_rl/models/grouped_linear.py), or as one MLP per expert (SequentialMLP): true, false, or auto
+    (grouped where TE runs). Checkpoints move between the two."""
     attention: str = "auto"
     """Core attention kernel: flash (TE's fused attention; without TE, torch's scaled_dot_product_attention:
     neither keeps the s x s scores), unfused (softmax(QK^T)V with the scores kept for backward: Megatron's
@@ -245,6 +250,9 @@ class RuntimeConfig:
         if isinstance(self.transformer_engine, str) and self.transformer_engine != "auto":
             raise ConfigError(f"runtime.transformer_engine={self.transformer_engine!r} is not valid; use true, false "
                               "or auto")
+        if isinstance(self.moe_grouped_gemm, str) and self.moe_grouped_gemm != "auto":
+            raise ConfigError(f"runtime.moe_grouped_gemm={self.moe_grouped_gemm!r} is not valid; use true, false or "
+                              "auto")
         _one_of("runtime", "attention", self.attention, ATTENTION_KERNELS)
         _one_of("runtime", "grad_dtype", self.grad_dtype, GRAD_DTYPES)
         if self.grad_bucket_size is not None and self.grad_bucket_size < 1:
