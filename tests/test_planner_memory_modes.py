@@ -4,6 +4,7 @@ buffers), the job's runtime as planner input, and the dpo / ppo / eval modes.
 Run: .venv/bin/python -m pytest tests/test_planner_memory_modes.py -q
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -116,6 +117,14 @@ def test_generation_buffers_are_the_live_rows_logits_on_the_last_stage_and_the_p
     h, n, g, d, f, t = 8192, 64, 8, 128, 28672, 8
     per_token = 8 * h + 2 * (n + 2 * g) * d / t + 4 * n / t + 2 * n * d / t + 4 * f / t + 2 * f / t
     assert _inference_buffers(w, lay, rollout(w), first, rows) == pytest.approx(512 / 16 * 1024 * per_token, rel=1e-12)
+    # generation.cuda_graphs: the graphs' pool keeps the logits of its largest bucket (512 rows) beside the eager
+    # steps' own, on the last stage only
+    graphs = dataclasses.replace(w, grpo=dataclasses.replace(w.grpo, cuda_graphs=True))
+    for group, extra in ((first, 0.0), (last, 512 * LLAMA.vocab_size * SAMPLING_BYTES_PER_LOGIT)):
+        for live in (rows, 2 * rows):
+            more = (_inference_buffers(graphs, lay, rollout(graphs), group, live)
+                    - _inference_buffers(w, lay, rollout(w), group, live))
+            assert more == pytest.approx(extra, rel=1e-12)
 
 
 # ---------------- the job's runtime drives the plan ----------------

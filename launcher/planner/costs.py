@@ -158,6 +158,10 @@ class GrpoSizing:
     into generation.kv_memory_gib under parallel.auto; False: the engine's default, every row at its longest."""
     kv_block_tokens: int = 256
     """Tokens per KV block (generation.kv_block_tokens): a row holds half a block of rounding on average."""
+    cuda_graphs: bool = False
+    """generation.cuda_graphs: decode steps of up to DECODE_GRAPH_ROWS[-1] rows replay from CUDA graphs (the decode
+    floor per layer drops to rl_step.DECODE_LAYER_GRAPH_S), and the graphs' pool keeps the largest bucket's logits
+    and sampling buffers beside the eager steps' own."""
     reference_model: bool = True
     """Keep a frozen bf16 reference model on the GPUs for the KL term (algorithm.kl_coef > 0)."""
     recompute_old_logprobs: bool = True

@@ -119,6 +119,7 @@ def rollout_sizing(cfg: Any, shape: Any, runtime: Runtime, *, mean_response_leng
     engine = dict(max_response_length=gen.max_new_tokens, mean_response_length=mean,
                   generation_concurrency=gen.max_concurrent, kv_memory_gib=gen.kv_memory_gib,
                   kv_block_tokens=gen.kv_block_tokens, plans_kv_memory=cfg.cluster.has_gpus,
+                  cuda_graphs=gen.cuda_graphs,
                   **(dict(turns=env.max_turns, reply_tokens=env.mean_reply_tokens, env_step_s=env.mean_step_s,
                           env_concurrent_steps=max(1, env.concurrent_steps))
                      if env.name is not None else {}))

@@ -86,13 +86,17 @@ from launcher.planner.estimate import (
     stage_params,
     training_estimate,
 )
-from megatron_rl.spec.parallel import ParallelDims, uneven_splits
+from megatron_rl.spec.parallel import DECODE_GRAPH_ROWS, ParallelDims, uneven_splits
 
 RL_MODES = ("grpo", "ppo", "eval")
 """Modes with a rollout (GrpoSizing)."""
 DECODE_LAYER_OVERHEAD_S = 100e-6
-"""Floor of one decoder layer's forward in a decode step: eager PyTorch (no CUDA graphs in decoding.py), about 15
+"""Floor of one decoder layer's forward in a decode step: eager PyTorch (without generation.cuda_graphs), about 15
 kernel launches of ~7 us each. An assumption, not fitted: no measured GPU decode of this engine exists yet."""
+DECODE_LAYER_GRAPH_S = 40e-6
+"""The same floor when the step replays a CUDA graph (generation.cuda_graphs, at most DECODE_GRAPH_ROWS[-1] rows):
+the launches go, the ~15 small kernels' own ~2.5 us each stay. An assumption, not fitted (no GPU has replayed
+this engine's graphs yet)."""
 PACKING_SLACK = 1.05
 """Packed training (parallel.micro_batch_tokens) computes this many tokens per token of the rows: the padding that
 fills micro-batches up to one length (megatron_rl/rollout/packing.py; tests/test_packing.py measures <= 1.01 on a
@@ -396,14 +400,16 @@ def _kv_token_layer_bytes(w: Workload, L: Layout) -> float:
 
 def _inference_buffers(w: Workload, L: Layout, r: Rollout, gr: RankGroup, rows: float, *,
                        linear: bool = False) -> float:
-    """Generation buffers for ``rows`` rows decoding at once: the last stage's gathered logits and sampling tensors,
+    """Generation buffers for ``rows`` rows decoding at once: the last stage's gathered logits and sampling tensors
+    (twice for up to DECODE_GRAPH_ROWS[-1] rows with generation.cuda_graphs: the graphs' pool keeps its own),
     and every stage's prefill working set (one layer's activations for their groups' prompts, prefilled together
     when admitted at once; no autograd; SP is off while generating). ``linear``: without the floor of one prompt."""
     kind = "moe" if w.shape.is_moe else "dense"
     per_token = w._cached(("prefill act", L.dims.tp, L.dims.ep),
                           lambda: sum(training_workload(w)._act_terms(kind, L.dims.tp, False, L.dims.ep).values()))
     prompts = rows / r.group if linear else max(1.0, rows / r.group)
-    logits = rows * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT if gr.last else 0.0
+    graph_rows = min(rows, DECODE_GRAPH_ROWS[-1]) if (w.grpo or GrpoSizing()).cuda_graphs else 0.0  # the pool's
+    logits = (rows + graph_rows) * w.shape.vocab_size * SAMPLING_BYTES_PER_LOGIT if gr.last else 0.0
     return logits + prompts * r.prompt * per_token
 
 
@@ -537,7 +543,8 @@ def _decode_part(w: Workload, L: Layout, st: _Stage, rows: float, context: float
     kv = rows * context * st.layers * kv_cache_elements_per_token_per_layer(w.shape, L.dims.tp) * g.kv_cache_bytes
     flops = 2 * rows * st.dense_params + flops_per_expert_param * st.expert_params
     compute = flops / (w.gemm_peak * w.gemm_efficiency(w.shape.hidden_size / L.dims.tp, rows))
-    floor = st.layers * DECODE_LAYER_OVERHEAD_S
+    graphed = g.cuda_graphs and rows <= DECODE_GRAPH_ROWS[-1]
+    floor = st.layers * (DECODE_LAYER_GRAPH_S if graphed else DECODE_LAYER_OVERHEAD_S)
     return max((weights + kv) / w.hbm, compute, floor) + _collectives(w, L, st, rows)
 
 

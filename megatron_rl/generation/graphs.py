@@ -28,9 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-GRAPH_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-"""Row-count buckets: a decode step of n rows runs at the smallest bucket >= n (a third of padding at most past
-8 rows); larger steps run eagerly (their GEMMs, not the launches, set their time)."""
+from megatron_rl.spec.parallel import DECODE_GRAPH_ROWS as GRAPH_ROWS
 
 
 def bucket_rows(rows: int) -> Optional[int]:

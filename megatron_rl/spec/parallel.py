@@ -323,6 +323,12 @@ def packing_error(micro_batch_tokens: int | None, *, algorithm: str, cp: int, ke
     return None
 
 
+DECODE_GRAPH_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""generation.cuda_graphs' row buckets (megatron_rl/generation/graphs.py): a decode step of n rows runs at the
+smallest bucket >= n (a third of padding at most past 8 rows); larger steps run eagerly (their GEMMs, not the
+launches, set their time)."""
+
+
 def cuda_graph_error(*, moe: bool, mla: bool, pp: int, staged_tp: bool) -> str | None:
     """Why ``generation.cuda_graphs`` cannot replay this rollout's decode steps, or None. A captured step replays
     fixed kernels on fixed addresses, with no host synchronisation: MoE token dispatch sizes its exchanges on the
