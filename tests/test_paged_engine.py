@@ -232,9 +232,14 @@ def test_decode_graph_buckets_and_their_fixed_buffers():
     assert small["last"].tolist() == [0, 1, 2, 3]
 
 
-def test_the_decode_kernel_reads_no_more_than_the_table_and_needs_no_host_sync():
-    """reference_kvcache gathers the table's whole width (what a captured graph can do): a table with extra
-    columns of any block ids gives the same output as the narrow one."""
+@pytest.mark.parametrize("capturing", [False, True])
+def test_the_decode_kernel_reads_no_more_than_the_table_and_needs_no_host_sync(monkeypatch, capturing):
+    """reference_kvcache under CUDA graph capture gathers the table's whole width (no host sync on the longest
+    row), else the longest row's keys: either way a table with extra columns of any block ids gives the same
+    output as the narrow one."""
+    from megatron_rl.generation import paged_attention
+
+    monkeypatch.setattr(paged_attention, "capturing", lambda: capturing)
     kv_lens = [5, 12, 1]
     k_cache, v_cache, table, _, _ = _paged_rows(kv_lens, seed=6)
     q = torch.randn(len(kv_lens), 1, HEADS, DIM, generator=torch.Generator().manual_seed(7))

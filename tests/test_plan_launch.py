@@ -103,15 +103,17 @@ def test_the_grpo_sizing_comes_from_the_config(capsys):
     assert planned["workload"]["grpo"] == {"rollout_batch_size": 128 * 16, "max_prompt_length": 4096 // 4,
                                            "max_response_length": 2048, "mean_response_length": 1024.0,
                                            "samples_per_prompt": 16, "generation_concurrency": None,
-                                           "kv_memory_gib": None, "kv_block_tokens": 256,
+                                           "kv_memory_gib": None, "kv_block_tokens": 256, "cuda_graphs": False,
                                            "reference_model": True, "recompute_old_logprobs": True,
                                            "reward_model": False, "train_seq_length": 1024 + 2048,
                                            "teacher_params": 0.0, "teacher_offloaded": True,
                                            "optimizer_steps": 128 * 16 // 512,
                                            "kv_cache_released_for_training": True,
                                            "optimizer_offloaded_for_generation": True}
-    kept = _plan(capsys, "--config", "grpo_llama70b", "generation.offload_optimizer=false", "algorithm.kl_coef=0")
+    kept = _plan(capsys, "--config", "grpo_llama70b", "generation.offload_optimizer=false", "algorithm.kl_coef=0",
+                 "generation.cuda_graphs=true")
     assert kept["workload"]["grpo"]["optimizer_offloaded_for_generation"] is False
+    assert kept["workload"]["grpo"]["cuda_graphs"] is True
     assert kept["workload"]["grpo"]["reference_model"] is False
     assert kept["memory_gib"]["reference_model"] == 0
 

@@ -267,6 +267,7 @@ def _describe(w: Workload) -> dict:
                        **({"turns": r.turns, "reply_tokens": r.reply, "env_step_s": g.env_step_s,
                            "env_concurrent_steps": g.env_concurrent_steps} if r.turns > 1 else {}),
                        "kv_memory_gib": g.kv_memory_gib, "kv_block_tokens": g.kv_block_tokens,
+                       "cuda_graphs": g.cuda_graphs,
                        "reference_model": g.reference_model and w.mode != "eval",
                        "recompute_old_logprobs": g.recompute_old_logprobs and w.mode != "eval",
                        "reward_model": g.reward_model, "train_seq_length": r.train_seq,

@@ -13,7 +13,7 @@ A capture holds the addresses of the weights, the KV pool and these buffers, so 
 ``generate`` call (one rollout): the colocated trainer's offload phases move the weights and free the pool
 between calls, and the next call captures again. All graphs of a call share one memory pool (steps replay one
 after another). What the paged attention needs to be capturable: no host synchronisation in a decode step
-(paged_attention.py ``reference_kvcache`` gathers the whole table's width, not the longest row's, for that).
+(paged_attention.py ``reference_kvcache`` gathers the whole table's width, not the longest row's, while capturing).
 Where graphs cannot replay a step (MoE dispatch, MLA's latent kernel, pipeline stages, gloo's TP collectives)
 ``spec/parallel.cuda_graph_error`` refuses the key at launch and here.
 

@@ -156,14 +156,20 @@ def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     k_lens = cache_seqlens.long()
     rows, q_len = q.shape[0], q.shape[1]
-    if rows == 0:
+    # under CUDA graph capture the keys of the table's whole width (no host sync, graphs.py), else the longest row's
+    longest = block_table.shape[1] * k_cache.shape[1] if capturing() else int(k_lens.max()) if rows else 0
+    if rows == 0 or longest == 0:
         return torch.zeros_like(q)
-    longest = block_table.shape[1] * k_cache.shape[1]  # the table's width, not k_lens.max(): no host sync (graphs.py)
     keys = _gathered(k_cache, block_table[:rows], longest)
     values = _gathered(v_cache, block_table[:rows], longest)
     q_lens = torch.full_like(k_lens, q_len)
     out = _attend(q, keys, values, q_lens, k_lens, scale).to(q.dtype)
     return out.masked_fill((k_lens == 0).view(-1, 1, 1, 1), 0.0)
+
+
+def capturing() -> bool:
+    """Whether this thread's CUDA stream is capturing a graph (never without a GPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def reference_mla(q: torch.Tensor, latent_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,

@@ -354,9 +354,9 @@ def check(args: argparse.Namespace) -> dict:
                        for blocks in (10, 24)}}
         if args.pp > 1:
             variants.update({f"parts_{n}": run(pipeline_microbatches=n) for n in (1, 3)})
-        if graphs:  # decode steps padded to row buckets on fixed buffers (what a GPU replays from CUDA graphs)
-            variants.update(graphs=run(cuda_graphs=True),
-                            graphs_budget_10=run(cuda_graphs=True, kv_memory_gib=10 * block_bytes / 2**30))
+        if graphs:  # decode steps padded to row buckets on fixed buffers (what a GPU replays from CUDA graphs),
+            # under the budget that evicts
+            variants.update(graphs_budget_10=run(cuda_graphs=True, kv_memory_gib=10 * block_bytes / 2**30))
         # the fed session (the async worker's engine) runs with decode graphs where the layout has them
         fed = fed_session(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, kv_block_tokens=4,
                           kv_memory_gib=24 * parts * block_bytes / 2**30, cuda_graphs=graphs,
