@@ -164,10 +164,11 @@ def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, t
 
     run_dir, ledger = tmp_path / "calc", tmp_path / "calls"
     result = _counted_run(launch, run_dir, ledger, "parallel.pp=2", "run.steps=3", "algorithm.sft_warmup_steps=200",
-                          "logging.sample_every=1", "logging.samples=16")
+                          "algorithm.prompts_per_step=8", "algorithm.global_batch_size=64",
+                          "parallel.micro_batch_size=16", "logging.sample_every=1", "logging.samples=16")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     resets = [line for line in ledger.read_text().splitlines() if line.startswith('["reset"')]
-    assert len(resets) == 3 * 16 * 8  # steps x prompts x group: once per episode, not once per pipeline stage
+    assert len(resets) == 3 * 8 * 8  # steps x prompts x group: once per episode, not once per pipeline stage
     steps = [m for m in read_metrics(run_dir) if m.get("phase") is None]
     assert len(steps) == 3
     assert all(0 < m["env_tool_call_rate"] <= 1 and 1 <= m["env_turns"] <= 2 for m in steps)
@@ -242,7 +243,7 @@ def test_moe_episodes_run_with_experts_over_two_workers_and_router_replay(launch
     run_dir, ledger = tmp_path / "moe", tmp_path / "calls"
     result = _counted_run(launch, run_dir, ledger, "model.name=tiny-cpu-moe", "cluster.tasks_per_node=4",
                           "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
-                          "algorithm.router_replay=true", "run.steps=2", "algorithm.sft_warmup_steps=200",
+                          "algorithm.router_replay=true", "run.steps=2", "algorithm.sft_warmup_steps=120",
                           "algorithm.prompts_per_step=4", "algorithm.group_size=4", "algorithm.global_batch_size=16",
                           "parallel.micro_batch_size=8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
