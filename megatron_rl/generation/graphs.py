@@ -43,7 +43,7 @@ class DecodeGraphs:
 
     def __init__(self, *, rows: int, width: int, device: torch.device) -> None:
         top = bucket_rows(min(rows, GRAPH_ROWS[-1])) or GRAPH_ROWS[-1]
-        self.device, self.width, self.top = device, width, top
+        self.device, self.top = device, top
         as_int = dict(dtype=torch.int32, device=device)
         self.buffers = {"ids": torch.zeros(top, dtype=torch.long, device=device),
                         "positions": torch.zeros(top, dtype=torch.long, device=device),
@@ -55,7 +55,6 @@ class DecodeGraphs:
         self.captured: dict = {}
         """``{bucket: (graph, logits)}`` on a GPU."""
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.steps = 0
 
     def bucket(self, rows: int) -> Optional[int]:
         """The bucket for a decode step of ``rows`` rows, or None when it runs eagerly."""
@@ -73,7 +72,6 @@ class DecodeGraphs:
     def run(self, bucket: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The step's logits: ``forward()`` (which reads the buffers of ``bucket``) replayed from its graph on a
         GPU, captured at its first step; called as is on a CPU."""
-        self.steps += 1
         if self.pool is None:
             return forward()
         if bucket not in self.captured:
