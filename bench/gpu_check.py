@@ -1,8 +1,9 @@
 """Prove the CUDA path on one GPU: a ~1B Llama in bf16 through generation, GRPO and training; one JSON line out.
 
-Run on a GPU (after ``bench/gpu_check.sh`` installed the carried wheels): ``python3 bench/gpu_check.py --out DIR``.
-Dry mode, CPU, tiny model, fp32, tiny batch, same code path: ``.venv/bin/python bench/gpu_check.py --dry-run``.
-Normally started by ``bench/gpu_check.sh [--dry-run]``; tested by ``tests/test_gpu_check.py``.
+Run on a GPU (after ``bench/gpu_check.sh`` installed the carried wheels and put the checkout first on
+``PYTHONPATH``): ``python3 bench/gpu_check.py --out DIR``. Dry mode, CPU, tiny model, fp32, tiny batch, same code
+path: ``.venv/bin/python bench/gpu_check.py --dry-run``. Normally started by ``bench/gpu_check.sh [--rehearse |
+--dry-run]``; the rehearsal is tested by ``tests/test_gpu_check.py``.
 
 What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``initialize``) but for part 7:
 
@@ -36,8 +37,10 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
 7. gloo staging (``parallel.backend=gloo`` on GPUs, ``megatron_rl.runtime.gloo_staging``): two ranks started
    here train the tiny model at TP=2 in fp32 (TF32 off) for a few steps over gloo, every collective's CUDA
    tensors staged through pinned CPU buffers, against the same job over NCCL on 2+ GPUs; on one GPU (NCCL cannot
-   put two ranks on one device) both gloo ranks share it and the reference is the same job on the CPU. Reported:
-   max |loss diff| and |grad-norm diff|, the staged ops and their call counts. Unverified on a GPU so far (the
+   put two ranks on one device) both gloo ranks share it and the reference is the same job on the CPU. Both start
+   from the same weights (initialisation draws on the CPU on every device: ``models/builder.py``), which the part
+   checks by a digest of rank 0's initial parameters. Reported: max |loss diff| and |grad-norm diff|, the staged
+   ops and their call counts. Unverified on a GPU so far (the
    project's machines had none when it was written); the dry run compares the CPU test hook
    (``MEGATRON_RL_GLOO_STAGING=1``: CPU tensors staged through separate CPU buffers) with plain gloo, exactly.
 
@@ -49,6 +52,7 @@ passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -349,6 +353,7 @@ def gloo_tp2_worker(backend: str, out: Path) -> int:
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.runtime import gloo_staging
     from megatron_rl.runtime.distributed import global_rank, initialize, job_dims, shutdown
+    from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import build_engine
     from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
 
@@ -361,6 +366,10 @@ def gloo_tp2_worker(backend: str, out: Path) -> int:
         initialize(job_dims(tp=2), seed=cfg.run.seed, backend=backend)
         try:
             engine = build_engine(cfg, shape, total_steps=GLOO_TP2_STEPS)
+            initial = hashlib.sha256()
+            for chunk in engine.chunks:
+                for name, param in sorted(unwrap(chunk).named_parameters()):
+                    initial.update(name.encode() + param.detach().cpu().numpy().tobytes())
             losses, grad_norms = [], []
             for step in range(1, GLOO_TP2_STEPS + 1):
                 rows = progression_batch(seed=5, step=step, batch_size=4, seq_length=32, vocab_size=shape.vocab_size)
@@ -372,7 +381,7 @@ def gloo_tp2_worker(backend: str, out: Path) -> int:
                 out.write_text(json.dumps({
                     "backend": backend, "device": "cuda" if torch.cuda.is_available() else "cpu",
                     "staging_installed": gloo_staging.is_installed(), "staged_calls": gloo_staging.staged_counts(),
-                    "losses": losses, "grad_norms": grad_norms}))
+                    "initial_weights_sha256": initial.hexdigest(), "losses": losses, "grad_norms": grad_norms}))
         finally:
             shutdown()
     return 0
@@ -433,7 +442,9 @@ def gloo_staging_check(out: Path, *, dry_run: bool) -> dict:
                       **{k: reference[k] for k in ("backend", "device", "losses", "grad_norms")}},
         "max_abs_loss_diff": loss_diff, "max_abs_grad_norm_diff": norm_diff, "tolerance": tol,
         "staged_ops": staged_ops, "staged_calls_rank0": staged["staged_calls"],
+        "initial_weights_equal": staged["initial_weights_sha256"] == reference["initial_weights_sha256"],
         "passed": bool(staged["staging_installed"] and not reference["staging_installed"]
+                       and staged["initial_weights_sha256"] == reference["initial_weights_sha256"]
                        and {"all_reduce", "all_gather_into_tensor"} <= set(staged_ops)
                        and loss_diff <= tol and norm_diff <= tol),
     }

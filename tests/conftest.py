@@ -36,6 +36,25 @@ def launch():
     return run_launch
 
 
+@pytest.fixture(scope="module")
+def tensor_parallel_group():
+    """A one-process gloo group with Megatron's parallel state (TP = PP = CP = 1), for the vocab-parallel kernels
+    and the modules whose constructors read the groups (core attention)."""
+    import datetime
+
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_rl.spec.ports import free_port
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                         world_size=1, timeout=datetime.timedelta(seconds=60))
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
 QUICK_LAUNCH_ARGS = frozenset({"--dry-run", "plan", "status", "logs", "cancel", "--help", "-h"})
 """An argument that makes launch.py start no job."""
 JOB_CALLS = frozenset({"torchrun_check", "run_worker", "import_hf_to_megatron", "verify_export"})

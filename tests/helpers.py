@@ -18,9 +18,11 @@ MEASURED_KEYS = ("step_time_s", "tokens_per_s", "time_generate_s", "time_score_s
 
 
 def without_measurements(metrics: list[dict]) -> list[dict]:
-    """metrics.jsonl lines without what identical runs do not share: MEASURED_KEYS and peak_memory_* (RSS)."""
-    return [{k: v for k, v in m.items() if k not in MEASURED_KEYS and not k.startswith("peak_memory_")}
-            for m in metrics]
+    """metrics.jsonl lines without what identical runs do not share: MEASURED_KEYS and peak_memory_* (RSS); and
+    without offload_* (bytes and seconds of generation.offload_optimizer, which the resume tests compare runs
+    with and without)."""
+    return [{k: v for k, v in m.items()
+             if k not in MEASURED_KEYS and not k.startswith(("peak_memory_", "offload_"))} for m in metrics]
 
 
 def run_launch(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -71,6 +71,7 @@ def test_every_shipped_config_loads_and_its_layout_is_legal(path):
     (["cluster.nodes=2", "cluster.executor=local"], "local runs use one node"),
     (["algorithm.kl_estimator=k4"], "use one of: k1, k2, k3"),
     (["generation.max_concurrent=0"], "generation.max_concurrent=0 must be positive"),
+    (["algorithm.weight_sync_bucket_mib=0"], "algorithm.weight_sync_bucket_mib=0 must be positive"),
     (["runtime.moe_grouped_gemm=fast"], "runtime.moe_grouped_gemm='fast' is not valid; use true, false or auto"),
     (["algorithm.name=sft", "algorithm.router_replay=true"], "algorithm.router_replay=true replays the experts of GRPO"),
     (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),

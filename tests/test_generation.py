@@ -28,11 +28,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_rl.runtime.phases import HostOffload
+from megatron_rl.runtime.phases import (HOST_ALIGNMENT, HostOffload, generation_phase, offload_metrics,
+                                         optimizer_tensors)
+from megatron_rl.runtime.training import Engine
 from helpers import torchrun_check
 from megatron_rl.spec.ports import free_port
 from megatron_rl.generation.sampling import SamplingParams, choose_tokens, sampling_logits
@@ -156,6 +159,101 @@ def test_host_offload_frees_storage_and_restores_values_and_views_exactly():
     dropped.offload([buffer], device=buffer.device, protected=set())
     dropped.restore()
     assert buffer.shape == (1000,) and (buffer == 0).all()
+
+
+def test_host_offload_goes_through_one_host_buffer_reused_with_non_blocking_copies(monkeypatch):
+    """Two offload/restore cycles make one host allocation (the tensors' aligned total) and reuse it; every copy
+    either way is non_blocking (on a GPU: queued on the side stream, waited for once per direction)."""
+    buffer, moment = torch.randn(1000, dtype=torch.float64), torch.randn(50)
+    before = (buffer.clone(), moment.clone())
+    allocations, copies = [], []
+    empty, copy_ = torch.empty, torch.Tensor.copy_
+
+    def counted_empty(*size, **kwargs):
+        tensor = empty(*size, **kwargs)
+        if tensor.numel():  # not the zero-size views the copies are made through
+            allocations.append(tensor.numel())
+        return tensor
+
+    def recorded_copy(self, src, non_blocking=False):
+        copies.append(non_blocking)
+        return copy_(self, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch, "empty", counted_empty)
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded_copy)
+    parked = HostOffload(keep_values=True)
+    for _ in range(2):
+        parked.offload([buffer, moment], device=buffer.device, protected=set())
+        assert buffer.untyped_storage().nbytes() == 0 and moment.untyped_storage().nbytes() == 0
+        parked.restore()
+        assert torch.equal(buffer, before[0]) and torch.equal(moment, before[1])
+    aligned = 8000 + HOST_ALIGNMENT - 8000 % HOST_ALIGNMENT  # the moment starts at an aligned offset
+    assert allocations == [aligned + 200]
+    assert copies == [True] * 8  # 2 storages x 2 directions x 2 cycles
+    assert parked.host_buffer.numel() == aligned + 200  # kept by the HostOffload for the next cycle
+
+
+class _DdpChunk(torch.nn.Module):
+    """What generation_phase reads of a Megatron DDP chunk: the model as ``module``, contiguous grad buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(16, 8)
+        self.buffers = [SimpleNamespace(grad_data=torch.randn(16 * 8 + 8), param_data=None)]
+
+
+def _engine_with_adam_state() -> Engine:
+    """An Engine with a Megatron fp32 optimizer's layout: torch Adam's param groups (the weights themselves) and
+    state (step count, moments) inside (``torch.optim.Adam`` itself would import dynamo: seconds here)."""
+    chunk = _DdpChunk()
+    params = list(chunk.module.parameters())
+    adam = SimpleNamespace(param_groups=[{"params": params}], state={
+        p: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+        for p in params})
+    return Engine(shape=None, opts=None, chunks=[chunk], optimizer=SimpleNamespace(optimizer=adam), scheduler=None,
+                  make_optimizer=None)
+
+
+def test_generation_phase_empties_the_cuda_cache_once_after_offloading_not_on_restore(monkeypatch):
+    """The KV pool is sized and allocated inside the phase: the freed optimizer blocks go back to the driver once,
+    after the offload. At the restore the cache keeps the KV pool's memory for the restored state and the next
+    training step's activations (emptying it would make that step cudaMalloc again). Without offload: never. CUDA
+    is made to look present (with the peak-memory calls it brings in)."""
+    engine = _engine_with_adam_state()
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    for phase in (1, 2):
+        with generation_phase(engine, offload_optimizer=True):
+            assert len(emptied) == phase  # after this phase's offload, before generating
+        assert len(emptied) == phase  # not after its restore
+    with generation_phase(engine, offload_optimizer=False):
+        pass
+    assert len(emptied) == 2
+
+
+def test_generation_phase_metrics_count_the_parked_bytes_and_times():
+    """``offload_bytes`` is the bytes of the optimizer storages parked (Adam's moments and step counts; the
+    weights, its params here, stay), which come back exactly; grads are freed but not copied (they come back zero).
+    Each call hands over what was moved since the last one, summed over phases and engines."""
+    engine, other = _engine_with_adam_state(), _engine_with_adam_state()
+    weights = {p.untyped_storage().data_ptr() for p in engine.chunks[0].parameters()}
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in optimizer_tensors(engine.optimizer)
+             if t.untyped_storage().data_ptr() not in weights}
+    state_before = [t.clone() for t in optimizer_tensors(engine.optimizer)]
+    grads = engine.chunks[0].buffers[0].grad_data
+    for _ in range(2):
+        with generation_phase(engine, offload_optimizer=True) as parked, generation_phase(other, offload_optimizer=True):
+            assert parked.bytes_moved == sum(state.values())
+            assert parked.device_bytes_freed == sum(state.values()) + grads.numel() * 4
+    assert all(torch.equal(a, b) for a, b in zip(state_before, optimizer_tensors(engine.optimizer), strict=True))
+    assert (grads == 0).all()
+    metrics = offload_metrics(engine, other)
+    assert metrics["offload_bytes"] == 2 * 2 * sum(state.values())  # two phases of two engines
+    assert metrics["offload_s"] > 0 and metrics["offload_restore_s"] > 0
+    assert offload_metrics(engine, other) == {"offload_bytes": 0.0, "offload_s": 0.0, "offload_restore_s": 0.0}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,7 +409,8 @@ def test_offload_round_trip_and_training_after_generation(request, layout):
     runs = request.getfixturevalue(layout)
     for rank in runs:
         off = rank["offload"]
-        assert off["optimizer_bytes_freed"] > 0 and off["grad_bytes_freed"] > 0
+        assert off["bytes_freed"] > 0 and off["bytes_moved"] == off["bytes_freed"]  # keep_grads: all copied
+        assert off["grad_buffers_freed"] == off["grad_buffers"] > 0
         assert off["optimizer_tensors_freed"] > 0
         assert off["optimizer_exact"] and off["grads_exact"] and off["grads_nonzero_before"]
         assert off["grads_zero_without_keep"]
@@ -379,6 +478,17 @@ def test_clear_errors(tp2):
     assert errors["cuda_graphs"] == "no error"  # TP2 over gloo on CPUs: nothing is captured
     sequence_parallel = tp2[0]["sequence_parallel_config"]  # switched off for generation, then back on
     assert sequence_parallel["tokens_equal"] and sequence_parallel["flag_after_generate"]
+
+
+@pytest.mark.parametrize("layout", ["tp1_dp2", "pp2_vpp2", "mla_moe_tp1"])
+def test_state_a_module_first_makes_during_generation_is_updated_in_place_by_training(request, layout):
+    """gen_check's ``LazyBuffer``: a buffer a module makes at its first forward, which is generation's, as Transformer
+    Engine makes some, is an ordinary tensor (generation runs under no_grad, not inference_mode) that the
+    following training step updates in place."""
+    for rank in request.getfixturevalue(layout):
+        lazy = rank["lazy_buffer"]
+        assert lazy["made"] and not lazy["inference_tensor"], lazy
+        assert lazy["training_updates"] > 0 and lazy["error"] is None, lazy
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -402,23 +402,6 @@ def test_cispo_config_checks():
 # ---------------------------------------------------------------- the trainer's Megatron loss function
 
 
-@pytest.fixture(scope="module")
-def tensor_parallel_group():
-    """A one-process gloo group with Megatron's parallel state (TP=1), for the vocab-parallel kernels."""
-    import datetime
-
-    from megatron.core import parallel_state
-
-    from megatron_rl.spec.ports import free_port
-
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                         world_size=1, timeout=datetime.timedelta(seconds=60))
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
 def rollout_batch(*, labels: torch.Tensor, **entries) -> RolloutBatch:
     """A padded micro-batch of these entries (its inputs, positions and row ids made up: the loss reads none)."""
     rows, width = labels.shape

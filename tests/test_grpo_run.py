@@ -82,6 +82,13 @@ def test_first_minibatch_ratio_is_one_and_metrics_are_complete(launch, whole):
             assert key in m, key
         assert 0 <= m["accuracy"] <= 1 and m["entropy"] > 0 and 1 <= m["response_length"] <= 4
         assert 0 < m["peak_memory_generate_gib"] < 24 and 0 < m["peak_memory_train_gib"] < 24  # RSS per phase
+        assert m["offload_s"] > 0 and m["offload_restore_s"] > 0  # grads freed and zeroed at every step
+    # the optimizer state parked at every generation phase moves the same bytes: none at step 1 (the optimizer is
+    # fresh after the warm-up, Adam's moments come with its first update), one phase's at step 3, and with the
+    # evaluation's phases at steps 2 and 4
+    per_phase = metrics[2]["offload_bytes"]
+    assert metrics[0]["offload_bytes"] == 0 and per_phase > 0
+    assert all(m["offload_bytes"] % per_phase == 0 for m in metrics) and metrics[1]["offload_bytes"] > per_phase
 
 
 def test_tp2_matches_tp1(launch, tmp_path):

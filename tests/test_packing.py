@@ -1,5 +1,6 @@
 """Sequence packing (parallel.micro_batch_tokens, megatron_rl/rollout/packing.py): the packer's guarantees, the
-packed micro-batch's row view against the padded one's, the attention boundaries, the launch check's refusals;
+packed micro-batch's row view against the padded one's, the attention boundaries (built on the host), the packed
+core attention without TE (one attention per row, one SDPA launch, no host sync), the launch check's refusals;
 and, on real Megatron Core over gloo (tests/dist/packing_check.py), packed against padded GRPO steps at TP2 and
 PP2·VPP2 (the same log-probs, losses and gradients; the first step's ratio 1). The job-level runs at MoE
 TP2·EP2·SP, PP2 and DP2 are packed in tests/test_grpo_layouts.py.
@@ -9,6 +10,7 @@ TP2·EP2·SP, PP2 and DP2 are packed in tests/test_grpo_layouts.py.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Mapping
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from helpers import REPO_ROOT, torchrun_check
-from megatron_rl.models.packed_sequences import as_rows, attention_inputs
+from megatron_rl.models.packed_sequences import as_rows, attention_inputs, with_padding_segments
 from megatron_rl.rollout.batch import RolloutRow, collate_rollout, old_logprob_key, old_logprobs, store_logprobs
 from megatron_rl.rollout.packing import collate_packed, pack_minibatch, pack_rows
 from megatron_rl.spec.config import load_config
@@ -131,8 +133,9 @@ def test_a_rollout_micro_batch_is_typed_and_reads_as_a_mapping_of_its_set_entrie
 
 
 def test_each_row_attends_to_itself_causally_and_the_padding_to_itself():
-    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32)  # rows of 3 and 2 tokens, then a 3-token padding tail
-    masked = attention_inputs(cu, thd=False)["attention_mask"][0, 0]
+    starts = with_padding_segments([0, 3, 5], 8)  # rows of 3 and 2 tokens, then a 3-token padding tail
+    assert starts == [0, 3, 5, 8]
+    masked = attention_inputs(starts, thd=False)["attention_mask"][0, 0]
     allowed = ~masked
     expected = torch.zeros(8, 8, dtype=torch.bool)
     for start, end in ((0, 3), (3, 5), (5, 8)):
@@ -140,11 +143,150 @@ def test_each_row_attends_to_itself_causally_and_the_padding_to_itself():
     assert torch.equal(allowed, expected)
 
 
-def test_transformer_engine_gets_thd_boundaries():
+def test_transformer_engine_gets_thd_boundaries_with_the_longest_known_on_the_host(monkeypatch):
+    """max_seqlen (which TE's THD attention, Megatron's THD RoPE and packed_context take) comes from the host
+    boundaries: building the parameters reads nothing back from the device."""
     pytest.importorskip("megatron.core.packed_seq_params")
-    params = attention_inputs(torch.tensor([0, 3, 5, 8]), thd=True)["packed_seq_params"]
+    with host_reads(monkeypatch) as reads:
+        params = attention_inputs([0, 3, 5, 8], thd=True)["packed_seq_params"]
+        mask = attention_inputs([0, 3, 5, 8], thd=False)["attention_mask"]
+    assert reads == [] and mask.shape == (1, 1, 8, 8)
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 5, 8]
-    assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == 3
+    assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == params.max_seqlen_kv == 3
+
+
+def test_the_padding_tail_is_cut_into_segments_no_longer_than_the_longest_row():
+    """Per-sequence attention pads every segment to the longest (packed_context): a tail of 9 after rows of 3 and
+    2 tokens is 3 segments of 3; a tail that does not divide ends short; a micro-batch of padding only is one."""
+    assert with_padding_segments([0, 3, 5], 14) == [0, 3, 5, 8, 11, 14]
+    assert with_padding_segments([0, 3, 5], 12) == [0, 3, 5, 8, 11, 12]
+    assert with_padding_segments([0, 3, 5], 5) == [0, 3, 5]
+    assert with_padding_segments([0], 6) == [0, 6]
+    rows = [RolloutRow(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-1.0, -1.0], advantage=0.0)]
+    batch = collate_packed(rows, packed_length=10, pad_id=0, thd=True)
+    assert batch.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 6, 9, 10]
+    assert batch.packed_seq_params.max_seqlen_q == 3
+
+
+# ------------------------------------------------ packed attention without TE (SDPADotProductAttention, THD)
+@contextlib.contextmanager
+def host_reads(monkeypatch):
+    """The names of the tensor methods that read a value back to the host (a sync on GPUs) called in the block."""
+    reads = []
+    with monkeypatch.context() as patch:
+        for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero"):
+            def counted(self, *args, _name=name, _original=getattr(torch.Tensor, name), **kwargs):
+                reads.append(_name)
+                return _original(self, *args, **kwargs)
+            patch.setattr(torch.Tensor, name, counted)
+        yield reads
+
+
+PACKED_HEADS, PACKED_DIM = 4, 8
+PACKED_ROWS = [1, 17, 3, 1, 40, 2]  # very different lengths, two of 1 token; then a padding tail
+PACKED_LENGTH = 120
+
+
+def attention_module(groups: int):
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl.models.sdpa_attention import SDPADotProductAttention
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=PACKED_HEADS * PACKED_DIM, num_attention_heads=PACKED_HEADS,
+        num_query_groups=groups, kv_channels=PACKED_DIM, attention_dropout=0.0, hidden_dropout=0.0,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        params_dtype=torch.float32)
+    return SDPADotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                   attention_type="self")
+
+
+def packed_attention_inputs(groups: int):
+    """THD queries, keys, values and an output gradient of the packed rows, and the rows' boundaries."""
+    starts = [0]
+    for length in PACKED_ROWS:
+        starts.append(starts[-1] + length)
+    starts = with_padding_segments(starts, PACKED_LENGTH)
+    gen = torch.Generator().manual_seed(groups)
+    q, k, v = (torch.randn(PACKED_LENGTH, heads, PACKED_DIM, generator=gen)
+               for heads in (PACKED_HEADS, groups, groups))
+    dout = torch.randn(PACKED_LENGTH, PACKED_HEADS * PACKED_DIM, generator=gen)
+    return starts, q, k, v, dout
+
+
+def attend(module, q, k, v, dout, **kwargs):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = module(q, k, v, None, **kwargs)
+    (out * dout).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The textbook reference for one sequence: softmax(q k^T * scale, causal) v, keys and values repeated per query
+    group; [s, np, hn] queries -> [s, np * hn]."""
+    k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    causal = torch.ones(q.size(0), q.size(0), dtype=torch.bool).triu(1)
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(causal, float("-inf")).softmax(-1), v).flatten(1)
+
+
+@pytest.mark.parametrize("groups", [2, 4], ids=["gqa", "mha"])
+def test_packed_attention_equals_one_attention_per_sequence(tensor_parallel_group, groups):
+    """SDPADotProductAttention on a THD pack (one SDPA over the rows padded to the longest) gives the output and
+    q/k/v gradients of causal attention run on each row alone, to 1e-5 in fp32."""
+    starts, q, k, v, dout = packed_attention_inputs(groups)
+    params = attention_inputs(starts, thd=True)["packed_seq_params"]
+    module = attention_module(groups)
+    packed = attend(module, q, k, v, dout, packed_seq_params=params)
+
+    def per_sequence(q, k, v, *_):
+        return torch.cat([causal_attention(q[a:b], k[a:b], v[a:b], module.softmax_scale)
+                          for a, b in zip(starts[:-1], starts[1:])])
+
+    expected = attend(per_sequence, q, k, v, dout)
+    assert float(expected[1].abs().max()) > 0.1 and float(expected[2].abs().max()) > 0.1  # not trivially zero
+    for got, want in zip(packed, expected):
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) < 1e-5
+
+
+def test_packed_attention_reads_nothing_from_the_device_and_runs_one_sdpa(tensor_parallel_group, monkeypatch):
+    """The layer's forward and backward over 8 packed segments: no value read back to the host (each a sync per
+    layer on GPUs) and one SDPA launch forward and one backward, not one per sequence."""
+    import torch.nn.functional as F
+
+    starts, q, k, v, dout = packed_attention_inputs(2)
+    params = attention_inputs(starts, thd=True)["packed_seq_params"]
+    module = attention_module(2)
+    calls = []
+
+    def counted_sdpa(*args, _original=F.scaled_dot_product_attention, **kwargs):
+        calls.append(1)
+        return _original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted_sdpa)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    with host_reads(monkeypatch) as reads:
+        out = module(q, k, v, None, packed_seq_params=params)
+        backward_nodes = sdpa_backward_nodes(out.grad_fn)
+        (out * dout).sum().backward()
+    assert len(starts) - 1 == 8 and reads == []
+    assert len(calls) == 1 and backward_nodes == 1
+    assert q.grad is not None and float(q.grad.abs().max()) > 0
+
+
+def sdpa_backward_nodes(node) -> int:
+    """The attention backward kernels in the autograd graph from ``node``."""
+    seen, stack, found = set(), [node], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found += "ScaledDotProduct" in type(node).__name__ or "Attention" in type(node).__name__
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -10,7 +10,9 @@ Run: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q``
 
 from __future__ import annotations
 
+import contextlib
 import math
+import types
 
 import pytest
 import torch
@@ -230,6 +232,104 @@ def test_decode_graph_buckets_and_their_fixed_buffers():
         assert view.data_ptr() == large[name].data_ptr(), name
     assert small["table"].shape == (4, 5) and small["cu_q"].tolist() == [0, 1, 2, 3, 4]
     assert small["last"].tolist() == [0, 1, 2, 3]
+
+
+def test_graph_shaped_steps_read_the_whole_table_without_a_host_sync(monkeypatch):
+    """Every step of generation.cuda_graphs (DecodeGraphs.run: eager on a CPU, captured or replayed on a GPU) reads
+    the whole width of its fixed table, so a replay and the same step run eagerly read the same keys (bf16 results
+    then agree bitwise in gpu_check's part 4c), with no host sync: int(tensor) raises inside the step."""
+    from megatron_rl.generation import paged_attention
+    from megatron_rl.generation.graphs import DecodeGraphs
+
+    kv_lens = [5, 12, 1]
+    k_cache, v_cache, table, _, _ = _paged_rows(kv_lens, seed=6)
+    wide = torch.cat([table, torch.randint(0, k_cache.shape[0], (len(kv_lens), 4), dtype=torch.int32)], dim=1)
+    q = torch.randn(len(kv_lens), 1, HEADS, DIM, generator=torch.Generator().manual_seed(7))
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    read = []
+    gathered = paged_attention._gathered
+    monkeypatch.setattr(paged_attention, "_gathered", lambda cache, bt, keys: read.append(keys) or gathered(cache, bt, keys))
+
+    def step():
+        return reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=wide)
+
+    eager = step()
+    assert read == [12, 12]  # the longest row's keys, K and V
+    read.clear()
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: pytest.fail("host sync in a graph-shaped step"))
+    shaped = DecodeGraphs(rows=4, width=wide.shape[1], device=torch.device("cpu")).run(4, step)
+    assert read == [wide.shape[1] * BLOCK] * 2 and not paged_attention.reads_whole_table()
+    torch.testing.assert_close(shaped, eager, rtol=1e-6, atol=1e-6)
+
+
+class _FakeCapture:
+    """Just enough of torch.cuda's stream and graph API for DecodeGraphs.run's capture branch on a CPU."""
+
+    def __init__(self):
+        self.graph_kwargs, self.replays = None, 0
+        fake = self
+
+        class Stream:
+            def __init__(self, *args, **kwargs): pass
+            def wait_stream(self, other): pass
+
+        class CUDAGraph:
+            def replay(self): fake.replays += 1
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, **kwargs):
+            fake.graph_kwargs = kwargs
+            yield
+
+        self.patches = {"Stream": Stream, "CUDAGraph": CUDAGraph, "graph": graph,
+                        "stream": lambda stream: contextlib.nullcontext(),
+                        "current_stream": lambda device=None: Stream()}
+
+
+def test_decode_graphs_capture_thread_local_and_graph_shaped(monkeypatch):
+    """The capture uses capture_error_mode="thread_local" (other threads' CUDA calls, e.g. environment steps or a
+    weight receiver, would invalidate a global-mode capture), and warm-up, capture and replay are graph-shaped."""
+    from megatron_rl.generation import paged_attention
+    from megatron_rl.generation.graphs import DecodeGraphs
+
+    fake = _FakeCapture()
+    for name, value in fake.patches.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    graphs = DecodeGraphs(rows=4, width=3, device=torch.device("cpu"))
+    graphs.pool = object()  # as on a GPU: capture, then replay
+    shapes = []
+    logits = torch.zeros(4, 8)
+
+    def forward():
+        shapes.append(paged_attention.reads_whole_table())
+        return logits
+
+    assert graphs.run(4, forward) is logits and graphs.run(4, forward) is logits
+    assert fake.graph_kwargs == {"pool": graphs.pool, "capture_error_mode": "thread_local"}
+    assert shapes == [True, True] and fake.replays == 2  # warm-up and capture; the second step only replays
+
+
+def test_rotary_tables_read_while_capturing_stay_referenced(monkeypatch):
+    """A captured graph bakes in the address of the rotary table it read; Megatron keeps those tables in an LRU of
+    32, so the context holds each table read under capture for as long as it (and its graphs) lives."""
+    from megatron_rl.generation import paged
+    from megatron_rl.generation.paged import BlockPool, PagedContext
+
+    pool = BlockPool({1: LayerCache(kv_heads=KV_HEADS, head_dim=DIM)}, num_blocks=4, block_tokens=BLOCK,
+                     dtype=torch.float32, device=torch.device("cpu"))
+    context = PagedContext(pool, max_sequence_length=8, device=torch.device("cpu"))
+    context.set_step(q_lens=[1], kv_lens=[3], tables=torch.zeros(1, 2, dtype=torch.int32))
+    from megatron.core.models.common.embeddings import rope_utils
+
+    monkeypatch.setattr(rope_utils, "apply_rotary_pos_emb", lambda t, freqs, config, mscale=1.0: t)  # no CP group here
+    config = types.SimpleNamespace(rope_type="rope")
+    table = torch.randn(8, 1, 1, DIM)
+    query = torch.randn(1, 1, HEADS, DIM)
+    context.apply_rotary_emb_query(query, table, config)
+    assert context.graph_tables == []
+    monkeypatch.setattr(paged, "capturing", lambda: True)
+    context.apply_rotary_emb_query(query, table, config)
+    assert len(context.graph_tables) == 1 and context.graph_tables[0] is table
 
 
 @pytest.mark.parametrize("capturing", [False, True])

@@ -4,12 +4,19 @@ Each run is its own launch.py subprocess (Megatron's parallel state is process-g
 batch: the weights do not depend on the layout (``layout_invariant_init`` seeds every layer by its global number
 and every routed expert by its global index), so per-step losses and grad norms must agree with one process.
 
+The weights do not depend on the device either: the builder draws them on the CPU everywhere (builder.CPU_INIT),
+checked in a plain process.
+
 Measured differences on CPU are ~3e-8 (loss) and ~1.3e-7 (grad norm). The tolerances below still catch what
 they guard against: experts initialised per EP rank (step-1 loss off by 1e-2), or sequence-parallel norm
 weights whose grads are not all-reduced over TP (grad norm off by ~1e-4 relative).
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -114,3 +121,58 @@ def test_moe_tp2_ep2_sp_with_the_load_balancing_loss_matches_plain(launch, tmp_p
     _assert_same_training(plain, _run(launch, tmp_path / "sharded", *aux, "parallel.tp=2", "parallel.ep=2", SP))
     assert plain[0]["loss"] == pytest.approx(plain_moe[0]["loss"], abs=1e-6)  # it adds no LM loss...
     assert plain[0]["grad_norm"] != pytest.approx(plain_moe[0]["grad_norm"], rel=1e-4)  # ...but a gradient
+
+
+SAME_SEED_ON_EACH_DEVICE = """
+import datetime, json, sys
+from unittest import mock
+import torch
+from megatron_rl.runtime import cpu_compat
+cpu_compat.apply()
+from megatron.core import parallel_state, tensor_parallel
+from megatron_rl.models import builder
+from megatron_rl.spec.model_shape import load_model_shape
+from megatron_rl.spec.ports import free_port
+
+torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                     timeout=datetime.timedelta(seconds=60))
+parallel_state.initialize_model_parallel()
+cpu_config = builder.transformer_config
+
+def gpu_config(*args, **kwargs):  # the config a process with a GPU makes
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        return cpu_config(*args, **kwargs)
+
+def build(preset, config):
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)  # Megatron's RNG trackers, as initialize() seeds them
+    with mock.patch.object(builder, "transformer_config", config):
+        model = builder.build_gpt_model(load_model_shape(preset), builder.ModelOptions(init_seed=5))
+    dispatchers = {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
+    return model.state_dict(), sorted(dispatchers)
+
+result = {}
+for preset in sys.argv[1:]:
+    (on_cpu, cpu_dispatchers), (on_gpu, gpu_dispatchers) = build(preset, cpu_config), build(preset, gpu_config)
+    result[preset] = {"weights_differ": [name for name, value in on_cpu.items()
+                                         if isinstance(value, torch.Tensor) and not torch.equal(value, on_gpu[name])],
+                      "dispatchers": {"cpu": cpu_dispatchers, "gpu": gpu_dispatchers}}
+print(json.dumps(result))
+"""
+
+
+def test_a_process_with_a_gpu_builds_the_model_a_cpu_process_builds():
+    """The model a process with a GPU configures (``torch.cuda.is_available`` patched True while the builder makes
+    the TransformerConfig) has the weights of the one a CPU process builds from the same ``init_seed``, dense and
+    MoE (router and experts too), and the same MoE token dispatcher, the all-to-all one (which the EP tests here
+    run over gloo): one process, the CPU redirections standing in for CUDA. Megatron's GPU init would draw every
+    TP slice from its CUDA RNG tracker instead."""
+    presets = ["tiny-cpu", "tiny-cpu-moe"]
+    result = subprocess.run([sys.executable, "-c", SAME_SEED_ON_EACH_DEVICE, *presets], capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    built = json.loads(result.stdout.splitlines()[-1])
+    assert built["tiny-cpu"] == {"weights_differ": [], "dispatchers": {"cpu": [], "gpu": []}}
+    moe_dispatcher = ["MoEAlltoAllTokenDispatcher"]
+    assert built["tiny-cpu-moe"] == {"weights_differ": [],
+                                     "dispatchers": {"cpu": moe_dispatcher, "gpu": moe_dispatcher}}

@@ -4,6 +4,7 @@
 Run: `.venv/bin/python -m pytest tests/test_weight_sync.py -q`
 """
 
+import contextlib
 import json
 import os
 import stat
@@ -137,3 +138,99 @@ def test_gloo_broadcasts_every_version_whole(peers):
     for version, received in got.items():
         assert received["equal"] and received["sha"] == sent[version]["sha"]
         assert received["weight_sync_bytes"] == sent[version]["weight_sync_bytes"] == (1 << 18) * 4 + 14 + 40 + 4
+    # versions 1 and 2 in buckets of 48 bytes (the receiver reads the size from the header): the weight alone
+    # (larger than a bucket, from its own storage), the bias alone (with the ids it would not fit), the ids with the
+    # scale; version 3 in one bucket of the default size. The sender never stages more than a bucket.
+    for rank in (0, 1):
+        versions = peers["gloo"][rank]["versions"]
+        assert versions["1"]["tensor_broadcasts"] == versions["2"]["tensor_broadcasts"] == [(1 << 18) * 4, 14, 44]
+        assert versions["3"]["tensor_broadcasts"] == [(1 << 18) * 4 + 14 + 40 + 4]
+
+
+def test_the_receiving_thread_broadcasts_on_its_own_stream_and_syncs_it_before_handing_over(monkeypatch):
+    """Finding 4: on the GPU's default stream, NCCL's wait for the broadcast posted for the next version holds every
+    generation kernel behind it, while the trainer sends that version only once it has those kernels' samples. The
+    nccl receiving thread (``BroadcastWeights``) selects its GPU, makes a stream of its own, broadcasts on it and
+    synchronises it before it hands a version over. CUDA's stream calls are recording stand-ins, tensors asked for
+    on the GPU are made on the CPU, and the group replays what a real publisher broadcast (in buckets)."""
+    import threading
+    from types import SimpleNamespace
+
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_rl.rollout import channel
+    from megatron_rl.rollout.weight_sync import BroadcastWeightPublisher, BroadcastWeightSubscriber
+
+    events: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name: str = "side") -> None:
+            self.name = name
+            events.append(("new stream", name))
+
+        def synchronize(self) -> None:
+            events.append(("synchronize", self.name))
+
+    current = [Stream("default")]
+    events.clear()
+
+    @contextlib.contextmanager
+    def stream(side):
+        current.append(side)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    for name, stand_in in {"Stream": Stream, "stream": stream, "current_stream": lambda device=None: current[-1],
+                           "set_device": lambda device: events.append(("set_device", device))}.items():
+        monkeypatch.setattr(torch.cuda, name, stand_in)
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    class Recording:  # the publisher's side: what it broadcasts, in order
+        sent: list[torch.Tensor] = []
+
+        def broadcast(self, tensors, options):
+            self.sent.append(tensors[0].clone())
+            return Done()
+
+    class Replaying:  # the receiver's side: the same broadcasts, on the stream current at the call
+        def broadcast(self, tensors, options):
+            events.append(("broadcast", current[-1].name))
+            tensors[0].copy_(Recording.sent.pop(0))
+            return Done()
+
+    class OnTheCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = {key: "cpu" if key == "device" and torch.device(value).type == "cuda" else value
+                      for key, value in (kwargs or {}).items()}
+            if func is torch.Tensor.to:
+                args = tuple("cpu" if isinstance(a, torch.device) and a.type == "cuda" else a for a in args)
+            return func(*args, **kwargs)
+
+    state = {"w": torch.arange(16, dtype=torch.float32), "b": torch.full((3,), 0.5, dtype=torch.bfloat16),
+             "ids": torch.arange(4)}
+    publisher = BroadcastWeightPublisher(Recording(), device="cpu", bucket_bytes=48)
+    publisher.publish(1, state)
+    publisher.publish(0, {}, kind="stop")
+    subscriber = BroadcastWeightSubscriber(Replaying(), device="cuda:1")
+    poll = subscriber.poll
+    subscriber.poll = lambda: (lambda got: events.append(("handed over", got.kind)) or got)(poll())
+
+    class Inline:  # the receiving thread's body, run here (the redirecting mode is per thread)
+        def __init__(self, target, **_) -> None:
+            self.start = target
+
+    monkeypatch.setattr(channel, "threading", SimpleNamespace(Thread=Inline, Condition=threading.Condition))
+    with OnTheCpu():
+        weights = channel.BroadcastWeights(subscriber)
+    on_side = [("broadcast", "side")]
+    assert events == [("set_device", 1), ("new stream", "side"),
+                      *on_side * 4, ("synchronize", "side"), ("handed over", "weights"),  # header, w, b + ids
+                      *on_side * 2, ("synchronize", "side"), ("handed over", "stop")]
+    got = weights.history[1].state_dict
+    assert got.keys() == state.keys() and all(got[k].dtype == v.dtype and torch.equal(got[k], v)
+                                              for k, v in state.items())

@@ -491,8 +491,10 @@ def behaviour_weights(old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: to
         else:
             weights = torch.where(capped, torch.zeros_like(ratio), ratio)
         in_mask = mask > 0
+        # 1 without a loss token (a CP slice of a short response), on the ratio's device and without a host sync
+        masked_max = torch.where(in_mask, ratio, 0).amax() if ratio.numel() else ratio.new_zeros(())
         stats = {"behav_weight_mean": _masked_mean(ratio, mask),
-                 "behav_weight_max": ratio[in_mask].max() if in_mask.any() else torch.ones((), dtype=ratio.dtype),
+                 "behav_weight_max": torch.where(in_mask.any(), masked_max, ratio.new_ones(())),
                  "behav_capped_fraction": _masked_mean(capped.to(mask.dtype), mask)}
     return weights, stats
 

@@ -19,10 +19,11 @@ Parallelism.
   decodes whole sequences of its own prompts, like a DP rank (``data_parallel_seed`` gives each its own stream).
 * EP: when the experts span rollout workers, the workers step in lockstep (layout.py ``Lockstep``).
 
-Phase hygiene. Decoding runs under ``torch.inference_mode`` with the modules in eval mode (restored after).
-Megatron keeps a few tensors made during a forward (rotary tables in an ``lru_cache``, the attention scratch
-buffer); inference tensors left there would break the next backward pass (e.g. Transformer Engine's fused RoPE
-saves the cached table), so those caches are emptied on the way out.
+Phase hygiene. Decoding runs under ``torch.no_grad`` with the modules in eval mode (restored after), not under
+``torch.inference_mode``: the training modules keep state made during a forward (Megatron's rotary tables in an
+``lru_cache`` and its attention scratch buffer, Transformer Engine's lazily made buffers), and an inference
+tensor kept there would break the next training step ("Inplace update to inference tensor outside
+InferenceMode"; tests/dist/gen_check.py ``LazyBuffer``). Megatron's caches are still emptied on the way out.
 
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
 """
@@ -198,7 +199,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 chunks, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens, params=params,
                 stop_ids=([eos_id] if eos_id is not None else []) + list(stop_token_ids),
                 stop_sequences=stop_sequences, seed=draw_seed(seed, generator), chain=chain, device=device,
-                lockstep=Lockstep(chunks, device), block_tokens=kv_block_tokens,
+                lockstep=Lockstep(chunks), block_tokens=kv_block_tokens,
                 kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
                 max_concurrent=max_concurrent, share_prompts=share_prefill, record_routes=record_routes,
                 stop_requested=stop_requested, turn_ended=turn_ended, max_turn_tokens=max_turn_tokens,

@@ -71,6 +71,7 @@ from megatron_rl.generation.graphs import DecodeGraphs
 from megatron_rl.generation.paged import BlockPool, PagedContext, attention_layers, megatron_paged_attention
 from megatron_rl.generation.paged_attention import kernels as paged_kernels
 from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens, position_draws
+from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.spec.parallel import cuda_graph_error
 
 STOP_POLL_STEPS = 16
@@ -675,7 +676,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     else:
         blocks = int(kv_memory_bytes // count // block_bytes)
         if chain.pp_size > 1:  # stages with fewer layers get as many blocks as the fullest: they admit the same rows
-            fewest = torch.tensor([blocks], dtype=torch.long, device=device)
+            fewest = torch.full((1,), blocks, dtype=torch.long, device=collective_device(chain.pp_group))
             torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN, group=chain.pp_group)
             blocks = int(fewest.item())
         budgets = [blocks] * count
@@ -722,7 +723,9 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
     for chunk in chunks:
         chunk.eval()
     try:
-        with torch.inference_mode(), megatron_paged_attention(chunks, kernels):
+        # no_grad, not inference_mode: a module's state first made here (Transformer Engine's lazily made
+        # buffers) would be an inference tensor, which the next training step may not update in place
+        with torch.no_grad(), megatron_paged_attention(chunks, kernels):
             if chain.pp_size == 1:
                 part = parts[0]
                 while True:

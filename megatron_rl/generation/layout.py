@@ -152,12 +152,14 @@ class Lockstep:
     the TP and PP ranks of a worker hold the same values, so every rank reaches the same decisions. Disabled
     (no communication) when the experts do not span workers."""
 
-    def __init__(self, chunks: list, device: torch.device) -> None:
+    def __init__(self, chunks: list) -> None:
         from megatron.core import parallel_state as ps
 
+        from megatron_rl.runtime.distributed import collective_device
+
         self.enabled = experts_span_workers(chunks)
-        self.device = device
         self.group = ps.get_data_parallel_group(with_context_parallel=True) if self.enabled else None
+        self.device = collective_device(self.group) if self.enabled else None
 
     def step_shape(self, tokens: int, running: bool) -> tuple[int, bool]:
         """(the most tokens any worker feeds this step, whether any worker still generates): one all-reduce.
@@ -166,4 +168,5 @@ class Lockstep:
             return tokens, running
         packed = torch.tensor([tokens, int(running)], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return int(packed[0]), bool(packed[1])
+        most, any_running = packed.tolist()  # one copy to the host
+        return most, bool(any_running)

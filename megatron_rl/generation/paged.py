@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_rl.generation.paged_attention import PagedKernels
+from megatron_rl.generation.paged_attention import PagedKernels, capturing
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,9 @@ class PagedContext:
         self.max_sequence_length = max_sequence_length
         self.device = device
         self.padding_slice = slice(0, 0)
+        self.graph_tables: list[torch.Tensor] = []
+        """The rotary tables read while capturing a CUDA graph: held as long as this context (and its graphs)
+        lives, since Megatron's LRU of them may drop one that a graph replays."""
 
     # --- what the engine sets before a forward
     def set_step(self, *, q_lens: list, kv_lens: list, tables: torch.Tensor, into: Optional[dict] = None
@@ -237,6 +240,8 @@ class PagedContext:
             _yarn_get_concentration_factor_from_config,
         )
 
+        if capturing():
+            self.graph_tables.append(table)
         return apply_rotary_pos_emb(tensor, table[self._positions], config=config,
                                     mscale=_yarn_get_concentration_factor_from_config(config))
 

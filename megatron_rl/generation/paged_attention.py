@@ -29,7 +29,9 @@ runs flash-attn's kernels against this reference where flash-attn is installed.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+import contextlib
+import threading
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -156,8 +158,8 @@ def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     k_lens = cache_seqlens.long()
     rows, q_len = q.shape[0], q.shape[1]
-    # under CUDA graph capture the keys of the table's whole width (no host sync, graphs.py), else the longest row's
-    longest = block_table.shape[1] * k_cache.shape[1] if capturing() else int(k_lens.max()) if rows else 0
+    # a graph-shaped step reads the keys of the table's whole width (no host sync, graphs.py), else the longest row's
+    longest = block_table.shape[1] * k_cache.shape[1] if reads_whole_table() else int(k_lens.max()) if rows else 0
     if rows == 0 or longest == 0:
         return torch.zeros_like(q)
     keys = _gathered(k_cache, block_table[:rows], longest)
@@ -170,6 +172,27 @@ def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def capturing() -> bool:
     """Whether this thread's CUDA stream is capturing a graph (never without a GPU)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_graph_shaped = threading.local()
+
+
+@contextlib.contextmanager
+def graph_shaped_step() -> Iterator[None]:
+    """The steps of ``generation.cuda_graphs`` (graphs.py ``DecodeGraphs.run``): captured, replayed, or run eagerly
+    on a CPU, their decode kernel reads the whole width of the fixed block table, so that a replay and the same
+    step run eagerly read the same keys (and the CPU runs the shapes a GPU captures)."""
+    before = getattr(_graph_shaped, "on", False)
+    _graph_shaped.on = True
+    try:
+        yield
+    finally:
+        _graph_shaped.on = before
+
+
+def reads_whole_table() -> bool:
+    """Whether the decode kernel reads its table's whole width: inside a graph-shaped step or a capture."""
+    return getattr(_graph_shaped, "on", False) or capturing()
 
 
 def reference_mla(q: torch.Tensor, latent_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,

@@ -117,6 +117,23 @@ class ModelOptions:
         return self.transformer_engine or (self.core_attention == "flash" and not shape.is_mla)
 
 
+CPU_INIT = True
+"""Megatron's ``use_cpu_initialization`` on every device: weights are drawn on the CPU, then moved to the GPU
+(``build_gpt_model``), so ``model.init_seed`` gives the same weights on a CPU and a GPU and at every TP layout:
+``_initialize_affine_weight_cpu`` draws each full master weight from the CPU generator that
+``layout_invariant_init`` seeds, and every TP rank keeps its slice. Megatron's GPU path would draw each rank's slice
+from its CUDA RNG tracker (seed + 2718 + tp_rank): different weights on every device and TP layout.
+
+The cost grows with the model. A rank draws the full master weights of the layers it holds (fp32, then cast),
+at ~185 M normals/s on one CPU thread (measured here; torchrun starts ranks with OMP_NUM_THREADS=1) and about
+as fast again for the cast. Llama-3.1-405B at TP8 PP16: 8 layers of 3.19 B weights (qkv 0.30, o 0.27, fc1 1.74,
+fc2 0.87 B) plus a 2.1 B embedding or output layer on the end stages, 27.6 B per rank: ~150 s to draw, ~160 s
+to cast, ~5 min per start, and the largest master (fc1, 7 GB fp32 + 3.5 GB bf16) on all 8 ranks of a node at
+once is ~84 GB of host memory. With ``model.init_from`` (or a resumed run) the draw is wasted: the checkpoint
+overwrites it. Skipping it there (Megatron's ``perform_initialization=False``) is not done: weights a
+checkpoint does not hold must still be drawn (a reward model's fresh head on a policy trunk, LoRA adapters,
+a PPO critic's value head), and an unloaded ``torch.empty`` weight would train on garbage without an error."""
+
 EXPERT_BIAS_UPDATE_RATE = 1e-3
 """Megatron's default moe_router_bias_update_rate (DeepSeek-V3's gamma 0.001)."""
 
@@ -153,7 +170,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_router_pre_softmax=not shape.moe_norm_topk_prob,
             moe_router_score_function=shape.moe_router_score_function,
             **moe_routing_options(shape, opts),
-            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+            moe_token_dispatcher_type="alltoall",  # on every device: gloo has all_to_all_single too
             moe_grouped_gemm=opts.grouped_experts,
             moe_aux_loss_coeff=aux_loss_coeff(opts),
             moe_router_load_balancing_type=opts.moe_load_balancing if opts.moe_aux_loss_coeff else "none",
@@ -194,7 +211,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         pipeline_model_parallel_layout=(megatron_layout(expand_layout(dims.pipeline_layout))
                                         if dims.pipeline_layout is not None else None),
         params_dtype=opts.dtype, bf16=opts.dtype == torch.bfloat16, fp16=opts.dtype == torch.float16,
-        pipeline_dtype=opts.dtype, use_cpu_initialization=not torch.cuda.is_available(),
+        pipeline_dtype=opts.dtype, use_cpu_initialization=CPU_INIT,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         init_method_std=0.02, calculate_per_token_loss=True, attention_backend=attention_backend(opts),
@@ -265,7 +282,8 @@ def _mla_without_te() -> None:
     * its only TP-replicated down projection is modelopt's ``Linear`` with torch's default init: replaced (under
       that name, which MLA checks) by one that also applies the config's init method;
     * it builds its rotary embedding without ``use_cpu_initialization`` inside
-      ``torch.device(torch.cuda.current_device())``, which fails without a GPU: subclasses defaulting to CPU.
+      ``torch.device(torch.cuda.current_device())``, which fails without a GPU: subclasses defaulting to CPU, as
+      every other weight and table is built (``CPU_INIT``; Megatron moves the rotary tables to the GPU at first use).
     """
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer import multi_latent_attention as mla
@@ -430,8 +448,8 @@ def layout_invariant_init(seed: int):
     EP rank 0 draws, and the ranks would consume different amounts of the layer's stream (changing the output
     layer). So every expert MLP draws from its own seed ``expert_seed(seed, layer, global_expert)``, and the
     layer's stream is restored after the experts, as if they drew nothing from it. Not covered: grouped-GEMM
-    experts (``moe_grouped_gemm``, set only with Transformer Engine on GPUs) and the GPU init path (``use_cpu_initialization``
-    is off on GPUs; Megatron then draws from its per-rank CUDA RNG trackers, which no layout invariance covers).
+    experts (``moe_grouped_gemm``: each rank draws its own shards). Weights are drawn on the CPU on every device
+    (``CPU_INIT``).
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.mlp import MLP

@@ -473,7 +473,9 @@ def trainable_fraction(chunks) -> float:
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from megatron_rl.runtime.distributed import collective_device
+
+    device = collective_device(ps.get_model_parallel_group())
     dense, expert = (torch.zeros(2, dtype=torch.float64, device=device) for _ in range(2))
     expert_tp = ps.get_expert_tensor_parallel_group()
     for chunk in chunks:

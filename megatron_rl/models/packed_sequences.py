@@ -4,10 +4,11 @@ A packed micro-batch (``megatron_rl.rollout.packing``) holds the rows' tokens on
 to T, and two views of the rows:
 
 * ``cu_seqlens`` [segments + 1]: where each segment starts in the packed stream, the padding tail (if any) being
-  the last segment, so the last entry is T. The model sees the boundaries through ``attention_inputs``: as
-  Megatron's ``PackedSeqParams(qkv_format="thd")``, which Megatron's per-sequence RoPE and the core attention
-  take, where the core attention runs one attention per sequence (``thd``: Transformer Engine's fused attention on
-  GPUs, or SDPADotProductAttention's loop, megatron_rl/models/sdpa_attention.py, on CPUs and GPUs without TE);
+  the last segments (``with_padding_segments``), so the last entry is T. The collate step builds them on the host
+  and the model sees them through ``attention_inputs``: as Megatron's ``PackedSeqParams(qkv_format="thd")`` with
+  ``max_seqlen`` known on the host, which Megatron's per-sequence RoPE and the core attention take, where the core
+  attention runs one attention per sequence (``thd``: Transformer Engine's fused attention on GPUs, or
+  SDPADotProductAttention's ``packed_context``, megatron_rl/models/sdpa_attention.py, on CPUs and GPUs without TE);
   on Megatron's local kernel (runtime.attention=unfused, and MLA without TE) as a block-diagonal causal mask
   ``[1, 1, T, T]`` (True = masked), the same boundaries. Position ids restart at 0 in every row. The mask path
   applies RoPE at the packed positions, which changes no attention score (RoPE's scores depend on the distance
@@ -45,19 +46,35 @@ def as_rows(values: torch.Tensor, batch: Mapping) -> torch.Tensor:
     return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def attention_inputs(cu_seqlens: torch.Tensor, *, thd: bool) -> dict:
-    """What the model's forward takes for these boundaries: ``packed_seq_params`` (``thd``: the core attention runs
-    one attention per sequence) or ``attention_mask``."""
-    total = int(cu_seqlens[-1])
+def with_padding_segments(starts: list[int], packed_length: int) -> list[int]:
+    """The boundaries ``starts`` of a packed micro-batch's rows (0, ..., the rows' end) followed by its padding tail
+    up to ``packed_length``, cut into segments no longer than the longest row: per-sequence attention pads every
+    segment to the longest (``sdpa_attention.packed_context``), and a micro-batch's tail can be most of it (every
+    micro-batch of a mini-batch has the same length)."""
+    longest = max((b - a for a, b in zip(starts[:-1], starts[1:])), default=0) or packed_length
+    return [*starts, *range(starts[-1] + longest, packed_length, longest),
+            *([packed_length] if starts[-1] < packed_length else [])]
+
+
+def attention_inputs(starts: list[int], *, thd: bool, device: torch.device | str = "cpu") -> dict:
+    """What the model's forward takes for the segment boundaries ``starts`` (cu_seqlens, on the host:
+    0, ..., T): ``packed_seq_params`` (``thd``: the core attention runs one attention per sequence) or
+    ``attention_mask``, on ``device``. ``max_seqlen_q``/``max_seqlen_kv`` come from the host list, so neither
+    this nor the attention (SDPA's padded batch, Transformer Engine's THD kernels, Megatron's THD RoPE, which
+    would otherwise compute them from the device tensor) reads the device for them."""
+    cu_seqlens = torch.tensor(starts, dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
+    total = starts[-1]
     if thd:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        cu = cu_seqlens.to(torch.int32)
-        return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                     max_seqlen_q=longest, max_seqlen_kv=longest)}
-    segment = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device),
-                                      cu_seqlens[1:] - cu_seqlens[:-1])
+        longest = max(b - a for a, b in zip(starts[:-1], starts[1:]))
+        return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
+                                                     cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
+                                                     max_seqlen_kv=longest)}
+    segment = torch.repeat_interleave(torch.arange(len(starts) - 1, device=cu_seqlens.device),
+                                      cu_seqlens[1:] - cu_seqlens[:-1], output_size=total)
     position = torch.arange(total, device=cu_seqlens.device)
     masked = (segment[:, None] != segment[None, :]) | (position[None, :] > position[:, None])
     return {"attention_mask": masked[None, None]}

@@ -77,7 +77,7 @@ def packed_reward_batch(seqs: list[list[int]], *, pad_id: int, length: int, thd:
     """A packed reward-model micro-batch: the rows one after another in tokens [1, length] (each at its own
     positions, attending within itself: ``packed_sequences.attention_inputs``), and ``last_position`` [rows], where
     each row's reward is read."""
-    from megatron_rl.models.packed_sequences import attention_inputs
+    from megatron_rl.models.packed_sequences import attention_inputs, with_padding_segments
 
     if sum(map(len, seqs)) > length:
         raise ValueError(f"{sum(map(len, seqs))} tokens do not fit a packed micro-batch of {length}")
@@ -90,13 +90,11 @@ def packed_reward_batch(seqs: list[list[int]], *, pad_id: int, length: int, thd:
         position_ids[0, start:start + n] = torch.arange(n)
         starts.append(start + n)
     last = torch.tensor(starts[1:], dtype=torch.long) - 1
-    if starts[-1] < length:  # the padding tail: a segment of its own
-        starts.append(length)
+    starts = with_padding_segments(starts, length)
     batch = {"tokens": tokens, "position_ids": position_ids, "last_position": last}
     if torch.cuda.is_available():
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=batch["tokens"].device)
-    return {**batch, **attention_inputs(cu_seqlens, thd=thd)}
+    return {**batch, **attention_inputs(starts, thd=thd, device=batch["tokens"].device)}
 
 
 def causal_padding_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ from megatron_rl.models.reward_model import (
 )
 from megatron_rl.rewards.registry import register_reward, registered_rewards
 from megatron_rl.runtime.checkpoint import preserved_rng
-from megatron_rl.runtime.distributed import current_dims
+from megatron_rl.runtime.distributed import collective_device, current_dims
 from megatron_rl.spec.config.schema import LoraConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
@@ -140,11 +140,11 @@ class RewardModelScorer:
             forward_step_func=_forward_step, data_iterator=iterator, model=self.chunks,
             num_microbatches=len(batches), seq_length=max(b["tokens"].shape[1] for b in batches),
             micro_batch_size=batches[0]["tokens"].shape[0], forward_only=True)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = collective_device(ps.get_data_parallel_group())
         # each row is scored on one data-parallel rank, by its last pipeline stage: a sum over both shares them
         scores = torch.zeros(count, dtype=torch.float32, device=device)
         if outputs:
-            picked = torch.cat([out["rewards"] for out in outputs]).float()
+            picked = torch.cat([out["rewards"] for out in outputs]).to(device, torch.float32)
             index = torch.tensor(rows, dtype=torch.long, device=device)
             scores[index[index >= 0]] = picked[index >= 0]
         if ps.get_pipeline_model_parallel_world_size() > 1:

@@ -40,22 +40,25 @@ import torch
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.rollout.placement import Placement, session_dir
 from megatron_rl.rollout.weight_sync import (
+    BUCKET_BYTES,
     BroadcastWeightPublisher,
     BroadcastWeightSubscriber,
     FileWeightPublisher,
     FileWeightSubscriber,
     _write_atomically,
+    receiving_stream,
 )
 from megatron_rl.runtime import checkpoint as ckpt
-from megatron_rl.runtime.distributed import global_rank, read_dist_env
+from megatron_rl.runtime.distributed import collective_device, global_rank
 from megatron_rl.spec.private import make_private_dir
 
 POLL_S = 0.02
 WORKER_WAIT_S = 24 * 3600
 """How long a rollout worker waits for an order or weights (and its gloo bridge for the next version): the
 trainers may be in a long SFT warm-up, a checkpoint or an export; a dead trainer ends the job, workers included."""
-BRIDGE_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
-"""weight_sync over a WeightBridge -> where its broadcasts stage the tensors."""
+BRIDGE_BACKENDS = ("gloo", "nccl")
+"""The weight_syncs over a WeightBridge (its process group's backend; its broadcasts stage the tensors on the
+group's ``collective_device``)."""
 RESHARDED = "resharded"
 """Under the channel folder: the versions as distributed checkpoints, when the rollout layout differs."""
 ORDER_NAME = "{:08d}.json"
@@ -127,7 +130,7 @@ class TrainerChannel:
     """Trainer side: publish weights (every rank), issue orders and collect samples (rank 0)."""
 
     def __init__(self, folder: Path, session: str, *, weight_sync: str = "files", bridge: Optional["WeightBridge"] = None,
-                 keep_last: int = 3) -> None:
+                 keep_last: int = 3, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.folder, self.session = Path(folder), session
         self.rank = global_rank()
         self.shard, shards, self.holder = shard_index()
@@ -136,9 +139,8 @@ class TrainerChannel:
         if weight_sync == "files":
             self.weights = self.samples
             self.base = FileWeightPublisher(self.folder / "base", keep_last=1, rank=self.shard, num_shards=shards)
-        elif weight_sync in BRIDGE_DEVICES:  # a holder broadcasts its shard to the rollout ranks of the same one
-            self.bridge = BroadcastWeightPublisher(bridge.group, device=BRIDGE_DEVICES[weight_sync]) \
-                if self.holder else None
+        elif weight_sync in BRIDGE_BACKENDS:  # a holder broadcasts its shard to the rollout ranks of the same one
+            self.bridge = BroadcastWeightPublisher(bridge.group, bucket_bytes=bucket_bytes) if self.holder else None
         elif weight_sync != "resharded":
             raise ValueError(f"weight_sync={weight_sync!r}: files, gloo, nccl or resharded")
         self.keep_last = keep_last
@@ -179,7 +181,7 @@ class TrainerChannel:
                     publisher.commit(number)
             elif self.bridge is not None:
                 nbytes += self.bridge.publish(number, tensors, kind=kind)["weight_sync_bytes"]
-        total = torch.tensor([nbytes], dtype=torch.float64)
+        total = torch.full((1,), nbytes, dtype=torch.float64, device=collective_device())
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
         return {"weight_sync_bytes": float(total), "weight_sync_s": time.perf_counter() - start}
@@ -201,7 +203,7 @@ class TrainerChannel:
         if self.rank == 0 and self.orders.parent.is_dir():
             path = self.orders.parent / STOP_FILE
             _write_atomically(path, lambda tmp: tmp.write_text(json.dumps({"exit_code": exit_code})))
-        if self.weight_sync in BRIDGE_DEVICES and self.bridge is not None:
+        if self.weight_sync in BRIDGE_BACKENDS and self.bridge is not None:
             self.bridge.publish(0, {}, kind="stop")
 
 
@@ -217,8 +219,7 @@ class WorkerChannel:
         self.samples = FileWeightSubscriber(self.folder, worker=worker, shard=shard)
         self.weights = (FileWeights(self.folder, worker=worker, shard=shard) if weight_sync == "files"
                         else ReshardedWeights(self.folder / RESHARDED) if weight_sync == "resharded"
-                        else BroadcastWeights(BroadcastWeightSubscriber(bridge.group,
-                                                                        device=BRIDGE_DEVICES[weight_sync])))
+                        else BroadcastWeights(BroadcastWeightSubscriber(bridge.group)))
         self.session_dir = session_dir(self.folder, session)
         self._next_seq = 0
         self.idle_s = 0.0
@@ -284,7 +285,7 @@ def any_rank(flag: bool) -> bool:
 
 
 def _reduce_flag(flag: bool, op) -> bool:
-    value = torch.tensor([1.0 if flag else 0.0])
+    value = torch.full((1,), 1.0 if flag else 0.0, device=collective_device())
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(value, op=op)
     return value.item() == 1.0
@@ -376,21 +377,20 @@ class BroadcastWeights:
         self._thread.start()
 
     def _receive(self) -> None:
-        if self.subscriber.device != "cpu":  # a new thread starts on device 0
-            torch.cuda.set_device(read_dist_env().local_rank)
-        while True:
-            received = self.subscriber.poll()
-            with self._ready:
-                if received.kind == "stop":
-                    self.received["stop"] = received
+        with receiving_stream(self.subscriber.device):  # on a GPU: never the stream generation runs on
+            while True:
+                received = self.subscriber.poll()
+                with self._ready:
+                    if received.kind == "stop":
+                        self.received["stop"] = received
+                        self._ready.notify_all()
+                        return
+                    self.received[received.kind] = received
+                    if received.kind == "weights":
+                        self.history[received.version] = received
+                        for old in sorted(self.history)[:-4]:
+                            del self.history[old]
                     self._ready.notify_all()
-                    return
-                self.received[received.kind] = received
-                if received.kind == "weights":
-                    self.history[received.version] = received
-                    for old in sorted(self.history)[:-4]:
-                        del self.history[old]
-                self._ready.notify_all()
 
     def _wait_for(self, ready, *, timeout_s: float, what: str):
         """``ready()`` once it is truthy (or the trainers stopped: then whatever it is)."""
@@ -412,12 +412,19 @@ class BroadcastWeights:
         nbytes = 0.0
         if not self.base_loaded:
             base = self._wait_for(lambda: self.received.get("base"), timeout_s=timeout_s, what="base weights")
-            load_weights(chunks, base.state_dict)
+            self._load(chunks, base)
             self.base_loaded, nbytes = True, float(base.metrics["weight_sync_bytes"])
         if version != self.loaded:
-            load_weights(chunks, received.state_dict)
+            self._load(chunks, received)
             self.loaded, nbytes = version, nbytes + float(received.metrics["weight_sync_bytes"])
         return version, nbytes
+
+    @staticmethod
+    def _load(chunks: list, received) -> None:
+        load_weights(chunks, received.state_dict)
+        for tensor in received.state_dict.values():
+            if tensor.is_cuda:  # made on the receiving stream, read on this one: its memory waits for these copies
+                tensor.record_stream(torch.cuda.current_stream())
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.models.packed_sequences import attention_inputs
+from megatron_rl.models.packed_sequences import attention_inputs, with_padding_segments
 from megatron_rl.rollout.batch import RolloutBatch, RolloutRow
 
 
@@ -147,16 +147,14 @@ def collate_packed(rows: list[RolloutRow], *, packed_length: int, pad_id: int, t
         behav_logp[i, first:end] = torch.tensor(row.logprobs, dtype=torch.float32)
         advantages[i] = row.advantage
         starts.append(start + n)
-    if starts[-1] < packed_length:  # the padding tail: a segment of its own
-        starts.append(packed_length)
+    starts = with_padding_segments(starts, packed_length)
     routes = _packed_routes([row.routes for row in rows], starts, packed_length) \
         if rows and rows[0].routes is not None else None
     batch = RolloutBatch(tokens=tokens[None, :-1], labels=labels[None], position_ids=position_ids[None],
                          row_index=row_index, row_valid=row_valid, loss_mask=loss_mask, behav_logp=behav_logp,
                          advantages=advantages, routes=routes,
                          row_ids=torch.tensor(list(range(len(rows))) if row_ids is None else row_ids)).to_device()
-    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=batch.tokens.device)
-    return batch.replace(**attention_inputs(cu_seqlens, thd=thd))
+    return batch.replace(**attention_inputs(starts, thd=thd, device=batch.tokens.device))
 
 
 def _packed_routes(routes: list[torch.Tensor], starts: list[int], packed_length: int) -> torch.Tensor:

@@ -25,9 +25,10 @@ once read; they are loaded with ``torch.load(weights_only=True)``, so a sample f
 dicts, strings and numbers (``rollout_rows``) but no code. Folders are 0700 and files 0600 (``megatron_rl.spec.private``).
 
 gloo and nccl (``BroadcastWeightPublisher`` / ``BroadcastWeightSubscriber``): broadcasts over a process group of
-the trainer's source rank and the rollout ranks: a JSON header (kind, version, names, dtypes, shapes), then the
-tensors as one byte buffer, staged on the CPU for gloo, on the GPU for nccl. Both sides call in step (``poll``
-blocks until the next ``publish``).
+the trainer's source rank and the rollout ranks: a JSON header (kind, version, names, dtypes, shapes, bucket
+size), then the tensors' bytes in buckets of at most ``bucket_bytes`` (a larger tensor alone), staged on the CPU for
+gloo, on the GPU for nccl (the group's ``collective_device``). Both sides call in step (``poll`` blocks until the
+next ``publish``).
 
 Used by split-placement GRPO through ``megatron_rl.rollout.channel``: the broadcast classes there run over a
 standalone ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` that bridges the trainers' and the rollout workers' worlds,
@@ -39,6 +40,7 @@ Test: ``.venv/bin/python -m pytest tests/test_weight_sync.py -q``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -47,18 +49,21 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from megatron_rl.rollout.buffer import Sample
 from megatron_rl.runtime.checkpoint import fault_point, fsync_path
+from megatron_rl.runtime.distributed import collective_device, read_dist_env
 from megatron_rl.spec.private import DIR_MODE, FILE_MODE, make_private_dir, write_private_text
 
 VERSION_DIR = re.compile(r"^v(\d{8})$")
 TMP_PREFIX = ".tmp-"
 DELETE_PREFIX = ".del-"
 COMPLETE = "COMPLETE"
+BUCKET_BYTES = 512 * 2**20
+"""The most bytes one gloo or nccl broadcast of a version carries (``algorithm.weight_sync_bucket_mib``)."""
 
 
 def version_dir_name(version: int) -> str:
@@ -321,20 +326,34 @@ def _group_broadcast(group: Any, tensor: torch.Tensor, root: int) -> None:
     group.broadcast([tensor], options).wait()
 
 
+def _buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """The tensors (their byte ``sizes``, in order) grouped into consecutive runs of at most ``bucket_bytes``, one
+    broadcast each; a tensor larger than that travels alone. The sender and the receivers find the same from the
+    header's layout and bucket size."""
+    buckets: list[list[int]] = []
+    filled = 0
+    for i, size in enumerate(sizes):
+        if not buckets or filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += size
+    return buckets
+
+
 def _broadcast_state(state_dict: Optional[dict[str, torch.Tensor]], version: Optional[int], *, src: int,
-                     group: Any, kind: str = "weights",
-                     device: str = "cpu") -> tuple[str, int, dict[str, torch.Tensor], int]:
-    """Broadcast (kind, version, tensors) from group rank ``src`` over ``group``: a JSON header (names, dtypes and
-    shapes) and the bytes as one uint8 buffer, on ``device`` (cpu: staged for gloo; cuda: in place for nccl).
-    Returns (kind, version, tensors on ``device``, bytes of the tensors) on every rank."""
+                     group: Any, kind: str = "weights", device: torch.device | str = "cpu",
+                     bucket_bytes: int = BUCKET_BYTES) -> tuple[str, int, dict[str, torch.Tensor], int]:
+    """Broadcast (kind, version, tensors) from group rank ``src`` over ``group``: a JSON header (names, dtypes,
+    shapes and the sender's ``bucket_bytes``), then the tensors' bytes in buckets of at most ``bucket_bytes`` (a
+    larger tensor alone, straight from its own storage), on ``device`` (cpu: staged for gloo; cuda: in place for
+    nccl). The sender's extra memory is one bucket, not a copy of the whole shard. Returns (kind, version,
+    tensors, bytes of the tensors) on every rank: the sender's own tensors, the receivers' on ``device``."""
     sending = state_dict is not None
     if sending:
-        tensors = {name: t.detach().to(device).contiguous() for name, t in state_dict.items()}
-        header = json.dumps({"kind": kind, "version": version,
+        header = json.dumps({"kind": kind, "version": version, "bucket_bytes": bucket_bytes,
                              "layout": [(name, str(t.dtype).removeprefix("torch."), list(t.shape))
-                                        for name, t in tensors.items()]}).encode()
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]) if tensors \
-            else torch.empty(0, dtype=torch.uint8, device=device)
+                                        for name, t in state_dict.items()]}).encode()
     length = torch.tensor([len(header) if sending else 0], dtype=torch.int64, device=device)
     _group_broadcast(group, length, src)
     raw = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if sending \
@@ -343,47 +362,90 @@ def _broadcast_state(state_dict: Optional[dict[str, torch.Tensor]], version: Opt
     meta = json.loads(raw.cpu().numpy().tobytes())
     layout = meta["layout"]
     sizes = [torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in layout]
-    if not sending:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    if sizes:
-        _group_broadcast(group, flat, src)
     if sending:
-        return meta["kind"], meta["version"], tensors, flat.numel()
-    out = {name: part.clone().view(getattr(torch, dtype)).reshape(shape)  # clone: each its own aligned storage
-           for (name, dtype, shape), part in zip(layout, torch.split(flat, sizes))}
-    return meta["kind"], meta["version"], out, flat.numel()
+        tensors = state_dict
+        sent = list(state_dict.values())
+
+        def as_bytes(i: int) -> torch.Tensor:  # on ``device``, copied only when it is elsewhere or not contiguous
+            return sent[i].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+    else:
+        tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                   for name, dtype, shape in layout}
+        as_bytes = [t.view(-1).view(torch.uint8) for t in tensors.values()].__getitem__  # views: received in place
+    buckets = _buckets(sizes, meta["bucket_bytes"])
+    staging = torch.empty(max((sum(sizes[i] for i in b) for b in buckets if len(b) > 1), default=0),
+                          dtype=torch.uint8, device=device)
+    for bucket in buckets:
+        total = sum(sizes[i] for i in bucket)
+        if total == 0:
+            continue
+        if len(bucket) == 1:  # alone: from and into the tensor's own bytes
+            _group_broadcast(group, as_bytes(bucket[0]), src)
+            continue
+        buffer = staging[:total]
+        if sending:
+            torch.cat([as_bytes(i) for i in bucket], out=buffer)
+        _group_broadcast(group, buffer, src)
+        if not sending:
+            for i, part in zip(bucket, torch.split(buffer, [sizes[i] for i in bucket])):
+                as_bytes(i).copy_(part)
+    return meta["kind"], meta["version"], tensors, sum(sizes)
 
 
 class BroadcastWeightPublisher(WeightPublisher):
-    """Broadcasts each version from this rank (group rank ``src``) over ``group``: gloo with the tensors staged on
-    the CPU (``device="cpu"``), or nccl straight from the GPU (``device="cuda"``)."""
+    """Broadcasts each version from this rank (group rank ``src``) over ``group``, in buckets of at most
+    ``bucket_bytes``: gloo with the tensors staged on the CPU, or nccl straight from the GPU (``device``: the
+    group's ``collective_device`` unless given)."""
 
-    def __init__(self, group: Any, *, src: int = 0, device: str = "cpu") -> None:
-        self.group, self.src, self.device = group, src, device
+    def __init__(self, group: Any, *, src: int = 0, device: Optional[torch.device | str] = None,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+        self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
+        self.device = collective_device(group) if device is None else torch.device(device)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], *, kind: str = "weights") -> dict[str, float]:
         """Send ``state_dict`` as ``version`` of ``kind`` (weights; base: the tensors that never change; stop: no
         tensors, the subscribers end); returns {weight_sync_bytes, weight_sync_s}."""
         start = time.perf_counter()
         *_, nbytes = _broadcast_state(state_dict, version, src=self.src, group=self.group, kind=kind,
-                                      device=self.device)
+                                      device=self.device, bucket_bytes=self.bucket_bytes)
         return _sync_metrics(nbytes, start)
 
 
 class BroadcastWeightSubscriber(WeightSubscriber):
-    """Receives each version broadcast from group rank ``src`` over ``group`` onto ``device``; ``poll`` blocks
-    until the publisher's next ``publish`` (run it in a thread to receive while generating)."""
+    """Receives each version broadcast from group rank ``src`` over ``group`` onto ``device`` (the group's
+    ``collective_device`` unless given); ``poll`` blocks until the publisher's next ``publish`` (run it in a
+    thread to receive while generating: on a GPU under ``receiving_stream``)."""
 
-    def __init__(self, group: Any, *, src: int = 0, device: str = "cpu") -> None:
-        self.group, self.src, self.device = group, src, device
+    def __init__(self, group: Any, *, src: int = 0, device: Optional[torch.device | str] = None) -> None:
+        self.group, self.src = group, src
+        self.device = collective_device(group) if device is None else torch.device(device)
         self.version: Optional[int] = None
 
     def poll(self) -> Optional[Received]:
         start = time.perf_counter()
         kind, version, state_dict, nbytes = _broadcast_state(None, None, src=self.src, group=self.group,
                                                              device=self.device)
-        if self.device != "cpu":
-            torch.cuda.current_stream().synchronize()  # the tensors are complete before another thread reads them
+        if self.device.type != "cpu":  # the receiving stream's copies are done before another thread reads them
+            torch.cuda.current_stream().synchronize()
         if kind == "weights":
             self.version = version
         return Received(version=version, state_dict=state_dict, metrics=_sync_metrics(nbytes, start), kind=kind)
+
+
+@contextlib.contextmanager
+def receiving_stream(device: torch.device | str) -> Iterator[None]:
+    """Run a receiving thread's broadcasts (``BroadcastWeightSubscriber.poll``) on a CUDA stream of its own when
+    ``device`` is a GPU, made here, in the thread, once the thread is on that GPU (a new thread starts on device
+    0). On the default stream, NCCL's ``work.wait()`` of the broadcast posted for the next version would queue
+    every generation kernel behind it, and the trainer sends that version only once it has the samples those
+    kernels make: a deadlock. ``poll`` synchronises this stream before it hands its tensors over."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_device(read_dist_env().local_rank if device.index is None else device.index)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        yield

@@ -27,7 +27,7 @@ import torch
 
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rollout.buffer import Sample
-from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, WeightBridge, WorkerChannel, any_rank
+from megatron_rl.rollout.channel import BRIDGE_BACKENDS, WORKER_WAIT_S, WeightBridge, WorkerChannel, any_rank
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
@@ -77,7 +77,7 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
         chunk.eval()
     weight_sync = cfg.algorithm.weight_sync
     bridge = None
-    if weight_sync in BRIDGE_DEVICES:
+    if weight_sync in BRIDGE_BACKENDS:
         bridge = WeightBridge.open(placement, backend=weight_sync, replicas=ps.get_data_parallel_world_size(),
                                    timeout_s=WORKER_WAIT_S)
     channel = WorkerChannel(placement.folder, placement.session, worker=f"rollout{placement.world.rank}",

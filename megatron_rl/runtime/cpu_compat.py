@@ -1,24 +1,18 @@
 """Run Megatron Core on a CPU-only machine: redirect its CUDA-only call sites to the CPU.
 
 Applied by ``megatron_rl.runtime.distributed.initialize`` only when ``torch.cuda.is_available()`` is false;
-GPU runs never import this module's effects. What it does:
+GPU runs never get its redirections. What it does:
 
 * ``torch.cuda`` helpers Megatron calls unconditionally (current_device, synchronize, Event, streams, nvtx,
   RNG seeding) become CPU stand-ins;
-* torch's tensor factories (``torch.zeros(..., device="cuda")`` and kin), ``Tensor.cuda()`` and
-  ``Tensor.to("cuda")`` put tensors on the CPU, and ``Tensor.type()`` answers with the ``torch.cuda.*`` name
-  that Megatron's optimizer asserts on. These are thin wrappers on a handful of functions, not a
-  ``TorchFunctionMode``: a mode intercepts every op and cost ~60% of a tiny model's training step here;
+* torch's tensor factories (``torch.zeros(..., device="cuda")`` and kin, ``Tensor.new_empty(...)`` and kin),
+  ``Tensor.cuda()`` and ``Tensor.to("cuda")`` put tensors on the CPU, and ``Tensor.type()`` answers with the
+  ``torch.cuda.*`` name that Megatron's optimizer asserts on. These are thin wrappers on a handful of functions,
+  not a ``TorchFunctionMode``: a mode intercepts every op and cost ~60% of a tiny model's training step here;
 * Megatron's RNG tracker saves and restores the CPU generator instead of a CUDA one;
-* MoE routing without Transformer Engine gets ``te_general_gemm = None`` (0.16.1 leaves it undefined);
-* Megatron's fusion functions (``@jit_fuser``) stay plain functions: applied before Megatron's first import,
-  ``apply()`` imports it with ``torch.compile`` as the identity. Megatron wraps them in ``torch.compile`` at
-  import, which imports TorchInductor: ~2 s of CPU in every process here, for functions the CPU runs with the
-  same ops uncompiled;
-* Megatron's unfused RoPE for packed (``thd``) rows, which loops over the rows in Python (a sin and cos of the
-  table per row, per layer, for queries and keys: 9x the time of one pass at 32 rows), becomes one pass over all
-  tokens at each token's own position; bit-identical, forward and backward (tests/test_rope_thd.py). GPUs with
-  Transformer Engine run its fused kernel instead.
+* MoE routing without Transformer Engine gets ``te_general_gemm = None`` (0.16.1 leaves it undefined), and the
+  all-to-all token dispatcher gets its split sizes on the host as numpy arrays, as its copy from a GPU makes them;
+* ``megatron_patches.apply()`` first: the Megatron changes every device gets (eager fusions, one-pass THD RoPE).
 
 Every redirection is counted per call site (``file:function`` inside megatron). ``KNOWN_SITES`` lists the
 sites someone has looked at; ``unreviewed_sites()`` names any other, so a Megatron upgrade that adds CUDA-only
@@ -35,6 +29,8 @@ import sys
 from typing import Any
 
 import torch
+
+from megatron_rl.runtime import megatron_patches
 
 # Seen redirected (tests and the default jobs) with megatron-core 0.16.1 and 0.19.2 on CPU and reviewed: each only
 # places a buffer, a mask, an RNG state or a norm/step scalar, or asks for the current stream (to wait on CUDA
@@ -61,17 +57,19 @@ KNOWN_SITES = frozenset({
     "core/pipeline_parallel/schedules.py:forward_backward_pipelining_without_interleaving",
     "core/pipeline_parallel/schedules.py:forward_backward_pipelining_with_interleaving",
     "core/tensor_parallel/mappings.py:_gather_along_last_dim",
+    "core/tensor_parallel/mappings.py:forward",  # the all-to-all token dispatcher's receive buffer
     "core/tensor_parallel/random.py:add",
     "core/tensor_parallel/random.py:fork",
     "core/tensor_parallel/random.py:model_parallel_cuda_manual_seed",
     "core/transformer/attention.py:_allocate_memory",
+    "core/transformer/moe/router.py:gating",
+    "core/transformer/moe/token_dispatcher.py:_maybe_dtoh_and_synchronize",  # its DtoH stream; split sizes
     "core/transformer/utils.py:get_default_causal_mask",
     "core/utils.py:get_tensor",
     "core/utils.py:local_multi_tensor_l2_norm",
 })
 
-EAGER_FUSIONS = "core/jit.py:jit_fuser"
-"""The count of Megatron functions left uncompiled: none means Megatron was imported before ``apply()``."""
+EAGER_FUSIONS = megatron_patches.EAGER_FUSIONS
 
 _redirects: collections.Counter[str] = collections.Counter()
 _applied = False
@@ -79,8 +77,12 @@ _MEGATRON_MARK = os.sep + "megatron" + os.sep
 
 
 def redirect_counts() -> dict[str, int]:
-    """How often each Megatron call site was redirected to the CPU in this process."""
-    return dict(_redirects)
+    """How often each Megatron call site was redirected to the CPU in this process, and (under EAGER_FUSIONS,
+    once applied) how many Megatron fusions ``megatron_patches`` left uncompiled."""
+    counts = dict(_redirects)
+    if _applied and megatron_patches.eager_fusions():
+        counts[EAGER_FUSIONS] = megatron_patches.eager_fusions()
+    return counts
 
 
 def unreviewed_sites() -> list[str]:
@@ -118,6 +120,8 @@ _CUDA_TYPE_NAMES = {
 
 FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
              "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye", "linspace")
+TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+"""Tensor methods that make a tensor on a given device (the all-to-all dispatcher's ``new_empty(device=...)``)."""
 
 
 def _factory_on_cpu(fn):
@@ -162,6 +166,8 @@ def _patch_tensor_methods() -> None:
     torch.Tensor.type = type_
     for name in FACTORIES:
         setattr(torch, name, _factory_on_cpu(getattr(torch, name)))
+    for name in TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _factory_on_cpu(getattr(torch.Tensor, name)))
 
 
 class _CpuEvent:
@@ -250,47 +256,20 @@ def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> t
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
-def thd_rotary_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """The RoPE position of each token this CP rank holds of packed rows bounded by ``cu_seqlens`` (of the whole
-    rows): positions restart at 0 in every row, and with ``cp_size`` > 1 a row's local tokens are its chunks
-    ``cp_rank`` and ``2*cp_size-1-cp_rank`` (Megatron's load-balanced split)."""
-    local = ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size).long()
-    start = torch.repeat_interleave(torch.cumsum(local, 0) - local, local)
-    position = torch.arange(int(local.sum()), device=cu_seqlens.device) - start
-    if cp_size == 1:
-        return position
-    half = torch.repeat_interleave(local // 2, local)
-    whole = torch.repeat_interleave(local * cp_size, local)
-    return torch.where(position < half, position + cp_rank * half, position + whole - (cp_rank + 2) * half)
-
-
-def _thd_rotary(megatron_thd_rotary):
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
-    def thd_rotary(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
-                   cp_group=None, multi_latent_attention=None):
-        if cp_group is None or multi_latent_attention is not None or freqs.size(0) == int(cu_seqlens[-1]):
-            # Megatron's own answer: its error, its deprecation warning, or its one-pass "packed freqs" case
-            return megatron_thd_rotary(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                                       mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,
-                                       cp_group=cp_group, multi_latent_attention=multi_latent_attention)
-        position = thd_rotary_positions(cu_seqlens, cp_group.size(), cp_group.rank())
-        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[position], rotary_interleaved=rotary_interleaved,
-                                          mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
-
-    thd_rotary.megatron = megatron_thd_rotary
-    return thd_rotary
+def _split_sizes_on_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's ``moe_utils.maybe_move_tensor_to_cpu`` for a tensor already on the CPU: with ``as_numpy``, the
+    numpy copy a GPU gets (the all-to-all dispatcher's split sizes, which ``all_to_all_single`` takes as a
+    sequence, not a tensor); else the tensor, as Megatron leaves a CPU tensor."""
+    if as_numpy and torch.is_tensor(tensor):
+        _record()
+        return tensor.numpy().copy()
+    return tensor
 
 
 def _patch_megatron() -> None:
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
-
-    thd_rotary = _thd_rotary(rope_utils._apply_rotary_pos_emb_thd)
-    for module in (rope_utils, rotary_pos_embedding):  # each imports it by name
-        if hasattr(module, "_apply_rotary_pos_emb_thd"):
-            module._apply_rotary_pos_emb_thd = thd_rotary
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # each imports it by name
         if hasattr(module, "get_pos_emb_on_this_cp_rank"):
@@ -302,31 +281,20 @@ def _patch_megatron() -> None:
                                                 torch.set_rng_state(new_state))
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-
-def _import_megatron_with_eager_fusions() -> None:
-    if "megatron.core" in sys.modules:  # imported already: its fusions are compiled functions, which also work
-        return
-    def eager(model=None, **options):
-        _redirects[EAGER_FUSIONS] += 1
-        return model if model is not None else (lambda fn: fn)
-
-    compile_ = torch.compile
-    torch.compile = eager
-    try:
-        import megatron.core  # noqa: F401  (megatron.core.jit binds jit_fuser = torch.compile once, here)
-    finally:
-        torch.compile = compile_
+    for module in (moe_utils, token_dispatcher):  # the dispatcher imports it by name
+        if hasattr(module, "maybe_move_tensor_to_cpu"):
+            module.maybe_move_tensor_to_cpu = _split_sizes_on_host
 
 
 def apply() -> bool:
     """Install the CPU redirections once per process, only when CUDA is absent. Returns whether active.
-    Call it before anything imports Megatron (see the module docstring)."""
+    Call it before anything imports Megatron (see the module docstring); ``megatron_patches.apply()`` runs
+    first on every device."""
     global _applied
+    megatron_patches.apply()
     if torch.cuda.is_available():
         return False
     if not _applied:
-        _import_megatron_with_eager_fusions()
         _patch_torch_cuda()
         _patch_tensor_methods()
         _patch_megatron()

@@ -27,6 +27,8 @@ INIT_METHOD_ENV = "MEGATRON_RL_INIT_METHOD"
 RANK_ZERO_WORK_TIMEOUT_S = 24 * 3600
 """How long the other ranks wait in ``on_rank_zero`` (a Hugging Face export of a 1 TB model takes many
 minutes): far beyond parallel.timeout_s, which stays short so that a hung collective is found quickly."""
+COLLECTIVE_DEVICE_TYPES = {"nccl": "cuda", "gloo": "cpu"}
+"""A process-group backend -> the device type its collectives take tensors on (``collective_device``)."""
 _rank_zero_wait: dict[str, object] = {}
 _pipeline_return: dict[str, object] = {}
 
@@ -101,15 +103,16 @@ def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_
     """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers.
 
     ``timeout_s`` bounds every collective (``parallel.timeout_s``): a rank waits that long for the others."""
-    from megatron_rl.runtime import cpu_compat, gloo_staging, lazy_imports
+    from megatron_rl.runtime import cpu_compat, gloo_staging, lazy_imports, megatron_patches
 
     dist_env = read_dist_env()
     if dims.world_size != dist_env.world_size:
         raise RuntimeError(f"the layout is for {dims.world_size} processes but {dist_env.world_size} were started")
     on_gpu = torch.cuda.is_available()
-    lazy_imports.defer()  # before Megatron's first import, as the next line
+    lazy_imports.defer()  # before Megatron's first import, as the next lines
+    megatron_patches.apply()  # on every device
     if not on_gpu:
-        cpu_compat.apply()  # before Megatron's first import
+        cpu_compat.apply()
     from megatron.core import parallel_state, tensor_parallel
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"
@@ -177,6 +180,28 @@ def pipeline_return_group():
         raise RuntimeError("no pipeline return group: the parallel state was not set up by "
                            "megatron_rl.runtime.distributed.initialize")
     return _pipeline_return["group"]
+
+
+def collective_device(group=None) -> torch.device:
+    """The device a tensor made for a collective over ``group`` goes on: the current GPU for NCCL, the CPU for
+    gloo (an NCCL group has no CPU backend: a CPU tensor fails with "No backend type associated with device type
+    cpu"). ``group``: a group of this world (None: the default one, or the CPU without a process group) or a
+    standalone backend such as ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` (a weight bridge). The one rule for every
+    counter, flag and metric the job reduces; model outputs are on the model's device already."""
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup) or (group is None and dist.is_initialized()):
+        backend = str(dist.get_backend(group))
+    elif group is not None:
+        backend = group.name()
+    else:
+        return torch.device("cpu")
+    # a group of several backends ("cpu:gloo,cuda:nccl") takes the accelerator's tensors
+    types = [COLLECTIVE_DEVICE_TYPES.get(part.rpartition(":")[2], "cpu") for part in backend.split(",")]
+    device_type = next((kind for kind in types if kind != "cpu"), "cpu")
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def global_rank() -> int:

@@ -28,7 +28,9 @@ from megatron_rl.models.builder import (
     resolve_transformer_engine,
 )
 from megatron_rl.models.packed_sequences import packed_forward_kwargs
+from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.runtime.memory import peak_memory_of
+from megatron_rl.runtime.phases import HostOffload
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.spec.parallel import ParallelDims
@@ -165,6 +167,9 @@ class Engine:
     """Peak bytes per phase since the trainer last logged them (``megatron_rl.runtime.memory``)."""
     trainable_fraction: Optional[float] = None
     """With LoRA: the trainable (adapter and head) share of the model's parameters, logged every step."""
+    host_offload: HostOffload = field(default_factory=HostOffload)
+    """Where optimizer state and grads wait while generating (``generation.offload_optimizer``): one host buffer
+    kept across steps, and the moves' bytes and seconds since the trainer last logged them."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -311,17 +316,17 @@ def reduce_reports(reports: list[dict], names: tuple[str, ...]) -> dict[str, flo
 
     groups = (parallel_state.get_data_parallel_group(with_context_parallel=True),
               parallel_state.get_pipeline_model_parallel_group())
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = collective_device(groups[0])
     mean_names = [n for n in names if not n.endswith(("_min", "_max"))]
     sums = torch.zeros(2 * len(mean_names), dtype=torch.float64, device=device)
     extremes = {n: [] for n in names if n.endswith(("_min", "_max"))}
     for report in reports:
         for i, name in enumerate(mean_names):
             total, count = report[name]
-            sums[2 * i] += total.detach().double().sum()
-            sums[2 * i + 1] += count.detach().double().sum() if torch.is_tensor(count) else count
+            sums[2 * i] += total.detach().double().sum().to(device)
+            sums[2 * i + 1] += count.detach().double().sum().to(device) if torch.is_tensor(count) else count
         for name, values in extremes.items():
-            values.append(report[name][0].detach().double().reshape(()))
+            values.append(report[name][0].detach().to(device, torch.float64).reshape(()))
     for group in groups:
         torch.distributed.all_reduce(sums, group=group)
     result = {name: float(sums[2 * i] / sums[2 * i + 1]) if sums[2 * i + 1] else float("nan")

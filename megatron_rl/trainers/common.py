@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from megatron_rl.runtime import checkpoint as ckpt
-from megatron_rl.runtime.distributed import global_rank, on_rank_zero
+from megatron_rl.runtime.distributed import collective_device, global_rank, on_rank_zero
 from megatron_rl.runtime.manifest import RunManifest
 from megatron_rl.runtime.memory import GIB, PHASES
 from megatron_rl.runtime.metrics import MetricsLogger
@@ -252,9 +252,7 @@ class TrainerContext:
     @staticmethod
     def _agree(*values):
         """Each value's maximum over all ranks (one collective); booleans come back as booleans."""
-        box = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        if torch.cuda.is_available():
-            box = box.cuda()
+        box = torch.tensor([float(v) for v in values], dtype=torch.float64).to(collective_device())
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
         return [bool(got > 0) if isinstance(v, bool) else got for v, got in zip(values, box.tolist())]

@@ -38,6 +38,7 @@ from megatron_rl.data.preferences import PreferenceData
 from megatron_rl.models.logprobs import vocab_parallel_logprobs
 from megatron_rl.models.reward_model import padded_length
 from megatron_rl.rollout.batch import sum_over_context_parallel, whole_sequence_lengths
+from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.runtime.training import Engine, build_engine, forward_logprobs, gather_data_parallel, logits_forward
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
@@ -151,7 +152,7 @@ def reference_sums(engine: Engine, batcher: DPOPairBatcher, data: PreferenceData
         batches, seq_length = batcher.micro_batches(data, indices, pad_to=pad_to)
         logprobs = forward_logprobs(engine.chunks, batches, seq_length=seq_length)
         mine = torch.zeros(len(batches) * batcher.micro_batch_size, 2, dtype=torch.float32,
-                           device=batches[0]["tokens"].device)
+                           device=collective_device(ps.get_pipeline_model_parallel_group()))
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             sums = torch.cat([(lp * b["loss_mask"]).sum(dim=-1).view(2, -1).t() for lp, b in zip(logprobs, batches)])
             mine.copy_(sums)

@@ -38,7 +38,7 @@ from megatron_rl.rollout.multi_turn import Environments, episode_metrics
 from megatron_rl.rollout.packing import pack_minibatch
 from megatron_rl.rollout.sampling import correct_answers, held_out, sample_rollout, summarize
 from megatron_rl.runtime.distributed import on_rank_zero
-from megatron_rl.runtime.phases import generation_phase, training_phase
+from megatron_rl.runtime.phases import generation_phase, offload_metrics, training_phase
 from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice, logits_forward
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
@@ -352,7 +352,8 @@ class GrpoRun:
 
     # ------------------------------------------------------------------ metrics and end
     def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
-        """Reward, accuracy and lengths of every completion drawn; training metrics; times and throughput."""
+        """Reward, accuracy and lengths of every completion drawn; training metrics; times and throughput; the
+        optimizer offload's bytes and times over the step's generation phases (its evaluation's included)."""
         rollout, t_gen, t_score = batch.drawn, batch.sample_s, batch.score_s
         rewards = rollout.rewards
         lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float32)
@@ -375,6 +376,7 @@ class GrpoRun:
             "train_tokens_per_s": train_tokens / max(t_train, 1e-9),
             "time_generate_s": t_gen, "time_score_s": t_score, "time_train_s": t_train,
             "step_time_s": t_gen + t_score + t_train,
+            **offload_metrics(self.engine, *self.ctx.companions.values()),  # with PPO's critic
         }
         return metrics
 

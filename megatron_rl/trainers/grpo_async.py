@@ -41,7 +41,7 @@ import torch
 from megatron_rl.data.prompts import encode_prompt
 from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
-from megatron_rl.rollout.channel import BRIDGE_DEVICES, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
+from megatron_rl.rollout.channel import BRIDGE_BACKENDS, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.rollout.worker import reshards
 from megatron_rl.runtime.checkpoint import fault_point
@@ -65,13 +65,14 @@ class SplitGrpoRun(GrpoRun):
         super().__init__(cfg, shape, ctx)
         self.placement = placement
         weight_sync, bridge = self.algo.weight_sync, None
-        if weight_sync in BRIDGE_DEVICES:
+        if weight_sync in BRIDGE_BACKENDS:
             par = cfg.parallel
             bridge = WeightBridge.open(placement, backend=weight_sync,
                                        replicas=cfg.cluster.rollout_tasks // (par.tp * par.pp), timeout_s=WORKER_WAIT_S)
         if reshards(cfg):
             weight_sync = "resharded"  # the schema allows it with files only
-        self.channel = TrainerChannel(placement.folder, placement.session, weight_sync=weight_sync, bridge=bridge)
+        self.channel = TrainerChannel(placement.folder, placement.session, weight_sync=weight_sync, bridge=bridge,
+                                      bucket_bytes=self.algo.weight_sync_bucket_mib * 2**20)
         self.buffer = RolloutBuffer(max_staleness=self.algo.max_staleness, batch_size=self.algo.prompts_per_step,
                                     stale_policy="wait")
         self.recompute_old_logprobs = True  # pi_prox: the weights the step starts from

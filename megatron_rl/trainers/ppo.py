@@ -38,6 +38,7 @@ from megatron_rl.models import unwrap
 from megatron_rl.models.packed_sequences import as_rows
 from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
 from megatron_rl.rollout.batch import REPORTS, RolloutBatch, make_grpo_loss, old_logprob_key
+from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.runtime.phases import generation_phase, training_phase
 from megatron_rl.runtime.training import build_engine, logits_forward
 from megatron_rl.spec.config.schema import JobConfig
@@ -142,7 +143,7 @@ class PpoRun(GrpoRun):
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             metrics = self._gae_over_rollout(minibatches)
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            metrics = metrics.to(minibatches[0][0].tokens.device)
+            metrics = metrics.to(collective_device(ps.get_pipeline_model_parallel_group()))
             torch.distributed.broadcast(metrics, src=ps.get_pipeline_model_parallel_last_rank(),
                                         group=ps.get_pipeline_model_parallel_group())
         return dict(zip(ROLLOUT_METRICS, metrics.tolist()))
@@ -226,10 +227,11 @@ def _whole_rollout(minibatches: list[list[RolloutBatch]], keys: list[str], *, mi
 
     group = ps.get_data_parallel_group()
     device = minibatches[0][0].loss_mask.device
-    width = torch.tensor([max(b.loss_mask.shape[1] for batches in minibatches for b in batches)], device=device)
+    width = max(b.loss_mask.shape[1] for batches in minibatches for b in batches)
     if torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(width, op=torch.distributed.ReduceOp.MAX, group=group)
-    width = int(width)
+        widest = torch.full((1,), width, device=collective_device(group))
+        torch.distributed.all_reduce(widest, op=torch.distributed.ReduceOp.MAX, group=group)
+        width = int(widest)
     index, values = [], {key: [] for key in keys}
     for rows, batch in _rows_of(minibatches, minibatch_rows):
         own = (batch.row_ids >= 0).to(device)
@@ -252,7 +254,7 @@ def _all_gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
     if world == 1:
         return rows
-    count = torch.tensor([rows.shape[0]], device=rows.device)
+    count = torch.full((1,), rows.shape[0], device=collective_device(group))
     counts = [torch.empty_like(count) for _ in range(world)]
     torch.distributed.all_gather(counts, count, group=group)
     counts = [int(c) for c in counts]

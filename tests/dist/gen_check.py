@@ -110,6 +110,31 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)), default=0.0)
 
 
+class LazyBuffer:
+    """A buffer a module makes at its first forward and updates in place at every training forward, as Transformer
+    Engine keeps some: hooked on just before a generation, it is made there, and the next training step updates
+    it. Made under ``torch.inference_mode`` it would be an inference tensor, which that update refuses."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.buffer, self.updates, self.error = None, 0, None
+        module.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, output) -> None:
+        if self.buffer is None:
+            self.buffer = torch.zeros(1)
+        elif module.training:
+            try:
+                self.buffer.add_(1)
+                self.updates += 1
+            except RuntimeError as exc:
+                self.error = str(exc)
+
+    def result(self) -> dict:
+        made = self.buffer is not None
+        return {"made": made, "inference_tensor": made and self.buffer.is_inference(),
+                "training_updates": self.updates, "error": self.error}
+
+
 class WaveFeed:
     """A session's feed (megatron_rl.generation.engine.Feed) of ``prompts``, grouped as runs of equal prompts: two
     groups at the first question, then one per question (asked every STOP_POLL_STEPS steps while rows decode), as
@@ -293,6 +318,7 @@ def check(args: argparse.Namespace) -> dict:
                     "dp": dp, "dp_rank": dp_rank, "prompts": prompts}
     chunks = engine.chunks
 
+    lazy = LazyBuffer(unwrap(chunks[0]))  # made in the next generate, updated by the last training step
     started = time.perf_counter()
     greedy = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
     result["greedy_seconds"] = time.perf_counter() - started
@@ -430,12 +456,13 @@ def check(args: argparse.Namespace) -> dict:
     opt_before = [t.detach().clone() for t in optimizer_tensors(engine.optimizer)]
     grads_before = [t.detach().clone() for t in grad_buffer_tensors(chunks)]
     with generation_phase(engine, offload_optimizer=True, keep_grads=True) as parked:
-        opt_parked, grad_parked = parked
         freed = [t.untyped_storage().nbytes() == 0 for t in optimizer_tensors(engine.optimizer)]
+        grads_freed = [t.untyped_storage().nbytes() == 0 for t in grad_buffer_tensors(chunks)]
         inside = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
         eval_inside = all(not unwrap(c).training for c in chunks)
     result["offload"] = {
-        "optimizer_bytes_freed": opt_parked.device_bytes_freed, "grad_bytes_freed": grad_parked.device_bytes_freed,
+        "bytes_freed": parked.device_bytes_freed, "bytes_moved": parked.bytes_moved,
+        "grad_buffers": len(grads_freed), "grad_buffers_freed": sum(grads_freed),
         "optimizer_tensors": len(opt_before), "optimizer_tensors_freed": sum(freed),
         "optimizer_exact": all(torch.equal(a, b) for a, b in zip(opt_before, optimizer_tensors(engine.optimizer),
                                                                  strict=True)),
@@ -450,6 +477,7 @@ def check(args: argparse.Namespace) -> dict:
                                       zip(weights, [p for c in chunks for p in unwrap(c).parameters()], strict=True))
     after = train_step(3)
     result["train_after_generation"] = {"loss": after["loss"], "grad_norm": after["grad_norm"]}
+    result["lazy_buffer"] = lazy.result()
     return result
 
 

@@ -4,7 +4,8 @@
     weight_sync_peer.py subscriber FOLDER VERSIONS OUT  poll until VERSIONS, check each loaded version, send a
                                                         sample back per version seen
     weight_sync_peer.py --out DIR                       (2 gloo ranks, torchrun's environment) rank 0
-                                                        publishes 3 versions, rank 1 polls them
+                                                        publishes 3 versions (1 and 2 in buckets of
+                                                        BUCKET_BYTES, 3 in the default), rank 1 polls them
 
 Each writes a JSON report to OUT (DIR/rank{R}.json): the SHA-256 of every version's tensors as it wrote or read them.
 """
@@ -22,6 +23,8 @@ import torch
 from megatron_rl.rollout.buffer import Sample
 
 ELEMENTS = 1 << 18  # 1 MiB of float32 per version: big enough for the reader to overlap the writes
+BUCKET_BYTES = 48
+"""Less than the weight (alone), the bias with the ids (apart), more than the ids with the scale (together)."""
 
 
 def tensors_of(version: int) -> dict[str, torch.Tensor]:
@@ -93,20 +96,34 @@ def subscriber(folder: str, versions: int) -> dict:
 def gloo() -> dict:
     import torch.distributed as dist
 
+    from megatron_rl.rollout import weight_sync
     from megatron_rl.rollout.weight_sync import BroadcastWeightPublisher, BroadcastWeightSubscriber
 
+    sizes: list[int] = []  # the bytes of each broadcast of a version (its header's two first)
+    broadcast = weight_sync._group_broadcast
+
+    def recorded(group, tensor: torch.Tensor, root: int) -> None:
+        sizes.append(tensor.numel() * tensor.element_size())
+        broadcast(group, tensor, root)
+
+    weight_sync._group_broadcast = recorded
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1], backend="gloo")
     rank, out = dist.get_rank(), {}
     for version in (1, 2, 3):
+        sizes.clear()
         if rank == 0:
             state = tensors_of(version)
-            out[version] = {"sha": digest(state), **BroadcastWeightPublisher(group, src=0).publish(version, state)}
+            publisher = BroadcastWeightPublisher(group, src=0, bucket_bytes=BUCKET_BYTES if version < 3
+                                                 else weight_sync.BUCKET_BYTES)
+            out[version] = {"sha": digest(state), **publisher.publish(version, state)}
         else:
             received = BroadcastWeightSubscriber(group, src=0).poll()
             out[received.version] = {"sha": digest(received.state_dict), **received.metrics,
                                      "equal": all(torch.equal(received.state_dict[k], v)
+                                                  and received.state_dict[k].dtype == v.dtype
                                                   for k, v in tensors_of(version).items())}
+        out[version]["tensor_broadcasts"] = sizes[2:]
     dist.destroy_process_group()
     return {"rank": rank, "versions": out}
 

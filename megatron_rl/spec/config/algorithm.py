@@ -112,6 +112,10 @@ class AlgorithmConfig:
     staging), nccl (GPUs only) or files (versioned safetensors in a shared folder, for ranks that cannot reach
     each other; the samples come back through the same folder). Unused without rollout tasks. Prompts and samples
     always travel through the run folder (small)."""
+    weight_sync_bucket_mib: int = 512
+    """With weight_sync gloo or nccl: the most MiB one broadcast of a weight shard carries (a tensor larger than
+    that travels alone). The sender stages one bucket at a time, so a GPU that still holds the optimizer's state
+    needs this much spare memory beside its shard, not a second copy of it."""
     off_policy_correction: str = "none"
     """Correction for samples of an older (behaviour) policy (megatron_rl/algorithms/policy_loss.py): none,
     truncated_is (the surrogate times min(pi_old / pi_behav, is_cap), Yao et al. 2025) or decoupled (AReaL's
@@ -245,6 +249,7 @@ class AlgorithmConfig:
     def _check_off_policy(self) -> None:
         _non_negative("algorithm", max_staleness=self.max_staleness)
         _one_of("algorithm", "weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _positive("algorithm", weight_sync_bucket_mib=self.weight_sync_bucket_mib)
         _one_of("algorithm", "off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
         if self.is_cap < 1:
             raise ConfigError(f"algorithm.is_cap={self.is_cap} must be >= 1 (an on-policy token has weight 1); "
