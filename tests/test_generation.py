@@ -193,6 +193,38 @@ def test_host_offload_goes_through_one_host_buffer_reused_with_non_blocking_copi
     assert parked.host_buffer.numel() == aligned + 200  # kept by the HostOffload for the next cycle
 
 
+def test_the_pinned_host_buffer_is_registered_at_its_exact_size_and_unregistered_when_freed(monkeypatch):
+    """On GPUs the offload's buffer is plain memory page-locked by cudaHostRegister at exactly its size (PyTorch's
+    pinned cache would round it up to a power of two and keep it), and unregistered once its last view is gone."""
+    import gc
+
+    from megatron_rl.runtime.phases import host_buffer
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, address, nbytes, flags):
+            calls.append(("register", address, nbytes, flags))
+            return 0
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", address))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    buffer = host_buffer(3 * 2**20 + 5, pinned=True)
+    address = buffer.data_ptr()
+    assert buffer.numel() == 3 * 2**20 + 5 and calls == [("register", address, 3 * 2**20 + 5, 0)]
+    view = buffer[10:20]
+    del buffer
+    gc.collect()
+    assert len(calls) == 1  # a view still reads it
+    del view
+    gc.collect()
+    assert calls[1] == ("unregister", address)
+    assert host_buffer(100, pinned=False).numel() == 100 and len(calls) == 2  # CPU jobs: plain memory
+
+
 class _DdpChunk(torch.nn.Module):
     """What generation_phase reads of a Megatron DDP chunk: the model as ``module``, contiguous grad buffers."""
 

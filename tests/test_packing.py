@@ -11,6 +11,7 @@ TP2·EP2·SP, PP2 and DP2 are packed in tests/test_grpo_layouts.py.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from collections.abc import Mapping
 
@@ -251,9 +252,10 @@ def test_packed_attention_equals_one_attention_per_sequence(tensor_parallel_grou
         assert float((got - want).abs().max()) < 1e-5
 
 
-def test_packed_attention_reads_nothing_from_the_device_and_runs_one_sdpa(tensor_parallel_group, monkeypatch):
+def test_packed_attention_reads_nothing_from_the_device_and_runs_one_sdpa_per_length_class(tensor_parallel_group,
+                                                                                           monkeypatch):
     """The layer's forward and backward over 8 packed segments: no value read back to the host (each a sync per
-    layer on GPUs) and one SDPA launch forward and one backward, not one per sequence."""
+    layer on GPUs) and one SDPA launch forward and one backward per length class, not one per sequence."""
     import torch.nn.functional as F
 
     starts, q, k, v, dout = packed_attention_inputs(2)
@@ -271,9 +273,34 @@ def test_packed_attention_reads_nothing_from_the_device_and_runs_one_sdpa(tensor
         out = module(q, k, v, None, packed_seq_params=params)
         backward_nodes = sdpa_backward_nodes(out.grad_fn)
         (out * dout).sum().backward()
-    assert len(starts) - 1 == 8 and reads == []
-    assert len(calls) == 1 and backward_nodes == 1
+    classes = len(params.padded_segments.shapes)
+    assert len(starts) - 1 == 8 and reads == [] and 1 < classes < 8
+    assert len(calls) == classes and backward_nodes == classes
     assert q.grad is not None and float(q.grad.abs().max()) > 0
+
+
+def test_length_classes_pad_fewer_than_twice_the_tokens_and_map_every_token_back():
+    """PaddedSegments of a long-tailed GRPO pack (12 to 1,200 tokens; one padded batch of the longest would be ~5x
+    the tokens): every class pads to less than twice its tokens, each token's output slot reads that token, and
+    the padding of a segment reads its own tokens only."""
+    from megatron_rl.models.packed_sequences import padded_segments
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = (12 * torch.exp(torch.rand(60, generator=gen) * math.log(100))).long().tolist()
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    plan = padded_segments(starts)
+    padded = sum(count * length for count, length in plan.shapes)
+    assert padded < 2 * starts[-1] < len(lengths) * max(lengths) / 2
+    assert len(plan.shapes) <= 1 + math.ceil(math.log2(max(lengths)))
+    assert torch.equal(plan.gather[plan.scatter], torch.arange(starts[-1]))
+    segment_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    start = 0
+    for count, length in plan.shapes:
+        slots = plan.gather[start:start + count * length].view(count, length)
+        assert (segment_of[slots] == segment_of[slots[:, :1]]).all()  # padding reads its own segment
+        start += count * length
 
 
 def sdpa_backward_nodes(node) -> int:

@@ -21,6 +21,7 @@ to T, and two views of the rows:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,45 @@ def with_padding_segments(starts: list[int], packed_length: int) -> list[int]:
             *([packed_length] if starts[-1] < packed_length else [])]
 
 
+@dataclass(frozen=True)
+class PaddedSegments:
+    """How ``sdpa_attention.packed_context`` attends the segments of a THD pack without a varlen kernel, worked out
+    on the host at collate time: the segments grouped by length class (lengths in (2^(c-1), 2^c]), each class one
+    causal SDPA over its segments padded to its longest, so the padded tokens are fewer than twice the real ones
+    and the launches per layer are the classes present (at most 1 + log2 of the longest), not the segments."""
+
+    shapes: tuple[tuple[int, int], ...]
+    """(segments, padded length) of each class, in order."""
+    gather: torch.Tensor
+    """[sum of segments x padded length] int64: the packed token each padded slot reads (a segment's padding reads
+    its own last token: only its padded queries, which are dropped, attend to it)."""
+    scatter: torch.Tensor
+    """[T] int64: each packed token's slot in the classes' outputs laid end to end."""
+
+
+def padded_segments(starts: list[int], *, device: torch.device | str = "cpu") -> PaddedSegments:
+    """``PaddedSegments`` for the segment boundaries ``starts`` (0, ..., T), worked out in Python on the host list;
+    its indices are copied to ``device`` from pinned memory (on GPUs) without a sync."""
+    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    classes: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        if length:
+            classes.setdefault((length - 1).bit_length(), []).append(i)
+    shapes, gather, scatter = [], [], [0] * starts[-1]
+    for c in sorted(classes):
+        padded = max(lengths[i] for i in classes[c])
+        for i in classes[c]:
+            first, length = starts[i], lengths[i]
+            scatter[first:first + length] = range(len(gather), len(gather) + length)
+            gather.extend(range(first, first + length))
+            gather.extend([first + length - 1] * (padded - length))
+        shapes.append((len(classes[c]), padded))
+    indices = torch.tensor(gather + scatter, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        indices = indices.pin_memory().to(device, non_blocking=True)
+    return PaddedSegments(shapes=tuple(shapes), gather=indices[:len(gather)], scatter=indices[len(gather):])
+
+
 def attention_inputs(starts: list[int], *, thd: bool, device: torch.device | str = "cpu") -> dict:
     """What the model's forward takes for the segment boundaries ``starts`` (cu_seqlens, on the host:
     0, ..., T): ``packed_seq_params`` (``thd``: the core attention runs one attention per sequence) or
@@ -70,9 +110,10 @@ def attention_inputs(starts: list[int], *, thd: bool, device: torch.device | str
         from megatron.core.packed_seq_params import PackedSeqParams
 
         longest = max(b - a for a, b in zip(starts[:-1], starts[1:]))
-        return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
-                                                     cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
-                                                     max_seqlen_kv=longest)}
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        params.padded_segments = padded_segments(starts, device=device)  # for layers without Transformer Engine
+        return {"packed_seq_params": params}
     segment = torch.repeat_interleave(torch.arange(len(starts) - 1, device=cu_seqlens.device),
                                       cu_seqlens[1:] - cu_seqlens[:-1], output_size=total)
     position = torch.arange(total, device=cu_seqlens.device)

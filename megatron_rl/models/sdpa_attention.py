@@ -9,9 +9,9 @@ stores the scores; this module keeps only the output and the log-sum-exp, which 
 
 It covers what ``eligible`` accepts (vanilla softmax, no sliding window, no query-key layer scaling, no attention
 bias). Packed sequences (``PackedSeqParams`` in THD format, megatron_rl/models/packed_sequences.py) run a causal
-attention per sequence, not a block-diagonal mask over the whole pack, as one SDPA over the sequences padded to the
-longest (``packed_context``), with no host sync: torch's varlen kernel (``torch.nn.attention.varlen``) would skip
-the padding on GPUs, but it is not in every torch and is not used here. At cp > 1, ``SDPACPAttention`` is
+attention per sequence, not a block-diagonal mask over the whole pack, as one SDPA per length class over the
+sequences padded to the class's longest (``packed_context``), with no host sync: torch's varlen kernel
+(``torch.nn.attention.varlen``) would skip the padding on GPUs, but it is not in every torch and is not used here. At cp > 1, ``SDPACPAttention`` is
 ``CPDotProductAttention`` (keys and values gathered over the CP group, an explicit causal mask of the local
 queries) with this module's kernel; packing is refused at cp > 1 (``spec.parallel.packing_error``).
 
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_rl.models.cp_attention import CPDotProductAttention
+from megatron_rl.models.packed_sequences import PaddedSegments
 
 
 def eligible(config) -> bool:
@@ -59,37 +60,30 @@ def sdpa_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
 
-def packed_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                   max_seqlen: int, *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+def packed_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: PaddedSegments, *,
+                   scale: float, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of each packed sequence over itself: THD [t, np, hn] queries ([t, ng, hn] keys and values,
-    as Megatron's attention squeezes them under THD), the sequences' boundaries ``cu_seqlens`` [n + 1] (on the
-    device) and the longest one's length ``max_seqlen`` (a host int: ``PackedSeqParams.max_seqlen_q``) ->
-    [t, np * hv].
+    as Megatron's attention squeezes them under THD) -> [t, np * hv], the sequences grouped by length class
+    (``packed_sequences.PaddedSegments``, worked out on the host at collate time).
 
-    One causal SDPA over the sequences padded to ``max_seqlen``, [n, heads, L, d], gathered and scattered back by
-    indices computed on the device: no host sync and no launch per sequence, forward or backward. A sequence's
-    padding lies after its tokens, so the causal mask alone keeps its queries off the padded keys, and the padded
-    query rows are dropped. The padded q, k, v and output (kept for the backward pass) and the work are n * L / t
-    times the packed tokens': about 1.1 for rows of similar lengths, but up to n for one long row among many
-    short ones (one row of 2,000 tokens and 100 of 50: 29x), and about 5 for long-tailed GRPO rows (12 to 1,200
-    tokens, tests/test_packing.py's ``long_tail``, packed into 2k to 8k tokens). A varlen kernel would not pad.
-    """
-    tokens, segments = query.size(0), cu_seqlens.size(0) - 1
-    starts = cu_seqlens.long()
-    offset = torch.arange(max_seqlen, device=query.device)
-    # past its sequence's end a slot reads the next sequence's tokens (clamped at the last): only padded queries,
-    # which are dropped, see them
-    slots = (starts[:-1, None] + offset).clamp_(max=tokens - 1).view(-1)
+    One causal SDPA per class over its sequences padded to the class's longest, [n, heads, L, d], gathered and
+    scattered back by the plan's indices: no host sync and no launch per sequence, forward or backward. A
+    sequence's padding lies after its tokens, so the causal mask alone keeps its queries off the padded keys, and
+    the padded query rows are dropped. Within a class lengths differ by less than 2x, so the padded q, k, v and
+    output (kept for the backward pass) are less than twice the packed tokens, whatever the mix of lengths. A
+    varlen kernel would not pad at all."""
+    outputs, start = [], 0
+    for count, length in segments.shapes:
+        slots = segments.gather[start:start + count * length]
+        start += count * length
 
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [t, heads, d] -> [n, heads, L, d]
-        return x.index_select(0, slots).view(segments, max_seqlen, *x.shape[1:]).transpose(1, 2)
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [t, heads, d] -> [n, heads, L, d]
+            return x.index_select(0, slots).view(count, length, *x.shape[1:]).transpose(1, 2)
 
-    context = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), dropout_p=dropout_p,
-                                             is_causal=True, scale=scale, enable_gqa=query.size(1) != key.size(1))
-    position = torch.arange(tokens, device=query.device)
-    segment = torch.searchsorted(starts, position, right=True) - 1
-    flat = context.transpose(1, 2).reshape(segments * max_seqlen, -1)  # [n * L, np * hv]
-    return flat.index_select(0, segment * max_seqlen + position - starts[segment])
+        context = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), dropout_p=dropout_p,
+                                                 is_causal=True, scale=scale, enable_gqa=query.size(1) != key.size(1))
+        outputs.append(context.transpose(1, 2).reshape(count * length, -1))  # [n * L, np * hv]
+    return torch.cat(outputs).index_select(0, segments.scatter)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -110,11 +104,11 @@ class SDPADotProductAttention(DotProductAttention):
 
         def attend():
             if packed_seq_params is not None:
-                if packed_seq_params.max_seqlen_q is None:
-                    raise ValueError("packed sequences need PackedSeqParams.max_seqlen_q, the longest sequence's "
-                                     "length on the host (packed_sequences.attention_inputs sets it)")
-                return packed_context(query, key, value, packed_seq_params.cu_seqlens_q,
-                                      packed_seq_params.max_seqlen_q, scale=self.softmax_scale, dropout_p=dropout_p)
+                segments = getattr(packed_seq_params, "padded_segments", None)
+                if segments is None:
+                    raise ValueError("packed sequences without Transformer Engine need the pack's padded segments, "
+                                     "worked out on the host (packed_sequences.attention_inputs)")
+                return packed_context(query, key, value, segments, scale=self.softmax_scale, dropout_p=dropout_p)
             return sdpa_context(query, key, value, scale=self.softmax_scale, attention_mask=attention_mask,
                                 dropout_p=dropout_p)
 

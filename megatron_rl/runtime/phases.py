@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
@@ -88,6 +89,23 @@ def _on(stream) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of host memory (uint8); ``pinned``: page-locked for asynchronous copies to and from the GPU.
+
+    Pinned by ``cudaHostRegister`` on plain memory, exactly ``nbytes``, and unregistered when the tensor is freed:
+    PyTorch's own pinned allocations (``pin_memory=True``) come from a cache that rounds each block up to a power of
+    two and never returns it, up to twice the optimizer state per GPU held for the whole job. Where registering
+    fails, the cache's allocation serves."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if not pinned or not nbytes:
+        return buffer
+    cudart, address = torch.cuda.cudart(), buffer.data_ptr()
+    if cudart.cudaHostRegister(address, nbytes, 0) != 0:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, address)
+    return buffer
+
+
 @dataclass(kw_only=True)
 class OffloadFigures:
     """Host offload traffic summed over offloads and restores (``offload_metrics`` logs and resets it)."""
@@ -132,10 +150,10 @@ class HostOffload:
 
     Every copied storage waits in ONE host buffer (pinned on GPUs), each at an aligned offset. The buffer outlives
     the offload: kept by its owner (``Engine.host_offload``, a ``Teacher``) and reused by every later offload, it is
-    allocated once and grown only when an offload needs more (never shrunk: PyTorch's pinned-memory cache keeps
-    freed pinned blocks for the life of the process anyway). A pinned buffer per tensor per offload would leave the
-    cache, which rounds each block up to a power of two, holding up to twice the state. The copies are
-    ``non_blocking`` on a side stream, waited for once per direction."""
+    allocated once (pinned to its exact size: ``host_buffer``) and grown only when an offload needs more. A pinned
+    buffer per tensor per offload would leave PyTorch's pinned-memory cache, which rounds each block up to a power
+    of two and never frees it, holding up to twice the state. The copies are ``non_blocking`` on a side stream,
+    waited for once per direction."""
 
     keep_values: bool = True
     """Copy contents to the host and back (else the storage returns zero-filled)."""
@@ -170,8 +188,8 @@ class HostOffload:
                 end = offset + nbytes if keep else end
         if end:
             if self.host_buffer is None or self.host_buffer.numel() < end:
-                self.host_buffer = None  # back to the cache before the larger one is taken
-                self.host_buffer = torch.empty(end, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                self.host_buffer = None  # unpinned and freed before the larger one is taken
+                self.host_buffer = host_buffer(end, pinned=device.type == "cuda")
             stream = _copy_stream(device)
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(device))  # the state is final
