@@ -27,7 +27,8 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
 4c. decode graphs (generation.cuda_graphs, megatron_rl/generation/graphs.py): on the main model, greedy decoding
    of an odd batch with CUDA graphs captured per row bucket, in two offload phases (captured again in each),
    against the same bucketed steps run eagerly (tokens equal, log-probs within 1e-3) and plain eager decoding
-   (ms per engine step, peak memory, log-probs against the training forward). The dry run captures nothing.
+   (ms per engine step, peak memory, log-probs against the training forward), and the offload phases' bytes and
+   seconds through the one host buffer, pinned on the GPU. The dry run captures nothing.
 5. LoRA: adapters on this device's linears (TE's on a GPU with TE), MLA's and grouped experts' (TE's grouped
    GEMM with TE): zero-init equals the base, and the adapters' forward equals their merged weights.
 6. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
@@ -261,12 +262,14 @@ def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dic
     (rows padded to the next bucket) with decode graphs, each call in its own offload phase (the optimizer's and
     the grads' storage leave and come back between them, and the call captures again); against the same bucketed
     steps run eagerly (the CPU path: the same kernels on the same shapes, so equal), and against plain eager
-    decoding (time per engine step, peak memory; the log-probs against the training forward)."""
+    decoding (time per engine step, peak memory; the log-probs against the training forward). The four phases'
+    optimizer offload is reported too: bytes and seconds per phase, through one host buffer that must be pinned
+    (``runtime/phases.host_buffer``: cudaHostRegister at its exact size)."""
     from unittest import mock
 
     from megatron_rl.generation import generate
     from megatron_rl.generation.graphs import DecodeGraphs
-    from megatron_rl.runtime.phases import generation_phase
+    from megatron_rl.runtime.phases import generation_phase, offload_metrics
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.trainers.pretrain import progression_batch
 
@@ -285,6 +288,7 @@ def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dic
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         return out, seconds, peak
 
+    offload_metrics(engine)  # the figures of the four phases below only
     eager, eager_s, eager_peak = run(False)
     graphs, graphs_s, graphs_peak = run(True)
     again, again_s, _ = run(True)  # another phase: captured again
@@ -298,6 +302,12 @@ def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dic
     lp_diff = max(abs(a - b) for x, y in zip(graphs.logprobs, bucketed.logprobs) for a, b in zip(x, y))
     replay_equal = graphs.tokens == bucketed.tokens and lp_diff <= 1e-3 and again.tokens == graphs.tokens
     per_step = lambda out, seconds: 1e3 * seconds / out.forward_passes  # noqa: E731
+    moved = offload_metrics(engine)
+    host = engine.host_offload.host_buffer
+    offload = {"phases": 4, "bytes_per_phase": moved["offload_bytes"] / 4,
+               "offload_s_per_phase": moved["offload_s"] / 4, "restore_s_per_phase": moved["offload_restore_s"] / 4,
+               "host_buffer_bytes": None if host is None else host.numel(),
+               "host_buffer_pinned": None if host is None or device.type != "cuda" else bool(host.is_pinned())}
     return {
         "rows": rows, "new_tokens": sizes.gen_new_tokens, "captured": device.type == "cuda",
         "graph_steps": graphs.decode_graph_steps, "forward_passes": graphs.forward_passes,
@@ -309,7 +319,9 @@ def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dic
                         "graphs": per_step(again, again_s), "bucketed_eager": per_step(bucketed, bucketed_s)},
         "speedup_vs_eager": eager_s / again_s,
         "peak_memory_gib": {"eager": eager_peak, "graphs": graphs_peak},
-        "passed": bool(replay_equal and graphs.decode_graph_steps > 0 and vs_forward["passed"]),
+        "optimizer_offload": offload,
+        "passed": bool(replay_equal and graphs.decode_graph_steps > 0 and vs_forward["passed"]
+                       and moved["offload_bytes"] > 0 and offload["host_buffer_pinned"] is not False),
     }
 
 

@@ -10,6 +10,7 @@ import importlib
 import logging
 import re
 import sys
+from pathlib import Path
 
 from megatron_rl.spec.config import load_config
 from megatron_rl.spec.config.validate import check_layout, with_pipeline_split
@@ -98,6 +99,8 @@ def run(config_path: str) -> int:
         importlib.import_module(trainers[cfg.algorithm.name]).train(cfg, shape, ctx)
     except BaseException as exc:
         error = exc
+        if isinstance(exc, ConfigError) and exc.__cause__ is not None:  # a user's code failed (a reward fn)
+            exc.traceback_file = _keep_traceback(exc.__cause__, cfg.run.dir)
         raise
     finally:
         if ctx is not None:
@@ -105,6 +108,21 @@ def run(config_path: str) -> int:
         _write_call_site_counts(cfg.run.dir)
         shutdown()
     return 0
+
+
+def _keep_traceback(exc: BaseException, run_dir: str) -> Path | None:
+    """Write ``exc``'s traceback to ``logs/error_rank<N>.log`` of the run, for its one-line error to name (the
+    console and the launcher's tail of the rank log show that line only); None when it cannot be written."""
+    import traceback
+
+    from megatron_rl.runtime.distributed import job_rank
+    from megatron_rl.spec.private import make_private_dir, write_private_text
+
+    try:
+        return write_private_text(make_private_dir(Path(run_dir) / "logs") / f"error_rank{job_rank()}.log",
+                                  "".join(traceback.format_exception(exc)))
+    except (OSError, ConfigError):
+        return None
 
 
 def _write_call_site_counts(run_dir: str) -> None:
@@ -140,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv[0])
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        kept = getattr(exc, "traceback_file", None)
+        print(f"error: {exc}" + (f" (its traceback: {kept})" if kept else ""), file=sys.stderr)
         return 2
 
 

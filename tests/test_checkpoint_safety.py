@@ -315,7 +315,9 @@ def test_a_truncated_newest_checkpoint_and_a_save_that_cannot_be_written(launch,
     assert limited.returncode == 2, limited.stdout[-3000:] + limited.stderr[-3000:]
     assert warning in limited.stdout and "step_00000002 (step 2" in limited.stdout
     errors = [line.strip() for line in limited.stderr.splitlines() if line.strip().startswith("error:")]  # the tail
-    assert len(errors) == 1 and "saving step 4 failed (rank 0: " in errors[0], limited.stderr[-3000:]
+    assert len(errors) == 1 and "saving step 4 failed (rank 0: File too large (EFBIG) writing " \
+        f"{ckpts / '.tmp-step_00000004'}/" in errors[0], limited.stderr[-3000:]
+    assert "Raise the file-size limit (ulimit -f)" in errors[0]
     assert "Traceback" not in limited.stdout + limited.stderr
     assert _names(ckpts) == ["latest", "step_00000002", "step_00000004"]  # no partial save left
     assert ckpt.damage(ckpts / "step_00000002") is None
@@ -436,3 +438,34 @@ def test_the_distributed_optimizer_saves_each_parameters_own_state(launch, tmp_p
     dcp.load(tensors, storage_reader=reader, no_dist=True)
     differ = [name for name in names if not torch.equal(tensors[name].float(), tensors[prefix + name])]
     assert not differ, differ
+
+
+def test_a_write_that_finds_the_disk_full_is_named_with_its_rank_and_file(tensor_parallel_group, tmp_path):
+    """Megatron's writer keeps only the type of a failed write's exception ("Worker failure: An error is caught
+    while starting worker 0, error: <class 'RuntimeError'>"). A write to /dev/full (ENOSPC on every write) through
+    that writer, as the gathered result of rank 1 on the coordinating rank: the save's error line names the OS's
+    error, its errno, the file and rank 1, and the fix."""
+    import io
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    ckpt._keep_write_errors()  # as save_checkpoint does
+    writer = FileSystemWriterAsync(str(tmp_path))
+    item = WriteItem(index=MetadataIndex("rng_state"), type=WriteItemType.BYTE_IO)
+    writer.write_buckets = [("/dev/full", "__1_0.distcp", ([(item, io.BytesIO(b"state"))], []))]
+    writer.results_queue = queue.Queue()
+    write, _, args = writer.get_save_function_and_args()
+    try:
+        write(*args)
+        rank1 = writer.retrieve_write_results()
+    finally:
+        ckpt._WRITE_ERRORS.clear()
+    error = ckpt._save_failed(tmp_path, tmp_path / ".tmp-step_00000040", 40,
+                              *ckpt._agreed_cause(CheckpointException("write", {1: rank1})))
+    assert str(error) == (f"checkpoint.dir {tmp_path}: saving step 40 failed (rank 1: No space left on device "
+                          "(ENOSPC) writing /dev/full); the checkpoints saved before are untouched. Free space there "
+                          "(or set checkpoint.dir elsewhere) and rerun to resume")

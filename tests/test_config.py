@@ -151,6 +151,11 @@ def test_did_you_mean_suggests_only_close_options():
      "not divisible by parallel.micro_batch_size*dp"),
     (["algorithm.prompts_per_step=3", "algorithm.group_size=1", "algorithm.global_batch_size=1",
       "parallel.micro_batch_size=1"], "not divisible by parallel.micro_batch_size*dp"),
+    (["generation.max_new_tokens=128"], "generation.max_new_tokens=128 leaves no room for a prompt in tiny-cpu's 128 "
+                                        "positions (max_position_embeddings); give at most 127"),
+    (["algorithm.name=sft", "data.max_length=129"], "data.max_length=129 exceeds tiny-cpu's 128 positions"),
+    (["environment.name=calculator", "environment.max_episode_tokens=129"],
+     "environment.max_episode_tokens=129 exceeds tiny-cpu's 128 positions (max_position_embeddings); give at most 128"),
 ])
 def test_layouts_that_cannot_run_are_rejected(overrides, message):
     cfg = load_config(None, overrides)
@@ -170,6 +175,8 @@ def test_layouts_that_cannot_run_are_rejected(overrides, message):
     (["cluster.tasks_per_node=0"], "cluster.tasks_per_node=0 must be positive"),
     (["algorithm.router_replay=true"], "needs an MoE model and tiny-cpu is dense; set it to false"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["generation.max_new_tokens=10000000", "--dry-run"], "generation.max_new_tokens=10000000 leaves no room for a "
+                                                          "prompt in tiny-cpu's 128 positions"),
 ])
 def test_cli_rejects_bad_input_with_one_line_and_exit_2(launch, tmp_path, args, fragment):
     result = launch(*args, f"run.dir={tmp_path / 'run'}", timeout=60)
@@ -178,6 +185,17 @@ def test_cli_rejects_bad_input_with_one_line_and_exit_2(launch, tmp_path, args, 
     assert fragment in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "run").exists(), "nothing may start or be written for bad input"
+
+
+def test_plan_refuses_a_length_beyond_the_models_positions_as_launch_does(capsys):
+    """The launch check's length rule (spec/config/validate.check_lengths) in ``launch.py plan``: one line, exit 2,
+    instead of a search whose KV memory never fits."""
+    from launcher import cli
+
+    assert cli.main(["plan", "generation.max_new_tokens=10000000"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: generation.max_new_tokens=10000000 leaves no room for a prompt in tiny-cpu's 128 positions "
+                   "(max_position_embeddings); give at most 127 (the longest prompt plus max_new_tokens must fit)\n")
 
 
 def test_a_missing_input_path_is_refused_at_launch_with_the_command_that_builds_it(monkeypatch, tmp_path, capsys):

@@ -38,7 +38,8 @@ from megatron_rl.runtime.phases import (HOST_ALIGNMENT, HostOffload, generation_
 from megatron_rl.runtime.training import Engine
 from helpers import torchrun_check
 from megatron_rl.spec.ports import free_port
-from megatron_rl.generation.sampling import SamplingParams, choose_tokens, sampling_logits
+from megatron_rl.generation.sampling import (SamplingParams, choose_tokens, position_draws, position_keys,
+                                             sampling_logits)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "tests" / "dist" / "gen_check.py"
@@ -132,6 +133,126 @@ def test_sampling_params_are_checked():
     for bad in (dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+# Today's (34ba316) draws and choice, kept verbatim as the reference the fused, blocked sampling must match bit
+# for bit: the default job's every-step reward, loss and KL (README) depend on its tokens and log-probs.
+def _reference_hash32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _reference_position_draws(seed, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    mask, device = 0xFFFFFFFF, rows.device
+    seeds = torch.as_tensor(seed, dtype=torch.long, device=device).reshape(-1)
+    key = _reference_hash32((seeds & mask) ^ _reference_hash32((seeds >> 32) & mask))
+    key = _reference_hash32(key ^ (rows.long() & mask))
+    key = _reference_hash32(key ^ (positions.long() & mask))
+    tokens = _reference_hash32((torch.arange(vocab_size, dtype=torch.long, device=device) + 0x9E3779B9) & mask)
+    bits = _reference_hash32(key.unsqueeze(-1) ^ tokens.unsqueeze(0))
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
+
+
+def _reference_choose_tokens(logits, *, vocab_size, params, generator=None, race=None):
+    logits = logits.float()
+    policy = torch.log_softmax(logits, dim=-1)
+    real = logits[:, :vocab_size]
+    if params.greedy:
+        tokens = real.argmax(dim=-1)
+        sampled_lp = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    else:
+        shaped = sampling_logits(real, params)
+        probs = torch.softmax(shaped, dim=-1)
+        if race is None:
+            race = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
+        race = race.clamp_min(torch.finfo(probs.dtype).tiny)
+        tokens = (probs / race).argmax(dim=-1)
+        sampled_lp = torch.log_softmax(shaped, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    policy_lp = policy.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, policy_lp, sampled_lp
+
+
+SAMPLING_CASES = (SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(temperature=0.7),
+                  SamplingParams(temperature=1.3, top_k=5), SamplingParams(top_p=0.9),
+                  SamplingParams(temperature=0.8, top_k=40, top_p=0.95))
+
+
+def assert_same_choice(choice, expected, context) -> None:
+    for name, got, want in zip(("tokens", "policy_logprobs", "sampling_logprobs"),
+                               (choice.tokens, choice.policy_logprobs, choice.sampling_logprobs), expected):
+        assert torch.equal(got, want), (name, context)
+
+
+@pytest.mark.parametrize("block_elements", [1 << 16, 3000])
+def test_sampling_is_token_identical_to_the_reference_draws_and_choice(monkeypatch, block_elements):
+    """position_draws, choose_tokens(race=...), choose_tokens(race_keys=...) and the generator path against the
+    reference above: the same draws, tokens and both log-probs bit for bit, over seeds (one, per-row, past 2**32),
+    batch sizes, vocabularies with and without padding, logits with ties (bf16-rounded), greedy and sampled with
+    temperature, top-k and top-p; whole batches in one block and split over many (block_elements=3000)."""
+    from megatron_rl.generation import sampling
+
+    monkeypatch.setitem(sampling._BLOCK_ELEMENTS, "cpu", block_elements)
+    gen = torch.Generator().manual_seed(7)
+    for trial, (rows, vocab, padded) in enumerate([(1, 5, 5), (3, 50, 64), (64, 1000, 1000), (37, 4099, 4160)]):
+        logits = torch.randn(rows, padded, generator=gen) * 4
+        if trial % 2:
+            logits = logits.bfloat16()  # ties: the reference keeps every token tied with the k-th
+        request, position = torch.randperm(1000, generator=gen)[:rows], torch.randint(0, 4096, (rows,), generator=gen)
+        for seed in (0, 11, 2**40 + 11, torch.randint(0, 2**62, (rows,), generator=gen)):
+            race = _reference_position_draws(seed, request, position, vocab)
+            assert torch.equal(position_draws(seed, request, position, vocab), race), (trial, seed)
+            keys = position_keys(seed, request, position)
+            for params in SAMPLING_CASES:
+                expected = _reference_choose_tokens(logits, vocab_size=vocab, params=params, race=race)
+                for given in (dict(race=race), dict(race_keys=keys)):
+                    assert_same_choice(choose_tokens(logits, vocab_size=vocab, params=params, **given), expected,
+                                       (trial, seed, params, list(given)))
+        for params in SAMPLING_CASES:
+            expected = _reference_choose_tokens(logits, vocab_size=vocab, params=params,
+                                                generator=torch.Generator().manual_seed(trial))
+            assert_same_choice(choose_tokens(logits, vocab_size=vocab, params=params,
+                                             generator=torch.Generator().manual_seed(trial)), expected, (trial, params))
+
+
+class FullSizeWrites(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the kernels that write at least one vocabulary row's worth of elements (views excluded): ``passes``
+    sums their output sizes in units of ``rows x vocab`` (each elementwise kernel over the batch is one pass, in
+    place or not, whole or in blocks); ``full_size`` counts those whose single output is ``rows x vocab`` or more."""
+
+    def __init__(self, rows: int, vocab: int):
+        super().__init__()
+        self.rows, self.vocab, self.passes, self.full_size = rows, vocab, 0.0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(tensor, torch.Tensor) and tensor.numel() >= self.vocab:
+                    self.passes += tensor.numel() / (self.rows * self.vocab)
+                    self.full_size += tensor.numel() >= self.rows * self.vocab
+        return out
+
+
+def test_sampling_step_writes_no_full_size_temporary_and_few_passes():
+    """One paged-engine sampling step (per-row counter draws, temperature 1, 64 rows x 4096 tokens): no kernel
+    writes a [rows, vocab]-sized tensor (the reference: 22), and the kernels' writes add up to at most 16 passes
+    over [rows, vocab] (the reference: 22): log-softmax, softmax, 12 for the draws, clamp and divide; the
+    counter hash's rounds are one eager kernel each, so token identity keeps them (issue 55)."""
+    rows, vocab = 64, 4096
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+    request, position, params = torch.arange(rows), torch.full((rows,), 9), SamplingParams()
+    with FullSizeWrites(rows, vocab) as before:
+        _reference_choose_tokens(logits, vocab_size=vocab, params=params,
+                                 race=_reference_position_draws(5, request, position, vocab))
+    with FullSizeWrites(rows, vocab) as after:
+        choose_tokens(logits, vocab_size=vocab, params=params, race_keys=position_keys(5, request, position))
+    assert (before.full_size, round(before.passes)) == (22, 22)  # the counter counts what it should
+    assert after.full_size == 0, after.full_size
+    assert after.passes <= 16.25, after.passes
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -164,6 +164,15 @@ def test_usage_error_exits_2():
     assert proc.returncode == 2 and "usage: bench/gpu_check.sh" in proc.stderr
 
 
+def test_the_decode_graphs_part_reports_the_optimizer_offload(rehearsal):
+    """Part 4c's four offload phases: the same bytes each way every phase, through one host buffer that holds them
+    (pinned on the GPU; plain memory here)."""
+    offload = rehearsal[0]["decode_graphs"]["optimizer_offload"]
+    assert offload["phases"] == 4 and offload["bytes_per_phase"] > 0 and offload["host_buffer_pinned"] is None
+    assert offload["bytes_per_phase"] <= offload["host_buffer_bytes"] < offload["bytes_per_phase"] * 1.1
+    assert offload["offload_s_per_phase"] > 0 and offload["restore_s_per_phase"] > 0
+
+
 def test_router_replay_figures_in_fp32(rehearsal):
     """Dry run (fp32): no route differs between generation and the training forward, so replay changes nothing."""
     result, _, _ = rehearsal

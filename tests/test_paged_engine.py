@@ -1,5 +1,6 @@
 """The paged engine's pieces in process: the paged attention reference against dense causal attention, what it
-refuses, the block pool's reference counts, and the counter-based sampling draws.
+refuses, its host syncs (none) and peak memory (the K/V it reads, no copy per head), the block pool's reference
+counts, the counter-based sampling draws, and the decode graphs' buffers and capture.
 
 The engine itself runs on real Megatron models under torchrun in tests/test_generation.py (TP1 x DP2, TP2,
 PP2 x VPP2, MLA with MoE; greedy, sampled, stop tokens, caps and budgets small enough to evict, against the
@@ -13,11 +14,16 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from megatron_rl.generation import paged_attention
 from megatron_rl.generation.paged import BlockPool, LayerCache
 from megatron_rl.generation.paged_attention import check_paged, reference_kvcache, reference_mla, reference_varlen
 from megatron_rl.generation.sampling import position_draws
@@ -55,6 +61,62 @@ def _paged_rows(kv_lens: list[int], seed: int = 0):
         dense_k.append(k_cache[ids].flatten(0, 1)[:n])
         dense_v.append(v_cache[ids].flatten(0, 1)[:n])
     return k_cache, v_cache, table, dense_k, dense_v
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the aten calls that read a tensor's value back to the host, a sync on GPUs: scalar reads (``item``,
+    ``int()``, ``bool()``, ``__index__``), ``nonzero``/``masked_select``, and indexing by a boolean mask (its count
+    sizes the result). Seen below Python, so a read inside an aten op is caught too."""
+
+    READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
+    INDEXING = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default",
+                "aten._index_put_impl_.default"}
+
+    def __init__(self, reads: list):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in self.READS or name in self.INDEXING and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_flatten(args[1])[0]):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def host_syncs(monkeypatch):
+    """The host reads (syncs on GPUs) made in the block: ``_HostReads``, and ``tolist`` (which no aten op sees)."""
+    reads = []
+    with monkeypatch.context() as patch, _HostReads(reads):
+        tolist = torch.Tensor.tolist
+        patch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or tolist(self))
+        yield reads
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The most bytes of tensor storage that ops run in the block held at once (a storage counts from the op that
+    made it until it is freed): the block's peak extra memory, on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in self.seen:
+                    self.seen.add(storage.data_ptr())
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
+        return out
+
+    def _freed(self, pointer: int, nbytes: int) -> None:
+        self.seen.discard(pointer)
+        self.live -= nbytes
 
 
 def test_varlen_reference_equals_dense_causal_attention_on_mixed_rows():
@@ -135,6 +197,75 @@ def test_the_mla_reference_is_expanded_attention_through_the_latent():
         expected = torch.einsum("hqk,khv->qhv", torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1),
                                 values)
         torch.testing.assert_close(out[start:stop], expected, rtol=1e-4, atol=1e-4)
+
+
+def _kernel_case(kernel: str, *, rows: int = 4, heads: int = 16, kv_heads: int = 2, dim: int = 64, keys: int = 256,
+                 q_len: int = 1, latent: int = 576, value_dim: int = 512):
+    """One call of a reference kernel over ``rows`` rows of ``keys`` keys in shuffled blocks of 16 (``kernel``:
+    "decode", "mixed" or "mla"; ``q_len`` queries per row): (the call, K/V or latent bytes it reads, bytes of its
+    queries, output and scores)."""
+    gen = torch.Generator().manual_seed(11)
+    block = 16
+    table = torch.randperm(rows * keys // block, generator=gen).view(rows, -1).to(torch.int32)
+    lens = torch.full((rows,), keys, dtype=torch.int32)
+    cu_q = torch.arange(rows + 1, dtype=torch.int32) * q_len
+    size = 4  # fp32
+    scores = rows * heads * q_len * keys * size
+    if kernel == "mla":
+        cache = torch.randn(table.numel(), block, 1, latent, generator=gen)
+        q = torch.randn(rows * q_len, heads, latent, generator=gen)
+        call = lambda: reference_mla(q, cache, cu_q, lens, q_len, keys, block_table=table,  # noqa: E731
+                                     head_dim_v=value_dim, softmax_scale=0.1)
+        return call, rows * keys * latent * size, q.numel() * size + rows * q_len * heads * value_dim * size + scores
+    k_cache, v_cache = (torch.randn(table.numel(), block, kv_heads, dim, generator=gen) for _ in range(2))
+    if kernel == "decode":
+        q = torch.randn(rows, q_len, heads, dim, generator=gen)
+        call = lambda: reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)  # noqa: E731
+    else:
+        q = torch.randn(rows * q_len, heads, dim, generator=gen)
+        call = lambda: reference_varlen(q, k_cache, v_cache, cu_q, cu_q // q_len * keys, q_len, keys,  # noqa: E731
+                                        block_table=table)
+    return call, 2 * rows * keys * kv_heads * dim * size, 2 * q.numel() * size + scores
+
+
+@pytest.mark.parametrize("kernel, q_len", [("decode", 1), ("mixed", 32), ("mla", 1), ("mla", 32)])
+def test_the_reference_kernels_hold_the_kv_they_read_not_a_copy_per_head(kernel, q_len):
+    """Peak extra memory of a kernel call <= 3 x the K/V (MLA: latent) bytes it reads + 3 x the bytes of its
+    queries, output and scores, on SDPA's math backend (CUDA's when no fused kernel takes the call: everything is
+    materialised there). The gather is 1x, the math backend's scaled and contiguous K/V at most 2x; K/V copied
+    per query head would be 8x (GQA, 16 heads over 2) and the latent per head 16x."""
+    call, kv_bytes, other_bytes = _kernel_case(kernel, q_len=q_len)
+    with sdpa_kernel(SDPBackend.MATH), _PeakBytes() as memory:
+        call()
+    assert memory.peak <= 3 * kv_bytes + 3 * other_bytes, (memory.peak / kv_bytes, other_bytes / kv_bytes)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "mixed", "mla"])
+def test_the_reference_kernels_read_nothing_back_to_the_host(monkeypatch, kernel):
+    """No host sync in a kernel (each would stop a GPU's queue on every layer of every step): key lengths come from
+    the table's width, and packed rows are scattered back without boolean indexing. The counter itself sees a
+    scalar read, a boolean mask's indexing and ``tolist``."""
+    call, _, _ = _kernel_case(kernel, rows=3, heads=4, kv_heads=2, dim=16, keys=32, q_len=1 if kernel == "decode"
+                              else 5, latent=24, value_dim=16)
+    with host_syncs(monkeypatch) as syncs:
+        call()
+    assert syncs == []
+    values = torch.arange(4.0)
+    with host_syncs(monkeypatch) as seen:
+        int(values.max()), values[values > 1], values.tolist()
+    assert seen == ["aten._local_scalar_dense.default", "aten.index.Tensor", "tolist"]
+
+
+def test_flash_attn_runs_half_precision_caches_only(monkeypatch):
+    """flash-attn computes in fp16/bf16 only: a GPU with flash-attn gets it for those, the torch reference for an
+    fp32 model (flash-attn would refuse it); a CPU always the reference."""
+    found = object()
+    monkeypatch.setattr(paged_attention, "_flash_kernels", lambda: found)
+    cuda = torch.device("cuda")
+    assert paged_attention.kernels(cuda, torch.bfloat16) is found
+    assert paged_attention.kernels(cuda, torch.float16) is found
+    assert paged_attention.kernels(cuda, torch.float32) is paged_attention.REFERENCE
+    assert paged_attention.kernels(torch.device("cpu"), torch.bfloat16) is paged_attention.REFERENCE
 
 
 @pytest.mark.parametrize("case, message", [
@@ -234,32 +365,41 @@ def test_decode_graph_buckets_and_their_fixed_buffers():
     assert small["last"].tolist() == [0, 1, 2, 3]
 
 
-def test_graph_shaped_steps_read_the_whole_table_without_a_host_sync(monkeypatch):
-    """Every step of generation.cuda_graphs (DecodeGraphs.run: eager on a CPU, captured or replayed on a GPU) reads
-    the whole width of its fixed table, so a replay and the same step run eagerly read the same keys (bf16 results
-    then agree bitwise in gpu_check's part 4c), with no host sync: int(tensor) raises inside the step."""
-    from megatron_rl.generation import paged_attention
+def keys_read(monkeypatch) -> list:
+    """The number of keys each gather of the paged kernels reads, as they run."""
+    read, gathered = [], paged_attention._gathered
+    monkeypatch.setattr(paged_attention, "_gathered",
+                        lambda cache, table, keys: read.append(keys) or gathered(cache, table, keys))
+    return read
+
+
+def test_decode_steps_read_the_whole_table_without_a_host_sync(monkeypatch):
+    """The decode kernel reads its table's whole width, one rule for every step: eager (set_step cuts the table to
+    the longest row's blocks: under one block more than the longest row), and the steps of generation.cuda_graphs
+    (DecodeGraphs.run: eager on a CPU, captured or replayed on a GPU) and gpu_check's bucketed eager run of the same
+    steps, which both read the fixed wide table, so a replay and its eager run read the same keys (bf16 results
+    then agree bitwise in gpu_check's part 4c). No host sync; extra columns of any block ids change nothing."""
     from megatron_rl.generation.graphs import DecodeGraphs
 
-    kv_lens = [5, 12, 1]
+    kv_lens = [5, 11, 1]  # the longest row ends inside its third block
     k_cache, v_cache, table, _, _ = _paged_rows(kv_lens, seed=6)
     wide = torch.cat([table, torch.randint(0, k_cache.shape[0], (len(kv_lens), 4), dtype=torch.int32)], dim=1)
     q = torch.randn(len(kv_lens), 1, HEADS, DIM, generator=torch.Generator().manual_seed(7))
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    read = []
-    gathered = paged_attention._gathered
-    monkeypatch.setattr(paged_attention, "_gathered", lambda cache, bt, keys: read.append(keys) or gathered(cache, bt, keys))
+    read = keys_read(monkeypatch)
 
-    def step():
-        return reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=wide)
+    def step(block_table):
+        return reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table)
 
-    eager = step()
-    assert read == [12, 12]  # the longest row's keys, K and V
-    read.clear()
-    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: pytest.fail("host sync in a graph-shaped step"))
-    shaped = DecodeGraphs(rows=4, width=wide.shape[1], device=torch.device("cpu")).run(4, step)
-    assert read == [wide.shape[1] * BLOCK] * 2 and not paged_attention.reads_whole_table()
-    torch.testing.assert_close(shaped, eager, rtol=1e-6, atol=1e-6)
+    with host_syncs(monkeypatch) as syncs:
+        eager = step(table)
+        assert read == [3 * BLOCK] * 2  # K and V: the cut table's 3 blocks, 12 keys for the longest row's 11
+        read.clear()
+        replayed = DecodeGraphs(rows=4, width=wide.shape[1], device=torch.device("cpu")).run(4, lambda: step(wide))
+        bucketed = step(wide)
+    assert read == [wide.shape[1] * BLOCK] * 4 and syncs == []
+    torch.testing.assert_close(replayed, eager, rtol=1e-6, atol=1e-6)
+    assert torch.equal(replayed, bucketed)
 
 
 class _FakeCapture:
@@ -286,10 +426,10 @@ class _FakeCapture:
                         "current_stream": lambda device=None: Stream()}
 
 
-def test_decode_graphs_capture_thread_local_and_graph_shaped(monkeypatch):
+def test_decode_graphs_capture_thread_local_and_read_what_eager_reads(monkeypatch):
     """The capture uses capture_error_mode="thread_local" (other threads' CUDA calls, e.g. environment steps or a
-    weight receiver, would invalidate a global-mode capture), and warm-up, capture and replay are graph-shaped."""
-    from megatron_rl.generation import paged_attention
+    weight receiver, would invalidate a global-mode capture); warm-up and capture run the decode kernel on the fixed
+    buffers and read the keys the same step run eagerly reads (the table's whole width); a replay runs nothing."""
     from megatron_rl.generation.graphs import DecodeGraphs
 
     fake = _FakeCapture()
@@ -297,16 +437,19 @@ def test_decode_graphs_capture_thread_local_and_graph_shaped(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, value)
     graphs = DecodeGraphs(rows=4, width=3, device=torch.device("cpu"))
     graphs.pool = object()  # as on a GPU: capture, then replay
-    shapes = []
-    logits = torch.zeros(4, 8)
+    buffers = graphs.inputs(4)
+    k_cache = v_cache = torch.randn(6, BLOCK, KV_HEADS, DIM)
+    q = torch.randn(4, 1, HEADS, DIM)
+    read = keys_read(monkeypatch)
 
     def forward():
-        shapes.append(paged_attention.reads_whole_table())
-        return logits
+        return reference_kvcache(q, k_cache, v_cache, cache_seqlens=buffers["k_lens"], block_table=buffers["table"])
 
-    assert graphs.run(4, forward) is logits and graphs.run(4, forward) is logits
+    logits = graphs.run(4, forward)
+    assert graphs.run(4, forward) is logits
     assert fake.graph_kwargs == {"pool": graphs.pool, "capture_error_mode": "thread_local"}
-    assert shapes == [True, True] and fake.replays == 2  # warm-up and capture; the second step only replays
+    forward()  # the same step, eager
+    assert read == [3 * BLOCK] * 6 and fake.replays == 2  # warm-up, capture, eager (K and V); replays run nothing
 
 
 def test_rotary_tables_read_while_capturing_stay_referenced(monkeypatch):
@@ -330,21 +473,3 @@ def test_rotary_tables_read_while_capturing_stay_referenced(monkeypatch):
     monkeypatch.setattr(paged, "capturing", lambda: True)
     context.apply_rotary_emb_query(query, table, config)
     assert len(context.graph_tables) == 1 and context.graph_tables[0] is table
-
-
-@pytest.mark.parametrize("capturing", [False, True])
-def test_the_decode_kernel_reads_no_more_than_the_table_and_needs_no_host_sync(monkeypatch, capturing):
-    """reference_kvcache under CUDA graph capture gathers the table's whole width (no host sync on the longest
-    row), else the longest row's keys: either way a table with extra columns of any block ids gives the same
-    output as the narrow one."""
-    from megatron_rl.generation import paged_attention
-
-    monkeypatch.setattr(paged_attention, "capturing", lambda: capturing)
-    kv_lens = [5, 12, 1]
-    k_cache, v_cache, table, _, _ = _paged_rows(kv_lens, seed=6)
-    q = torch.randn(len(kv_lens), 1, HEADS, DIM, generator=torch.Generator().manual_seed(7))
-    lens = torch.tensor(kv_lens, dtype=torch.int32)
-    wide = torch.cat([table, torch.randint(0, k_cache.shape[0], (len(kv_lens), 4), dtype=torch.int32)], dim=1)
-    torch.testing.assert_close(reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=wide),
-                               reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table),
-                               rtol=1e-6, atol=1e-6)

@@ -236,16 +236,23 @@ def _processes_using(marker: str) -> list[int]:
     return pids
 
 
-def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
+def _launch_forever(run_dir: Path, *args: str) -> subprocess.Popen:
+    """A one-rank job that trains until stopped and saves only when asked to stop (no interval or final save)."""
+    return subprocess.Popen([sys.executable, str(REPO_ROOT / "launch.py"), *TINY_RUN, "checkpoint.save_at_end=false",
+                             "checkpoint.save_interval=0", "run.steps=1000000", *args, f"run.dir={run_dir}"],
+                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _saved_steps(run_dir: Path) -> list[str]:
+    return sorted(path.name for path in (run_dir / "checkpoints").glob("step_*"))
+
+
+def test_a_second_launch_is_refused_and_sigterm_saves_the_current_step(tmp_path):
+    """SIGTERM to the launcher (a `kill`, a container stop) stops the run as Ctrl-C does (the ranks finish their
+    step and save it; Ctrl-C's path is tests/test_run_status.py's cancel) and the launcher exits 128 + 15."""
     run_dir = tmp_path / "busy"
-    args = [sys.executable, str(REPO_ROOT / "launch.py"), *TINY_RUN, "checkpoint.save_at_end=false",
-            f"run.dir={run_dir}"]
-    # SIGINT back to its default in the child: by this point of a full run some library has set it to SIG_IGN
-    # in the pytest process (Python still reports its own handler), and an ignored SIGINT is inherited, so
-    # Ctrl-C would never reach the launcher (seen in full runs: the rank trained on for 240 s).
-    first = subprocess.Popen([*args, "run.steps=1000000"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first = _launch_forever(run_dir)
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists():  # the first job is training
@@ -257,11 +264,11 @@ def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
         second = run_launch(*TINY_RUN, "run.steps=5", f"run.dir={run_dir}", timeout=60)
         _one_line_error(second, f"run.dir={run_dir} is in use by pid {first.pid} on {socket.gethostname()}")
         assert (run_dir / "config.yaml").read_text() == config, "the refused launch rewrote config.yaml"
-        first.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops its ranks, then releases the lock
+        first.send_signal(signal.SIGTERM)  # the launcher stops its ranks, then releases the lock
         try:
-            assert first.wait(timeout=60) == 130
+            assert first.wait(timeout=60) == 128 + signal.SIGTERM
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"launch.py did not stop within 60 s of Ctrl-C:\n{_stuck_report(run_dir)}") from None
+            raise AssertionError(f"launch.py did not stop within 60 s of SIGTERM:\n{_stuck_report(run_dir)}") from None
     finally:
         if first.poll() is None:
             first.kill()
@@ -270,6 +277,66 @@ def test_a_second_launch_is_refused_while_the_first_runs(tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert _processes_using(str(run_dir)) == []
     assert not (run_dir / ".lock").exists()
+    assert _saved_steps(run_dir) == [f"step_{read_metrics(run_dir)[-1]['step']:08d}"]  # the step it was in
+
+
+def _gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still alive (zombies count as gone) after waiting up to ``timeout`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_the_ranks_of_a_killed_launcher_stop_and_keep_the_folder_until_they_have(tmp_path):
+    """SIGKILL to the launcher of a quiet run: its rank gets SIGTERM (its parent-death signal), saves the step it
+    is in and exits, and until it has, a relaunch into the folder is refused naming it. The rank is held stopped
+    (SIGSTOP) across the relaunch, so that it is still alive then whatever the machine's speed."""
+    from launcher.lock import acquire
+    from megatron_rl.spec.local_ranks import STOP_GRACE_S
+
+    run_dir = tmp_path / "orphaned"
+    first = _launch_forever(run_dir, "logging.console=quiet")
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():  # training
+            assert first.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        ranks = [pid for pid in _processes_using(str(run_dir / "config.yaml"))
+                 if b"megatron_rl.main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(ranks) == 1, ranks
+        assert [rank["pid"] for rank in json.loads((run_dir / ".lock").read_text())["ranks"]] == ranks
+        os.kill(ranks[0], signal.SIGSTOP)
+        first.kill()
+        first.wait()
+        second = run_launch(*TINY_RUN, "run.steps=5", f"run.dir={run_dir}", timeout=60)
+        _one_line_error(second, f"run.dir={run_dir} is in use by the ranks of the ended launcher pid {first.pid}: "
+                                f"pid(s) {ranks[0]} on {socket.gethostname()} still run")
+        os.kill(ranks[0], signal.SIGCONT)  # the parent-death SIGTERM, pending while stopped, is delivered
+        assert _gone(ranks, STOP_GRACE_S + 20) == [], _stuck_report(run_dir)  # its step and save, or killed
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        for pid in {*ranks, *_processes_using(str(run_dir))}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert _processes_using(str(run_dir)) == []
+    assert _saved_steps(run_dir) == [f"step_{read_metrics(run_dir)[-1]['step']:08d}"]  # the step it was in
+    acquire(run_dir).release()  # the folder is free once the ranks have ended
 
 
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path):
@@ -383,6 +450,22 @@ def test_a_live_lock_of_this_host_or_another_is_kept(tmp_path):
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "some-other-login-node"}))
     with pytest.raises(ConfigError, match=r"pid 1 on some-other-login-node.*if it is gone, remove .*\.lock"):
         acquire(tmp_path)
+
+
+def test_a_lock_is_held_by_its_recorded_ranks_not_by_a_reused_pid(tmp_path):
+    """A lock whose launcher is dead but whose rank lives is refused, naming the rank; a rank pid now used by
+    another process (its start time differs) holds nothing."""
+    from launcher.lock import LOCK_NAME, acquire, start_time
+
+    me = {"pid": os.getpid(), "start": start_time(os.getpid())}
+    for ranks, held in (([me], True), ([{**me, "start": me["start"] - 1}], False)):
+        (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(),
+                                                      "ranks": ranks}))
+        if held:
+            with pytest.raises(ConfigError, match=f"the ranks of the ended launcher pid .*: pid.s. {os.getpid()} on"):
+                acquire(tmp_path)
+        else:
+            acquire(tmp_path).release()
 
 
 @pytest.mark.parametrize("squeue_says, alive", [("RUNNING", True), ("PENDING", True), ("CANCELLED", False),

@@ -229,6 +229,15 @@ def user_module(tmp_path, monkeypatch):
 
             def wrong_count(prompts, completions, answers):
                 return [1.0]
+
+            def divides(prompts, completions, answers):
+                return [1.0 / len(c) for c in completions]  # an empty completion raises
+
+            def nan_on_b(prompts, completions, answers):
+                return [float("nan") if c == "b" else 1.0 for c in completions]
+
+            def unreachable(prompts, completions, answers):
+                raise ConnectionError("the judge is unreachable")
             """
         )
     )
@@ -277,6 +286,22 @@ def test_score_and_combine(user_module):
         combine_rewards(scores, {"math": 1.0, "fmt": 1.0, "typo": 1.0})
     with pytest.raises(ConfigError, match="returned 1 scores for 2 completions"):
         score_completions({"bad": load_reward_fn("userrewards.fns:wrong_count")}, ["a", "b"], ["a", "b"], [1, 2])
+
+
+def test_a_reward_that_raises_or_returns_nan_is_named_with_the_completion_and_its_prompt(user_module):
+    """One line naming the reward fn, the completion's index in the batch and its prompt's; the fn's own exception
+    is the cause (its traceback kept for the job's log)."""
+    prompts = ["What is 1+1?"] * 2 + ["What is 2+2?"] * 2  # prompt-major, two completions each
+    with pytest.raises(ConfigError) as raised:
+        score_completions({"mine": load_reward_fn("userrewards.fns:divides")}, prompts, ["a", "b", "c", ""], [0] * 4)
+    assert str(raised.value) == ("reward 'mine' raised ZeroDivisionError: float division by zero on completion 3 "
+                                 "(prompt 1 of the batch: 'What is 2+2?'); fix the reward function (or drop it "
+                                 "from algorithm.rewards)")
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+    with pytest.raises(ConfigError) as raised:
+        score_completions({"nan": load_reward_fn("userrewards.fns:nan_on_b")}, prompts, ["a", "b", "c", "d"], [0] * 4)
+    assert str(raised.value) == ("reward 'nan' returned nan (not finite) for completion 1 (prompt 0 of the batch: "
+                                 "'What is 1+1?'); a reward fn must return finite scores")
 
 
 def test_weighted_rewards_from_specs(user_module):
@@ -328,3 +353,19 @@ def test_bad_reward_option_exits_2_before_the_job(launch, tmp_path):
     assert "algorithm.rewards.math_verify: unknown option tolerence (did you mean 'tolerance'?); valid options: " \
            "tolerance, backend" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_reward_that_raises_in_a_job_ends_it_with_one_line_and_exit_2(launch, tmp_path, user_module):
+    """The job's ranks: one line naming the reward, the completion and its prompt, exit 2, no traceback on the
+    console; the traceback is in the rank's error log, which the line names."""
+    run_dir = tmp_path / "run"
+    result = launch(f"run.dir={run_dir}", "cluster.tasks_per_node=1", "algorithm.sft_warmup_steps=0", "run.steps=1",
+                    "algorithm.rewards={'userrewards.fns:unreachable': 1.0}", env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    kept = run_dir / "logs" / "error_rank0.log"
+    line = ("error: reward 'userrewards.fns:unreachable' raised ConnectionError: the judge is unreachable on "
+            "completion 0 (prompt 0 of the batch: ")
+    errors = [text.strip() for text in result.stderr.splitlines() if text.strip().startswith("error:")]  # the tail
+    assert len(errors) == 1 and errors[0].startswith(line) and errors[0].endswith(f"(its traceback: {kept})"), errors
+    assert "Traceback" not in result.stdout + result.stderr
+    assert 'raise ConnectionError("the judge is unreachable")' in kept.read_text()

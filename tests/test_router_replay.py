@@ -76,16 +76,18 @@ def test_training_forwards_use_the_recorded_experts(checks, layout):
 
 def test_replay_narrows_the_bf16_ratio_spread():
     """bench/router_replay.py in bf16 on the CPU: some routes flip between generation and the training forward,
-    and replaying the recorded ones shrinks the largest log-ratio and the spread (measured 0.012 -> 0.004 nats at
-    the largest). The free-routing figure moves with any change of the decode's bf16 rounding (0.019 on
-    megatron-core 0.16.1; 0.0085 with a decode kernel that attended over whole blocks), while the replayed one
-    stays at bf16's noise, so the test asks for a shrink, not a factor."""
+    and replaying the recorded ones shrinks the largest log-ratio and the spread (measured 0.0087 -> 0.0041 nats at
+    the largest). The free-routing figure and the share of flipped routes move with any change of the decode's
+    bf16 rounding (0.019 on megatron-core 0.16.1; 0.012 with 0.55% of routes flipped while eager decoding read
+    only the longest row's keys; 0.0087 with 0.28% since every decode step reads its table's whole width, as a
+    replayed CUDA graph does), while the replayed one stays at bf16's noise, so the test asks for flips and a
+    shrink, not a factor."""
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "router_replay.py"), "--dtype", "bf16"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["route_flip_fraction"] > 0.005, result
+    assert result["route_flip_fraction"] > 0.001, result  # routes flip: there is something to replay
     free, replayed = result["free_routing"], result["router_replay"]
     assert replayed["log_ratio_max_abs"] < free["log_ratio_max_abs"], result
     assert replayed["log_ratio_std"] < free["log_ratio_std"], result

@@ -1,13 +1,22 @@
 """The sandbox, attacked: secrets in the home and run folders, sockets, a fork bomb, a 10 GB write, an infinite loop,
-a sleep, megabytes of output, memory, and killing the trainer. Each is contained, ends as a short observation within
-its limits, and leaves the test process (the trainer) unharmed and no process behind. Both tiers run: namespaces
-where this machine allows them (root), and the audit-hook tier everywhere."""
+a sleep, megabytes of output, memory, killing the trainer, and (namespaces) writing to every folder of the host it
+can find, filling /dev/shm and /tmp past the cap, and listing the host's processes. Each is contained, ends as a
+short observation within its limits, and leaves the test process (the trainer) unharmed and no process or file
+behind. Both tiers run: namespaces where this machine allows them (root), and the audit-hook tier everywhere."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
+import json
 import os
 import shutil
+import socket
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -144,3 +153,102 @@ def test_the_hooks_tier_refuses_a_subprocess_and_ctypes():
                  "import os\nos.system('id')"):
         result = _run(code, "hooks")
         assert result.reason == "error" and "not allowed" in result.output, code
+
+
+_ESCAPE_PROBE = r'''
+import json, os
+MARKER = %(marker)r
+folders = {"/tmp", "/var/tmp", "/dev/shm", "/run", "/run/lock", "/root", "/home", "/etc", "/var", "/", os.getcwd(),
+           *%(callers)r}
+for line in open("/proc/self/mountinfo"):
+    folders.add(line.split()[4].encode().decode("unicode_escape"))
+
+def walk(folder, depth):
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False) and entry.path not in ("/proc", "/sys"):
+            folders.add(entry.path)
+            if depth > 1:
+                walk(entry.path, depth - 1)
+
+walk("/", 3)
+created = []
+for folder in sorted(folders):
+    try:
+        fd = os.open(os.path.join(folder, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        continue
+    os.write(fd, b"escaped")
+    os.close(fd)
+    created.append(folder)
+filled = {}
+for folder in ("/dev/shm", "/tmp"):
+    written, error = 0, None
+    try:
+        for n in range(10):
+            with open(os.path.join(folder, f"{MARKER}-fill-{n}"), "wb") as out:
+                for _ in range(8):
+                    out.write(b"0" * (1 << 20))
+                    out.flush()
+                    written += 1 << 20
+    except OSError as exc:
+        error = exc.errno
+    filled[folder] = [written, error]
+pids = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
+import stat
+sockets = []
+for folder in sorted(folders):
+    try:
+        sockets += [entry.path for entry in os.scandir(folder)
+                    if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)]
+    except OSError:
+        pass
+print(json.dumps({"tried": sorted(folders), "created": created, "filled": filled, "pids": pids, "me": os.getpid(),
+                  "sockets": sorted(set(sockets))}))
+'''
+
+
+@pytest.mark.skipif("namespaces" not in TIERS, reason="the namespaces tier needs root and the right to make namespaces")
+def test_the_namespaces_tier_keeps_the_code_off_the_host(tmp_path):
+    """Code that tries to create a file in every folder it can find (the mount table, a walk of the tree, the usual
+    world-writable folders, the caller's folders and a world-writable scratch folder like a cluster's), fills /dev/shm
+    and /tmp with 80 MiB each past disk_mib=64, lists /proc and looks for Unix sockets: nothing lands on the host,
+    the fill stops at the cap, the code sees its own PID namespace only and no host service's socket."""
+    marker = f"sandbox-escape-{os.getpid()}-{time.monotonic_ns()}"
+    limits = SandboxLimits(wall_s=20.0, cpu_s=10, memory_mib=512, file_mib=16, disk_mib=64, output_bytes=1 << 20)
+    scratch = tempfile.mkdtemp(prefix="sandbox-scratch-", dir="/")  # world-writable, like a cluster's /scratch
+    os.chmod(scratch, 0o1777)
+    callers = sorted({scratch, os.getcwd(), str(tmp_path), str(Path.home()), sys.prefix, os.path.dirname(__file__)})
+    shm_before = shutil.disk_usage("/dev/shm").used
+    tried: list[str] = []
+    service = tempfile.mkdtemp(prefix="sandbox-service-", dir="/run")  # a host service's socket, as /run holds
+    listening = socket.socket(socket.AF_UNIX)
+    try:
+        listening.bind(os.path.join(service, "service.sock"))
+        listening.listen()
+        result = run_python(_ESCAPE_PROBE % {"marker": marker, "callers": callers}, limits, isolation="namespaces")
+        assert result.reason == "ok", result.observation()
+        report = json.loads(result.output)
+        tried = report["tried"]
+        shm_grew = shutil.disk_usage("/dev/shm").used - shm_before
+        assert {"/tmp", "/var/tmp", "/dev/shm", "/run/lock", scratch, *callers} <= set(tried)
+        assert {"/tmp", "/var/tmp", "/dev/shm", "/run/lock"} <= set(report["created"])  # its private folders
+        escaped = [folder for folder in tried if os.path.lexists(os.path.join(folder, marker))]
+        escaped += glob.glob(f"/tmp/{marker}*") + glob.glob(f"/dev/shm/{marker}*")
+        assert escaped == []
+        assert all(error == errno.ENOSPC for _, error in report["filled"].values()), report["filled"]
+        assert sum(written for written, _ in report["filled"].values()) <= limits.disk_mib << 20
+        assert shm_grew < 32 << 20, f"/dev/shm grew by {shm_grew >> 20} MiB"
+        assert 1 in report["pids"] and report["me"] in report["pids"] and len(report["pids"]) <= 3, report["pids"]
+        assert report["sockets"] == []  # no host service's Unix socket (those under /run, say) to connect to
+    finally:
+        for folder in {*tried, *callers, "/tmp", "/var/tmp", "/dev/shm", "/run/lock"}:
+            for path in glob.glob(os.path.join(glob.escape(folder), glob.escape(marker) + "*")):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+        shutil.rmtree(scratch, ignore_errors=True)
+        listening.close()
+        shutil.rmtree(service, ignore_errors=True)

@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.job import load_shape, plan_job
     from launcher.planner import NoFeasibleLayout, layout_arg
     from megatron_rl.spec.config.loader import given_keys, load_config
+    from megatron_rl.spec.config.validate import check_lengths
 
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     try:
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if assumed:
             overrides += [f"{key}={value}" for key, value, _ in assumed]
             cfg = load_config(args.config, overrides, allow_missing=True)
+        check_lengths(cfg, shape)
         result = plan_job(cfg, shape, given=given,  # the assumed keys are searched around, not kept
                           precision=args.precision, top_k=args.top_k, mean_response_length=args.mean_response_len)
     except NoFeasibleLayout as exc:

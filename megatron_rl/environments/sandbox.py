@@ -1,13 +1,16 @@
 """Run generated Python in a sandbox; whatever the code does, the caller gets a short result within ``wall_s``.
 
 ``run_python(code, limits)`` starts ``sandbox_init.py`` (a script of the standard library only) as a new process
-group and hands it the code. Where this process is root and may make namespaces, the code runs as ``nobody`` with no
-network, its own PID and mount namespaces, a size-capped private tmpfs, and the home and run folders hidden
-(``isolation="namespaces"``); elsewhere it runs under an audit hook that refuses sockets, processes, signals and
-files outside its folder (``"hooks"``, a policy rather than a boundary). Both tiers set CPU-time, memory and
-file-size limits; the caller kills the whole group at ``wall_s`` and as soon as the output passes
-``output_bytes``. Nothing the code does reaches the caller but the result: a hang, a crash, a fork bomb, a full
-disk or megabytes of output each become a short ``SandboxResult.observation()``.
+group and hands it the code. Where this process is root and may make namespaces (``isolation="namespaces"``), the
+code runs as ``nobody`` with no network, in its own PID namespace (a fresh ``/proc`` shows only its processes) and
+mount namespace: every host mount read-only, the home and run folders hidden, and a private ``/tmp`` (its working
+folder), ``/var/tmp``, ``/dev/shm`` and ``/run/lock``, all folders of one tmpfs capped at ``disk_mib`` that vanishes
+with the run. Elsewhere (``"hooks"``) it runs as the caller under an audit hook that refuses sockets, processes,
+signals and files outside its folder: a best-effort guard against mistakes, not isolation (a hook is a policy, not
+a boundary; code that gets around it has the caller's rights). Both tiers set CPU-time, memory and file-size
+limits; the caller kills the whole group at ``wall_s`` and as soon as the output passes ``output_bytes``. In the
+namespaces tier nothing the code does reaches the caller but the result: a hang, a crash, a fork bomb, a full disk
+or megabytes of output each become a short ``SandboxResult.observation()``.
 
 Test: ``.venv/bin/python -m pytest tests/test_sandbox.py -q``
 """
@@ -49,7 +52,8 @@ class SandboxLimits:
     file_mib: int = 16
     """Largest file the code may write (RLIMIT_FSIZE); a larger write raises OSError in the code."""
     disk_mib: int = 64
-    """All files together: the private tmpfs's size (namespaces), or that many files of ``file_mib`` (hooks)."""
+    """All files together: the size of the one tmpfs behind the private /tmp, /var/tmp, /dev/shm and /run/lock
+    (namespaces), or that many files of ``file_mib`` in its folder (hooks)."""
     processes: int = 16
     """Processes of the sandbox user (RLIMIT_NPROC; namespaces). The hooks tier allows no new process."""
     output_bytes: int = 16384
@@ -127,7 +131,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, hide: Sequ
     elif isolation == "namespaces" and not namespaces_available():
         raise ValueError("sandbox isolation 'namespaces' needs root and the right to make namespaces; use 'hooks'")
     started = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="sandbox-")
+    # The namespaces tier's code works in its private /tmp, made in its mount namespace: nothing on the host.
+    workdir = tempfile.mkdtemp(prefix="sandbox-") if isolation == "hooks" else None
     hidden = sorted({os.path.realpath(p) for p in [Path.home(), *hide]} | _HIDDEN)
     request = {"code": code, "limits": asdict(limits), "isolation": isolation, "workdir": workdir, "hide": hidden,
                "python": base_python(), "python_prefixes": python_prefixes(), "parent": os.getpid(), "uid": NOBODY}
@@ -136,7 +141,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, hide: Sequ
     try:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-B", str(INIT_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, pass_fds=(status_write,), start_new_session=True, cwd=workdir,
+            stderr=subprocess.STDOUT, pass_fds=(status_write,), start_new_session=True, cwd=workdir or "/",
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         os.close(status_write)
         status_write = -1
@@ -146,7 +151,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, hide: Sequ
         if status_write >= 0:
             os.close(status_write)
         os.close(status_read)
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     text = output.decode("utf-8", errors="replace")
     seconds = time.monotonic() - started
     if stopped:

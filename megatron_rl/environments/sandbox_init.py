@@ -1,22 +1,29 @@
 """The sandbox's first process: run by ``sandbox.run_python`` as ``python -I -S sandbox_init.py`` (standard library
 only, never imported), it reads one JSON request on stdin, confines itself, then runs the generated code.
 
-``namespaces`` (root with CAP_SYS_ADMIN): new network, mount, PID, IPC and UTS namespaces. The code runs as
-``nobody`` under resource limits, in a size-capped tmpfs over its private folder, with the user's home and the run
-folder hidden under empty read-only mounts (the Python installation bound back read-only when it lives there, or
-under a folder others may not enter). Its
-PID namespace's first process is this script's child: when it ends, or when the trainer kills this process group
-(each process here dies with its parent), the kernel kills every process the code made, setsid or not.
+``namespaces`` (root with CAP_SYS_ADMIN): new network, mount, PID, IPC and UTS namespaces. This script's child is
+the first process (PID 1) of the new PID namespace; in the new mount namespace it makes every mount of the host
+read-only, hides the user's home, the run folder and ``/run`` (the host's service sockets) under empty read-only
+mounts, gives the code its own ``/tmp``
+(its working folder), ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` as folders of one tmpfs capped at ``disk_mib``
+(so all its files together count against the one cap), and mounts a fresh ``/proc`` that shows only this PID
+namespace. The Python installation is bound back read-only wherever a mount covers it (it may live under the home
+folder, or under a folder others may not enter, which is hidden too). The code runs as ``nobody`` under resource
+limits; when the first process ends, or when the trainer kills this process group (each process here dies with its
+parent), the kernel kills every process the code made, setsid or not. Nothing the code writes outlives the run.
 
 ``hooks`` (anyone else): the same resource limits, and a CPython audit hook that refuses sockets, processes,
-signals, ctypes, and files outside the private folder and the Python installation. Audit hooks are a policy, not
-a boundary (PEP 578): this tier keeps honest mistakes and casual attacks out, not a determined one.
+signals, ctypes, and files outside the private folder and the Python installation. This is a best-effort guard,
+not isolation: audit hooks are a policy, not a boundary (PEP 578), and the code runs as the caller with the
+caller's files, processes and network a bypass away; it keeps honest mistakes and casual attacks out, not a
+determined one. Use the namespaces tier for code you do not trust.
 
 The exit status goes to the file descriptor ``status_fd`` as one JSON line: {"exit": code} or {"signal": number}, or
 {"setup": "message"} when confinement failed (then no generated code ran).
 """
 
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -25,7 +32,18 @@ import sys
 import time
 
 PR_SET_PDEATHSIG = 1
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+MS_PRIVATE, MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1 << 18, 1024, 2048, 1 << 21
+MOUNT_OPTIONS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+                 "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+"""The per-mount options of /proc/self/mountinfo that a read-only remount keeps."""
+CODE_FOLDER = "/tmp"
+"""The code's working folder in the namespaces tier (one of its private folders)."""
+HIDDEN_ALWAYS = ("/run",)
+"""Covered by an empty read-only mount in the namespaces tier: the host's services listen on Unix sockets there
+(a database, the container runtime), and a read-only mount does not stop a connect() to a socket file."""
+PRIVATE_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""The code's own writable folders in the namespaces tier: folders of one tmpfs capped at ``disk_mib``."""
 STATUS_FD = [-1]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -62,27 +80,81 @@ def _limits(request):
 
 
 def _confine_mounts(request):
-    """In the new mount namespace: a size-capped tmpfs over the work folder, empty read-only mounts over the hidden
-    folders, and the Python installation bound back read-only where a hidden folder covered it."""
-    work = request["workdir"]
-    limits = request["limits"]
+    """In the new mount namespace, as PID 1 of the new PID namespace: every mount read-only, empty read-only mounts
+    over the hidden folders, the private folders, and a fresh /proc; the Python installation bound back read-only
+    where a mount covered it."""
     os.umask(0o022)  # the mount points made for the Python installation must be enterable by the sandbox user
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-    _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={int(limits['disk_mib'])}m,nr_inodes=4096,mode=0700,uid={request['uid']},gid={request['uid']}")
+    _read_only_everywhere()
     prefixes = [p for p in request["python_prefixes"] if os.path.isdir(p)]
-    for hidden in sorted(set(request["hide"]) | _closed_ancestors(prefixes)):
-        if not os.path.isdir(hidden) or os.path.commonpath([hidden, work]) == hidden:
+    for hidden in sorted(set(request["hide"]) | set(HIDDEN_ALWAYS) | _closed_ancestors(prefixes)):
+        if not os.path.isdir(hidden) or os.path.commonpath([hidden, CODE_FOLDER]) == hidden:
             continue
-        covered = [p for p in prefixes if os.path.commonpath([hidden, p]) == hidden]
-        handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in covered}
+        held = _hold(prefixes, [hidden])
         _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-        for prefix, handle in handles.items():
-            os.makedirs(prefix, exist_ok=True)
-            _mount(f"/proc/self/fd/{handle}", prefix, None, MS_BIND | MS_REC, None)
-            _mount(None, prefix, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
-            os.close(handle)
+        for folder in PRIVATE_FOLDERS:  # a private folder under it (/run/lock) gets its mount point back
+            if os.path.dirname(folder) == hidden:
+                os.mkdir(folder)
+        _bind_back(held)
         _mount(None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    _private_folders(int(request["limits"]["disk_mib"]), prefixes)
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+
+
+def _read_only_everywhere():
+    """Remount every mount of this namespace read-only (a bind remount: the host's mounts keep their flags)."""
+    with open("/proc/self/mountinfo") as table:
+        mounts = {}
+        for line in table:
+            fields = line.split()
+            mounts[_unescape(fields[4])] = fields[5].split(",")  # the last mount at a point is the one on top
+    for point, options in mounts.items():
+        if "ro" in options:
+            continue
+        keep = sum(MOUNT_OPTIONS.get(option, 0) for option in options)
+        try:
+            _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
+        except OSError as error:
+            if error.errno not in (errno.EINVAL, errno.ENOENT):  # not a mount point here: shadowed, or deleted
+                raise
+
+
+def _unescape(field):
+    """A path of /proc/self/mountinfo: the kernel writes space, tab, newline and backslash as octal escapes."""
+    first, *rest = field.split("\\")
+    return first + "".join(chr(int(part[:3], 8)) + part[3:] for part in rest)
+
+
+def _private_folders(disk_mib, prefixes):
+    """One tmpfs capped at ``disk_mib``, its folders bound over PRIVATE_FOLDERS (those the host has)."""
+    held = _hold(prefixes, PRIVATE_FOLDERS)
+    _mount("tmpfs", CODE_FOLDER, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mib}m,nr_inodes=4096,mode=0755")
+    handles = {}
+    for folder in PRIVATE_FOLDERS:
+        inside = os.path.join(CODE_FOLDER, folder.strip("/").replace("/", "_"))
+        os.mkdir(inside)
+        os.chmod(inside, 0o1777)
+        handles[folder] = os.open(inside, os.O_PATH | os.O_DIRECTORY)
+    for folder, handle in handles.items():  # by handle: binding over /tmp covers the tmpfs's root
+        if os.path.isdir(folder):
+            _mount(f"/proc/self/fd/{handle}", folder, None, MS_BIND, None)
+        os.close(handle)
+    _bind_back(held)
+
+
+def _hold(prefixes, folders):
+    """Handles on the Python installation's folders that lie under ``folders``, taken before mounts cover them."""
+    return {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in prefixes
+            if any(os.path.commonpath([folder, p]) == folder for folder in folders)}
+
+
+def _bind_back(held):
+    """Bind the held folders back read-only at their paths, over whatever now covers them."""
+    for prefix, handle in held.items():
+        os.makedirs(prefix, exist_ok=True)
+        _mount(f"/proc/self/fd/{handle}", prefix, None, MS_BIND | MS_REC, None)
+        _mount(None, prefix, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        os.close(handle)
 
 
 def _closed_ancestors(paths):
@@ -123,6 +195,7 @@ def _run_in_namespaces(request):
         try:
             _die_with_parent()
             _confine_mounts(request)
+            request["workdir"] = CODE_FOLDER
             _write_code(request, request["uid"])
         except Exception as error:  # noqa: BLE001 - reported as a setup failure, no code ran
             _report({"setup": f"{type(error).__name__}: {error}"})

@@ -189,7 +189,8 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
     total = min(longest + max_new_tokens, max_total_tokens or longest + max_new_tokens)
     if max_positions is not None and total > max_positions:
         raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                         f"model's max_position_embeddings ({max_positions})")
+                         f"model's max_position_embeddings ({max_positions}); give generation.max_new_tokens at most "
+                         f"{max(max_positions - longest, 0)} or shorter prompts")
     if any(t >= vocab_size or t < 0 for p in prompts for t in p):
         raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
     chain = StageChain(chunks, device=device, microbatches=pipeline_microbatches)

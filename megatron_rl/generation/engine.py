@@ -70,7 +70,7 @@ import torch
 from megatron_rl.generation.graphs import DecodeGraphs
 from megatron_rl.generation.paged import BlockPool, PagedContext, attention_layers, megatron_paged_attention
 from megatron_rl.generation.paged_attention import kernels as paged_kernels
-from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens, position_draws
+from megatron_rl.generation.sampling import SamplingParams, StepChoice, choose_tokens, position_keys
 from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.spec.parallel import cuda_graph_error
 
@@ -434,12 +434,12 @@ class _Part:
 
     def choose(self, logits: torch.Tensor, *, params: SamplingParams, vocab_size: int) -> StepChoice:
         """The sampled rows' tokens from the last stage's logits ``[fed rows (+ padding rows), vocab]``."""
-        race = None
-        if not params.greedy:
-            race = position_draws(torch.tensor([r.seed for r in self.sampled], device=self.device),
-                                  torch.tensor([r.request for r in self.sampled], device=self.device),
-                                  torch.tensor([len(r.tokens) for r in self.sampled], device=self.device), vocab_size)
-        return choose_tokens(logits[self.source], vocab_size=vocab_size, params=params, race=race)
+        keys = None
+        if not params.greedy:  # the rows' position_draws, drawn inside the choice block by block
+            keys = position_keys(torch.tensor([r.seed for r in self.sampled], device=self.device),
+                                 torch.tensor([r.request for r in self.sampled], device=self.device),
+                                 torch.tensor([len(r.tokens) for r in self.sampled], device=self.device))
+        return choose_tokens(logits[self.source], vocab_size=vocab_size, params=params, race_keys=keys)
 
     def record(self, choice: Optional[StepChoice]) -> None:
         """After the forward: the fed rows' K/V are cached, a fresh group's completions take its prompt blocks;
@@ -699,7 +699,7 @@ def generate_paged(chunks: list, prompts: Sequence[Sequence[int]], *, vocab_size
                    finished=None if feed is None else finished,
                    positions=max_total_tokens if feed is not None else None, cuda_graphs=cuda_graphs)
              for units_of_part, budget in zip(split, budgets)]
-    kernels = paged_kernels(device)
+    kernels = paged_kernels(device, dtype)
     choose = dict(params=params, vocab_size=vocab_size)
     steps = 0
 

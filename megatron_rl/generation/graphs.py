@@ -13,8 +13,8 @@ A capture holds the addresses of the weights, the KV pool and these buffers, so 
 ``generate`` call (one rollout): the colocated trainer's offload phases move the weights and free the pool
 between calls, and the next call captures again. All graphs of a call share one memory pool (steps replay one
 after another). What the paged attention needs to be capturable: no host synchronisation in a decode step
-(paged_attention.py ``reference_kvcache`` gathers the whole table's width, not the longest row's, in every step run
-here, captured, replayed or eager: ``graph_shaped_step``). A capture is ``thread_local``, so that other threads' CUDA
+(paged_attention.py ``reference_kvcache`` gathers its table's whole width, here the fixed table's, whether the step
+is captured, replayed or run eagerly). A capture is ``thread_local``, so that other threads' CUDA
 calls do not invalidate it, and the rotary tables it reads stay referenced until the graphs close
 (``PagedContext.graph_tables``): Megatron's per-process LRU of them could otherwise free one a graph still reads.
 Where graphs cannot replay a step (MoE dispatch, MLA's latent kernel, pipeline stages, gloo's TP collectives)
@@ -31,7 +31,6 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_rl.generation.paged_attention import graph_shaped_step
 from megatron_rl.spec.parallel import DECODE_GRAPH_ROWS as GRAPH_ROWS
 
 
@@ -77,18 +76,17 @@ class DecodeGraphs:
         """The step's logits: ``forward()`` (which reads the buffers of ``bucket``) replayed from its graph on a
         GPU, captured at its first step; called as is on a CPU."""
         if self.pool is None:
-            with graph_shaped_step():
-                return forward()
+            return forward()
         if bucket not in self.captured:
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), graph_shaped_step():
+            with torch.cuda.stream(side):
                 forward()  # warm-up (lazy initialisations must not land in the graph)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the CUDA calls of other threads (environment steps, the NCCL watchdog, a weight
             # receiver) must not invalidate the capture, as they would in the default global mode
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), graph_shaped_step():
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = forward()
             self.captured[bucket] = (graph, logits)
         graph, logits = self.captured[bucket]

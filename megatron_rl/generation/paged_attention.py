@@ -16,12 +16,16 @@ calls them:
 * ``reference_mla`` (multi-latent attention, paged_mla.py): absorbed queries against the latent cache. FlashMLA
   (decode only, 64-token blocks) is not wired in: every device runs this torch version for MLA.
 
-``kernels(device)`` picks the implementation: flash-attn's when it is installed and the tensors are on a GPU, else
-the torch reference (``gather`` each row's blocks, keep its keys, one SDPA call with the bottom-right mask). Both
-go through ``check_paged`` first, which refuses what the GPU kernels refuse (block sizes that are not a multiple of
-256 when flash-attn runs, head sizes above 256 or not a multiple of 8, KV heads that do not divide the query
-heads, tables that are not int32), so CI refuses what a GPU would; the reference's one extension is dtype: it runs
-fp32, which CPU tests use and flash-attn does not.
+``kernels(device, dtype)`` picks the implementation: flash-attn's when it is installed, the tensors are on a GPU and
+the KV cache is fp16 or bf16, else the torch reference. The reference gathers each row's blocks over the table's
+width (not the longest row's keys: no host sync; the engine cuts the table to the longest row's blocks) and makes
+one SDPA call with an additive bottom-right mask, each KV head's query heads folded into the query length (MLA: all
+heads against the one latent "head"): its memory is the K/V it reads plus the scores, never K/V copied per query
+head, and it runs no host sync (no boolean indexing, no lengths read back). Both go through ``check_paged`` first,
+which refuses what the GPU kernels refuse (block sizes that are not a multiple of 256 when flash-attn runs, head
+sizes above 256 or not a multiple of 8, KV heads that do not divide the query heads, tables that are not int32), so
+CI refuses what a GPU would; the reference's one extension is dtype: it runs fp32, which CPU tests use and
+flash-attn does not.
 
 Test: ``.venv/bin/python -m pytest tests/test_paged_engine.py -q -k attention``; on a GPU, ``bench/gpu_check.sh``
 runs flash-attn's kernels against this reference where flash-attn is installed.
@@ -29,15 +33,15 @@ runs flash-attn's kernels against this reference where flash-attn is installed.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 FLASH_BLOCK_MULTIPLE = 256
 """flash-attn 2's paged KV needs ``block_size % 256 == 0``."""
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""What flash-attn computes in (an fp32 model gets the reference on every device)."""
 
 
 class PagedKernels(NamedTuple):
@@ -92,19 +96,25 @@ def _gathered(cache: torch.Tensor, block_table: torch.Tensor, keys: int) -> torc
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: torch.Tensor, k_lens: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """``q`` ``[rows, max_q, heads, dim]`` against ``k``/``v`` ``[rows, max_k, kv_heads, dim]`` with the
-    bottom-right causal mask per row; query slots past a row's ``q_lens`` attend to key 0 (their output is
-    dropped by the caller)."""
-    max_q, max_k = q.shape[1], k.shape[1]
+    """``q`` ``[rows, kv_heads, group, max_q, dim]`` (the query heads of each KV head, GQA folded) against
+    ``k``/``v`` ``[rows, max_k, kv_heads, dim]`` (``v``'s dim may differ) with the bottom-right causal mask per row
+    -> ``[rows, kv_heads, group, max_q, value dim]``; query slots past a row's ``q_lens`` attend to key 0 (their
+    output is dropped by the caller). SDPA sees ``kv_heads`` heads of ``group * max_q`` queries, so it never copies
+    K or V per query head (``enable_gqa`` does on SDPA's math backend, CUDA's choice for a boolean mask); the mask
+    is additive (0 / -inf), which CUDA's memory-efficient and cuDNN backends take."""
+    rows, kv_heads, group, max_q, dim = q.shape
+    max_k = k.shape[1]
     qi = torch.arange(max_q, device=q.device).view(1, max_q, 1)
     kj = torch.arange(max_k, device=q.device).view(1, 1, max_k)
     limit = (k_lens - q_lens).view(-1, 1, 1) + qi  # the last key query i may see
-    mask = (kj <= limit) & (kj < k_lens.view(-1, 1, 1))
-    mask = mask | (kj == 0)  # no fully masked softmax (padding queries, rows without keys: dropped later)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask.unsqueeze(1), scale=scale,
-                                         enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+    allowed = (kj <= limit) & (kj < k_lens.view(-1, 1, 1))
+    allowed = allowed | (kj == 0)  # no fully masked softmax (padding queries, rows without keys: dropped later)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    if max_q > 1:  # query i of head g sits at g * max_q + i (one query per row: the mask broadcasts)
+        bias = bias.repeat(1, group, 1)
+    out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, group * max_q, dim), k.transpose(1, 2),
+                                         v.transpose(1, 2), attn_mask=bias.unsqueeze(1), scale=scale)
+    return out.view(rows, kv_heads, group, max_q, -1)
 
 
 def reference_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -129,18 +139,25 @@ def _attend_packed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[tor
     -> ``[tokens, heads, value dim]``, zeros for tokens past the last row. ``v_cache`` None: the values are the
     first ``value_dim`` entries of the keys (the MLA latent)."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    rows = q_lens.numel()
-    out = q.new_zeros(*q.shape[:-1], v_cache.shape[-1] if v_cache is not None else value_dim)
+    rows, tokens = q_lens.numel(), q.shape[0]
+    # one row past the tokens: where the padding query slots are written (no boolean indexing: no host sync)
+    out = q.new_zeros(tokens + 1, *q.shape[1:-1], v_cache.shape[-1] if v_cache is not None else value_dim)
     if rows == 0 or max_seqlen_q == 0:
-        return out
-    slot = torch.arange(max_seqlen_q, device=q.device)
-    valid = slot.view(1, -1) < q_lens.view(-1, 1)  # [rows, max_q]
-    index = (cu_seqlens_q[:-1].long().view(-1, 1) + slot.view(1, -1)).clamp_max(q.shape[0] - 1)
+        return out[:tokens]
     keys = _gathered(k_cache, block_table[:rows], max_seqlen_k)
     values = keys[..., :value_dim] if v_cache is None else _gathered(v_cache, block_table[:rows], max_seqlen_k)
-    attended = _attend(q[index], keys, values, q_lens, k_lens, scale)  # q[index]: [rows, max_q, heads, dim]
-    out[index[valid]] = attended[valid].to(out.dtype)
-    return out
+    kv_heads = keys.shape[2]
+    group = q.shape[1] // kv_heads
+    slot = torch.arange(max_seqlen_q, device=q.device)
+    index = cu_seqlens_q[:-1].long().view(-1, 1) + slot.view(1, -1)  # [rows, max_q]
+    # [rows, kv_heads, group, max_q] indices into [tokens, kv_heads, group]: the queries gathered already folded
+    kv_head = torch.arange(kv_heads, device=q.device).view(1, -1, 1, 1)
+    in_group = torch.arange(group, device=q.device).view(1, 1, -1, 1)
+    queries = q.view(tokens, kv_heads, group, -1)[index.clamp_max(tokens - 1).view(rows, 1, 1, -1), kv_head, in_group]
+    attended = _attend(queries, keys, values, q_lens, k_lens, scale)
+    target = torch.where(slot.view(1, -1) < q_lens.view(-1, 1), index, tokens).view(rows, 1, 1, -1)
+    out.view(tokens + 1, kv_heads, group, -1).index_put_((target, kv_head, in_group), attended)
+    return out[:tokens]
 
 
 def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -158,41 +175,23 @@ def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     k_lens = cache_seqlens.long()
     rows, q_len = q.shape[0], q.shape[1]
-    # a graph-shaped step reads the keys of the table's whole width (no host sync, graphs.py), else the longest row's
-    longest = block_table.shape[1] * k_cache.shape[1] if reads_whole_table() else int(k_lens.max()) if rows else 0
+    # the keys of the table's whole width, not the longest row's (no host sync; set_step cuts the table to the
+    # longest row's blocks, a graph step reads its fixed table: a replay and its eager run read the same keys)
+    longest = block_table.shape[1] * k_cache.shape[1]
     if rows == 0 or longest == 0:
         return torch.zeros_like(q)
     keys = _gathered(k_cache, block_table[:rows], longest)
     values = _gathered(v_cache, block_table[:rows], longest)
     q_lens = torch.full_like(k_lens, q_len)
-    out = _attend(q, keys, values, q_lens, k_lens, scale).to(q.dtype)
+    kv_heads, dim = k_cache.shape[2], q.shape[-1]
+    folded = q.view(rows, q_len, kv_heads, -1, dim).permute(0, 2, 3, 1, 4)  # a view: decode steps have one query
+    out = _attend(folded, keys, values, q_lens, k_lens, scale).permute(0, 3, 1, 2, 4).reshape(q.shape)
     return out.masked_fill((k_lens == 0).view(-1, 1, 1, 1), 0.0)
 
 
 def capturing() -> bool:
     """Whether this thread's CUDA stream is capturing a graph (never without a GPU)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-_graph_shaped = threading.local()
-
-
-@contextlib.contextmanager
-def graph_shaped_step() -> Iterator[None]:
-    """The steps of ``generation.cuda_graphs`` (graphs.py ``DecodeGraphs.run``): captured, replayed, or run eagerly
-    on a CPU, their decode kernel reads the whole width of the fixed block table, so that a replay and the same
-    step run eagerly read the same keys (and the CPU runs the shapes a GPU captures)."""
-    before = getattr(_graph_shaped, "on", False)
-    _graph_shaped.on = True
-    try:
-        yield
-    finally:
-        _graph_shaped.on = before
-
-
-def reads_whole_table() -> bool:
-    """Whether the decode kernel reads its table's whole width: inside a graph-shaped step or a capture."""
-    return getattr(_graph_shaped, "on", False) or capturing()
 
 
 def reference_mla(q: torch.Tensor, latent_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -241,9 +240,11 @@ def _flash_kernels() -> Optional[PagedKernels]:
 REFERENCE = PagedKernels(varlen=reference_varlen, kvcache=reference_kvcache, mla=reference_mla, name="torch")
 
 
-def kernels(device: torch.device) -> PagedKernels:
-    """flash-attn's kernels on a GPU where flash-attn is installed, else the torch reference."""
-    if device.type == "cuda":
+def kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> PagedKernels:
+    """flash-attn's kernels on a GPU where flash-attn is installed, for a KV cache of ``dtype`` it computes in
+    (fp16, bf16; the engine passes the model's params dtype, bf16 when not given as on GPU runs), else the torch
+    reference."""
+    if device.type == "cuda" and dtype in FLASH_DTYPES:
         found = _flash_kernels()
         if found is not None:
             return found

@@ -177,26 +177,75 @@ def build_reward_fn(spec: str | RewardFn, options: Mapping[str, Any] | None = No
     return target
 
 
+COLLECTIVE_REWARDS = frozenset({"rm"})
+"""Reward names whose fn runs collectives (the trained reward model, ``trainers/grpo.build_rewards``): one that
+raised is not called again on a completion alone (the other ranks would not join)."""
+
+
 def score_completions(
     reward_fns: Mapping[str, RewardFn],
     prompts: Sequence[str],
     completions: Sequence[str],
     answers: Sequence[Any],
 ) -> dict[str, list[float]]:
-    """Each named reward fn's scores for the batch; a wrong score count or a non-finite score -> ConfigError."""
+    """Each named reward fn's scores for the batch (prompt-major: each prompt's completions in a row). A fn that
+    raises, returns a wrong score count or a non-finite score -> ConfigError naming the fn, the completion and its
+    prompt; one that raised is called again on each completion alone to find the one it fails on, and the error is
+    raised from that exception (the job keeps its traceback in the rank's error log, ``megatron_rl/main.py``)."""
     scores: dict[str, list[float]] = {}
     for name, fn in reward_fns.items():
-        raw = fn(list(prompts), list(completions), list(answers))
-        values = [float(value) for value in raw]
+        try:
+            raw = fn(list(prompts), list(completions), list(answers))
+        except Exception as exc:
+            index, exc = _first_failing(name, fn, prompts, completions, answers, exc)
+            where = _completion(prompts, index) if index is not None else f"a batch of {len(completions)} completions"
+            message = (str(exc).strip() or "(no message)").splitlines()[0]
+            raise ConfigError(f"reward {name!r} raised {type(exc).__name__}: {message} on {where}; fix the reward "
+                              "function (or drop it from algorithm.rewards)") from exc
+        if not hasattr(raw, "__iter__"):
+            raise ConfigError(f"reward {name!r} returned {type(raw).__name__}, not a list; a reward fn must return one "
+                              "float per completion")
+        values = []
+        for index, value in enumerate(raw):
+            try:
+                values.append(float(value))
+            except (TypeError, ValueError):
+                raise ConfigError(f"reward {name!r} returned {value!r} for {_completion(prompts, index)}; a reward fn "
+                                  "must return one float per completion") from None
         if len(values) != len(completions):
             raise ConfigError(
                 f"reward {name!r} returned {len(values)} scores for {len(completions)} completions; "
                 "a reward fn must return one float per completion"
             )
-        if not all(math.isfinite(value) for value in values):
-            raise ConfigError(f"reward {name!r} returned a non-finite score (nan or inf)")
+        bad = next((index for index, value in enumerate(values) if not math.isfinite(value)), None)
+        if bad is not None:
+            raise ConfigError(f"reward {name!r} returned {values[bad]} (not finite) for {_completion(prompts, bad)}; "
+                              "a reward fn must return finite scores")
         scores[name] = values
     return scores
+
+
+def _first_failing(name: str, fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
+                   answers: Sequence[Any], exc: Exception) -> tuple[int | None, Exception]:
+    """The first completion the fn raises on when given alone, and what it raised; (None, ``exc``) when none does
+    (the batch as a whole failed) or the fn runs collectives."""
+    if name in COLLECTIVE_REWARDS:
+        return None, exc
+    for index in range(len(completions)):
+        try:
+            fn([prompts[index]], [completions[index]], [answers[index]])
+        except Exception as alone:
+            return index, alone
+    return None, exc
+
+
+def _completion(prompts: Sequence[str], index: int) -> str:
+    """Where completion ``index`` is: its index in the batch, its prompt's (the prompts of a prompt-major batch
+    counted from 0) and the prompt's first words."""
+    prompt = sum(1 for i in range(1, index + 1) if prompts[i] != prompts[i - 1])
+    text = " ".join(str(prompts[index]).split())
+    start = repr(text if len(text) <= 48 else text[:48] + "...")
+    return f"completion {index} (prompt {prompt} of the batch: {start})"
 
 
 def combine_rewards(per_fn_scores: Mapping[str, Sequence[float]], weights: Mapping[str, float]) -> list[float]:

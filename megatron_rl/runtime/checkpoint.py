@@ -30,7 +30,9 @@ the folder's files, sorted by relative path).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import random
 import re
@@ -434,6 +436,61 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+_WRITE_ERRORS: list[BaseException] = []
+"""This process's failed writes in the save under way: the OS's error naming the file (``_keep_write_errors``)."""
+
+
+def _keep_write_errors() -> None:
+    """Hand the OS's error of a failed write, with the file's path, to Megatron's gather of write results. Its writer
+    keeps only the exception's type ("An error is caught while starting worker 0, error: <class 'RuntimeError'>"),
+    and torch's stream writer turns the ``OSError`` into a RuntimeError besides; so the error is caught where the
+    file is written and stands in for that text in the rank's result: the coordinating rank's failures then name
+    each failed rank's own cause (ENOSPC, EDQUOT, EFBIG, EACCES ...) and file."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from torch.distributed.checkpoint.api import _is_wrapped_exception, _wrap_exception
+
+    if getattr(FileSystemWriterAsync, "_keeps_write_errors", False):
+        return
+    write, retrieve = FileSystemWriterAsync.write_preloaded_data, FileSystemWriterAsync.retrieve_write_results
+
+    def write_preloaded_data(*args, **kwargs):
+        output = write(*args, **kwargs)
+        if output is not None and isinstance(output[1], BaseException):  # (worker index, what it raised)
+            bucket = kwargs.get("write_bucket") or args[2]
+            _WRITE_ERRORS.append(_with_path(_os_error(output[1]), bucket[0]))
+        return output
+
+    def retrieve_write_results(self):
+        results = retrieve(self)
+        if _is_wrapped_exception(results) and _WRITE_ERRORS:
+            return _wrap_exception(_WRITE_ERRORS[0])
+        return results
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
+    FileSystemWriterAsync.retrieve_write_results = retrieve_write_results
+    FileSystemWriterAsync._keeps_write_errors = True
+    # its own notices of the failure say only the type; the save's error line says the cause
+    logging.getLogger(FileSystemWriterAsync.__module__).addFilter(
+        lambda record: not record.getMessage().startswith(("Local worker ", "An error is caught while starting")))
+
+
+def _os_error(exc: BaseException) -> BaseException:
+    """The ``OSError`` behind ``exc`` (itself, its cause or context, at any depth), else ``exc``."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+def _with_path(exc: BaseException, path: str) -> BaseException:
+    """``exc`` naming the file ``path`` when it is an OSError that names none (a write or fsync's error)."""
+    if not isinstance(exc, OSError) or exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, path).with_traceback(exc.__traceback__)
+
+
 def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=None, scheduler=None,
                     extra: Optional[dict] = None, keep_last: int = 2, save_optimizer: bool = True,
                     sharded_strategy=None) -> Path:
@@ -468,12 +525,17 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
     from torch.distributed.checkpoint.api import CheckpointException
 
     _in_process_write_results()
+    _keep_write_errors()
     try:
         dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
         if _local_rank() == 0:
             fsync_tree(tmp)  # one rank per node flushes what that node's ranks wrote (shared page cache)
-    except (OSError, CheckpointException) as exc:  # Megatron raises a write failure on every rank (its broadcast)
-        raise _save_failed(root, tmp, step, exc) from None
+    except CheckpointException as exc:  # Megatron raises a write failure on every rank (its broadcast)
+        raise _save_failed(root, tmp, step, *_agreed_cause(exc)) from None
+    except OSError as exc:  # this rank's own (its node's fsync)
+        raise _save_failed(root, tmp, step, f"rank {_rank()}: {_describe(exc)}", exc.errno) from None
+    finally:
+        _WRITE_ERRORS.clear()
     _barrier()
     fault_point("kill-during-save", step)
     doomed = publish_checkpoint(root, tmp, step, keep_last=keep_last) if _rank() == 0 else []
@@ -482,25 +544,58 @@ def save_checkpoint(ckpt_dir: str | Path, *, step: int, chunks: list, optimizer=
     return final
 
 
-def _save_failed(root: Path, tmp: Path, step: int, exc: BaseException):
-    """The one-line error of a save that could not be written (a full disk, a file-size or quota limit), after rank 0
-    removed the partial save (freeing its space): the published checkpoints and ``latest`` are untouched."""
+_SAVE_FIXES = {errno.ENOSPC: "Free space there", errno.EDQUOT: "Free space there or raise your disk quota",
+               errno.EFBIG: "Raise the file-size limit (ulimit -f)", errno.EACCES: "Make it writable",
+               errno.EPERM: "Make it writable", errno.EROFS: "Mount it writable"}
+"""What frees a save that failed with each errno; others get ``Fix the cause``."""
+
+
+def _agreed_cause(exc: BaseException) -> tuple[str, Optional[int]]:
+    """What failed a save that Megatron refused on every rank, the same on each: the failed ranks and the first one's
+    error (the coordinating rank, the only one holding every rank's failure, tells the others), and its errno."""
+    import torch
+
+    from megatron_rl.runtime.distributed import collective_device
+
+    failures = getattr(exc, "failures", None) or {}  # Megatron's CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        rank, (inner, _) = min(failures.items())
+        inner = _os_error(inner)
+        others = sorted(failures)[1:]
+        also = f"; {'ranks' if len(others) > 1 else 'rank'} {', '.join(map(str, others))} failed too" if others else ""
+        cause = (f"rank {rank}: {_describe(inner)}{also}", getattr(inner, "errno", None))
+    else:
+        cause = ("a write failed on another rank", None)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        agreed = [cause]
+        # the save's group is the world, coordinated by rank 0
+        torch.distributed.broadcast_object_list(agreed, src=0, device=collective_device())
+        cause = agreed[0]
+    return cause
+
+
+def _describe(exc: BaseException) -> str:
+    """An OS error as its text, errno name and file ("No space left on device (ENOSPC) writing PATH"); another
+    exception's first line."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+        return f"{exc.strerror or os.strerror(exc.errno)} ({name})" + (f" writing {exc.filename}" if exc.filename
+                                                                         else "")
+    return _first_line(exc)
+
+
+def _save_failed(root: Path, tmp: Path, step: int, cause: str, code: Optional[int]):
+    """The one-line error of a save that could not be written (a full disk, a quota or file-size limit, a folder
+    not writable), after rank 0 removed the partial save (freeing its space): the published checkpoints and
+    ``latest`` are untouched. ``cause``: the failed rank and its error; ``code``: that error's errno (None: not
+    the OS's)."""
     from megatron_rl.spec.errors import ConfigError
 
-    failures = getattr(exc, "failures", None)  # Megatron's CheckpointException: {rank: (exception, traceback)}
-    if failures is None:
-        cause = _first_line(exc)
-    elif failures:  # the coordinating rank holds every rank's failure
-        rank, (inner, _) = min(failures.items())
-        while inner.__cause__ is not None or inner.__context__ is not None:  # the writer wraps the OS's error
-            inner = inner.__cause__ or inner.__context__
-        cause = f"rank {rank}: {_first_line(inner)}"
-    else:
-        cause = "a write failed on another rank"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+    fix = _SAVE_FIXES.get(code, "Fix the cause")
     return ConfigError(f"checkpoint.dir {root}: saving step {step} failed ({cause}); the checkpoints saved before "
-                       "are untouched. Free space there (or set checkpoint.dir elsewhere) and rerun to resume")
+                       f"are untouched. {fix} (or set checkpoint.dir elsewhere) and rerun to resume")
 
 
 def _first_line(exc: BaseException) -> str:

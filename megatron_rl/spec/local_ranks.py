@@ -4,6 +4,11 @@
 The local executor starts a job's ranks with it (launcher/executors/local.py), the converter its workers
 (megatron_rl/conversion/spawn.py), the tests their torchrun checks (tests/helpers.py). Each rank runs in its own
 session, so stopping it stops what it started too, and ends with ``exit_process``. Torch-free.
+
+Ranks die with their launcher, even one killed with SIGKILL: on Linux each rank gets SIGTERM when it ends
+(``prctl(PR_SET_PDEATHSIG)``, set between fork and exec), which a trainer takes as a stop (it saves the current
+step); the rank's ``watch_launcher`` thread sends it too (within ``LAUNCHER_POLL_S``: the only one where prctl is
+missing, not Linux) and SIGKILLs the rank's process group ``STOP_GRACE_S`` later, as the launcher would have.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +31,12 @@ STOP_GRACE_S = 10.0
 FAILED_GRACE_S = 3.0
 """The same once a rank has failed: the others cannot finish a collective (a save) without it, so they get only the
 time to flush their logs (an async rollout worker, which leaves stopping to the trainers, would wait it out)."""
+LAUNCHER_PID_ENV = "MEGATRON_RL_LAUNCHER_PID"
+"""Set by ``start_ranks`` to the starting process's pid; a rank's ``watch_launcher`` reads (and removes) it."""
+LAUNCHER_POLL_S = 1.0
+"""How often a rank's ``watch_launcher`` thread looks whether its launcher still lives."""
+PR_SET_PDEATHSIG = 1
+"""prctl's option for the signal a process gets when its parent ends (linux/prctl.h)."""
 
 
 def exit_process(code: Optional[int] = 0) -> NoReturn:
@@ -54,10 +66,59 @@ Output = Union[int, IO, None]
 def start_ranks(cmd: Sequence[str], world: int, *, port: int, env: Mapping[str, str],
                 stdout: Union[Output, Sequence[Output]] = None, cwd: Optional[str] = None) -> list[subprocess.Popen]:
     """``world`` processes of ``cmd``, rank r with ``env`` and ``rank_env(r, world, port)``; ``stdout`` (stderr
-    joins it): one target for all, or one per rank."""
+    joins it): one target for all, or one per rank. Each rank gets SIGTERM when this process ends (Linux; the
+    kernel sends it when the starting *thread* ends, so a call from another thread sets no parent-death signal
+    and leaves it to the rank's ``watch_launcher``)."""
     outputs = list(stdout) if isinstance(stdout, (list, tuple)) else [stdout] * world
+    die_with_me = _parent_death_signal() if threading.current_thread() is threading.main_thread() else None
+    env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
     return [subprocess.Popen(list(cmd), env={**env, **rank_env(rank, world, port)}, stdout=outputs[rank],
-                             stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True) for rank in range(world)]
+                             stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True, preexec_fn=die_with_me)
+            for rank in range(world)]
+
+
+def _prctl():
+    """libc's prctl, or None where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _parent_death_signal():
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process ends; None without prctl."""
+    prctl, parent, sigterm = _prctl(), os.getpid(), int(signal.SIGTERM)
+    if prctl is None:
+        return None
+
+    def die_with_parent() -> None:  # in the child, between fork and exec: keep it to two system calls
+        prctl(PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
+        if os.getppid() != parent:  # the parent ended before the signal was set
+            os.kill(os.getpid(), sigterm)
+    return die_with_parent
+
+
+def watch_launcher() -> None:
+    """In a rank started by ``start_ranks`` (a no-op elsewhere, and when called again): a daemon thread that, once
+    the launcher has ended, sends this rank SIGTERM (again, where prctl sent it: a stop flag set twice) and
+    SIGKILLs its process group ``STOP_GRACE_S`` later: nobody else would end a rank that does not stop (a save
+    that hangs, a peer that never answers). The variable is removed, so what the rank starts does not take the
+    rank for its launcher."""
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is None or os.getppid() != int(launcher):  # not a rank, or already orphaned (prctl's SIGTERM)
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(LAUNCHER_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(STOP_GRACE_S)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
 
 
 def watch(procs: list[subprocess.Popen], *, timeout: Optional[float] = None, poll_s: float = 0.05) -> int:
@@ -110,14 +171,21 @@ def watch_ranks(procs: list[subprocess.Popen], *, timeout: Optional[float] = Non
         time.sleep(poll_s)
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether the process is stopped (state T: SIGSTOP, SIGTSTP; t: held by a debugger), from /proc (Linux)."""
+def proc_stat(pid: int) -> Optional[list[str]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, start time at index 19), or None
+    when there is no such process or no /proc (not Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             stat = handle.read()
     except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T: SIGSTOP, SIGTSTP; t: held by a debugger), from /proc (Linux)."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] in ("T", "t")
 
 
 def stop(procs: list[subprocess.Popen], sig: int, grace_s: float = STOP_GRACE_S) -> None:

@@ -25,18 +25,21 @@ from megatron_rl.runtime.manifest import RunManifest
 from megatron_rl.runtime.memory import GIB, PHASES
 from megatron_rl.runtime.metrics import MetricsLogger
 from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.local_ranks import watch_launcher
 from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 
 _stop_signal = {"received": False}
 
 
 def install_stop_handlers() -> None:
-    """Catch SIGUSR1/SIGTERM from the first moment of the process: the flag waits for the next step's end."""
+    """Catch SIGUSR1/SIGTERM from the first moment of the process: the flag waits for the next step's end. A
+    local rank also stops (and is killed if it does not) when its launcher ends (``watch_launcher``)."""
     def request_stop(signum: int, frame: Any) -> None:
         _stop_signal["received"] = True
 
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, request_stop)
+    watch_launcher()
 
 
 def _rank_hosts() -> list[str]:

@@ -56,14 +56,38 @@ def check_layout(cfg: JobConfig, shape: ModelShape) -> int:
                           f"the data-parallel size {dp}; make it a multiple of {dp}")
     if cfg.data.task is None and cfg.data.train_path is None:
         raise ConfigError("data.train_path and data.task are both null; give a JSONL file or a synthetic task")
-    if seq > shape.max_position_embeddings:
-        raise ConfigError(f"model.seq_length={seq} exceeds {shape.name}'s max_position_embeddings "
-                          f"{shape.max_position_embeddings}")
+    check_lengths(cfg, shape)
     if cfg.algorithm.router_replay and not shape.is_moe:
         raise ConfigError(f"algorithm.router_replay=true needs an MoE model and {shape.name} is dense; set it to false")
     check_runtime(cfg, dims, shape)
     check_limits(dataclasses.asdict(par), trainer_limits(shape, cfg.algorithm.name))
     return dp
+
+
+GENERATING_ALGORITHMS = ("grpo", "ppo", "eval")
+"""The algorithms that generate completions (generation.* applies)."""
+
+
+def check_lengths(cfg: JobConfig, shape: ModelShape) -> None:
+    """Raise ConfigError when a length key cannot fit the model's positions (max_position_embeddings): every
+    sequence a job trains on or generates (a prompt and its completion, an episode's whole conversation) lies
+    within them. The launch check and ``launch.py plan`` both run it."""
+    positions = shape.max_position_embeddings
+    where = f"{shape.name}'s {positions} positions (max_position_embeddings)"
+    seq = cfg.model.seq_length or shape.seq_length
+    if seq > positions:
+        raise ConfigError(f"model.seq_length={seq} exceeds {where}; give at most {positions}")
+    if cfg.data.max_length is not None and cfg.data.max_length > positions:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} exceeds {where}; give at most {positions}, or "
+                          "null for model.seq_length")
+    if cfg.algorithm.name not in GENERATING_ALGORITHMS:
+        return
+    if cfg.generation.max_new_tokens >= positions:  # a prompt holds at least one token
+        raise ConfigError(f"generation.max_new_tokens={cfg.generation.max_new_tokens} leaves no room for a prompt in "
+                          f"{where}; give at most {positions - 1} (the longest prompt plus max_new_tokens must fit)")
+    if cfg.environment.name is not None and cfg.environment.max_episode_tokens > positions:
+        raise ConfigError(f"environment.max_episode_tokens={cfg.environment.max_episode_tokens} exceeds {where}; "
+                          f"give at most {positions}")
 
 
 def check_runtime(cfg: JobConfig, dims: ParallelDims, shape: ModelShape) -> None:
