@@ -247,8 +247,12 @@ def test_layouts_tp2_pp2_padding_and_scorer(tmp_path):
     one = res["train_tp1_dp2"]
     assert one["loss2"] != one["loss1"]  # the step changed the weights
     for other in (res["train_tp2"], res["train_pp2"]):
-        for key in ("loss1", "loss2", "grad_norm1", "grad_norm2"):
+        for key in ("loss1", "grad_norm1"):  # the same weights: only the reductions' order differs
             assert other[key] == pytest.approx(one[key], rel=1e-5), key
+        # after an Adam step, as the weights below: Adam divides each grad by its own magnitude, so a last-bit
+        # difference of a near-zero grad moves its weight by up to lr (measured 1.05e-5 relative at TP2 here)
+        for key in ("loss2", "grad_norm2"):
+            assert other[key] == pytest.approx(one[key], rel=1e-4), key
         for key, value in one["after"].items():
             assert other["after"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key  # after 2 Adam steps
 
