@@ -178,7 +178,8 @@ def test_the_calculator_job_runs_episodes_and_logs_whole_conversations(launch, t
     assert called, "no logged episode called the calculator"
     for sample in called:
         first, *rest = sample["episode"]["turns"]
-        assert first["text"].startswith("<c>") and first["text"].endswith("</c>")
+        assert "<c>" in first["text"] and first["text"].endswith("</c>")  # a turn that ends in a call, as the
+        # environment defines one (the policy may write before the tag: "3<c>\n389</c>" was sampled once)
         assert first["reply"] == [{"role": "tool", "content": first["reply"][0]["content"]}]
         reply_tokens = len("\ntool: " + first["reply"][0]["content"] + "\nassistant: ")
         assert sample["response_tokens"] == sample["trained_tokens"] + reply_tokens  # the reply is not trained
