@@ -170,7 +170,7 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
             moe_router_pre_softmax=not shape.moe_norm_topk_prob,
             moe_router_score_function=shape.moe_router_score_function,
             **moe_routing_options(shape, opts),
-            moe_token_dispatcher_type="alltoall",  # on every device: gloo has all_to_all_single too
+            moe_token_dispatcher_type=moe_dispatcher(dims),
             moe_grouped_gemm=opts.grouped_experts,
             moe_aux_loss_coeff=aux_loss_coeff(opts),
             moe_router_load_balancing_type=opts.moe_load_balancing if opts.moe_aux_loss_coeff else "none",
@@ -216,6 +216,21 @@ def transformer_config(shape: ModelShape, opts: ModelOptions):
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         init_method_std=0.02, calculate_per_token_loss=True, attention_backend=attention_backend(opts),
         tp_comm_overlap=opts.tp_comm_overlap, **moe, **recompute, **mla)
+
+
+def moe_dispatcher(dims: ParallelDims) -> str:
+    """Megatron's MoE token dispatcher: the all-to-all one on every device and backend (gloo has all_to_all_single
+    too), so the dispatcher GPUs run is the one CI runs; but the all-gather one where experts are split over
+    expert-TP ranks (etp > 1) and over EP ranks (ep > 1) on gloo: after the all-to-all each expert-TP rank holds
+    its own number of tokens, which the dispatcher gathers over the expert-TP group in uneven pieces, and gloo's
+    all_gather takes equal pieces only ("invalid tensor size")."""
+    if dims.etp > 1 and dims.ep > 1:
+        dist = torch.distributed
+        backend = str(dist.get_backend()) if dist.is_initialized() else \
+            ("nccl" if torch.cuda.is_available() else "gloo")
+        if "nccl" not in backend:
+            return "allgather"
+    return "alltoall"
 
 
 def attention_backend(opts: ModelOptions):
