@@ -50,10 +50,10 @@ def _apply(fn, t, cu, freqs, **kwargs):
 
 def test_thd_rotary_positions_restart_per_row_and_follow_the_cp_chunks():
     cu = torch.tensor([0, 4, 12], dtype=torch.int32)
-    assert megatron_patches.thd_rotary_positions(cu, 1, 0).tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert megatron_patches.thd_rotary_positions(cu, 1, 0, tokens=12).tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
     # cp=2: rank 0 holds chunks 0 and 3 of each row, rank 1 chunks 1 and 2
-    assert megatron_patches.thd_rotary_positions(cu, 2, 0).tolist() == [0, 3, 0, 1, 6, 7]
-    assert megatron_patches.thd_rotary_positions(cu, 2, 1).tolist() == [1, 2, 2, 3, 4, 5]
+    assert megatron_patches.thd_rotary_positions(cu, 2, 0, tokens=6).tolist() == [0, 3, 0, 1, 6, 7]
+    assert megatron_patches.thd_rotary_positions(cu, 2, 1, tokens=6).tolist() == [1, 2, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -23,7 +23,7 @@ Phase hygiene. Decoding runs under ``torch.no_grad`` with the modules in eval mo
 ``torch.inference_mode``: the training modules keep state made during a forward (Megatron's rotary tables in an
 ``lru_cache`` and its attention scratch buffer, Transformer Engine's lazily made buffers), and an inference
 tensor kept there would break the next training step ("Inplace update to inference tensor outside
-InferenceMode"; tests/dist/gen_check.py ``LazyBuffer``). Megatron's caches are still emptied on the way out.
+InferenceMode"; tests/dist/gen_check.py ``LazyBuffer``). Megatron's rotary tables are emptied on the way out.
 
 Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
 """
@@ -115,9 +115,9 @@ def check_generation_layout(chunks: list) -> None:
                                   "model with flash_decode=False")
 
 
-def drop_inference_tensors_from_megatron_caches(chunks: list) -> None:
-    """Forget tensors Megatron cached during an inference-mode forward, so training recomputes them."""
-    from megatron.core import parallel_state
+def clear_rotary_caches(chunks: list) -> None:
+    """Empty the rotary tables Megatron cached during the call: they cover its longest sequence, memory the training
+    step does not need (its own lengths are cached again as it runs)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     for chunk in chunks:
@@ -128,10 +128,6 @@ def drop_inference_tensors_from_megatron_caches(chunks: list) -> None:
         YarnRotaryEmbedding.forward.cache_clear()
     except (ImportError, AttributeError):
         pass
-    scratch = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
-    for name, tensor in list(getattr(scratch, "buffer", {}).items()):
-        if isinstance(tensor, torch.Tensor) and tensor.is_inference():
-            del scratch.buffer[name]
 
 
 def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
@@ -206,7 +202,7 @@ def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_n
                 stop_requested=stop_requested, turn_ended=turn_ended, max_turn_tokens=max_turn_tokens,
                 max_total_tokens=max_total_tokens, feed=feed, settle_replies=settle_replies, cuda_graphs=cuda_graphs)
         finally:
-            drop_inference_tensors_from_megatron_caches(chunks)
+            clear_rotary_caches(chunks)
     return GenerationOutput(
         tokens=[row.tokens[row.prompt_len:] for row in rows], logprobs=[row.policy_lp for row in rows],
         sampling_logprobs=[row.sampling_lp for row in rows], policy_mask=[row.policy_mask for row in rows],

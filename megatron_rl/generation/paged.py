@@ -156,7 +156,7 @@ class PagedContext:
     def set_step(self, *, q_lens: list, kv_lens: list, tables: torch.Tensor, into: Optional[dict] = None
                  ) -> torch.Tensor:
         """Describe the next forward; returns the position of every fed token ``[tokens]``. The table is cut to
-        the blocks of the longest row (under graph capture the torch decode kernel gathers its whole width). ``into``
+        the blocks of the longest row (the torch decode kernel reads its whole width). ``into``
         (graphs.py ``DecodeGraphs.inputs``, a decode-only step of exactly that many rows): the step is copied into
         those fixed buffers, which the forward then reads, table and all."""
         device = self.device

@@ -69,15 +69,12 @@ def _import_megatron_with_eager_fusions() -> None:
         torch.compile = compile_
 
 
-def thd_rotary_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
-                         tokens: int | None = None) -> torch.Tensor:
+def thd_rotary_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, *, tokens: int) -> torch.Tensor:
     """The RoPE position of each token this CP rank holds of packed rows bounded by ``cu_seqlens`` (of the whole
     rows): positions restart at 0 in every row, and with ``cp_size`` > 1 a row's local tokens are its chunks
     ``cp_rank`` and ``2*cp_size-1-cp_rank`` (Megatron's load-balanced split). ``tokens``, the count this rank
-    holds (the packed tensor's length), spares a device sync; None reads it from ``cu_seqlens``."""
+    holds (the packed tensor's length), is known on the host: reading it from ``cu_seqlens`` would sync."""
     local = ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size).long()
-    if tokens is None:
-        tokens = int(local.sum())
     start = torch.repeat_interleave(torch.cumsum(local, 0) - local, local, output_size=tokens)
     position = torch.arange(tokens, device=cu_seqlens.device) - start
     if cp_size == 1:
