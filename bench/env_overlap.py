@@ -59,7 +59,7 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.set_num_threads(args.threads)
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
 
     initialize(job_dims(), seed=3)
@@ -70,8 +70,8 @@ def main() -> None:
                for n in torch.randint(8, 25, (args.prompts,), generator=gen)]
     rows = [p for p in prompts for _ in range(args.group)]
     longest = args.turns * TURN_TOKENS + (args.turns - 1) * len(REPLY)
-    options = dict(vocab_size=shape.vocab_size, max_new_tokens=longest, max_turn_tokens=TURN_TOKENS,
-                   temperature=1.0, seed=11, kv_block_tokens=8)
+    config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=longest, max_turn_tokens=TURN_TOKENS,
+                          temperature=1.0, kv_block_tokens=8)
 
     def run(concurrent: int) -> dict:
         turns: dict[int, int] = {}
@@ -82,10 +82,11 @@ def main() -> None:
             return list(REPLY) if turns[index] < args.turns else None
 
         if concurrent == 0:
-            out = generate(engine.chunks, rows, turn_ended=lambda i, turn, finish: step(i), **options)
+            out = generate(engine.chunks, rows, config, seed=11, turn_ended=lambda i, turn, finish: step(i))
         else:
             with ThreadPoolExecutor(max_workers=concurrent) as pool:
-                out = generate(engine.chunks, rows, turn_ended=lambda i, turn, finish: pool.submit(step, i), **options)
+                out = generate(engine.chunks, rows, config, seed=11,
+                               turn_ended=lambda i, turn, finish: pool.submit(step, i))
         return {"tokens": out.tokens, "forwards": out.forward_passes, "steps": sum(turns.values())}
 
     contenders = {"in_order": lambda: run(0), "overlapped": lambda: run(args.concurrent)}

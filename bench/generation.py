@@ -121,7 +121,7 @@ def until_stop(row: list[int], eos_id: int | None) -> list[int]:
 
 
 def run_case(name: str, case: Case, engine, shape, args) -> dict:
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
 
     hf = megatron_to_hf(unwrap(engine.chunks[0]), shape, dtype=torch.float32, device=torch.device("cpu"))
@@ -129,9 +129,10 @@ def run_case(name: str, case: Case, engine, shape, args) -> dict:
     prompt_tensor = torch.randint(3, shape.vocab_size, (args.batch, PROMPT_LEN), generator=gen)
     prompts = prompt_tensor.tolist()
 
-    def ours_with(eos_id, **options):
-        return generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=case.new_tokens,
-                        temperature=0.0, eos_id=eos_id, kv_block_tokens=args.block_tokens, **options)
+    def ours_with(eos_id):
+        config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=case.new_tokens, temperature=0.0,
+                              eos_id=eos_id, kv_block_tokens=args.block_tokens)
+        return generate(engine.chunks, prompts, config)
 
     eos_id = spread_stop_token(ours_with(None).tokens) if case.stops else None
     contenders = {
@@ -216,7 +217,7 @@ def longtail_stop_tokens(rows: list[list[int]], new_tokens: int) -> tuple[list[i
 
 
 def run_longtail(case: Case, engine, shape, args) -> dict:
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
 
     hf = megatron_to_hf(unwrap(engine.chunks[0]), shape, dtype=torch.float32, device=torch.device("cpu"))
@@ -225,9 +226,10 @@ def run_longtail(case: Case, engine, shape, args) -> dict:
                 for n in torch.randint(8, 25, (args.longtail_prompts,), generator=gen)]
     prompts = [p for p in distinct for _ in range(args.group)]
 
-    def ours_with(stops, **options):
-        return generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=case.new_tokens,
-                        temperature=1.0, seed=5, stop_token_ids=stops, kv_block_tokens=args.block_tokens, **options)
+    def ours_with(stops):
+        config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=case.new_tokens, temperature=1.0,
+                              stop_token_ids=stops, kv_block_tokens=args.block_tokens)
+        return generate(engine.chunks, prompts, config, seed=5)
 
     stops, _ = longtail_stop_tokens(ours_with([]).tokens, case.new_tokens)
     paged = ours_with(stops)

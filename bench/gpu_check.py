@@ -202,7 +202,7 @@ def training_mfu(engine, shape, sizes: CheckSizes, gpu_type: str) -> dict:
 
 def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, device: torch.device) -> dict:
     """Greedy decoding on the training engine vs transformers generate on a copy of the weights."""
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.phases import generation_phase
@@ -213,11 +213,11 @@ def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, 
     prompts = prompt_tensor.tolist()
     prompt_on_device = prompt_tensor.to(device)
     hf = megatron_to_hf(unwrap(engine.chunks[0]), shape, dtype=dtype, device=device)
+    config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=sizes.gen_new_tokens, temperature=0.0)
 
     def ours():
         with generation_phase(engine):
-            return generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
-                            max_new_tokens=sizes.gen_new_tokens, temperature=0.0)
+            return generate(engine.chunks, prompts, config)
 
     def theirs():
         return hf_generate(hf, prompt_on_device, sizes.gen_new_tokens).tolist()
@@ -267,7 +267,7 @@ def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dic
     (``runtime/phases.host_buffer``: cudaHostRegister at its exact size)."""
     from unittest import mock
 
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.generation.graphs import DecodeGraphs
     from megatron_rl.runtime.phases import generation_phase, offload_metrics
     from megatron_rl.runtime.training import sequence_logprobs
@@ -282,9 +282,9 @@ def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dic
         with generation_phase(engine, offload_optimizer=True):
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            out, seconds = timed(lambda: generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
-                                                  max_new_tokens=sizes.gen_new_tokens, temperature=0.0,
-                                                  cuda_graphs=cuda_graphs))
+            config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=sizes.gen_new_tokens, temperature=0.0,
+                                  cuda_graphs=cuda_graphs)
+            out, seconds = timed(lambda: generate(engine.chunks, prompts, config))
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         return out, seconds, peak
 

@@ -30,7 +30,7 @@ def exactness_check(exact_yaml: str, device: torch.device) -> dict:
 
 def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
 
@@ -39,7 +39,8 @@ def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(7)
     prompts = torch.randint(3, shape.vocab_size, (8, 6), generator=gen).tolist()
     prompts[1] = prompts[1][:3]  # ragged prompts: decode feeds prompt tokens to the short rows
-    sampled = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=16, temperature=1.0, seed=7)
+    config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=16, temperature=1.0)
+    sampled = generate(model, prompts, config, seed=7)
     tokens = padded_sequences(prompts, sampled.tokens, device)
     ours = sequence_logprobs(model, tokens)
     hf = megatron_to_hf(model, shape, dtype=torch.float32, device=device)
@@ -50,7 +51,7 @@ def _exactness_check(exact_yaml: str, device: torch.device) -> dict:
         mask[row, start - 1:start - 1 + len(response)] = True
     hf_diff = (ours - theirs).abs()[mask]
     even = [p[:6] + [p[0]] * (6 - len(p)) for p in prompts]
-    greedy = generate(model, even, vocab_size=shape.vocab_size, max_new_tokens=16, temperature=0.0).tokens
+    greedy = generate(model, even, dataclasses.replace(config, temperature=0.0)).tokens
     hf_greedy = hf_generate(hf, torch.tensor(even, device=device), 16).tolist()
     del hf
     return {
@@ -105,7 +106,7 @@ def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
     kernels this device runs (flash-attn's where installed, else the torch reference) against the reference on
     random paged K/V in bf16 (fp32 on the CPU) with 256-token blocks, GQA, and rows mixing prefill and decode."""
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.generation.paged_attention import kernels, reference_kvcache, reference_varlen
     from megatron_rl.models.builder import ModelOptions, build_gpt_model
     from megatron_rl.runtime.training import sequence_logprobs
@@ -119,11 +120,13 @@ def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
             model = build_gpt_model(shape, ModelOptions(dtype=torch.float32, init_seed=7))
             gen = torch.Generator().manual_seed(9)
             prompts = [p for p in torch.randint(3, shape.vocab_size, (6, 7), generator=gen).tolist() for _ in range(4)]
-            for name, options in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0, seed=3))):
-                paged = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24,
-                                 kv_block_tokens=256, **options)
-                small = generate(model, prompts, vocab_size=shape.vocab_size, max_new_tokens=24, kv_block_tokens=8,
-                                 kv_memory_gib=12 * paged.kv_cache_bytes / len(prompts) / 32 / 2**30, **options)
+            for name, temperature, seed in (("greedy", 0.0, None), ("sampled", 1.0, 3)):
+                config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=24, temperature=temperature,
+                                      kv_block_tokens=256)
+                paged = generate(model, prompts, config, seed=seed)
+                budget_gib = 12 * paged.kv_cache_bytes / len(prompts) / 32 / 2**30
+                small = generate(model, prompts, dataclasses.replace(config, kv_block_tokens=8,
+                                                                     kv_memory_gib=budget_gib), seed=seed)
                 rows = [p + t for p, t in zip(prompts, paged.tokens)]
                 width = max(map(len, rows))
                 with torch.no_grad():
@@ -285,7 +288,7 @@ def moe_check(run_dir: str, device: torch.device) -> dict:
     forward. Layouts over several GPUs (EP, SP, CP) need more than the one GPU this check has."""
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
     from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
@@ -300,7 +303,8 @@ def moe_check(run_dir: str, device: torch.device) -> dict:
         losses.append(engine.train_step([collate_lm(rows)], lm_loss, seq_length=32, report_names=("loss",))["loss"])
     prompts = torch.randint(3, shape.vocab_size, (8, 6), generator=torch.Generator().manual_seed(3)).tolist()
     engine.train(False)
-    out = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=12, temperature=1.0, seed=3)
+    config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=12, temperature=1.0)
+    out = generate(engine.chunks, prompts, config, seed=3)
     reference = sequence_logprobs(engine.chunks, padded_sequences(prompts, out.tokens, device))
     mlp = unwrap(engine.chunks[0]).decoder.layers[-1].mlp
     return {"model": f"{shape.name}, fp32", "losses": losses, "experts": type(mlp.experts).__name__,

@@ -211,33 +211,34 @@ def force_our_lengths(settings: BenchSettings, *, eos: int) -> None:
     stops and training run as in a job; only the sampled token changes."""
     import torch
 
-    from megatron_rl.generation import decoding, engine
+    from megatron_rl.generation import engine
 
     calls = {"n": 0, "lengths": []}
-    generate_paged, choose = engine.generate_paged, engine._Part.choose
+    run, sample = engine.Engine.run, engine.Engine._sample
 
-    def counted_generate(*args, **kwargs):
+    def counted_run(self):
         calls["n"] += 1
         calls["lengths"] = forced_lengths(settings, calls["n"])
-        return generate_paged(*args, **kwargs)
+        return run(self)
 
-    def forced_choose(self, logits, **kwargs):
-        choice = choose(self, logits, **kwargs)
+    def forced_sample(self, part, logits):
+        choice = sample(self, part, logits)
         tokens = choice.tokens.clone()
-        for j, row in enumerate(self.sampled):
+        for j, row in enumerate(part.runner.sampled):
             ends = len(row.tokens) - row.prompt_len + 1 >= calls["lengths"][row.index]
             tokens[j] = eos if ends else (eos + 1 if int(tokens[j]) == eos else tokens[j])
         changed = tokens != choice.tokens
         if not changed.any():
             return choice
         # the replaced tokens' log-probs, as sampling them would have given (the first step's ratio stays 1)
-        logp = torch.log_softmax(logits[self.source].float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+        rows = part.runner.sampled_logits(logits)
+        logp = torch.log_softmax(rows.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
         return dataclasses.replace(choice, tokens=tokens,
                                    policy_logprobs=torch.where(changed, logp, choice.policy_logprobs),
                                    sampling_logprobs=torch.where(changed, logp, choice.sampling_logprobs))
 
-    decoding.generate_paged = counted_generate
-    engine._Part.choose = forced_choose
+    engine.Engine.run = counted_run
+    engine.Engine._sample = forced_sample
 
 
 def ours_worker(conn, settings: BenchSettings) -> None:

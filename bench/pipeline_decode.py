@@ -7,7 +7,7 @@ against the stages in turn, at PP=2 on 2 CPU ranks.
 Starts itself on 2 local gloo ranks (torch.distributed.run). Each rank holds one pipeline stage of the same
 weights; ``generate`` runs greedy decoding of the same prompts with ``pipeline_microbatches=1`` (every step runs
 stage 0 then stage 1 on all rows while the other stage idles) and with 2 (the default: while stage 1 finishes
-part 0's step t, stage 0 runs part 1's step t, then part 0's step t + 1; megatron_rl/generation/engine.py ``_pipelined``),
+part 0's step t, stage 0 runs part 1's step t, then part 0's step t + 1; megatron_rl/generation/engine.py ``_run_pipelined``),
 alternately, ``--repeats`` rounds. Both give the same tokens (asserted). The last line is one JSON object;
 ``speedup`` = stages-in-turn seconds / pipelined seconds (medians). On a GPU cluster the stages are separate
 GPUs; here they are 2 processes sharing the machine's 2 cores, and a forward of half the rows costs nearly what
@@ -36,7 +36,7 @@ def worker(args) -> None:
 
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
     from megatron_rl.runtime.training import build_engine
 
@@ -49,8 +49,9 @@ def worker(args) -> None:
     prompts = torch.randint(3, shape.vocab_size, (args.rows, 8), generator=torch.Generator().manual_seed(0)).tolist()
 
     def run(parts):
-        return generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=args.new_tokens,
-                        temperature=0.0, pipeline_microbatches=parts)
+        config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=args.new_tokens, temperature=0.0,
+                              pipeline_microbatches=parts)
+        return generate(engine.chunks, prompts, config)
 
     assert run(1).tokens == run(2).tokens
     times = {"stages_in_turn": [], "pipelined": []}

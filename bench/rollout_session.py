@@ -23,6 +23,7 @@ Reported: the seconds (medians over ``--repeats``, alternating), forwards, rows 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -51,7 +52,7 @@ class ArrivingOrders:
 
     def more(self, generating: bool, counters: dict) -> list:
         from megatron_rl.generation import GenerationStopped
-        from megatron_rl.generation.engine import FedPrompt
+        from megatron_rl.generation.feed import FedPrompt
 
         self.counters = counters
         if self.handed == len(self.orders) and not generating:
@@ -85,7 +86,7 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.set_num_threads(args.threads)
-    from megatron_rl.generation import GenerationStopped, generate
+    from megatron_rl.generation import EngineConfig, GenerationStopped, generate
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
 
     initialize(job_dims(), seed=3)
@@ -97,23 +98,23 @@ def main() -> None:
                for n in torch.randint(8, 25, (args.prompts,), generator=gen)] for _ in range(args.orders)]
     seeds = [1000 + o for o in range(args.orders)]
     expand = lambda order: [p for p in order for _ in range(args.group)]  # noqa: E731
-    options = dict(vocab_size=shape.vocab_size, max_new_tokens=new_tokens, temperature=1.0,
-                   kv_block_tokens=args.block_tokens)
-    free = generate(engine.chunks, expand(orders[0]), seed=seeds[0], **options)
+    config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=new_tokens, temperature=1.0,
+                          kv_block_tokens=args.block_tokens)
+    free = generate(engine.chunks, expand(orders[0]), config, seed=seeds[0])
     stops, _ = longtail_stop_tokens(free.tokens, new_tokens)
-    options["stop_token_ids"] = stops
-    budget = generate(engine.chunks, expand(orders[0]), seed=seeds[0], **options).kv_cache_bytes
-    options["kv_memory_gib"] = budget / 2**30
+    config = dataclasses.replace(config, stop_token_ids=stops)
+    budget = generate(engine.chunks, expand(orders[0]), config, seed=seeds[0]).kv_cache_bytes
+    config = dataclasses.replace(config, kv_memory_gib=budget / 2**30)
 
     def per_order() -> dict:
-        outs = [generate(engine.chunks, expand(order), seed=seed, **options) for order, seed in zip(orders, seeds)]
+        outs = [generate(engine.chunks, expand(order), config, seed=seed) for order, seed in zip(orders, seeds)]
         return {"tokens": [out.tokens for out in outs], "forwards": sum(out.forward_passes for out in outs),
                 "generated": sum(sum(out.lengths) for out in outs)}
 
     def session() -> dict:
         feed = ArrivingOrders(orders, seeds, args.group)
         try:
-            generate(engine.chunks, [], feed=feed, **options)
+            generate(engine.chunks, [], config, feed=feed)
         except GenerationStopped:
             pass
         tokens = [[feed.done[o][r] for r in range(len(orders[o]) * args.group)] for o in range(len(orders))]

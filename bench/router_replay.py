@@ -44,14 +44,14 @@ BENCH_MOE = {
 
 def ratio_spread(engine, shape, *, prompts: int, prompt_len: int, new_tokens: int, seed: int = 3) -> dict:
     """Log-ratio statistics of one sampled rollout, free routing against replayed routing (see the docstring)."""
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.rollout.batch import RolloutRow, collate_rollout
     from megatron_rl.runtime.training import forward_logprobs
 
     gen = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(3, shape.vocab_size, (prompts, prompt_len), generator=gen).tolist()
-    out = generate(engine.chunks, prompt_ids, vocab_size=shape.vocab_size, max_new_tokens=new_tokens,
-                   temperature=1.0, seed=seed, record_routes=True)
+    config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=new_tokens, temperature=1.0, record_routes=True)
+    out = generate(engine.chunks, prompt_ids, config, seed=seed)
     rows = [RolloutRow(prompt_ids=p, response_ids=t, logprobs=lp, advantage=0.0, routes=r)
             for p, t, lp, r in zip(prompt_ids, out.tokens, out.logprobs, out.routes)]
     seq_length = max(len(p) + len(t) for p, t in zip(prompt_ids, out.tokens)) - 1

@@ -574,7 +574,7 @@ def test_offload_round_trip_and_training_after_generation(request, layout):
 
 @pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "pp2_vpp2"])
 def test_multi_turn_replies_are_context_fed_onto_the_rows_own_blocks(request, layout):
-    """engine.py ``TurnEnded``: a scripted 3-token reply after a 4-token turn, then a second turn (groups of 2,
+    """turns.py ``TurnEnded``: a scripted 3-token reply after a 4-token turn, then a second turn (groups of 2,
     4-token blocks). The policy mask marks the turns; the replies' log-probs are placeholders; the policy tokens'
     log-probs equal the training forward of the whole conversation; each turn equals a single-turn generation of
     the conversation so far with the same seed; and every token was fed once (the reply onto the row's blocks,
@@ -655,7 +655,9 @@ VARIANTS = {
 }
 VARIANT_PROMPT_LENGTHS = (5, 9, 3, 7, 9, 4)
 VARIANT_NEW_TOKENS = 8
-VARIANT_SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=20, top_p=0.9, seed=11)}
+VARIANT_SAMPLING = {"greedy": (dict(temperature=0.0), None),
+                    "sampled": (dict(temperature=0.8, top_k=20, top_p=0.9), 11)}
+"""mode: (EngineConfig settings, seed)."""
 
 
 def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -668,7 +670,7 @@ def _variants_worker(out: Path, tp: int) -> None:
     torch.set_num_threads(1)
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
 
@@ -687,11 +689,10 @@ def _variants_worker(out: Path, tp: int) -> None:
             for param in engine.chunks[0].parameters():
                 param.add_(torch.randn(param.shape, generator=noise) * 0.1)
         variant = {}
-        for mode, kwargs in VARIANT_SAMPLING.items():
-            paged = generate(engine.chunks, prompts, vocab_size=shape.vocab_size, max_new_tokens=VARIANT_NEW_TOKENS,
-                             kv_block_tokens=4, **kwargs)
-            whole_blocks = generate(engine.chunks, prompts, vocab_size=shape.vocab_size,
-                                    max_new_tokens=VARIANT_NEW_TOKENS, **kwargs)
+        for mode, (settings, seed) in VARIANT_SAMPLING.items():
+            config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=VARIANT_NEW_TOKENS, **settings)
+            paged = generate(engine.chunks, prompts, dataclasses.replace(config, kv_block_tokens=4), seed=seed)
+            whole_blocks = generate(engine.chunks, prompts, config, seed=seed)
             rows = [p + r for p, r in zip(prompts, paged.tokens)]
             width = max(len(r) for r in rows)
             full = sequence_logprobs(engine.chunks, torch.tensor([r + [0] * (width - len(r)) for r in rows]))

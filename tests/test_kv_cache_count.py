@@ -52,7 +52,7 @@ def _worker(out: Path) -> None:
     import torch
 
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation.decoding import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models.builder import ModelOptions, build_model_chunks
     from megatron_rl.runtime.distributed import initialize, job_dims
 
@@ -62,8 +62,8 @@ def _worker(out: Path) -> None:
     for preset in PRESETS:
         shape = load_model_shape(preset)
         chunks = build_model_chunks(shape, ModelOptions(dims=dims, seq_length=shape.seq_length))
-        out_ = generate(chunks, PROMPTS, vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, seed=0,
-                        kv_block_tokens=BLOCK_TOKENS)
+        config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, kv_block_tokens=BLOCK_TOKENS)
+        out_ = generate(chunks, PROMPTS, config, seed=0)
         result[preset] = out_.kv_cache_bytes
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()

@@ -10,7 +10,6 @@ TP2·EP2·SP, PP2 and DP2 are packed in tests/test_grpo_layouts.py.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from helpers import REPO_ROOT, torchrun_check
 from megatron_rl.models.packed_sequences import as_rows, attention_inputs, with_padding_segments
 from megatron_rl.rollout.batch import RolloutRow, collate_rollout, old_logprob_key, old_logprobs, store_logprobs
 from megatron_rl.rollout.packing import collate_packed, pack_minibatch, pack_rows
+from megatron_rl.runtime.probes import host_syncs
 from megatron_rl.spec.config import load_config
 from megatron_rl.spec.config.validate import check_layout
 from megatron_rl.spec.errors import ConfigError
@@ -148,7 +148,7 @@ def test_transformer_engine_gets_thd_boundaries_with_the_longest_known_on_the_ho
     """max_seqlen (which TE's THD attention, Megatron's THD RoPE and packed_context take) comes from the host
     boundaries: building the parameters reads nothing back from the device."""
     pytest.importorskip("megatron.core.packed_seq_params")
-    with host_reads(monkeypatch) as reads:
+    with host_syncs() as reads:
         params = attention_inputs([0, 3, 5, 8], thd=True)["packed_seq_params"]
         mask = attention_inputs([0, 3, 5, 8], thd=False)["attention_mask"]
     assert reads == [] and mask.shape == (1, 1, 8, 8)
@@ -170,19 +170,6 @@ def test_the_padding_tail_is_cut_into_segments_no_longer_than_the_longest_row():
 
 
 # ------------------------------------------------ packed attention without TE (SDPADotProductAttention, THD)
-@contextlib.contextmanager
-def host_reads(monkeypatch):
-    """The names of the tensor methods that read a value back to the host (a sync on GPUs) called in the block."""
-    reads = []
-    with monkeypatch.context() as patch:
-        for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero"):
-            def counted(self, *args, _name=name, _original=getattr(torch.Tensor, name), **kwargs):
-                reads.append(_name)
-                return _original(self, *args, **kwargs)
-            patch.setattr(torch.Tensor, name, counted)
-        yield reads
-
-
 PACKED_HEADS, PACKED_DIM = 4, 8
 PACKED_ROWS = [1, 17, 3, 1, 40, 2]  # very different lengths, two of 1 token; then a padding tail
 PACKED_LENGTH = 120
@@ -269,7 +256,7 @@ def test_packed_attention_reads_nothing_from_the_device_and_runs_one_sdpa_per_le
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counted_sdpa)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    with host_reads(monkeypatch) as reads:
+    with host_syncs() as reads:
         out = module(q, k, v, None, packed_seq_params=params)
         backward_nodes = sdpa_backward_nodes(out.grad_fn)
         (out * dout).sum().backward()

@@ -14,19 +14,19 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from helpers import torchrun_check
 from megatron_rl.generation import paged_attention
 from megatron_rl.generation.paged import BlockPool, LayerCache
 from megatron_rl.generation.paged_attention import check_paged, reference_kvcache, reference_mla, reference_varlen
+from megatron_rl.generation.runner import LONG_INPUTS, send_step
 from megatron_rl.generation.sampling import position_draws
+from megatron_rl.runtime.probes import PeakBytes, host_syncs
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
 
@@ -61,62 +61,6 @@ def _paged_rows(kv_lens: list[int], seed: int = 0):
         dense_k.append(k_cache[ids].flatten(0, 1)[:n])
         dense_v.append(v_cache[ids].flatten(0, 1)[:n])
     return k_cache, v_cache, table, dense_k, dense_v
-
-
-class _HostReads(TorchDispatchMode):
-    """Records the aten calls that read a tensor's value back to the host, a sync on GPUs: scalar reads (``item``,
-    ``int()``, ``bool()``, ``__index__``), ``nonzero``/``masked_select``, and indexing by a boolean mask (its count
-    sizes the result). Seen below Python, so a read inside an aten op is caught too."""
-
-    READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
-    INDEXING = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default",
-                "aten._index_put_impl_.default"}
-
-    def __init__(self, reads: list):
-        super().__init__()
-        self.reads = reads
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name in self.READS or name in self.INDEXING and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_flatten(args[1])[0]):
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def host_syncs(monkeypatch):
-    """The host reads (syncs on GPUs) made in the block: ``_HostReads``, and ``tolist`` (which no aten op sees)."""
-    reads = []
-    with monkeypatch.context() as patch, _HostReads(reads):
-        tolist = torch.Tensor.tolist
-        patch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or tolist(self))
-        yield reads
-
-
-class _PeakBytes(TorchDispatchMode):
-    """The most bytes of tensor storage that ops run in the block held at once (a storage counts from the op that
-    made it until it is freed): the block's peak extra memory, on any device."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self.seen = 0, 0, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in self.seen:
-                    self.seen.add(storage.data_ptr())
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
-        return out
-
-    def _freed(self, pointer: int, nbytes: int) -> None:
-        self.seen.discard(pointer)
-        self.live -= nbytes
 
 
 def test_varlen_reference_equals_dense_causal_attention_on_mixed_rows():
@@ -235,7 +179,7 @@ def test_the_reference_kernels_hold_the_kv_they_read_not_a_copy_per_head(kernel,
     materialised there). The gather is 1x, the math backend's scaled and contiguous K/V at most 2x; K/V copied
     per query head would be 8x (GQA, 16 heads over 2) and the latent per head 16x."""
     call, kv_bytes, other_bytes = _kernel_case(kernel, q_len=q_len)
-    with sdpa_kernel(SDPBackend.MATH), _PeakBytes() as memory:
+    with sdpa_kernel(SDPBackend.MATH), PeakBytes() as memory:
         call()
     assert memory.peak <= 3 * kv_bytes + 3 * other_bytes, (memory.peak / kv_bytes, other_bytes / kv_bytes)
 
@@ -247,11 +191,11 @@ def test_the_reference_kernels_read_nothing_back_to_the_host(monkeypatch, kernel
     scalar read, a boolean mask's indexing and ``tolist``."""
     call, _, _ = _kernel_case(kernel, rows=3, heads=4, kv_heads=2, dim=16, keys=32, q_len=1 if kernel == "decode"
                               else 5, latent=24, value_dim=16)
-    with host_syncs(monkeypatch) as syncs:
+    with host_syncs() as syncs:
         call()
     assert syncs == []
     values = torch.arange(4.0)
-    with host_syncs(monkeypatch) as seen:
+    with host_syncs() as seen:
         int(values.max()), values[values > 1], values.tolist()
     assert seen == ["aten._local_scalar_dense.default", "aten.index.Tensor", "tolist"]
 
@@ -310,6 +254,96 @@ def test_block_pool_counts_references_and_frees_shared_blocks_last():
     pool.release([a, b, c])
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([a])
+
+
+def _scheduler(num_blocks: int, prompts: list, *, max_new_tokens: int = 8):
+    """A scheduler over a pool of ``num_blocks`` blocks of BLOCK tokens, its prompts' rows grouped as a GRPO call
+    groups them."""
+    from megatron_rl.generation.block_manager import BlockManager
+    from megatron_rl.generation.scheduler import Scheduler
+    from megatron_rl.generation.sequence import Sequence, group_sequences
+
+    pool = BlockPool({1: LayerCache(kv_heads=KV_HEADS, head_dim=DIM)}, num_blocks=num_blocks, block_tokens=BLOCK,
+                     dtype=torch.float32, device=torch.device("cpu"))
+    rows = [Sequence(index=i, tokens=list(p), prompt_len=len(p), max_len=len(p) + max_new_tokens, turn_start=len(p))
+            for i, p in enumerate(prompts)]
+    counters = {"admitted": 0, "evictions": 0}
+    scheduler = Scheduler(group_sequences(rows, share_prefill=True), blocks=BlockManager(pool), budget=num_blocks,
+                          max_concurrent=None, counters=counters)
+    return scheduler, rows, pool
+
+
+def test_a_group_shares_its_prompt_blocks_from_admission_and_copies_only_the_partial_one():
+    """Three completions of a 6-token prompt (blocks of 4): admission gives the lead the prompt's 2 blocks and each
+    other member the lead's full block (shared, reference count 3) and a block of its own for the partial one; only
+    the lead is fed, and after its prefill the members' own blocks hold the lead's partial block."""
+    scheduler, rows, pool = _scheduler(8, [[1, 2, 3, 4, 5, 6]] * 3)
+    step = scheduler.schedule(ready=lambda row: True)
+    lead, *members = rows
+    assert [group.rows for group in step.admitted] == [rows] and step.fed == [lead]
+    assert all(m.blocks[0] == lead.blocks[0] and m.blocks[1] != lead.blocks[1] for m in members)
+    assert pool.refs[lead.blocks[0]] == 3 and pool.taken == 4
+    pool.caches[1][0][lead.blocks[1], :2] = 7.0  # the lead's prefill wrote its partial block
+    scheduler.blocks.copy_prompt_tail(lead, members)
+    assert all((pool.caches[1][0][m.blocks[1], :2] == 7.0).all() for m in members)
+    for row in rows:
+        scheduler.finish(row)
+    assert pool.taken == 0 and pool.refs == [0] * 8
+
+
+def test_the_newest_row_is_preempted_when_a_row_needs_a_block_and_none_is_free():
+    """Two rows of 4 tokens in a pool of 3 blocks: when both grow into a second block, the older one gets the last
+    free block and the newer one is preempted (its block returned), waiting at the head of the queue with nothing
+    cached; it is admitted again, whole, once a row ends."""
+    scheduler, (old, new), pool = _scheduler(3, [[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert scheduler.schedule(ready=lambda row: True).fed == [old, new]
+    for row in (old, new):
+        row.cached = len(row.tokens)
+        row.tokens.append(9)
+    step = scheduler.schedule(ready=lambda row: True)
+    assert step.fed == [old] and len(old.blocks) == 2 and scheduler.running == [old]
+    assert new.blocks == [] and new.cached == 0 and scheduler.waiting[0].rows == [new]
+    assert scheduler.counters["evictions"] == 1 and pool.taken == 2
+    old.finish = "stop"
+    scheduler.finish(old)
+    step = scheduler.schedule(ready=lambda row: True)
+    assert step.fed == [new] and new.uncached == 5 and len(new.blocks) == 2
+
+
+def _reply_joins_at(*, reply_steps: int, ready_at) -> int:
+    """The step at which a multi-turn reply joins its row: the turn ends before step 1, its environment step's
+    Future is done at step ``ready_at`` (``"late"``: by a thread 50 ms after the engine starts waiting for it)."""
+    import threading
+    from concurrent.futures import Future
+
+    from megatron_rl.generation.sequence import Sequence
+    from megatron_rl.generation.turns import TurnHandover
+
+    made: list = []
+    handover = TurnHandover(lambda place, turn, finish: made.append(Future()) or made[-1], settle_replies=None,
+                            replies_may_wait=True, reply_steps=reply_steps, end=lambda row: None)
+    row = Sequence(index=0, tokens=[1, 2, 3], prompt_len=1, max_len=50, turn_start=1, turn_finish="stop")
+    handover.ended.append(row)
+    for step in range(1, 8):
+        handover.turn_over()
+        if ready_at == "late" and step == 1:
+            threading.Timer(0.05, made[0].set_result, args=([7, 8],)).start()
+        elif ready_at == step:
+            made[0].set_result([7, 8])
+        handover.take_replies([row])
+        if row.reply is None:
+            assert row.tokens == [1, 2, 3, 7, 8] and row.turn_start == 5 and row.finish is None
+            return step
+    raise AssertionError("the reply never joined")
+
+
+def test_a_reply_joins_its_row_at_a_fixed_step_whenever_its_thread_finishes():
+    """With reply_steps 2 (environment.reply_steps) the reply of a turn ended before step 1 joins at step 3
+    whether its thread finished at once, at step 3, or only while the engine waited for it there: every step's rows
+    (and the log-probs computed in its batch) do not depend on the environment's timing. With 0 it joins at the
+    first step it is ready."""
+    assert {_reply_joins_at(reply_steps=2, ready_at=ready) for ready in (1, 2, 3, "late")} == {3}
+    assert [_reply_joins_at(reply_steps=0, ready_at=ready) for ready in (1, 2, 4)] == [1, 2, 4]
 
 
 def test_position_draws_do_not_depend_on_the_batch_around_a_row():
@@ -391,7 +425,7 @@ def test_decode_steps_read_the_whole_table_without_a_host_sync(monkeypatch):
     def step(block_table):
         return reference_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table)
 
-    with host_syncs(monkeypatch) as syncs:
+    with host_syncs() as syncs:
         eager = step(table)
         assert read == [3 * BLOCK] * 2  # K and V: the cut table's 3 blocks, 12 keys for the longest row's 11
         read.clear()
@@ -461,7 +495,9 @@ def test_rotary_tables_read_while_capturing_stay_referenced(monkeypatch):
     pool = BlockPool({1: LayerCache(kv_heads=KV_HEADS, head_dim=DIM)}, num_blocks=4, block_tokens=BLOCK,
                      dtype=torch.float32, device=torch.device("cpu"))
     context = PagedContext(pool, max_sequence_length=8, device=torch.device("cpu"))
-    context.set_step(q_lens=[1], kv_lens=[3], tables=torch.zeros(1, 2, dtype=torch.int32))
+    host = {name: [] for name in LONG_INPUTS} | dict(ids=[5], positions=[2], slot_block=[0], slot_offset=[2], last=[0],
+                                                    cu_q=[0, 1], cu_k=[0, 3], k_lens=[3], table=[0])
+    context.set_step(send_step(host, width=1, device=torch.device("cpu")), max_q=1, max_k=3)
     from megatron.core.models.common.embeddings import rope_utils
 
     monkeypatch.setattr(rope_utils, "apply_rotary_pos_emb", lambda t, freqs, config, mscale=1.0: t)  # no CP group here
@@ -473,3 +509,15 @@ def test_rotary_tables_read_while_capturing_stay_referenced(monkeypatch):
     monkeypatch.setattr(paged, "capturing", lambda: True)
     context.apply_rotary_emb_query(query, table, config)
     assert len(context.graph_tables) == 1 and context.graph_tables[0] is table
+
+
+
+def test_a_decode_step_reads_back_to_the_host_once_whatever_the_layer_count(tmp_path):
+    """Host reads (syncs on a GPU: ``item``, ``tolist``, ``int()``, ``bool()``, ``nonzero``, boolean indexing) per
+    decode step of the engine on real Megatron models of 2 and 8 layers (tests/dist/engine_syncs.py: top-p
+    sampling, a GRPO group sharing its prompt, rows taking blocks as they grow): the same count for both, at most
+    3. The step's inputs reach the device in one copy, the choice comes back in one (``StepChoice.host_lists``),
+    and neither the kernels nor the sampling read anything."""
+    result, = torchrun_check("engine_syncs.py", tmp_path, nproc=1)
+    assert len(result["2"]) == len(result["8"]) == 11, result
+    assert set(result["2"]) == set(result["8"]) and max(result["8"]) <= 3, result

@@ -97,7 +97,7 @@ def test_pipelined_generation_matches_the_engines_stage_chain(pp, vpp):
 
 
 def _ring_makespan(parts: int, pp: int, vpp: int, steps: int) -> int:
-    """Simulate the pipelined decode (megatron_rl/generation/engine.py ``_pipelined``): every rank walks (step,
+    """Simulate the pipelined decode (megatron_rl/generation/engine.py ``Engine._run_pipelined``): every rank walks (step,
     virtual stage, part) in order; a unit waits for the part's previous virtual stage, and stage 0's first virtual stage for the
     part's previous token, chosen by the last stage. Returns the makespan in virtual-stage forwards."""
     done: dict = {}

@@ -10,7 +10,7 @@ An RL step (megatron_rl/trainers/grpo.py) is, in order:
   group's prompt is prefilled once (compute-bound, at the training GEMM efficiency); each decode step is bounded
   by max(HBM read of the weights and the KV the fed rows hold, their compute, a per-layer launch floor) plus two
   latency-bound TP all-reduces per layer and an EP dispatch + combine per MoE layer. Under PP the rows decode
-  in M = pp parts on their own (megatron_rl/generation/engine.py ``_pipelined``), successive steps
+  in M = pp parts on their own (megatron_rl/generation/engine.py ``Engine._run_pipelined``), successive steps
   overlapping across the stages: a step is vpp x max(pp, M) virtual-stage forwards of one part, each paying a
   send/recv hop. A prefill is counted as one forward of the prompts admitted together in M parts, which overlap
   only in the pipeline's fill and drain: (M (vpp - 1) pp + M + pp - 1) virtual-stage forwards of one part;
@@ -488,7 +488,7 @@ def _pipelined(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_t
 
 
 def _pipelined_decode_step(w: Workload, L: Layout, stages: list[_Stage], rows: float, part_time) -> float:
-    """One decode step of ``rows`` in the pipelined decode's steady state (engine.py ``_pipelined``): M =
+    """One decode step of ``rows`` in the pipelined decode's steady state (engine.py ``Engine._run_pipelined``): M =
     min(pp, rows) parts decode on their own, so a rank runs M x vpp virtual-stage forwards of a part per step while each part's step passes through
     pp x vpp of them in turn: vpp x max(pp, M) x (forward + hop)."""
     if L.dims.pp == 1:

@@ -1,9 +1,9 @@
 """Colocated generation: ``generate`` on the training model's own modules.
 
-``generate(models, prompts, vocab_size=..., max_new_tokens=...)`` runs on the very ``GPTModel`` objects the
-trainer optimises (DDP wrappers are looked through): no weight copy. It decodes on the paged engine (engine.py:
-a pool of KV blocks, continuous admission, a GRPO group's prompt prefilled once; paged.py, paged_attention.py,
-and paged_mla.py for multi-latent attention) and returns the responses with both kinds of log-probs.
+``generate(models, prompts, EngineConfig(vocab_size=..., max_new_tokens=...))`` runs on the very ``GPTModel``
+objects the trainer optimises (DDP wrappers are looked through): no weight copy. It decodes on the paged engine
+(engine.py and its rooms: a pool of KV blocks, continuous admission, a GRPO group's prompt prefilled once) and
+returns the responses with both kinds of log-probs.
 
 Positions. A sequence's tokens sit at the positions of the training forward of ``prompt + response`` (positions
 from 0, no padding inside a row), so generation's log-probs equal the training forward's.
@@ -12,7 +12,7 @@ Parallelism.
 * TP: logits are gathered over the vocabulary (``runtime_gather_output``), and the chosen tokens come from TP
   rank 0 (pipeline.py ``StageChain.share``), so the ranks cannot drift apart.
 * PP (and virtual PP): the rows decode in ``pipeline_microbatches`` parts (pp by default), whose successive steps
-  overlap across the stages (engine.py ``_pipelined``).
+  overlap across the stages (engine.py ``Engine._run_pipelined``).
 * DP: each data-parallel rank generates for the prompts it is given; no collective crosses DP ranks, except
   for MoE models at ep > 1 (below).
 * SP and CP: switched off for the call (layout.py ``whole_sequences``); CP ranks hold full weights, so each CP rank
@@ -30,19 +30,22 @@ Test: ``.venv/bin/python -m pytest tests/test_generation.py -q``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_rl.generation.engine import (DEFAULT_BLOCK_TOKENS, Feed, GenerationStopped, SettleReplies, TurnEnded,
-                                          generate_paged)
+from megatron_rl.generation.config import EngineConfig
+from megatron_rl.generation.engine import Engine, EngineHooks, GenerationStopped
+from megatron_rl.generation.feed import Feed
 from megatron_rl.generation.layout import Lockstep, whole_sequences
 from megatron_rl.generation.pipeline import StageChain
-from megatron_rl.generation.sampling import SamplingParams, draw_seed
+from megatron_rl.generation.sampling import draw_seed
+from megatron_rl.generation.turns import SettleReplies, TurnEnded
 from megatron_rl.models import unwrap
 
-__all__ = ["GenerationOutput", "GenerationStopped", "data_parallel_seed", "generate"]
+__all__ = ["EngineConfig", "GenerationOutput", "GenerationStopped", "data_parallel_seed", "generate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,81 +133,58 @@ def clear_rotary_caches(chunks: list) -> None:
         pass
 
 
-def generate(models, prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: Optional[int] = None,
-             stop_token_ids: Sequence[int] = (), stop_sequences: Sequence[Sequence[int]] = (),
-             seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             record_routes: bool = False, share_prefill: bool = True,
-             max_concurrent: Optional[int] = None, pipeline_microbatches: Optional[int] = None,
-             kv_memory_gib: Optional[float] = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
-             stop_requested: Optional[Callable[[bool], tuple]] = None,
-             turn_ended: Optional[TurnEnded] = None, max_turn_tokens: Optional[int] = None,
-             max_total_tokens: Optional[int] = None, feed: Optional[Feed] = None,
-             settle_replies: Optional[SettleReplies] = None, cuda_graphs: bool = False) -> GenerationOutput:
-    """Generate a response for every prompt; see the module docstring and engine.py.
+def generate(models, prompts: Sequence[Sequence[int]], config: EngineConfig, *, seed: Optional[int] = None,
+             generator: Optional[torch.Generator] = None, stop_requested: Optional[Callable[[bool], tuple]] = None,
+             turn_ended: Optional[TurnEnded] = None, settle_replies: Optional[SettleReplies] = None,
+             feed: Optional[Feed] = None) -> GenerationOutput:
+    """Generate a response for every prompt under ``config`` (config.py ``EngineConfig``); see the module
+    docstring and engine.py. Returns on every rank of the model-parallel group.
 
-    ``vocab_size`` is the real (unpadded) vocabulary: ids at or above it are never generated. A response ends
-    after ``eos_id``, any of ``stop_token_ids`` or any of ``stop_sequences`` (kept in the response), or after
-    ``max_new_tokens``. Sampling draws are seeded with ``seed`` (or drawn from ``generator``; 0 when both are
-    None); pass the same seed on every TP/PP rank of a replica (``data_parallel_seed`` makes one). Each row's
-    draws depend on the seed, its place in ``prompts`` and its position only, so the tokens do not depend on the
-    KV budget, the admission order or the pipeline parts. ``record_routes``: also return each sequence's expert
-    routes (``GenerationOutput.routes``; an MoE model built with router replay). ``share_prefill``: the
-    completions of one prompt (a GRPO group) are admitted together and the prompt prefilled once, its full blocks
-    shared; False prefills every row. ``kv_memory_gib`` / ``kv_block_tokens`` (generation.*): the KV pool and its
-    block size (None: every row's blocks at its longest); ``max_concurrent``: an optional cap on the rows decoding
-    at once. ``pipeline_microbatches`` (default pp): under PP, the parts the rows decode in. ``stop_requested
-    (generating) -> (stop, anyone generating)`` is asked every ``engine.STOP_POLL_STEPS`` steps (a collective);
-    a yes raises ``GenerationStopped``. Returns on every rank of the model-parallel group.
+    Sampling draws are seeded with ``seed`` (or drawn from ``generator``; 0 when both are None); pass the same seed
+    on every TP/PP rank of a replica (``data_parallel_seed`` makes one). Each row's draws depend on the seed, its
+    place in ``prompts`` and its position only, so the tokens do not depend on the KV budget, the admission order
+    or the pipeline parts. ``stop_requested(generating) -> (stop, anyone generating)`` is asked every
+    ``engine.STOP_POLL_STEPS`` steps (a collective); a yes raises ``GenerationStopped``.
 
-    Multi-turn (``turn_ended``, engine.py ``TurnEnded``): a response is the whole conversation after
-    the prompt, turns of at most ``max_turn_tokens`` and the replies between them, at most ``max_new_tokens`` in
-    all and at most ``max_total_tokens`` with the prompt; ``policy_mask`` tells the policy's tokens from the
-    replies'. ``settle_replies`` (engine.py ``SettleReplies``): for replies made while rows decode at tp or pp > 1.
-    ``cuda_graphs`` (generation.cuda_graphs): decode-only steps replayed from CUDA graphs per row bucket (graphs.py).
+    Multi-turn (``turn_ended``, turns.py ``TurnEnded``): a response is the whole conversation after the prompt,
+    turns of at most ``config.max_turn_tokens`` and the replies between them, at most ``max_new_tokens`` in all and
+    at most ``max_total_tokens`` with the prompt; ``policy_mask`` tells the policy's tokens from the replies'.
+    ``settle_replies`` (turns.py ``SettleReplies``): for replies made while rows decode at tp or pp > 1.
 
-    With a ``feed`` (engine.py ``Feed``) it is a session over the feed's prompts instead of ``prompts`` (empty),
+    With a ``feed`` (feed.py ``Feed``) it is a session over the feed's prompts instead of ``prompts`` (empty),
     which ends only when the feed raises ``GenerationStopped``: rows join and leave while others decode, each
     prompt's completions go to ``feed.finished`` as soon as they have all ended, and a row may be as long as the
     model's positions (or ``max_total_tokens``).
     """
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if (not prompts and feed is None) or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
-    if max_concurrent is not None and max_concurrent < 1:
-        raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
     chunks = model_chunks(models)
     check_generation_layout(chunks)
     device = next(chunks[0].parameters()).device
     max_positions = getattr(chunks[0], "max_sequence_length", None)
     if feed is not None:
-        max_total_tokens = min(max_total_tokens or max_positions, max_positions or max_total_tokens)
+        config = dataclasses.replace(config, max_total_tokens=min(config.max_total_tokens or max_positions,
+                                                                  max_positions or config.max_total_tokens))
     longest = max((len(p) for p in prompts), default=0)
-    total = min(longest + max_new_tokens, max_total_tokens or longest + max_new_tokens)
+    total = min(longest + config.max_new_tokens, config.max_total_tokens or longest + config.max_new_tokens)
     if max_positions is not None and total > max_positions:
-        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                         f"model's max_position_embeddings ({max_positions}); give generation.max_new_tokens at most "
-                         f"{max(max_positions - longest, 0)} or shorter prompts")
-    if any(t >= vocab_size or t < 0 for p in prompts for t in p):
-        raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-    chain = StageChain(chunks, device=device, microbatches=pipeline_microbatches)
+        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({config.max_new_tokens}) = {total} exceeds "
+                         f"the model's max_position_embeddings ({max_positions}); give generation.max_new_tokens at "
+                         f"most {max(max_positions - longest, 0)} or shorter prompts")
+    if any(t >= config.vocab_size or t < 0 for p in prompts for t in p):
+        raise ValueError(f"prompt token ids must lie in [0, {config.vocab_size})")
+    chain = StageChain(chunks, device=device, microbatches=config.pipeline_microbatches)
     with whole_sequences(chunks):
         try:
-            rows, stats = generate_paged(
-                chunks, prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens, params=params,
-                stop_ids=([eos_id] if eos_id is not None else []) + list(stop_token_ids),
-                stop_sequences=stop_sequences, seed=draw_seed(seed, generator), chain=chain, device=device,
-                lockstep=Lockstep(chunks), block_tokens=kv_block_tokens,
-                kv_memory_bytes=None if kv_memory_gib is None else int(kv_memory_gib * 2**30),
-                max_concurrent=max_concurrent, share_prompts=share_prefill, record_routes=record_routes,
-                stop_requested=stop_requested, turn_ended=turn_ended, max_turn_tokens=max_turn_tokens,
-                max_total_tokens=max_total_tokens, feed=feed, settle_replies=settle_replies, cuda_graphs=cuda_graphs)
+            engine = Engine(config, chunks, chain=chain, lockstep=Lockstep(chunks), seed=draw_seed(seed, generator),
+                            hooks=EngineHooks(stop_requested=stop_requested, turn_ended=turn_ended,
+                                              settle_replies=settle_replies, feed=feed))
+            engine.add(prompts)
+            rows, stats = engine.run()
         finally:
             clear_rotary_caches(chunks)
     return GenerationOutput(
-        tokens=[row.tokens[row.prompt_len:] for row in rows], logprobs=[row.policy_lp for row in rows],
+        tokens=[row.response for row in rows], logprobs=[row.policy_lp for row in rows],
         sampling_logprobs=[row.sampling_lp for row in rows], policy_mask=[row.policy_mask for row in rows],
         lengths=[len(row.tokens) - row.prompt_len for row in rows],
         finish_reasons=[row.finish for row in rows], forward_passes=stats.steps, prefill_rows=stats.prefills,

@@ -46,7 +46,7 @@ class DecodeGraphs:
 
     def __init__(self, *, rows: int, width: int, device: torch.device) -> None:
         top = bucket_rows(min(rows, GRAPH_ROWS[-1])) or GRAPH_ROWS[-1]
-        self.device, self.top = device, top
+        self.device, self.top, self.rows, self.width = device, top, rows, width
         as_int = dict(dtype=torch.int32, device=device)
         self.buffers = {"ids": torch.zeros(top, dtype=torch.long, device=device),
                         "positions": torch.zeros(top, dtype=torch.long, device=device),

@@ -131,11 +131,15 @@ class BlockPool:
                 cache[target, :tokens] = cache[source, :tokens]
 
 
+CONTEXT_INPUTS = ("cu_q", "cu_k", "k_lens", "table", "positions", "slot_block", "slot_offset", "last")
+"""What ``PagedContext.set_step`` reads of a step's inputs."""
+
+
 class PagedContext:
     """One forward's rows over a ``BlockPool``, in the interface of Megatron's dynamic inference context.
 
-    ``set_step`` describes the forward: per row the new tokens it feeds (``q_lens``), its length once they are
-    written (``kv_lens``) and its block table; the tokens are packed row after row."""
+    ``set_step`` describes the forward: the fed tokens packed row after row, their positions and KV slots, and
+    per row its query and key offsets and block table (runner.py works them out on the host)."""
 
     use_flashinfer_fused_rope = False
     num_speculative_tokens = 0
@@ -153,33 +157,20 @@ class PagedContext:
         lives, since Megatron's LRU of them may drop one that a graph replays."""
 
     # --- what the engine sets before a forward
-    def set_step(self, *, q_lens: list, kv_lens: list, tables: torch.Tensor, into: Optional[dict] = None
-                 ) -> torch.Tensor:
-        """Describe the next forward; returns the position of every fed token ``[tokens]``. The table is cut to
-        the blocks of the longest row (the torch decode kernel reads its whole width). ``into``
-        (graphs.py ``DecodeGraphs.inputs``, a decode-only step of exactly that many rows): the step is copied into
-        those fixed buffers, which the forward then reads, table and all."""
-        device = self.device
-        q = torch.tensor(q_lens, dtype=torch.int32, device=device)
-        k = torch.tensor(kv_lens, dtype=torch.int32, device=device)
-        zero = torch.zeros(1, dtype=torch.int32, device=device)
-        bt = self.pool.block_tokens
-        step = {"cu_q": torch.cat([zero, torch.cumsum(q, 0, dtype=torch.int32)]),
-                "cu_k": torch.cat([zero, torch.cumsum(k, 0, dtype=torch.int32)]), "k_lens": k,
-                "table": tables[:, :-(-max(kv_lens) // bt)]}
-        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q.long())
-        offsets = torch.arange(int(step["cu_q"][-1]), device=device) - step["cu_q"][:-1].long()[rows]
-        positions = (k - q).long()[rows] + offsets
-        step.update(positions=positions, slot_block=tables[rows, positions // bt].long(),
-                    slot_offset=positions % bt, last=step["cu_q"][1:].long() - 1)
-        self._max_q, self._max_k = max(q_lens), max(kv_lens)
+    def set_step(self, step: dict, *, max_q: int, max_k: int, into: Optional[dict] = None) -> torch.Tensor:
+        """Describe the next forward from ``step``, its inputs on the device (runner.py ``send_step``: the fed
+        tokens' ``positions``, ``slot_block`` and ``slot_offset``, each row's ``last`` token, ``cu_q``, ``cu_k``,
+        ``k_lens`` and its block ``table`` cut to the longest row's blocks, as the torch decode kernel reads the
+        whole width); ``max_q`` / ``max_k``: the longest row's new tokens and keys. Returns the positions.
+        ``into`` (graphs.py ``DecodeGraphs.inputs``, a decode-only step of exactly that many rows): the step is
+        copied into those fixed buffers, which the forward then reads, table and all."""
         if into is not None:
-            for name, value in step.items():
-                target = into[name]
+            for name in CONTEXT_INPUTS:
+                value, target = step[name], into[name]
                 (target[:, :value.shape[1]] if name == "table" else target).copy_(value)
-            step = {name: into[name] for name in step}
-            self._max_k = step["table"].shape[1] * bt
-        self._decode_only = self._max_q == 1
+            step = into
+            max_k = into["table"].shape[1] * self.pool.block_tokens
+        self._max_q, self._max_k, self._decode_only = max_q, max_k, max_q == 1
         self._cu_q, self._cu_k, self._k_lens, self._table = step["cu_q"], step["cu_k"], step["k_lens"], step["table"]
         self._positions, self._slot_block, self._slot_offset = step["positions"], step["slot_block"], step["slot_offset"]
         self._last = step["last"]

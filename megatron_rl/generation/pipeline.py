@@ -3,7 +3,7 @@
 ``StageChain`` is the pipeline of one replica as the paged engine (engine.py) sees it from this rank:
 ``chunk_forward`` runs one virtual stage of a forward (receive the previous stage's hidden states, run the chunk,
 send them on), and the last stage's choice reaches every rank (``share`` at PP=1, ``send_choice`` /
-``receive_choice`` under PP). The engine's ``_pipelined`` decodes the rows in ``microbatches`` parts, each on its
+``receive_choice`` under PP). The engine's ``_run_pipelined`` decodes the rows in ``microbatches`` parts, each on its
 own, so that part m's step t + 1 enters stage 0 while the later stages work on the other parts' step t; with
 M >= pp parts every stage is busy in the steady state.
 

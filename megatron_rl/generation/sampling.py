@@ -80,6 +80,13 @@ class StepChoice:
     sampling_logprobs: torch.Tensor
     """[batch] float32: log-prob under the sampling distribution (0 for greedy)."""
 
+    def host_lists(self) -> tuple[list, list, list]:
+        """Tokens, policy and sampling log-probs as lists, read back to the host in one copy (one sync): token ids
+        below 2**53 and float32 log-probs are exact in float64."""
+        tokens, policy, sampling = torch.stack([self.tokens.double(), self.policy_logprobs.double(),
+                                                self.sampling_logprobs.double()]).tolist()
+        return [int(t) for t in tokens], policy, sampling
+
     def scattered(self, rows: torch.Tensor, batch: int) -> "StepChoice":
         """This choice of batch rows ``rows``, placed in a ``batch``-row choice (the other rows 0)."""
         def place(values: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ Test: ``.venv/bin/python -m pytest tests/test_multi_turn.py -q``
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,11 +31,12 @@ import torch
 
 from megatron_rl.data.chat import ChatFormat, Messages, as_messages, plain_text
 from megatron_rl.data.prompts import PromptRecord, encode_prompt, prompt_record
-from megatron_rl.rollout.sampling import generation_options
+from megatron_rl.generation.config import EngineConfig
 from megatron_rl.environments import END_REASONS, Environment, Episode, EpisodeLimits, build_environment
 from megatron_rl.environments.journal import EpisodeJournal, journal_path, prune_journals
 from megatron_rl.environments.sandbox import hide_always
 from megatron_rl.rollout.batch import Rollout
+from megatron_rl.rollout.sampling import engine_config
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.training import data_parallel_share, gather_data_parallel
 from megatron_rl.spec.errors import ConfigError
@@ -188,13 +190,14 @@ def episode_turn(episode: Episode, conversation: Conversation, turn: list, finis
     return ids if episode.count_reply(len(ids)) else None
 
 
-def episode_generation_options(cfg, shape, tokenizer, limits: EpisodeLimits, envs: list) -> dict:
-    """``generate``'s options for episodes: the generation settings, with an episode's token limits and the
+def episode_engine_config(cfg, shape, tokenizer, limits: EpisodeLimits, envs: list, **more) -> EngineConfig:
+    """The engine's settings for episodes: the generation settings, with an episode's token limits and the
     environments' stop strings (tool calls) beside generation.stop."""
     stops = sorted({stop for env in envs for stop in env.stop} | set(cfg.generation.stop))
-    return {**generation_options(cfg, shape, tokenizer), "max_new_tokens": limits.max_episode_tokens,
-            "max_total_tokens": limits.max_episode_tokens, "max_turn_tokens": limits.max_turn_tokens,
-            "stop_sequences": [tokenizer.encode(s) for s in stops]}
+    return dataclasses.replace(engine_config(cfg, shape, tokenizer, **more), max_new_tokens=limits.max_episode_tokens,
+                               max_total_tokens=limits.max_episode_tokens, max_turn_tokens=limits.max_turn_tokens,
+                               stop_sequences=[tokenizer.encode(s) for s in stops],
+                               reply_steps=cfg.environment.reply_steps)
 
 
 class StepThreads:
@@ -260,13 +263,13 @@ class WorkerEpisodes:
         self.chat = ChatFormat.from_config(cfg.data, tokenizer)
         self.share, _ = model_parallel_share()
         self.steps = StepThreads(cfg.environment.concurrent_steps, self.share)
-        self.options = {**episode_generation_options(cfg, shape, tokenizer, self.envs.limits, [self.envs.make()]),
-                        **({"settle_replies": self.steps.settle} if self.steps.share is not None else {})}
+        self.config = episode_engine_config(cfg, shape, tokenizer, self.envs.limits, [self.envs.make()])
+        self.settle = self.steps.settle if self.steps.share is not None else None
         self.open: dict = {}
 
     def fed_prompt(self, record: PromptRecord, *, group: int, seed: int, first_request: int, tag):
         """The FedPrompt of ``group`` episodes of ``record``."""
-        from megatron_rl.generation.engine import FedPrompt
+        from megatron_rl.generation.feed import FedPrompt
 
         episodes = [Episode(self.envs.make(), self.envs.limits, share=self.share) for _ in range(group)]
         conversations = [Conversation(self.chat, record, e.start(env_record(record))) for e in episodes]
@@ -326,10 +329,11 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
 
     try:
         out = generate(
-            [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations], turn_ended=turn_ended,
-            seed=data_parallel_seed(seed), stop_requested=stop_requested, record_routes=record_routes,
-            settle_replies=steps.settle if steps.share is not None else None,
-            **episode_generation_options(cfg, shape, tokenizer, limits, [e.env for e in episodes]))
+            [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations],
+            episode_engine_config(cfg, shape, tokenizer, limits, [e.env for e in episodes],
+                                  record_routes=record_routes),
+            turn_ended=turn_ended, seed=data_parallel_seed(seed), stop_requested=stop_requested,
+            settle_replies=steps.settle if steps.share is not None else None)
     finally:
         steps.close()
         if book is not None:

@@ -18,6 +18,7 @@ import torch
 
 from megatron_rl.algorithms.pass_at_k import mean_pass_at_k
 from megatron_rl.data.prompts import encode_prompt
+from megatron_rl.generation.config import EngineConfig
 from megatron_rl.rollout.batch import Rollout
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.training import data_parallel_share, gather_data_parallel
@@ -26,14 +27,13 @@ RULE_VERIFIERS = ("exact", "math", "math_verify")
 """Rewards that judge an answer right or wrong: a completion is correct when one of them gives it full score."""
 
 
-def generation_options(cfg, shape, tokenizer) -> dict:
-    """``generate``'s sampling, stopping and KV-memory options from the job's ``generation`` settings."""
+def engine_config(cfg, shape, tokenizer, **more) -> EngineConfig:
+    """The engine's settings from the job's ``generation`` section (sampling, stopping, KV memory); ``more``:
+    fields it does not hold (``record_routes``)."""
     gen = cfg.generation
-    return dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-                eos_id=tokenizer.eos_id, stop_sequences=[tokenizer.encode(s) for s in gen.stop],
-                vocab_size=min(tokenizer.vocab_size, shape.vocab_size), max_concurrent=gen.max_concurrent,
-                kv_memory_gib=gen.kv_memory_gib, kv_block_tokens=gen.kv_block_tokens,
-                cuda_graphs=gen.cuda_graphs)
+    return EngineConfig.from_generation(gen, vocab_size=min(tokenizer.vocab_size, shape.vocab_size),
+                                        eos_id=tokenizer.eos_id,
+                                        stop_sequences=[tokenizer.encode(s) for s in gen.stop], **more)
 
 
 def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group: int, seed: int,
@@ -48,8 +48,9 @@ def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group:
     texts = [p.prompt for p in prompts for _ in range(group)]
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts for _ in range(group)]
     mine = data_parallel_share(prompt_ids, with_context_parallel=True)
-    out = generate([ckpt.unwrap(c) for c in chunks], mine, seed=data_parallel_seed(seed), record_routes=record_routes,
-                   stop_requested=stop_requested, **generation_options(cfg, shape, tokenizer))
+    out = generate([ckpt.unwrap(c) for c in chunks], mine,
+                   engine_config(cfg, shape, tokenizer, record_routes=record_routes), seed=data_parallel_seed(seed),
+                   stop_requested=stop_requested)
     routes = out.routes or [None] * len(out.tokens)
     sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length", route)
                                     for tokens, lp, reason, route in zip(out.tokens, out.logprobs,

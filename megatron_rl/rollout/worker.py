@@ -68,7 +68,7 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
     from megatron_rl.generation import generate
     from megatron_rl.models.builder import build_model_chunks
     from megatron_rl.rollout.multi_turn import WorkerEpisodes
-    from megatron_rl.rollout.sampling import generation_options
+    from megatron_rl.rollout.sampling import engine_config
     from megatron_rl.runtime.training import model_options
 
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
@@ -91,8 +91,10 @@ def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded:
                      episodes=episodes)
     try:
         with torch.no_grad():
-            generate(chunks, [], feed=feed,
-                     **(episodes.options if episodes is not None else generation_options(cfg, shape, tokenizer)))
+            if episodes is None:
+                generate(chunks, [], engine_config(cfg, shape, tokenizer), feed=feed)
+            else:
+                generate(chunks, [], episodes.config, feed=feed, settle_replies=episodes.settle)
     except TrainersStopped as stopped:
         # every rank stops at the same question; under PP a stage's last sends complete only while the others are
         # still there to take them, so none exits before all have left the session
@@ -141,7 +143,7 @@ class OrderFeed:
 
     def more(self, generating: bool, counters: dict) -> list:
         from megatron_rl.data.prompts import PromptRecord, encode_prompt
-        from megatron_rl.generation.engine import FedPrompt
+        from megatron_rl.generation.feed import FedPrompt
 
         self._count(decode_steps=float(counters["forwards"] - self.counted["forwards"]),
                     decode_rows=float(counters["sampled"] - self.counted["sampled"]))

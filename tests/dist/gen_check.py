@@ -136,13 +136,13 @@ class LazyBuffer:
 
 
 class WaveFeed:
-    """A session's feed (megatron_rl.generation.engine.Feed) of ``prompts``, grouped as runs of equal prompts: two
+    """A session's feed (megatron_rl.generation.feed.Feed) of ``prompts``, grouped as runs of equal prompts: two
     groups at the first question, then one per question (asked every STOP_POLL_STEPS steps while rows decode), as
     the async rollout worker's orders come in while earlier rows still decode; it ends the session once every
     group was handed out and nothing decodes. ``done``: request -> (tokens, log-probs, finish reason)."""
 
     def __init__(self, prompts: list[list[int]], seed: int) -> None:
-        from megatron_rl.generation.engine import FedPrompt
+        from megatron_rl.generation.feed import FedPrompt
 
         self.pending, start = [], 0
         while start < len(prompts):
@@ -171,13 +171,14 @@ class WaveFeed:
             self.done[done.prompt.first_request + j] = row
 
 
-def fed_session(chunks, prompts: list[list[int]], *, seed: int, **options) -> WaveFeed:
-    """``prompts`` decoded by a session fed by a WaveFeed (what generate's caller gets is in ``feed.done``)."""
+def fed_session(chunks, prompts: list[list[int]], config, *, seed: int) -> WaveFeed:
+    """``prompts`` decoded under ``config`` by a session fed by a WaveFeed (what generate's caller gets is in
+    ``feed.done``)."""
     from megatron_rl.generation import GenerationStopped, generate
 
     feed = WaveFeed(prompts, seed)
     try:
-        generate(chunks, [], seed=seed, feed=feed, **options)
+        generate(chunks, [], config, seed=seed, feed=feed)
     except GenerationStopped:
         pass
     assert len(feed.done) == len(prompts), (len(feed.done), len(prompts))
@@ -185,12 +186,12 @@ def fed_session(chunks, prompts: list[list[int]], *, seed: int, **options) -> Wa
 
 
 def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
-    """Two sampled turns of 4 tokens with a scripted 3-token reply between them (engine.py ``TurnEnded``), in
+    """Two sampled turns of 4 tokens with a scripted 3-token reply between them (turns.py ``TurnEnded``), in
     groups of 2 and 4-token blocks: the policy mask; the policy tokens' log-probs against the training forward of the
     whole conversation; each turn against a single-turn ``generate`` of the conversation so far (same seed: a
     row's draws depend on its place and position only), which the reply fed onto the row's own blocks must
     equal; and the tokens the engine fed (each once: no prefill of the conversation again)."""
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.training import sequence_logprobs
 
     reply, turn_tokens, seed = [7, 8, 9], 4, 23
@@ -201,13 +202,13 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
         calls.append((index, list(turn), finish))
         return list(reply) if sum(1 for i, *_ in calls if i == index) == 1 else None
 
-    out = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
-                   kv_block_tokens=4, turn_ended=turn_ended, max_turn_tokens=turn_tokens)
-    result = _overlapped(chunks, rows, out, vocab=vocab, seed=seed, reply=reply, turn_tokens=turn_tokens)
-    first = generate(chunks, rows, vocab_size=vocab, max_new_tokens=turn_tokens, temperature=0.9, seed=seed,
-                     kv_block_tokens=4)
-    second = generate(chunks, [r + t[:turn_tokens] + reply for r, t in zip(rows, out.tokens)], vocab_size=vocab,
-                      max_new_tokens=turn_tokens, temperature=0.9, seed=seed, kv_block_tokens=4)
+    config = EngineConfig(vocab_size=vocab, max_new_tokens=20, temperature=0.9, kv_block_tokens=4,
+                          max_turn_tokens=turn_tokens)
+    out = generate(chunks, rows, config, seed=seed, turn_ended=turn_ended)
+    result = _overlapped(chunks, rows, out, config, seed=seed, reply=reply)
+    one_turn = EngineConfig(vocab_size=vocab, max_new_tokens=turn_tokens, temperature=0.9, kv_block_tokens=4)
+    first = generate(chunks, rows, one_turn, seed=seed)
+    second = generate(chunks, [r + t[:turn_tokens] + reply for r, t in zip(rows, out.tokens)], one_turn, seed=seed)
     full = sequence_logprobs(chunks, padded(rows, out.tokens))
     whole = response_slice(full, rows, out.lengths)
     policy = lambda values: [[v for v, m in zip(row, mask) if m] for row, mask in zip(values, out.policy_mask)]  # noqa: E731
@@ -222,7 +223,7 @@ def multi_turn_check(chunks, prompts: list[list[int]], vocab: int) -> dict:
             "fed_once": sum(len(r) + len(t) - 1 for r, t in zip(rows, out.tokens)) - sum(len(p) for p in prompts)}
 
 
-def _overlapped(chunks, rows: list, out, *, vocab: int, seed: int, reply: list, turn_tokens: int) -> dict:
+def _overlapped(chunks, rows: list, out, config, *, seed: int, reply: list) -> dict:
     """``multi_turn_check``'s replies made in threads, each after its own delay, while the other rows decode
     (engine.py: a row waits for its future; the last row's reply comes last of all), through the multi-turn
     rollout's ``StepThreads``: at tp or pp > 1 the replica's first rank runs them and the ranks agree at each step
@@ -242,8 +243,7 @@ def _overlapped(chunks, rows: list, out, *, vocab: int, seed: int, reply: list, 
                                   list(reply) if late.count(index) == 1 else None)[2])
 
     try:
-        overlapped = generate(chunks, rows, vocab_size=vocab, max_new_tokens=20, temperature=0.9, seed=seed,
-                              kv_block_tokens=4, turn_ended=slow_turn_ended, max_turn_tokens=turn_tokens,
+        overlapped = generate(chunks, rows, config, seed=seed, turn_ended=slow_turn_ended,
                               settle_replies=steps.settle if steps.share is not None else None)
     finally:
         steps.close()
@@ -287,7 +287,7 @@ def check(args: argparse.Namespace) -> dict:
 
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase, grad_buffer_tensors, optimizer_tensors
     from megatron_rl.models import unwrap
@@ -320,7 +320,8 @@ def check(args: argparse.Namespace) -> dict:
 
     lazy = LazyBuffer(unwrap(chunks[0]))  # made in the next generate, updated by the last training step
     started = time.perf_counter()
-    greedy = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    greedy_config = EngineConfig(vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    greedy = generate(chunks, prompts, greedy_config)
     result["greedy_seconds"] = time.perf_counter() - started
     result["greedy"] = {"tokens": greedy.tokens, "logprobs": greedy.logprobs, "lengths": greedy.lengths,
                         "finish_reasons": greedy.finish_reasons, "forward_passes": greedy.forward_passes,
@@ -349,8 +350,8 @@ def check(args: argparse.Namespace) -> dict:
                                                      response_slice(-nll.float(), prompts, greedy.lengths))
         model.train()
 
-    sampled = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=20,
-                       top_p=0.9, seed=11)
+    sampled = generate(chunks, prompts, dataclasses.replace(greedy_config, temperature=0.8, top_k=20, top_p=0.9),
+                       seed=11)
     result["sampled"] = {"tokens": sampled.tokens, "logprobs": sampled.logprobs,
                          "sampling_logprobs": sampled.sampling_logprobs}
     full = sequence_logprobs(chunks, padded(prompts, sampled.tokens))
@@ -368,11 +369,11 @@ def check(args: argparse.Namespace) -> dict:
     parts = args.pp  # under PP the engine decodes in pp parts, each with its share of the budget
     graphs = args.pp == 1 and not unwrap(chunks[0]).config.num_moe_experts  # where generation.cuda_graphs runs
     result["paged"] = {"parts": parts, "distinct_prompts": len({tuple(p) for p in grouped}), "rows": len(grouped)}
-    for name, kwargs in (("greedy", dict(temperature=0.0)),
-                         ("sampled", dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)),
-                         ("greedy_eos", dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
-        run = lambda **more: generate(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS,  # noqa: E731
-                                      kv_block_tokens=4, **kwargs, **more)
+    for name, seed, settings in (("greedy", 0, dict(temperature=0.0)),
+                                 ("sampled", 5, dict(temperature=0.8, top_k=20, top_p=0.9)),
+                                 ("greedy_eos", 0, dict(temperature=0.0, eos_id=greedy.tokens[0][2]))):
+        config = EngineConfig(vocab_size=vocab, max_new_tokens=NEW_TOKENS, kv_block_tokens=4, **settings)
+        run = lambda **more: generate(chunks, grouped, dataclasses.replace(config, **more), seed=seed)  # noqa: E731
         unbounded = run()
         block_bytes = unbounded.kv_cache_bytes // sum(-(-(len(p) + NEW_TOKENS) // 4) for p in grouped)
         variants = {"unshared": run(share_prefill=False), "capped": run(max_concurrent=5),
@@ -384,9 +385,8 @@ def check(args: argparse.Namespace) -> dict:
             # under the budget that evicts
             variants.update(graphs_budget_10=run(cuda_graphs=True, kv_memory_gib=10 * block_bytes / 2**30))
         # the fed session (the async worker's engine) runs with decode graphs where the layout has them
-        fed = fed_session(chunks, grouped, vocab_size=vocab, max_new_tokens=NEW_TOKENS, kv_block_tokens=4,
-                          kv_memory_gib=24 * parts * block_bytes / 2**30, cuda_graphs=graphs,
-                          **{**kwargs, "seed": kwargs.get("seed", 0)})
+        fed = fed_session(chunks, grouped, dataclasses.replace(config, kv_memory_gib=24 * parts * block_bytes / 2**30,
+                                                               cuda_graphs=graphs), seed=seed)
         fed_rows = [fed.done[i] for i in range(len(grouped))]
         full = sequence_logprobs(chunks, padded(grouped, unbounded.tokens))
         summary = lambda out: {"evictions": out.evictions, "prefill_rows": out.prefill_rows,  # noqa: E731
@@ -411,8 +411,7 @@ def check(args: argparse.Namespace) -> dict:
     # Stop token: row 0's third greedy token as eos; stop sequence: row 1's tokens 2..3.
     eos = greedy.tokens[0][2]
     stop_seq = greedy.tokens[1][1:3]
-    stopped = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
-                       eos_id=eos, stop_sequences=[stop_seq])
+    stopped = generate(chunks, prompts, dataclasses.replace(greedy_config, eos_id=eos, stop_sequences=[stop_seq]))
     result["stops"] = {"eos": eos, "stop_sequence": stop_seq, "tokens": stopped.tokens,
                        "lengths": stopped.lengths, "finish_reasons": stopped.finish_reasons,
                        "logprobs": stopped.logprobs}
@@ -423,21 +422,22 @@ def check(args: argparse.Namespace) -> dict:
     from megatron_rl.generation.engine import STOP_POLL_STEPS
 
     try:
-        generate(chunks, prompts, vocab_size=vocab, max_new_tokens=3 * STOP_POLL_STEPS, temperature=0.0,
+        generate(chunks, prompts, dataclasses.replace(greedy_config, max_new_tokens=3 * STOP_POLL_STEPS),
                  stop_requested=lambda generating: (True, True))
         result["stopped"] = "not stopped"
     except GenerationStopped as stopped:
         result["stopped"] = str(stopped)
-    result["after_stop_equal"] = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS,
-                                          temperature=0.0).tokens == greedy.tokens
+    result["after_stop_equal"] = generate(chunks, prompts, greedy_config).tokens == greedy.tokens
 
     # Clear errors for what generation does not support or cannot do.
     errors = {}
+    two_tokens = EngineConfig(vocab_size=vocab, max_new_tokens=2)
+    too_long = EngineConfig(vocab_size=vocab, max_new_tokens=shape.max_position_embeddings)
     for name, call in {
-        "empty_prompt": lambda: generate(chunks, [[]], vocab_size=vocab, max_new_tokens=2),
-        "token_out_of_vocab": lambda: generate(chunks, [[vocab]], vocab_size=vocab, max_new_tokens=2),
-        "too_long": lambda: generate(chunks, [[5]], vocab_size=vocab, max_new_tokens=shape.max_position_embeddings),
-        "cuda_graphs": lambda: generate(chunks, [[5]], vocab_size=vocab, max_new_tokens=2, cuda_graphs=True),
+        "empty_prompt": lambda: generate(chunks, [[]], two_tokens),
+        "token_out_of_vocab": lambda: generate(chunks, [[vocab]], two_tokens),
+        "too_long": lambda: generate(chunks, [[5]], too_long),
+        "cuda_graphs": lambda: generate(chunks, [[5]], dataclasses.replace(two_tokens, cuda_graphs=True)),
     }.items():
         try:
             call()
@@ -446,9 +446,8 @@ def check(args: argparse.Namespace) -> dict:
             errors[name] = f"{type(exc).__name__}: {exc}"
     result["errors"] = errors
     # A config with sequence parallelism on: generation switches it off for the call, and back on.
-    sp_tokens, sp_flag = _with_sequence_parallel(chunks, lambda: (generate(
-        chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0).tokens,
-        unwrap(chunks[0]).config.sequence_parallel))
+    sp_tokens, sp_flag = _with_sequence_parallel(chunks, lambda: (generate(chunks, prompts, greedy_config).tokens,
+                                                                  unwrap(chunks[0]).config.sequence_parallel))
     result["sequence_parallel_config"] = {"tokens_equal": sp_tokens == greedy.tokens, "flag_after_generate": sp_flag}
 
     # Offload round trip inside a generation phase; weights must be untouched by generation.
@@ -458,7 +457,7 @@ def check(args: argparse.Namespace) -> dict:
     with generation_phase(engine, offload_optimizer=True, keep_grads=True) as parked:
         freed = [t.untyped_storage().nbytes() == 0 for t in optimizer_tensors(engine.optimizer)]
         grads_freed = [t.untyped_storage().nbytes() == 0 for t in grad_buffer_tensors(chunks)]
-        inside = generate(chunks, prompts, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0)
+        inside = generate(chunks, prompts, greedy_config)
         eval_inside = all(not unwrap(c).training for c in chunks)
     result["offload"] = {
         "bytes_freed": parked.device_bytes_freed, "bytes_moved": parked.bytes_moved,

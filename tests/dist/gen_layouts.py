@@ -65,7 +65,7 @@ def check_layout(*, model: str = "tiny-cpu", tp: int = 1, ep: int = 1, cp: int =
 
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import build_engine, data_parallel_share, gather_data_parallel, sequence_logprobs
     from dist_common import progression_trainer, start_layout
@@ -89,18 +89,19 @@ def check_layout(*, model: str = "tiny-cpu", tp: int = 1, ep: int = 1, cp: int =
     result: dict = {"workers": ps.get_data_parallel_world_size(with_context_parallel=True),
                     "worker": ps.get_data_parallel_rank(with_context_parallel=True), "prompts": mine,
                     "flags_before": before}
-    runs = {"greedy": dict(temperature=0.0),
-            "sampled": dict(temperature=1.0, seed=11 + result["worker"]),
-            "eos": dict(temperature=1.0, seed=5 + result["worker"], eos_id=mine[0][-1])}
+    runs = {"greedy": (dict(temperature=0.0), None),  # name: (EngineConfig settings, seed)
+            "sampled": (dict(temperature=1.0), 11 + result["worker"]),
+            "eos": (dict(temperature=1.0, eos_id=mine[0][-1]), 5 + result["worker"])}
     multiple = engine.sequence_multiple
     # GRPO-style groups: worker 0 has 2 distinct prompts, worker 1 has 4 (8 rows each); an EP lockstep makes both
     # prefill 4 rows, otherwise each prefills its own distinct ones
     distinct = prompts_of_all_workers()[:2] if result["worker"] == 0 else prompts_of_all_workers()[2:6]
     grouped = [p for p in distinct for _ in range(8 // len(distinct))]
     inputs = {name: mine for name in runs}
-    runs["grouped"], inputs["grouped"] = dict(temperature=0.0), grouped
-    for name, kwargs in runs.items():
-        out = generate(engine.chunks, inputs[name], vocab_size=vocab, max_new_tokens=NEW_TOKENS, **kwargs)
+    runs["grouped"], inputs["grouped"] = (dict(temperature=0.0), None), grouped
+    for name, (settings, seed) in runs.items():
+        config = EngineConfig(vocab_size=vocab, max_new_tokens=NEW_TOKENS, **settings)
+        out = generate(engine.chunks, inputs[name], config, seed=seed)
         mine_now = inputs[name]
         every = gather_data_parallel([(p, t, lp) for p, t, lp in zip(mine_now, out.tokens, out.logprobs)],
                                      with_context_parallel=True)

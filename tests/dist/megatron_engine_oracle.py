@@ -212,7 +212,7 @@ def main() -> None:
 
     from dist_common import progression_trainer, write_rank_result
     from gen_check import max_abs_diff
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
     from megatron_rl.models.builder import padded_vocab_size
     from megatron_rl.runtime.distributed import initialize, job_dims
@@ -248,8 +248,8 @@ def main() -> None:
 
     # The project's engine first: building Megatron's engine marks its InferenceMode active for good.
     started = time.perf_counter()
-    ours = generate(engine.chunks, rows, vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
-                    kv_block_tokens=BLOCK_TOKENS)
+    ours = generate(engine.chunks, rows, EngineConfig(vocab_size=vocab, max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                                      kv_block_tokens=BLOCK_TOKENS))
     result["project"] = {"seconds": time.perf_counter() - started, "tokens": ours.tokens, "logprobs": ours.logprobs,
                          "finish_reasons": ours.finish_reasons, "prefill_rows": ours.prefill_rows,
                          "decode_attention": ours.decode_attention, "block_tokens": ours.kv_block_tokens}

@@ -11,7 +11,7 @@ arithmetic: rows are sequence-major, a sequence-parallel rank holds the tp-th pa
 the model's position ids give the position, and the tokens at those positions name the sequence.
 
 1. Recording: generation's recorded experts are those the training forward at the layout chooses (free routing),
-   wherever the k-th and (k+1)-th router logits are more than 1e-5 apart. The generation is multi-turn (engine.py
+   wherever the k-th and (k+1)-th router logits are more than 1e-5 apart. The generation is multi-turn (turns.py
    ``TurnEnded``): turns of 3 tokens, and on the first rollout worker every other row's first turn gets a 2-token
    reply, fed onto its blocks, and a second turn; so the replies' positions are recorded too, and where experts
    span the workers the other one runs out of rows first and steps on padding alone.
@@ -144,7 +144,7 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
-    from megatron_rl.generation import generate
+    from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.rollout.batch import REPORTS, RolloutRow, collate_rollout, make_grpo_loss
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import (build_engine, data_parallel_share, data_parallel_slice,
@@ -188,9 +188,10 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
         return None
 
     # the engine admits 2 rows at a time: later rows join as earlier ones finish
-    out = generate(engine.chunks, mine, vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, temperature=1.0,
-                   seed=3 + ps.get_data_parallel_rank(with_context_parallel=True), record_routes=True,
-                   max_concurrent=2, turn_ended=turn_ended, max_turn_tokens=TURN_TOKENS)
+    rollout_config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=NEW_TOKENS, temperature=1.0,
+                                  record_routes=True, max_concurrent=2, max_turn_tokens=TURN_TOKENS)
+    out = generate(engine.chunks, mine, rollout_config, seed=3 + ps.get_data_parallel_rank(with_context_parallel=True),
+                   turn_ended=turn_ended)
     result["replies_fed"] = sum(mask == [1] * TURN_TOKENS + [0] * len(REPLY) + [1] * TURN_TOKENS
                                 for mask in out.policy_mask)
     result["sampled_tokens"] = sum(map(sum, out.policy_mask))

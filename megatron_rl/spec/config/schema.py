@@ -453,6 +453,12 @@ class EnvironmentConfig:
     pp > 1 in the threads of its first rank, its ranks agreeing at each engine step which replies came). Each
     episode's steps stay in order; a row waits for its reply holding its KV blocks, and its tokens do not depend on
     when the reply comes. 0: each step runs between engine steps, the others waiting."""
+    reply_steps: int = 4
+    """Engine steps after a turn ends at which the environment's reply (made in a thread, concurrent_steps > 0)
+    joins its row; the engine waits for it there if it is not ready. So the step a reply joins, and with it every
+    step's batch and the log-probs computed in it, depend on nothing but the run: runs repeat bit for bit. Raise
+    it for environments slower than that many decode steps; 0 takes each reply at the first step it is ready (no
+    wait, but the log-probs' last digits then depend on thread timing, and a run does not repeat exactly)."""
     mean_step_s: float = 0.0
     """Seconds one environment step takes on average (a tool's run, a judge's call), for the planner: a rollout
     worker makes its episodes' steps concurrent_steps at a time (one for 0), and the planner adds them to the
@@ -462,7 +468,7 @@ class EnvironmentConfig:
         _positive("environment", max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
                   max_episode_tokens=self.max_episode_tokens, step_timeout_s=self.step_timeout_s)
         _non_negative("environment", mean_reply_tokens=self.mean_reply_tokens, mean_step_s=self.mean_step_s,
-                      concurrent_steps=self.concurrent_steps)
+                      concurrent_steps=self.concurrent_steps, reply_steps=self.reply_steps)
         if self.mean_reply_tokens >= self.max_episode_tokens:
             raise ConfigError(f"environment.mean_reply_tokens={self.mean_reply_tokens} must be below "
                               f"environment.max_episode_tokens={self.max_episode_tokens}")
