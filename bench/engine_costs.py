@@ -12,6 +12,7 @@ layers; bench/generation.py's, same weights copied into a ``LlamaForCausalLM``),
   outside ``ModelRunner.forward``, scheduling, inputs, sampling and post-processing; theirs: ``generate``'s time
   per new token outside the model's ``forward``, its logits processing, stopping criteria and cache update);
 * ``sample_us_per_step`` (ours): the part of that spent choosing tokens (on a GPU: kernels, not host time);
+* ``forward_us_per_step``: the median decode step's model forward, for scale (on the CPU it is most of a step);
 * ``syncs_per_step``: host reads per decode step (``megatron_rl.runtime.probes.host_syncs``: ``item``,
   ``tolist``, ``int()``, ``bool()``, ``nonzero``, boolean indexing), counted in a separate run;
 * ``kernels``: the paged attention reference kernels' peak extra memory over the K/V (MLA: latent) bytes they
@@ -71,7 +72,8 @@ def ours(engine, shape, prompts: list, new_tokens: int, *, count_syncs: bool) ->
             more, reads = step(self), []
         took = time.perf_counter() - started
         if more and self.parts[0].runner.context.is_decode_only():
-            steps.append({"host": took - parts["forward"], "sample": parts["sample"], "syncs": len(reads)})
+            steps.append({"host": took - parts["forward"], "sample": parts["sample"], "forward": parts["forward"],
+                          "syncs": len(reads)})
         return more
 
     Engine.step, ModelRunner.forward, ModelRunner.sample = (measured_step, timed("forward", forward),
@@ -83,6 +85,7 @@ def ours(engine, shape, prompts: list, new_tokens: int, *, count_syncs: bool) ->
         Engine.step, ModelRunner.forward, ModelRunner.sample = step, forward, sample
     return {"host_us_per_step": 1e6 * statistics.median(s["host"] for s in steps),
             "sample_us_per_step": 1e6 * statistics.median(s["sample"] for s in steps),
+            "forward_us_per_step": 1e6 * statistics.median(s["forward"] for s in steps),
             "syncs_per_step": max(s["syncs"] for s in steps), "decode_steps": len(steps)}
 
 
@@ -113,6 +116,7 @@ def theirs(hf, prompts: torch.Tensor, new_tokens: int, *, count_syncs: bool) -> 
         hf.forward = forward
     # the first call is the prefill; the others are decode steps
     return {"host_us_per_step": 1e6 * (total - sum(calls)) / len(calls), "syncs_per_step": len(reads) / len(calls),
+            "forward_us_per_step": 1e6 * statistics.median(calls[1:]),
             "decode_steps": len(calls) - 1}
 
 
@@ -188,11 +192,14 @@ def main() -> None:
     kernels = kernel_peaks()
     shutdown()
     print(f"decode steps, fp32, {args.threads} torch threads, median of {args.repeats}")
-    print(f"{'rows':>5}{'ours host us':>14}{'(sampling)':>12}{'HF host us':>12}{'ours syncs':>12}{'HF syncs':>10}")
+    print(f"{'rows':>5}{'ours host us':>14}{'(sampling)':>12}{'HF host us':>12}{'ours syncs':>12}{'HF syncs':>10}"
+          f"{'ours fwd us':>13}{'HF fwd us':>11}")
     for rows, case in results.items():
-        print(f"{rows:>5}{case['ours']['host_us_per_step']:14.0f}{case['ours']['sample_us_per_step']:12.0f}"
-              f"{case['transformers']['host_us_per_step']:12.0f}{case['ours']['syncs_per_step']:12.0f}"
-              f"{case['transformers']['syncs_per_step']:10.1f}")
+        ours_case, theirs_case = case["ours"], case["transformers"]
+        print(f"{rows:>5}{ours_case['host_us_per_step']:14.0f}{ours_case['sample_us_per_step']:12.0f}"
+              f"{theirs_case['host_us_per_step']:12.0f}{ours_case['syncs_per_step']:12.0f}"
+              f"{theirs_case['syncs_per_step']:10.1f}{ours_case['forward_us_per_step']:13.0f}"
+              f"{theirs_case['forward_us_per_step']:11.0f}")
     for name, found in kernels.items():
         print(f"kernel {name}: peak extra {found['peak_extra_bytes'] / 2**20:.1f} MiB = {found['over_kv']:.2f} x "
               f"the {found['kv_bytes_read'] / 2**20:.1f} MiB of K/V it reads")

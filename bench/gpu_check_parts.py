@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -104,7 +106,8 @@ def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
     tiny MLA model: its log-probs against the training forward's, and its tokens under a KV budget small enough to
     evict against the unbounded pool's at the same seed (greedy, sampled); and the paged
     kernels this device runs (flash-attn's where installed, else the torch reference) against the reference on
-    random paged K/V in bf16 (fp32 on the CPU) with 256-token blocks, GQA, and rows mixing prefill and decode."""
+    random paged K/V in bf16 (fp32 on the CPU) with 256-token blocks, GQA, and rows mixing prefill and decode. On a
+    GPU it also reports the synchronisations CUDA sees per engine forward (unverified until a device runs it)."""
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.generation.paged_attention import kernels, reference_kvcache, reference_varlen
@@ -133,6 +136,7 @@ def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
                     full = sequence_logprobs(model, torch.tensor([r + [0] * (width - len(r)) for r in rows],
                                                                  device=device))
                 runs[f"{shape.name}_{name}"] = {
+                    "syncs_per_forward": _device_syncs_per_forward(model, prompts, config, seed, device),
                     "tokens_equal": small.tokens == paged.tokens, "evictions": small.evictions,
                     "kernels": paged.decode_attention,
                     "logprob_vs_training_forward": max(abs(full[b, len(p) - 1 + i].item() - x)
@@ -175,6 +179,24 @@ def paged_engine_check(exact_yaml: str, device: torch.device) -> dict:
             "flash_attn_verified": chosen.name == "flash-attn",
             "passed": all(r["tokens_equal"] and r["evictions"] > 0 and r["logprob_vs_training_forward"] < 1e-4
                           for r in runs.values()) and varlen_diff < tolerance and decode_diff < tolerance}
+
+
+def _device_syncs_per_forward(model, prompts: list, config, seed, device: torch.device) -> Optional[float]:
+    """The host-device synchronisations CUDA reports (``torch.cuda.set_sync_debug_mode``) per engine forward of a
+    ``generate`` call (the engine's own: one a decode step, tests/dist/engine_syncs.py; Megatron's forward may add
+    its own); None on a CPU."""
+    from megatron_rl.generation import generate
+
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = generate(model, prompts, config, seed=seed)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught) / out.forward_passes
 
 
 def packing_check(exact_yaml: str, device: torch.device) -> dict:

@@ -488,7 +488,11 @@ def test_decode_graphs_capture_thread_local_and_read_what_eager_reads(monkeypatc
 
 def test_rotary_tables_read_while_capturing_stay_referenced(monkeypatch):
     """A captured graph bakes in the address of the rotary table it read; Megatron keeps those tables in an LRU of
-    32, so the context holds each table read under capture for as long as it (and its graphs) lives."""
+    32, so the context holds each table read under capture for as long as it (and its graphs) lives. The rotation is
+    Megatron's unfused one to the bit, its cos and sin made once a step for every layer, and again inside a capture
+    (a replay must compute them from its own step's positions, not reuse the warm-up's)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
     from megatron_rl.generation import paged
     from megatron_rl.generation.paged import BlockPool, PagedContext
 
@@ -498,18 +502,16 @@ def test_rotary_tables_read_while_capturing_stay_referenced(monkeypatch):
     host = {name: [] for name in LONG_INPUTS} | dict(ids=[5], positions=[2], slot_block=[0], slot_offset=[2], last=[0],
                                                     cu_q=[0, 1], cu_k=[0, 3], k_lens=[3], table=[0])
     context.set_step(send_step(host, width=1, device=torch.device("cpu")), max_q=1, max_k=3)
-    from megatron.core.models.common.embeddings import rope_utils
-
-    monkeypatch.setattr(rope_utils, "apply_rotary_pos_emb", lambda t, freqs, config, mscale=1.0: t)  # no CP group here
-    config = types.SimpleNamespace(rope_type="rope")
+    config = types.SimpleNamespace(rope_type="rope", rotary_interleaved=False)
     table = torch.randn(8, 1, 1, DIM)
     query = torch.randn(1, 1, HEADS, DIM)
-    context.apply_rotary_emb_query(query, table, config)
+    eager = context.apply_rotary_emb_query(query, table, config)
+    assert torch.equal(eager, _apply_rotary_pos_emb_bshd(query, table[torch.tensor([2])], rotary_interleaved=False))
+    assert torch.equal(context.apply_rotary_emb_key(query, table, config), eager) and len(context._rope) == 1
     assert context.graph_tables == []
     monkeypatch.setattr(paged, "capturing", lambda: True)
-    context.apply_rotary_emb_query(query, table, config)
+    assert torch.equal(context.apply_rotary_emb_query(query, table, config), eager) and len(context._rope) == 2
     assert len(context.graph_tables) == 1 and context.graph_tables[0] is table
-
 
 
 def test_a_decode_step_reads_back_to_the_host_once_whatever_the_layer_count(tmp_path):
@@ -521,3 +523,22 @@ def test_a_decode_step_reads_back_to_the_host_once_whatever_the_layer_count(tmp_
     result, = torchrun_check("engine_syncs.py", tmp_path, nproc=1)
     assert len(result["2"]) == len(result["8"]) == 11, result
     assert set(result["2"]) == set(result["8"]) and max(result["8"]) <= 3, result
+
+
+def test_the_engine_config_is_built_once_from_the_generation_section_and_refuses_bad_values():
+    """EngineConfig.from_generation carries every engine setting of the job's generation section (the tokenizer's
+    eos and encoded stops beside them); a bad value is refused naming its field."""
+    from megatron_rl.generation.config import EngineConfig
+    from megatron_rl.spec.config.schema import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=5, stop=["x"], max_concurrent=3,
+                           kv_memory_gib=0.5, kv_block_tokens=16, cuda_graphs=True)
+    config = EngineConfig.from_generation(gen, vocab_size=100, eos_id=2, stop_sequences=[[7, 8]], record_routes=True)
+    assert (config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.max_concurrent,
+            config.kv_memory_gib, config.kv_block_tokens, config.cuda_graphs) == (12, 0.7, 0.9, 5, 3, 0.5, 16, True)
+    assert config.stop_ids == [2] and config.stop_sequences == ((7, 8),) and config.record_routes
+    assert config.kv_memory_bytes == 2**29
+    for field, value in (("max_new_tokens", 0), ("kv_block_tokens", 0), ("max_concurrent", 0), ("reply_steps", -1),
+                         ("kv_memory_gib", 0.0)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(vocab_size=100, **{"max_new_tokens": 4, field: value})

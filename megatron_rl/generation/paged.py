@@ -171,6 +171,8 @@ class PagedContext:
             step = into
             max_k = into["table"].shape[1] * self.pool.block_tokens
         self._max_q, self._max_k, self._decode_only = max_q, max_k, max_q == 1
+        self._rope: dict = {}
+        """This step's RoPE cos and sin per rotary table (``_rotated``)."""
         self._cu_q, self._cu_k, self._k_lens, self._table = step["cu_q"], step["cu_k"], step["k_lens"], step["table"]
         self._positions, self._slot_block, self._slot_offset = step["positions"], step["slot_block"], step["slot_offset"]
         self._last = step["last"]
@@ -226,15 +228,28 @@ class PagedContext:
         return k_cache, v_cache, self._table
 
     def _rotated(self, tensor: torch.Tensor, table: torch.Tensor, config) -> torch.Tensor:
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+        """RoPE at each fed token's position, as Megatron's unfused ``_apply_rotary_pos_emb_bshd`` computes it (the
+        builder turns its fusion off on every device), with the step's cos and sin computed once for all layers and
+        both of query and key (within a CUDA graph's capture, again inside it, so that a replay computes them from its
+        own positions)."""
+        from megatron.core.models.common.embeddings.rope_utils import _rotate_half
         from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
             _yarn_get_concentration_factor_from_config,
         )
 
-        if capturing():
+        under_capture = capturing()
+        if under_capture:
             self.graph_tables.append(table)
-        return apply_rotary_pos_emb(tensor, table[self._positions], config=config,
-                                    mscale=_yarn_get_concentration_factor_from_config(config))
+        key = (id(table), tensor.dtype, under_capture)
+        if key not in self._rope:
+            freqs = table[self._positions]
+            mscale = _yarn_get_concentration_factor_from_config(config)
+            self._rope[key] = (table, freqs.shape[-1], (torch.cos(freqs) * mscale).to(tensor.dtype),
+                               (torch.sin(freqs) * mscale).to(tensor.dtype))
+        _, rot_dim, cos, sin = self._rope[key]
+        rotated, passed = tensor[..., :rot_dim], tensor[..., rot_dim:]
+        rotated = (rotated * cos) + (_rotate_half(rotated, config.rotary_interleaved) * sin)
+        return torch.cat((rotated, passed), dim=-1)
 
     def apply_rotary_emb_query(self, query, query_emb, config, cu_seqlens_q=None, cp_group=None, mscale=1.0):
         return self._rotated(query, query_emb, config)

@@ -1,10 +1,10 @@
 """Probes of what a code path would cost a GPU, measured on any device: host reads (each a sync on a GPU, stopping
 the host from queueing work while the device runs) and the peak memory of the tensors it makes.
 
-``host_syncs()`` records the aten calls that read values back (``item``, ``int()``, ``bool()``, ``__index__`` all
-reach ``_local_scalar_dense``; ``nonzero``, ``masked_select``, and indexing by a boolean mask, whose count sizes
-the result), seen below Python so a read inside an aten op is caught too, and ``Tensor.tolist`` (which no aten op
-sees). ``PeakBytes`` is the most tensor storage the block's ops held at once. The tests hold the engine and the
+``host_syncs()`` records the aten calls that read values back (``_local_scalar_dense``, which ``item``, ``int()``,
+``bool()`` and ``__index__`` reach; ``nonzero``, ``masked_select``, and indexing by a boolean mask, whose count sizes
+the result), seen below Python so a read inside an aten op is caught too, and the tensor methods that read values
+(``tolist``, which no aten op sees; the scalar methods, whose read under ``torch.inference_mode`` no mode sees). ``PeakBytes`` is the most tensor storage the block's ops held at once. The tests hold the engine and the
 kernels to them (tests/test_paged_engine.py, tests/dist/engine_syncs.py) and bench/engine_costs.py reports them.
 """
 
@@ -19,20 +19,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-class HostReads(TorchDispatchMode):
-    """Appends to ``reads`` the name of every aten call that reads a tensor's value back to the host."""
+SCALAR_READ = "aten._local_scalar_dense.default"
+SCALAR_METHODS = ("item", "__bool__", "__int__", "__float__", "__index__")
+"""The tensor methods that read one value back; under ``torch.inference_mode`` their read reaches no dispatch mode,
+so ``host_syncs`` counts them at the method too (once: the aten read inside one is not counted again)."""
 
-    READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
+
+class HostReads(TorchDispatchMode):
+    """Appends to ``reads`` the name of every aten call that reads a tensor's value back to the host (a scalar read
+    inside a patched method, while ``inside[0]``, excepted)."""
+
+    READS = {SCALAR_READ, "aten.nonzero.default", "aten.masked_select.default"}
     INDEXING = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default",
                 "aten._index_put_impl_.default"}
 
-    def __init__(self, reads: list):
+    def __init__(self, reads: list, inside: list):
         super().__init__()
-        self.reads = reads
+        self.reads, self.inside = reads, inside
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if name in self.READS or name in self.INDEXING and any(
+        if (name in self.READS and not (name == SCALAR_READ and self.inside[0])) or name in self.INDEXING and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_flatten(args[1])[0]):
             self.reads.append(name)
         return func(*args, **(kwargs or {}))
@@ -40,15 +47,30 @@ class HostReads(TorchDispatchMode):
 
 @contextlib.contextmanager
 def host_syncs() -> Iterator[list]:
-    """The host reads made in the block (``HostReads``, and ``tolist``), in order."""
+    """The host reads made in the block (``HostReads``, the scalar methods and ``tolist``), in order."""
     reads: list = []
-    tolist = torch.Tensor.tolist
-    torch.Tensor.tolist = lambda self: reads.append("tolist") or tolist(self)
+    inside = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", *SCALAR_METHODS)}
+
+    def counted(name: str, original):
+        def read(self, *args, **kwargs):
+            if not inside[0]:
+                reads.append(name if name == "tolist" else SCALAR_READ)
+            inside[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(name, original))
     try:
-        with HostReads(reads):
+        with HostReads(reads, inside):
             yield reads
     finally:
-        torch.Tensor.tolist = tolist
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
 
 
 class PeakBytes(TorchDispatchMode):
