@@ -408,8 +408,9 @@ def keys_read(monkeypatch) -> list:
 
 
 def test_decode_steps_read_the_whole_table_without_a_host_sync(monkeypatch):
-    """The decode kernel reads its table's whole width, one rule for every step: eager (set_step cuts the table to
-    the longest row's blocks: under one block more than the longest row), and the steps of generation.cuda_graphs
+    """The decode kernel reads the longest row's keys where the host marked them on the lengths (an eager engine
+    step), else its table's whole width: the table cut to the longest row's blocks, and the steps of
+    generation.cuda_graphs
     (DecodeGraphs.run: eager on a CPU, captured or replayed on a GPU) and gpu_check's bucketed eager run of the same
     steps, which both read the fixed wide table, so a replay and its eager run read the same keys (bf16 results
     then agree bitwise in gpu_check's part 4c). No host sync; extra columns of any block ids change nothing."""
@@ -429,10 +430,16 @@ def test_decode_steps_read_the_whole_table_without_a_host_sync(monkeypatch):
         eager = step(table)
         assert read == [3 * BLOCK] * 2  # K and V: the cut table's 3 blocks, 12 keys for the longest row's 11
         read.clear()
+        lens.host_max = 11  # an eager engine step's lengths carry their longest (PagedContext.set_step)
+        bounded = step(wide)
+        assert read == [11] * 2
+        del lens.host_max
+        read.clear()
         replayed = DecodeGraphs(rows=4, width=wide.shape[1], device=torch.device("cpu")).run(4, lambda: step(wide))
         bucketed = step(wide)
     assert read == [wide.shape[1] * BLOCK] * 4 and syncs == []
     torch.testing.assert_close(replayed, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bounded, eager, rtol=1e-6, atol=1e-6)
     assert torch.equal(replayed, bucketed)
 
 

@@ -160,8 +160,9 @@ class PagedContext:
     def set_step(self, step: dict, *, max_q: int, max_k: int, into: Optional[dict] = None) -> torch.Tensor:
         """Describe the next forward from ``step``, its inputs on the device (runner.py ``send_step``: the fed
         tokens' ``positions``, ``slot_block`` and ``slot_offset``, each row's ``last`` token, ``cu_q``, ``cu_k``,
-        ``k_lens`` and its block ``table`` cut to the longest row's blocks, as the torch decode kernel reads the
-        whole width); ``max_q`` / ``max_k``: the longest row's new tokens and keys. Returns the positions.
+        ``k_lens`` and its block ``table`` cut to the longest row's blocks); ``max_q`` / ``max_k``: the longest row's
+        new tokens and keys (marked on ``k_lens`` as ``host_max`` for the torch decode kernel). Returns the
+        positions.
         ``into`` (graphs.py ``DecodeGraphs.inputs``, a decode-only step of exactly that many rows): the step is
         copied into those fixed buffers, which the forward then reads, table and all."""
         if into is not None:
@@ -170,6 +171,8 @@ class PagedContext:
                 (target[:, :value.shape[1]] if name == "table" else target).copy_(value)
             step = into
             max_k = into["table"].shape[1] * self.pool.block_tokens
+        else:  # the decode kernel reads this many keys, not the table's whole width (paged_attention.py)
+            step["k_lens"].host_max = max_k
         self._max_q, self._max_k, self._decode_only = max_q, max_k, max_q == 1
         self._rope: dict = {}
         """This step's RoPE cos and sin per rotary table (``_rotated``)."""

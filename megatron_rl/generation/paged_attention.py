@@ -175,9 +175,11 @@ def reference_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     k_lens = cache_seqlens.long()
     rows, q_len = q.shape[0], q.shape[1]
-    # the keys of the table's whole width, not the longest row's (no host sync; set_step cuts the table to the
-    # longest row's blocks, a graph step reads its fixed table: a replay and its eager run read the same keys)
+    # the longest row's keys where the host knows them (PagedContext.set_step marks an eager step's lengths with
+    # ``host_max``), else the table's whole width (a graph step's fixed table: a replay and its eager run read the
+    # same keys); never a read of the lengths themselves (a host sync on every layer)
     longest = block_table.shape[1] * k_cache.shape[1]
+    longest = min(longest, getattr(cache_seqlens, "host_max", longest))
     if rows == 0 or longest == 0:
         return torch.zeros_like(q)
     keys = _gathered(k_cache, block_table[:rows], longest)

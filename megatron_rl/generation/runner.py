@@ -3,7 +3,7 @@
 A step's integer inputs (tokens, positions, KV slots, query/key offsets, the rows' block tables, and the sampled
 rows' draw keys and logit rows) are worked out on the host, where the engine knows them, and reach the device in
 one copy from pinned memory (``send_step``); the choice comes back in one copy (``StepChoice.host_lists``). So a
-decode step waits on the device once, whatever the layer count: the kernels read lengths from the table's width
+decode step waits on the device once, whatever the layer count: the kernels take the longest row from the host
 and index with integer tensors, never a boolean mask (paged_attention.py).
 
 Every fed row samples one token at its last position; a group's members admitted with it sample from their
