@@ -265,7 +265,7 @@ def _scheduler(num_blocks: int, prompts: list, *, max_new_tokens: int = 8):
 
     pool = BlockPool({1: LayerCache(kv_heads=KV_HEADS, head_dim=DIM)}, num_blocks=num_blocks, block_tokens=BLOCK,
                      dtype=torch.float32, device=torch.device("cpu"))
-    rows = [Sequence(index=i, tokens=list(p), prompt_len=len(p), max_len=len(p) + max_new_tokens, turn_start=len(p))
+    rows = [Sequence.of_prompt(p, index=i, max_new_tokens=max_new_tokens, max_total_tokens=1 << 62, seed=0, request=i)
             for i, p in enumerate(prompts)]
     counters = {"admitted": 0, "evictions": 0}
     scheduler = Scheduler(group_sequences(rows, share_prefill=True), blocks=BlockManager(pool), budget=num_blocks,

@@ -199,6 +199,8 @@ class Engine:
                          "graph_steps": 0}
         self.rows: list = []
         self.parts: list = []
+        self.budgets: list = []
+        """Blocks per part (``_budgets``)."""
         self.steps = 0
         self.recorder = None
         self.slots = None if hooks.feed is None else FeedSlots(
@@ -207,6 +209,9 @@ class Engine:
     @property
     def longest_allowed(self) -> int:
         return self.config.max_total_tokens or 1 << 62
+
+    def _blocks_of(self, length: int) -> int:
+        return -(-length // self.config.kv_block_tokens)
 
     def _check_layout(self) -> None:
         config, chain = self.config, self.chain
@@ -226,10 +231,9 @@ class Engine:
     def add(self, prompts) -> None:
         """The call's prompts (token lists), before ``run``; row i decodes with draws counter i."""
         for prompt in prompts:
-            length = len(prompt)
-            self.rows.append(Sequence(index=len(self.rows), tokens=list(prompt), prompt_len=length, seed=self.seed,
-                                      max_len=min(length + self.config.max_new_tokens, self.longest_allowed),
-                                      turn_start=length, request=len(self.rows)))
+            self.rows.append(Sequence.of_prompt(prompt, index=len(self.rows), max_new_tokens=self.config.max_new_tokens,
+                                                max_total_tokens=self.longest_allowed, seed=self.seed,
+                                                request=len(self.rows)))
 
     def run(self) -> tuple[list, PagedStats]:
         """Decode every row (a session: until the feed ends it); returns (rows in slot order, stats)."""
@@ -307,21 +311,20 @@ class Engine:
     def _budgets(self, split: list, longest: int) -> list:
         """Blocks per part: ``kv_memory_gib`` over the parts (under PP, what the fullest stage gets), or every
         row's at its longest."""
-        blocks_of = lambda length: -(-length // self.config.kv_block_tokens)  # noqa: E731
         memory = self.config.kv_memory_bytes
         if memory is None:  # a session's first prompts give its budget, as a call's would
-            return [max(sum(blocks_of(row.max_len) for group in part for row in group.rows),
-                        blocks_of(longest) if self.slots is not None else 0) for part in split]
+            return [max(sum(self._blocks_of(row.max_len) for group in part for row in group.rows),
+                        self._blocks_of(longest) if self.slots is not None else 0) for part in split]
         blocks = int(memory // len(split) // self.block_bytes)
         if self.chain.pp_size > 1:  # stages with fewer layers get as many blocks as the fullest: same admissions
             fewest = torch.full((1,), blocks, dtype=torch.long, device=collective_device(self.chain.pp_group))
             torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN, group=self.chain.pp_group)
             blocks = int(fewest.item())
-        if blocks < blocks_of(longest):
+        if blocks < self._blocks_of(longest):
             raise ValueError(f"generation.kv_memory_gib={self.config.kv_memory_gib:.4g} holds {blocks} KV blocks of "
                              f"{self.config.kv_block_tokens} tokens" +
                              (f" per pipeline part ({len(split)})" if len(split) > 1 else "") +
-                             f"; one completion of {longest} tokens needs {blocks_of(longest)}: "
+                             f"; one completion of {longest} tokens needs {self._blocks_of(longest)}: "
                              f"raise generation.kv_memory_gib")
         return [blocks] * len(split)
 
@@ -334,9 +337,8 @@ class Engine:
         scratch = pool.reserve() if padded else None  # one past the budget
         blocks = BlockManager(pool)
         scheduler = Scheduler(groups, blocks=blocks, budget=budget, max_concurrent=config.max_concurrent,
-                              counters=self.counters)
-        if self.slots is not None:
-            scheduler.finished_group = self.slots.finished
+                              counters=self.counters,
+                              finished_group=None if self.slots is None else self.slots.finished)
         positions = config.max_total_tokens if self.slots is not None else None
         context = PagedContext(pool, max_sequence_length=max(longest, positions or 0), device=self.device)
         graphs = DecodeGraphs(rows=len(self.rows), width=blocks.blocks_for(longest), device=self.device) \
@@ -372,7 +374,7 @@ class Engine:
         """A feed's prompts join the part that was fed the fewest rows; each row must fit the part's whole pool."""
         block_tokens = self.config.kv_block_tokens
         for rows in self.slots.rows_of(prompts):
-            need, most = -(-rows[0].max_len // block_tokens), min(self.budgets)
+            need, most = self._blocks_of(rows[0].max_len), min(self.budgets)
             if need > most:
                 raise ValueError(f"generation.kv_memory_gib holds {most} KV blocks of {block_tokens} tokens; a "
                                  f"completion of {rows[0].max_len} tokens needs {need}: raise generation.kv_memory_gib")

@@ -73,14 +73,13 @@ class FeedSlots:
         groups = []
         for prompt in prompts:
             group: list = []
-            length = len(prompt.tokens)
             for j in range(prompt.completions):
                 slot = self.free.pop() if self.free else len(self.rows)
                 if slot == len(self.rows):
                     self.rows.append(None)
-                row = Sequence(index=slot, tokens=list(prompt.tokens), prompt_len=length,
-                               max_len=min(length + self.max_new_tokens, self.max_total_tokens), turn_start=length,
-                               seed=prompt.seed, request=prompt.first_request + j, fed_prompt=prompt, group=group)
+                row = Sequence.of_prompt(prompt.tokens, index=slot, max_new_tokens=self.max_new_tokens,
+                                         max_total_tokens=self.max_total_tokens, seed=prompt.seed,
+                                         request=prompt.first_request + j, fed_prompt=prompt, group=group)
                 self.rows[slot] = row
                 group.append(row)
             groups.append(group)

@@ -128,7 +128,7 @@ class ModelRunner:
                 ids.extend(row.tokens[row.cached:])
                 _extend_slots(host, row.blocks, row.cached, len(row.tokens), bt)
         for tokens in padding:
-            host["ids"].extend([0] * tokens)
+            ids.extend([0] * tokens)
             _extend_slots(host, [self.scratch], 0, tokens, bt)
         q_all = q_lens + padding
         k_lens = [len(row.tokens) for row in fed] + padding

@@ -38,11 +38,11 @@ class Scheduler:
     """Waiting groups and running rows of one engine part, over its ``BlockManager``."""
 
     def __init__(self, groups: list, *, blocks: BlockManager, budget: int, max_concurrent: Optional[int],
-                 counters: dict) -> None:
+                 counters: dict, finished_group: Optional[Callable[[list], None]] = None) -> None:
         self.blocks, self.budget, self.max_concurrent, self.counters = blocks, budget, max_concurrent, counters
         self.waiting: deque = deque(groups)
         self.running: list = []
-        self.finished_group: Optional[Callable[[list], None]] = None
+        self.finished_group = finished_group
         """A session's report of a fed prompt whose rows have all ended (feed.py ``FeedSlots.finished``)."""
 
     @property

@@ -51,6 +51,14 @@ class Sequence:
     """How the turn awaiting its hand-over or ``reply`` ended ("stop" or "length"): the row's finish if the reply
     ends it."""
 
+    @classmethod
+    def of_prompt(cls, prompt, *, index: int, max_new_tokens: int, max_total_tokens: int, seed: int, request: int,
+                  **more) -> "Sequence":
+        """A row decoding ``prompt``: at most ``max_new_tokens`` after it and ``max_total_tokens`` in all."""
+        length = len(prompt)
+        return cls(index=index, tokens=list(prompt), prompt_len=length, turn_start=length, seed=seed, request=request,
+                   max_len=min(length + max_new_tokens, max_total_tokens), **more)
+
     @property
     def uncached(self) -> int:
         """Tokens its next forward feeds."""
