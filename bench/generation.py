@@ -92,7 +92,8 @@ def trained_engine(model: str, train_steps: int):
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.runtime.training import build_engine
-    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+    from megatron_rl.algorithms.lm_loss import lm_loss
+    from megatron_rl.data.batches import collate_lm, progression_batch
 
     cfg = load_config(overrides=[f"model.name={model}", "algorithm.name=pretrain", "algorithm.global_batch_size=16",
                                  "optimizer.lr=0.01", "parallel.micro_batch_size=16", "run.seed=3"])

@@ -31,7 +31,7 @@ What it measures, in one process (Megatron Core TP=1, PP=1, the runtime's own ``
    seconds through the one host buffer, pinned on the GPU. The dry run captures nothing.
 5. LoRA: adapters on this device's linears (TE's on a GPU with TE), MLA's and grouped experts' (TE's grouped
    GEMM with TE): zero-init equals the base, and the adapters' forward equals their merged weights.
-6. GRPO: ``GrpoRun`` steps (generate, score, train) with their time split; before each train phase the
+6. GRPO: ``RLRun`` steps (generate, score, train) with their time split; before each train phase the
    rollout's KV-cache log-probs are checked against the training forward. bf16 tolerance: max |diff| <= 0.25
    nats and mean |diff| <= 0.02 nats (bf16 keeps 8 mantissa bits; decode and full-sequence GEMMs round
    differently).
@@ -163,7 +163,8 @@ def training_mfu(engine, shape, sizes: CheckSizes, gpu_type: str) -> dict:
     from launcher.planner.costs import Workload
     from launcher.planner.gpus import get_gpu
     from megatron_rl.runtime.phases import training_phase
-    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+    from megatron_rl.algorithms.lm_loss import lm_loss
+    from megatron_rl.data.batches import collate_lm, progression_batch
 
     gpu = get_gpu(gpu_type)
     workload = Workload(shape=shape, gpu=gpu, num_gpus=1, seq_length=sizes.mfu_seq,
@@ -206,7 +207,7 @@ def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, 
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.phases import generation_phase
-    from megatron_rl.trainers.pretrain import progression_batch
+    from megatron_rl.data.batches import progression_batch
 
     prompt_tensor = progression_batch(seed=5, step=0, batch_size=sizes.gen_batch,
                                       seq_length=sizes.gen_prompt_len - 1, vocab_size=shape.vocab_size)
@@ -234,7 +235,7 @@ def generation_throughput(engine, shape, sizes: CheckSizes, dtype: torch.dtype, 
     start = sizes.gen_prompt_len - 1
     hf_diff = (reference[:, start:] - theirs_lp[:, start:]).abs()
     attn = getattr(hf.config, "_attn_implementation", None)
-    del hf
+    hf = None  # frees the copy's memory before the next check
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     new_tokens = sizes.gen_batch * sizes.gen_new_tokens
@@ -271,7 +272,7 @@ def decode_graphs(engine, shape, sizes: CheckSizes, device: torch.device) -> dic
     from megatron_rl.generation.graphs import DecodeGraphs
     from megatron_rl.runtime.phases import generation_phase, offload_metrics
     from megatron_rl.runtime.training import sequence_logprobs
-    from megatron_rl.trainers.pretrain import progression_batch
+    from megatron_rl.data.batches import progression_batch
 
     rows = max(3, sizes.gen_batch // 5 + 1)  # 13 on the GPU: bucket 16
     batch = progression_batch(seed=8, step=0, batch_size=rows, seq_length=sizes.gen_prompt_len - 1,
@@ -329,10 +330,10 @@ def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
     """GRPO steps (generate, score, train); the rollout log-prob check sits outside the timed phases."""
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase
-    from megatron_rl.trainers.grpo import SampledBatch
+    from megatron_rl.rl.sources import SampledBatch
 
     steps, checks = [], []
-    for _ in range(sizes.grpo_steps):
+    for step in range(1, sizes.grpo_steps + 1):
         prompts = run.sampler.next_batch()
         rollout, t_gen = timed(lambda: run.generate(prompts))
         _, t_score = timed(lambda: run.score(rollout))
@@ -341,7 +342,7 @@ def grpo_steps(run, sizes: CheckSizes, device: torch.device) -> dict:
             reference = sequence_logprobs(run.engine.chunks, tokens)
         checks.append(compare_logprobs([len(p) for p in rollout.prompt_ids], rollout.response_ids,
                                        rollout.logprobs, reference))
-        train, t_train = timed(lambda: run.train_on(rollout))
+        train, t_train = timed(lambda: run.train_on(rollout, step))
         sampled = SampledBatch(drawn=rollout, kept=rollout, draws=1, sample_s=t_gen, score_s=t_score)
         metrics = run.step_metrics(sampled, train, t_train)
         steps.append({k: metrics[k] for k in (
@@ -367,7 +368,8 @@ def gloo_tp2_worker(backend: str, out: Path) -> int:
     from megatron_rl.runtime.distributed import global_rank, initialize, job_dims, shutdown
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import build_engine
-    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+    from megatron_rl.algorithms.lm_loss import lm_loss
+    from megatron_rl.data.batches import collate_lm, progression_batch
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     with tempfile.TemporaryDirectory(prefix="gpu_check_gloo_tp2_") as run_dir:
@@ -569,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
     from megatron_rl.trainers.common import TrainerContext
-    from megatron_rl.trainers.grpo import GrpoRun
+    from megatron_rl.trainers.rl import RLRun
 
     result: dict[str, Any] = {"mode": "dry-run" if args.dry_run else "gpu", "sizes": asdict(sizes)}
     if args.install_summary is not None or args.install_rc is not None:
@@ -611,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             holder: dict[str, Any] = {}
 
             def build() -> dict:
-                holder["run"], build_s = timed(lambda: GrpoRun(cfg, shape, TrainerContext(cfg)))
+                holder["run"], build_s = timed(lambda: RLRun(cfg, shape, TrainerContext(cfg)))
                 signal.signal(signal.SIGTERM, _stop_on_sigterm)  # TrainerContext installed its preemption flag
                 params = sum(p.numel() for chunk in holder["run"].engine.chunks for p in chunk.parameters())
                 return {"name": shape.name, "yaml": sizes.model, "dtype": sizes.dtype, "params": params,

@@ -313,7 +313,8 @@ def moe_check(run_dir: str, device: torch.device) -> dict:
     from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import build_engine, sequence_logprobs
-    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+    from megatron_rl.algorithms.lm_loss import lm_loss
+    from megatron_rl.data.batches import collate_lm, progression_batch
 
     cfg = load_config(None, ["model.name=tiny-cpu-moe", "model.dtype=fp32", "algorithm.name=pretrain",
                              "algorithm.global_batch_size=4", "parallel.micro_batch_size=4", f"run.dir={run_dir}/moe"])

@@ -6,7 +6,7 @@ Run: ``.venv/bin/python bench/grpo_step.py`` (options: ``--sizes tiny,small,long
 --profile``). Needs ``trl datasets accelerate`` (the ``bench`` extra). CPU, fp32, no network
 (``HF_HUB_OFFLINE=1``).
 
-Each side runs in its own worker process (ours: ``GrpoRun`` on Megatron Core, world size 1, gloo; TRL:
+Each side runs in its own worker process (ours: ``RLRun`` on Megatron Core, world size 1, gloo; TRL:
 ``GRPOTrainer`` on a ``LlamaForCausalLM``), both on ``--threads`` torch threads. This process only hands out
 blocks of ``--block`` steps, alternating which side goes first, so both share the machine's noise; a worker
 waits, idle, while the other runs. Steps are timed inside the workers from the start of one step to the
@@ -147,12 +147,12 @@ def char_tokenizer_as_hf(vocab_size: int):
 
 
 def prompt_sequence(settings: BenchSettings) -> list[dict]:
-    """The prompts our GrpoRun draws, step after step, as TRL records (each prompt once; TRL repeats it)."""
+    """The prompts our RLRun draws, step after step, as TRL records (each prompt once; TRL repeats it)."""
     from megatron_rl.data.prompts import PromptDataset, PromptSampler
     from megatron_rl.data.synthetic import write_synthetic_dataset
 
     data_dir = Path(settings.work_dir) / "trl_data"
-    # What megatron_rl.trainers.grpo.load_prompt_data writes for data.task=last_digit and run.seed.
+    # What megatron_rl.data.prompts.load_prompt_data writes for data.task=last_digit and run.seed.
     paths = write_synthetic_dataset(data_dir, task="last_digit", seed=settings.seed, sft_answers="random")
     sampler = PromptSampler(PromptDataset.from_files(paths["train"]), settings.prompts, seed=settings.seed)
     return [{"prompt": r.prompt, "answer": r.answer} for _ in range(settings.total_steps) for r in sampler.next_batch()]
@@ -173,12 +173,12 @@ def _isolate_worker_env(threads: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ our side
 def build_our_run(settings: BenchSettings):
-    """(GrpoRun, TrainerContext) of our trainer with the matched settings; starts torch.distributed (world 1)."""
+    """(RLRun, TrainerContext) of our trainer with the matched settings; starts torch.distributed (world 1)."""
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.runtime.distributed import initialize, job_dims
     from megatron_rl.trainers.common import TrainerContext
-    from megatron_rl.trainers.grpo import GrpoRun
+    from megatron_rl.trainers.rl import RLRun
 
     completions = settings.prompts * settings.group
     cfg = load_config(None, [
@@ -196,7 +196,7 @@ def build_our_run(settings: BenchSettings):
         *(["generation.kv_block_tokens=16"] if settings.longtail_mean else [])])
     initialize(job_dims(), seed=cfg.run.seed, backend="gloo")
     ctx = TrainerContext(cfg)
-    run = GrpoRun(cfg, load_model_shape(settings.model), ctx)
+    run = RLRun(cfg, load_model_shape(settings.model), ctx)
     run.resume_or_warm_up()
     if settings.longtail_mean:
         force_our_lengths(settings, eos=run.tokenizer.eos_id)
@@ -242,7 +242,7 @@ def force_our_lengths(settings: BenchSettings, *, eos: int) -> None:
 
 
 def ours_worker(conn, settings: BenchSettings) -> None:
-    """Our GrpoRun in this process; answers {"steps": k} with k step timings, {"profile": k} with a cProfile."""
+    """Our RLRun in this process; answers {"steps": k} with k step timings, {"profile": k} with a cProfile."""
     _isolate_worker_env(settings.threads)
     os.environ["MASTER_PORT"] = str(free_port())
     import torch
@@ -257,9 +257,9 @@ def ours_worker(conn, settings: BenchSettings) -> None:
         nonlocal step
         step += 1
         t0 = time.perf_counter()
-        sampled = run.sample(step)  # the trainer's own step: generate and score, then train, metrics, log
+        sampled = run.source.sample(step)  # the trainer's own step: generate and score, then train, metrics, log
         t2 = time.perf_counter()
-        train_metrics = run.train_on(sampled.kept)
+        train_metrics = run.train_on(sampled.kept, step)
         t3 = time.perf_counter()
         metrics = run.step_metrics(sampled, train_metrics, t3 - t2)
         ctx.end_step(run.engine, step, metrics)

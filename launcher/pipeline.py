@@ -65,7 +65,7 @@ from omegaconf import OmegaConf
 from launcher.job import PreparedJob, prepare
 from launcher.lock import acquire
 from launcher.runs.completion import completion, eval_key, read_eval
-from launcher.runs.folder import STAGE_ORDER_FILE, RunFolder
+from launcher.runs.folder import STAGE_ORDER_FILE
 from megatron_rl.spec.config import JobConfig
 from megatron_rl.spec.config.loader import env_references, find_config, given_keys, load_config, read_text
 from megatron_rl.spec.errors import ConfigError, did_you_mean

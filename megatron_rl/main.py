@@ -21,13 +21,13 @@ from megatron_rl.spec.model_shape import load_model_shape
 TRAINERS = {
     "pretrain": "megatron_rl.trainers.pretrain",
     "sft": "megatron_rl.trainers.sft",
-    "grpo": "megatron_rl.trainers.grpo",
-    "ppo": "megatron_rl.trainers.ppo",
+    "grpo": "megatron_rl.trainers.rl",
+    "ppo": "megatron_rl.trainers.rl",
     "rm": "megatron_rl.trainers.rm",
     "dpo": "megatron_rl.trainers.dpo",
     "eval": "megatron_rl.trainers.evaluate",
 }
-SPLIT_PLACEMENT_TRAINERS = {"grpo": "megatron_rl.trainers.grpo_async"}
+SPLIT_PLACEMENT_TRAINERS = {"grpo": "megatron_rl.trainers.rl"}
 """The trainer of an algorithm when rollout workers generate (cluster.rollout_tasks > 0)."""
 
 
@@ -65,7 +65,7 @@ def quiet_known_notices() -> None:
 
 
 def run(config_path: str) -> int:
-    from megatron_rl.trainers.common import install_stop_handlers
+    from megatron_rl.runtime.stops import install_stop_handlers
 
     install_stop_handlers()  # before the slow imports, so an early preemption signal is not lost
     quiet_known_notices()

@@ -43,6 +43,9 @@ else
   echo "tests/run.sh: not root or no apt-get (or SKIP_SLURM=1): Slurm tests will be skipped" >&2
 fi
 
+# The linter first (pyproject.toml's [tool.ruff]: well under a second), then the tests.
+.venv/bin/ruff check --quiet .
+
 # One pytest-xdist worker per two cores, as a test's job runs two ranks (TEST_WORKERS=N to choose; 2 cores: one
 # process). tests/conftest.py keeps each module's tests, and all Slurm tests, on one worker.
 workers="${TEST_WORKERS:-$(( $(nproc) / 2 ))}"

@@ -1,5 +1,5 @@
 """Split-placement (asynchronous) GRPO: 1 trainer + 1 rollout process, meeting only through run.dir/rollout
-(megatron_rl/trainers/grpo_async.py, megatron_rl/rollout/{placement,channel,worker}.py).
+(megatron_rl/rl/rollout_workers.py, megatron_rl/rollout/{placement,channel,worker}.py).
 
     .venv/bin/python -m pytest tests/test_async_grpo.py -q
 

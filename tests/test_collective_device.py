@@ -124,7 +124,7 @@ def test_the_trainer_agreement_and_trainable_fraction(recorded):
 def test_gathers_over_data_parallel_ranks_and_the_generation_lockstep(recorded, monkeypatch):
     """PPO's row gather and the expert-parallel lockstep act only over several ranks: the group size is patched."""
     from megatron_rl.generation import layout
-    from megatron_rl.trainers.ppo import _all_gather_rows
+    from megatron_rl.rl.critic import _all_gather_rows
 
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     reaches_collectives(_all_gather_rows, torch.ones(3, 2), torch.distributed.group.WORLD)

@@ -548,10 +548,11 @@ def test_stop_tokens_and_sequences_end_responses(tp2):
 
 
 def test_kv_cache_is_sized_as_expected_and_released(tp1_dp2):
-    """K and V for 2 layers x (longest prompt + 8) positions x batch x 2 query groups x 16 dims, fp32;
-    ``generate`` raises if any cache tensor is still referenced when it returns."""
+    """K and V for 2 layers x one 256-token block per row x batch x 2 query groups x 16 dims, fp32 (every row's
+    prompt + 8 tokens fit in one block); ``generate`` raises if any cache tensor is still referenced when it
+    returns."""
     for rank in tp1_dp2:
-        longest, batch = max(len(p) for p in rank["prompts"]), len(rank["prompts"])
+        batch = len(rank["prompts"])
         # unbounded: one 256-token block per row (every row fits in one); one forward per token
         assert rank["greedy"]["kv_cache_bytes"] == 2 * 2 * 256 * batch * 2 * 16 * 4
         assert rank["greedy"]["forward_passes"] == 8

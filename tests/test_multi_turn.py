@@ -12,7 +12,7 @@ import torch
 
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
 from megatron_rl.data.chat import ChatFormat
-from megatron_rl.data.prompts import prompt_record
+from megatron_rl.data.prompts import PromptRecord, prompt_record
 from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.rollout.batch import Rollout, collate_rollout, rollout_rows
 from megatron_rl.rollout.multi_turn import Conversation, env_record

@@ -8,7 +8,6 @@ Run: .venv/bin/python -m pytest tests/test_plan_launch.py -q
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from megatron_rl.spec.errors import ConfigError
 from launcher.job import apply_plan, prepare
 from megatron_rl.spec.limits import TRAINER_LIMITS, trainer_limits
 from megatron_rl.spec.model_shape import load_model_shape
-from megatron_rl.spec.parallel import ParallelDims
 from launcher.planner import PLANNED_KEYS, parse_layout
 
 PATHS = ["model.init_from=/ckpt", "model.tokenizer=/tok", "data.train_path=/data.jsonl"]

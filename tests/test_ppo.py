@@ -1,4 +1,4 @@
-"""PPO with a critic (megatron_rl/trainers/ppo.py): config checks, the shipped tiny recipe learning, TP=2 against
+"""PPO with a critic (megatron_rl/rl/critic.py in the loop of megatron_rl/trainers/rl.py): config checks, the shipped tiny recipe learning, TP=2 against
 TP=1, exact preempt/resume, the planner's critic, and the critic's HF export.
 
     .venv/bin/python -m pytest tests/test_ppo.py -q

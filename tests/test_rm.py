@@ -26,7 +26,8 @@ from megatron_rl.data.preferences import (
 )
 from megatron_rl.data.tokenizer import CharTokenizer, load_tokenizer
 from megatron_rl.models.reward_model import last_token_index, padded_length, pick_last_tokens, right_padded_batch
-from megatron_rl.trainers.rm import bradley_terry_terms, pair_order, preference_loss
+from megatron_rl.algorithms.reward_model import bradley_terry_terms, preference_loss
+from megatron_rl.trainers.pairs import pair_order
 from helpers import REPO_ROOT, read_metrics, run_launch
 
 

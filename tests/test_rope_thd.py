@@ -91,7 +91,7 @@ def test_the_one_pass_version_reads_nothing_on_the_host(cp):
     freqs = torch.empty(10 * cp, 1, 1, DIM, device="meta")
     out = megatron_patches.thd_rotary(megatron)(t, cu, freqs, cp_group=_Group(cp, cp - 1))
     assert out.shape == t.shape and out.is_meta
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  (whichever error Megatron's host read raises on meta tensors)
         megatron(t, cu, freqs, cp_group=_Group(cp, cp - 1))  # Megatron's loop reads the row lengths
 
 

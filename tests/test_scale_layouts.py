@@ -90,7 +90,7 @@ def test_sequence_parallel_lengths():
     from megatron_rl.spec.config.validate import check_layout
     from megatron_rl.spec.errors import ConfigError
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.trainers.sft import sft_seq_length
+    from megatron_rl.data.sft import sft_seq_length
 
     examples = [([1] * 15, [1] * 15), ([1] * 4, [1] * 4)]
     assert sft_seq_length(examples) == 15 and sft_seq_length(examples, multiple=2) == 16

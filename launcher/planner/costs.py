@@ -12,6 +12,7 @@ Check it: ``.venv/bin/python -m pytest tests/test_planner_calibration.py -q``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from launcher.planner.gpus import GIB, GpuSpec
 from launcher.planner.moe_comm import IB_LATENCY_S, NVLINK_LATENCY_S, deepep_inter_share, ep_time_s

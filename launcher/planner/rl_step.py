@@ -1,6 +1,6 @@
 """The step of the post-training modes: GRPO (and PPO, evaluation) as this project's trainers run it, and DPO.
 
-An RL step (megatron_rl/trainers/grpo.py) is, in order:
+An RL step (megatron_rl/trainers/rl.py) is, in order:
 
 * generation (megatron_rl/generation/engine.py, the paged engine) on every data-parallel x context-parallel rank
   for its share of the rollout. Its KV pool (``kv_pool``: generation.kv_memory_gib, or the planner's pick: what the

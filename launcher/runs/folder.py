@@ -23,7 +23,7 @@ import yaml
 from launcher.lock import CANCELLED_NAME, LOCK_NAME, pid_alive, read_holder
 from launcher.slurm.query import FINAL_STATES, live_state
 from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.run_files import CONFIG_FILE, MANIFEST_FILE, METRICS_FILE
+from megatron_rl.spec.run_files import CONFIG_FILE, METRICS_FILE
 
 STAGE_ORDER_FILE = "stages.txt"
 """A pipeline folder's stage order, one stage name a line (``launcher.pipeline``)."""

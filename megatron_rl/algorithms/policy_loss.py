@@ -43,7 +43,7 @@ token outside the clip range included (the clipped surrogate gives those none).
 ``grpo_loss`` calls ``off_policy_ratio_loss`` in place of ``policy_ratio_loss``
 when ``algorithm.off_policy_correction`` is not none, with the behaviour log-probs the rollout workers returned
 (``behav_logp``) beside the trainer's recomputed pi_old / pi_prox; split-placement GRPO
-(``megatron_rl.trainers.grpo_async``) provides both.
+(``megatron_rl.rl.rollout_workers``) provides both.
 
 Tests: `.venv/bin/python -m pytest tests/test_grpo_math.py tests/test_off_policy.py -q`
 """

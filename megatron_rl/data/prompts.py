@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -105,7 +105,7 @@ def _parse_record(data: RecordFile, obj: dict, where: str, keys: tuple[str, str,
     if text is not None and messages is not None:
         raise ConfigError(f"{where}: give the prompt as {prompt_key!r} or as {messages_key!r}, not both")
     if text is None and messages is None:
-        raise data.missing(obj, where, prompt_key, f"set data.prompt_key to the prompt field (or data.messages_key "
+        raise data.missing(obj, where, prompt_key, "set data.prompt_key to the prompt field (or data.messages_key "
                                                    "to a chat field)")
     if messages is not None:
         prompt = check_messages(messages, messages_key, where)
@@ -151,6 +151,41 @@ def load_eval_prompts(cfg, tokenizer) -> Optional[PromptDataset]:
     records = [prompt_record(chat, problem["prompt"], problem["answer"], {"task": data.task},
                               f"synthetic:{data.task}:test:{i}") for i, problem in enumerate(problems)]
     return PromptDataset(records) if records else None
+
+
+def load_prompt_data(data, tokenizer, *, seed: int, run_dir: Path,
+                     write_once: Callable[[Callable[[], Any]], Any]) -> tuple[PromptDataset, list[dict]]:
+    """(PromptDataset, SFT warm-up examples) of the data section ``data``: data.train_path (any format of
+    megatron_rl.data.records, with its field mapping and chat format), or the synthetic data.task, which
+    ``write_once`` (the job's ``on_rank_zero``) writes under ``run_dir``/data. The warm-up examples are
+    data.warmup_task's correct answers, else the training data's."""
+    from megatron_rl.data.sft import read_sft_records
+    from megatron_rl.data.synthetic import TASKS, write_synthetic_dataset
+
+    if data.warmup_task is not None and data.warmup_task not in TASKS:
+        raise ConfigError(f"data.warmup_task={data.warmup_task!r} is not a synthetic task ({', '.join(TASKS)}); "
+                          "or set it to null")
+    if data.train_path:
+        dataset = load_prompts(data, data.train_path, tokenizer)
+        sft = [{"prompt": r.given, "completion": str(r.answer)} for r in dataset]
+        return dataset, warmup_records(data.warmup_task, seed=seed) or sft
+    if data.task not in TASKS:
+        raise ConfigError(f"data.task={data.task!r} is not a synthetic task ({', '.join(TASKS)}); "
+                          "or set data.train_path to a data file")
+    data_dir = Path(run_dir) / "data"
+    write_once(lambda: write_synthetic_dataset(data_dir, task=data.task, seed=seed, sft_answers="random"))
+    dataset = load_prompts(data, data_dir / "train.jsonl", tokenizer)
+    return dataset, warmup_records(data.warmup_task, seed=seed) or read_sft_records(data_dir / "sft.jsonl")
+
+
+def warmup_records(task: Optional[str], *, seed: int) -> list[dict]:
+    """Correct prompt/completion pairs of the synthetic ``task`` (data.warmup_task), or [] when it is None."""
+    from megatron_rl.data.synthetic import sft_records, split_problems
+
+    if task is None:
+        return []
+    problems, _ = split_problems(task, seed=seed)
+    return sft_records(problems, task=task, answers="correct")
 
 
 def encode_prompt(tokenizer, record: PromptRecord) -> list[int]:

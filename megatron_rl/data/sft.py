@@ -11,6 +11,7 @@ Test: `.venv/bin/python -m pytest tests/test_prompt_data.py tests/test_data_form
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Optional
 
@@ -34,8 +35,8 @@ def read_sft_records(path: str | Path, *, prompt_key: str = "prompt", answer_key
             records.append({"prompt": messages[:-1], "completion": messages[-1]["content"]})
             continue
         if not isinstance(obj.get(prompt_key), str):
-            raise data.missing(obj, where, prompt_key, f"set data.prompt_key to the prompt field (a string), or "
-                                                       f"data.messages_key to a chat field")
+            raise data.missing(obj, where, prompt_key, "set data.prompt_key to the prompt field (a string), or "
+                                                       "data.messages_key to a chat field")
         completion_key = "completion" if obj.get("completion") is not None else answer_key
         if obj.get(completion_key) is None:
             raise data.missing(obj, where, "completion", f"give each example a 'completion' (or data.answer_key "
@@ -72,3 +73,22 @@ def encode_sft_example(tokenizer, prompt: Part, completion: str, max_length: Opt
         completion_ids = tokenizer.encode(completion, add_eos=True)
     ids, mask = prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
     return ids[:max_length], mask[:max_length]
+
+
+def encode_examples(tokenizer, records: list[dict], max_length: int,
+                    chat: Optional[ChatFormat] = None) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) per record (``encode_sft_example``)."""
+    return [encode_sft_example(tokenizer, r["prompt"], r["completion"], max_length, chat=chat) for r in records]
+
+
+def batch_for_step(examples: list, *, step: int, batch_size: int, seed: int) -> list:
+    """The SFT examples of a step: a deterministic function of (seed, step), the same on every rank."""
+    rng = random.Random(f"sft:{seed}:{step}")
+    return [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+
+
+def sft_seq_length(examples: list, *, multiple: int = 1) -> int:
+    """The longest example, rounded up to ``multiple`` (``Engine.sequence_multiple``); the extra positions are
+    masked right padding, so the loss does not change."""
+    longest = max(len(ids) for ids, _ in examples)
+    return -(-longest // multiple) * multiple

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron_rl.environments.sandbox import SandboxLimits, run_python
 
@@ -84,7 +84,7 @@ def calculate(expression: str) -> str:
         return str(error)
 
 
-def python_tool(code: str, limits: SandboxLimits = SandboxLimits(), *, hide: Sequence[str] = (),
+def python_tool(code: str, limits: Optional[SandboxLimits] = None, *, hide: Sequence[str] = (),
                 max_chars: int = 1000) -> str:
     """Run ``code`` in the sandbox; what it printed (its end, at most ``max_chars``), and why it stopped if not ok."""
-    return run_python(code, limits, hide=hide).observation(max_chars) or "(no output)"
+    return run_python(code, limits or SandboxLimits(), hide=hide).observation(max_chars) or "(no output)"

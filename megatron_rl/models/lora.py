@@ -299,7 +299,6 @@ def add_adapters(model, lora: LoraConfig, *, seed: int) -> int:
     their weights) and shared experts are adapted when ``experts.*`` / ``shared_experts.*`` are targets, MLA's
     projections when named (linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj,
     linear_kv_up_proj; its output projection is linear_proj)."""
-    from megatron.core import parallel_state
     config = model.config
     adapted = 0
     settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets),

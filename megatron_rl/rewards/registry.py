@@ -178,7 +178,7 @@ def build_reward_fn(spec: str | RewardFn, options: Mapping[str, Any] | None = No
 
 
 COLLECTIVE_REWARDS = frozenset({"rm"})
-"""Reward names whose fn runs collectives (the trained reward model, ``trainers/grpo.build_rewards``): one that
+"""Reward names whose fn runs collectives (the trained reward model, ``rewards/job.build_rewards``): one that
 raised is not called again on a completion alone (the other ranks would not join)."""
 
 

@@ -24,7 +24,7 @@ with ``PromptSampler``, epoch = id // len(dataset), position = id % len(dataset)
 
 Thread-safe: a receiver thread may ``put`` while the training loop waits in ``take``.
 
-Used by split-placement GRPO (``megatron_rl.trainers.grpo_async``): the trainer issues prompt ids as orders for
+Used by split-placement GRPO (``megatron_rl.rl.rollout_workers``): the trainer issues prompt ids as orders for
 the rollout workers (``megatron_rl.rollout.channel``), ``put``s what they send back, ``take``s a step's worth at
 staleness <= k with ``stale_policy="wait"``, steps with the off-policy-corrected loss
 (``megatron_rl.algorithms.policy_loss``) and publishes weights v + 1.

@@ -72,7 +72,7 @@ class Teacher:
         teacher_tokenizer = load_tokenizer(recorded_tokenizer, trust_remote_code=False)
         if not same_tokenizer(teacher_tokenizer, tokenizer):
             raise ConfigError(f"{KEY}={settings.checkpoint}: the teacher's tokenizer ({recorded_tokenizer or 'the '
-                              f'built-in character one'}) does not match model.tokenizer ({tokenizer.name}); "
+                              'built-in character one'}) does not match model.tokenizer ({tokenizer.name}); "
                               "distillation compares log-probs of the same tokens, so give a teacher trained with "
                               "the student's tokenizer")
         dims = dataclasses.replace(engine.opts.dims, first_stage_layers=None, last_stage_layers=None,

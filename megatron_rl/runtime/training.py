@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from megatron_rl.algorithms.lm_loss import LM_REPORTS, lm_loss
+from megatron_rl.data.batches import collate_sft
 from megatron_rl.models.builder import (
     ModelOptions,
     build_model_chunks,
@@ -443,6 +445,15 @@ def data_parallel_slice(items: list, *, micro_batch_size: int) -> list[list]:
     if len(mine) % micro_batch_size:
         raise ValueError(f"global batch {len(items)} is not divisible by dp x micro_batch_size={micro_batch_size}")
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def sft_step(engine: Engine, examples: list, *, global_batch_size: int, micro_batch_size: int, seq_length: int,
+             pad_id: int) -> dict[str, float]:
+    """One optimizer step of the next-token loss on SFT ``examples`` ((ids, loss mask) each; the global batch,
+    identical on every rank): the SFT trainer's step and GRPO's warm-up's."""
+    micro = data_parallel_slice(examples[:global_batch_size], micro_batch_size=micro_batch_size)
+    batches = [collate_sft(mb, seq_length=seq_length, pad_id=pad_id) for mb in micro]
+    return engine.train_step(batches, lm_loss, seq_length=seq_length, report_names=LM_REPORTS)
 
 
 def gather_data_parallel(items: list, *, with_context_parallel: bool = False) -> list:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,23 +23,9 @@ from megatron_rl.runtime.distributed import collective_device, global_rank, on_r
 from megatron_rl.runtime.manifest import RunManifest
 from megatron_rl.runtime.memory import GIB, PHASES
 from megatron_rl.runtime.metrics import MetricsLogger
+from megatron_rl.runtime.stops import Preempted, install_stop_handlers, stop_signal_received
 from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.local_ranks import watch_launcher
 from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
-
-_stop_signal = {"received": False}
-
-
-def install_stop_handlers() -> None:
-    """Catch SIGUSR1/SIGTERM from the first moment of the process: the flag waits for the next step's end. A
-    local rank also stops (and is killed if it does not) when its launcher ends (``watch_launcher``)."""
-    def request_stop(signum: int, frame: Any) -> None:
-        _stop_signal["received"] = True
-
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, request_stop)
-    watch_launcher()
-
 
 def _rank_hosts() -> list[str]:
     """Every rank's hostname, indexed by rank (one all-gather; this host alone without a process group)."""
@@ -75,13 +60,6 @@ def auto_save_due(*, since_save_s: float, last_save_s: float, warning_window_s: 
     previous save, but no sooner than AUTO_SAVE_OVERHEAD save durations. Before the first save its duration is
     unknown (0), so with no warning window the first step is saved, which measures it."""
     return since_save_s >= max(warning_window_s, AUTO_SAVE_OVERHEAD * last_save_s)
-
-
-class Preempted(SystemExit):
-    """Raised after the preemption checkpoint is saved; exits the process with REQUEUE_EXIT_CODE."""
-
-    def __init__(self) -> None:
-        super().__init__(REQUEUE_EXIT_CODE)
 
 
 @dataclass
@@ -242,7 +220,7 @@ class TrainerContext:
 
     def _stop_requested(self, phase: Optional[str], step: int) -> bool:
         """This rank's view: a stop signal arrived, or MEGATRON_RL_STOP_AFTER_STEP names this phase and step."""
-        return _stop_signal["received"] or (self._stop_after is not None and self._stop_after[0] == phase
+        return stop_signal_received() or (self._stop_after is not None and self._stop_after[0] == phase
                                             and step >= self._stop_after[1])
 
     def _save_due(self, step: int, now: float) -> bool:

@@ -45,7 +45,7 @@ from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers import pairs
 from megatron_rl.trainers.common import TrainerContext
-from megatron_rl.trainers.pretrain import lm_batch
+from megatron_rl.data.batches import lm_batch
 
 REPORTS = ("loss", "dpo_loss", "sft_loss", "accuracy", "reward_margin", "reward_chosen", "reward_rejected")
 REFERENCE_KEY = "dpo_reference"

@@ -46,7 +46,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     from megatron_rl.runtime import checkpoint as ckpt
     from megatron_rl.runtime.training import model_options
     from megatron_rl.rollout.multi_turn import Environments, episode_metrics
-    from megatron_rl.trainers.grpo import job_rewards, reward_totals
+    from megatron_rl.rewards.job import job_rewards, reward_totals
 
     if not cfg.model.init_from:
         raise ConfigError("algorithm.name=eval needs the checkpoint to evaluate: model.init_from=CKPT (or "
@@ -61,7 +61,8 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     opts = model_options(cfg, shape)
     chunks = build_model_chunks(shape, opts)
     ckpt.load_checkpoint(cfg.model.init_from, chunks=chunks, load_optimizer=False)
-    rewards = job_rewards(cfg, shape)
+    rewards = job_rewards(cfg.algorithm, cfg.environment, model=cfg.model, parallel=cfg.parallel,
+                          runtime=cfg.runtime)
     environments = Environments.of_job(cfg)  # multi-turn: each sample an episode in a fresh environment
 
     def generate(batch: list, group: int, seed: int):
@@ -109,9 +110,10 @@ def is_reward_model(checkpoint: str) -> bool:
 def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     """A reward-model checkpoint: held-out pair accuracy (the rm trainer's own evaluation, phase "eval") as its
     eval.json entry: {"accuracy", "reward_margin", "n_pairs", "checkpoint", "kept"}."""
-    from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights
+    from megatron_rl.algorithms.reward_model import RM_REPORTS, preference_loss
+    from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, reward_forward
     from megatron_rl.runtime.training import build_engine
-    from megatron_rl.trainers import pairs, rm
+    from megatron_rl.trainers import pairs
 
     max_length = pairs.preference_max_length(cfg, shape)
     encoder, _, held_out_pairs = pairs.load_pairs(cfg, shape, max_length=max_length)
@@ -120,10 +122,11 @@ def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext
                           "synthetic prefer_* data.task")
     engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
     load_reward_model_weights(cfg.model.init_from, engine.chunks)
-    batcher = rm.PairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)
+    batcher = pairs.RewardPairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)
     algo = cfg.algorithm
-    metrics = rm.evaluate(engine, batcher, held_out_pairs, cfg, lambda rewards, batch: rm.preference_loss(
-        rewards, batch, margin=algo.rm_margin, centering_coef=algo.rm_centering_coef))
+    metrics = pairs.evaluate(engine, batcher, held_out_pairs, cfg, lambda rewards, batch: preference_loss(
+        rewards, batch, margin=algo.rm_margin, centering_coef=algo.rm_centering_coef), forward_fn=reward_forward,
+        report_names=RM_REPORTS)
     stage = cfg.eval.stage or cfg.run.name
     entry = {"accuracy": metrics["accuracy"], "reward_margin": metrics["reward_margin"],
              "n_pairs": len(held_out_pairs), "checkpoint": str(cfg.model.init_from), "kept": True}

@@ -15,10 +15,12 @@ from __future__ import annotations
 import random
 from typing import Optional
 
+import torch
+
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits
 from megatron_rl.data.tokenizer import load_tokenizer
-from megatron_rl.models.reward_model import padded_length
+from megatron_rl.models.reward_model import padded_length, right_padded_batch
 from megatron_rl.runtime.training import Engine, ForwardFn, LossFn, data_parallel_slice
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
@@ -156,3 +158,22 @@ def train_on_pairs(ctx: TrainerContext, engine: Engine, batcher: PairMicroBatche
             log_eval(step)
         ctx.end_step(engine, step, metrics)
     ctx.finish(engine)
+
+
+def collate_pairs(chosen: list[list[int]], rejected: list[list[int]], weights: list[float], *, pad_id: int,
+                  fixed_length: Optional[int], multiple: int, longest: Optional[int] = None) -> dict:
+    seqs = chosen + rejected
+    length = padded_length(longest or max(len(s) for s in seqs), fixed=fixed_length, multiple=multiple)
+    batch = right_padded_batch(seqs, pad_id=pad_id, length=length)
+    weight = torch.tensor(weights, dtype=torch.float32)
+    batch["pair_weight"] = weight.cuda() if torch.cuda.is_available() else weight
+    return batch
+
+
+class RewardPairBatcher(PairMicroBatcher):
+    """Reward-model micro-batches: tokens, position_ids, last_index (the reward's position) and pair_weight."""
+
+    def collate(self, data: PreferenceData, indices: list[int], weights: list[float], *, longest: int) -> dict:
+        return collate_pairs([data.chosen[i] for i in indices], [data.rejected[i] for i in indices], weights,
+                             pad_id=self.pad_id, fixed_length=self.fixed_length, multiple=self.multiple,
+                             longest=longest)

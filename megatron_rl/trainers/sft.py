@@ -10,57 +10,13 @@ save_to_disk folder; ``data.chat_template`` renders them with the tokenizer's ch
 
 from __future__ import annotations
 
-import random
-
-import torch
-
 from megatron_rl.data.chat import ChatFormat
-from megatron_rl.data.sft import encode_sft_example, read_sft_records
-from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
+from megatron_rl.data.sft import batch_for_step, encode_examples, read_sft_records, sft_seq_length
+from megatron_rl.runtime.training import build_engine, sft_step
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers.common import TrainerContext
-from megatron_rl.trainers.pretrain import lm_batch, lm_loss
-
-REPORTS = ("loss",)
-
-
-def encode_examples(tokenizer, records: list[dict], max_length: int,
-                    chat: ChatFormat | None = None) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) per record (``encode_sft_example``)."""
-    return [encode_sft_example(tokenizer, r["prompt"], r["completion"], max_length, chat=chat) for r in records]
-
-
-def collate_sft(examples: list[tuple[list[int], list[int]]], *, seq_length: int, pad_id: int) -> dict:
-    """A micro-batch padded to seq_length + 1 tokens; the loss mask is shifted onto the label positions."""
-    rows = torch.full((len(examples), seq_length + 1), pad_id, dtype=torch.long)
-    masks = torch.zeros((len(examples), seq_length + 1), dtype=torch.float32)
-    for i, (ids, mask) in enumerate(examples):
-        rows[i, :len(ids)] = torch.tensor(ids)
-        masks[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
-    return lm_batch(rows, masks)
-
-
-def sft_step(engine: Engine, examples: list, *, global_batch_size: int, micro_batch_size: int, seq_length: int,
-             pad_id: int) -> dict[str, float]:
-    """One optimizer step of SFT on ``examples`` (the global batch, identical on every rank)."""
-    micro = data_parallel_slice(examples[:global_batch_size], micro_batch_size=micro_batch_size)
-    batches = [collate_sft(mb, seq_length=seq_length, pad_id=pad_id) for mb in micro]
-    return engine.train_step(batches, lm_loss, seq_length=seq_length, report_names=REPORTS)
-
-
-def batch_for_step(examples: list, *, step: int, batch_size: int, seed: int) -> list:
-    """The SFT examples of a step: a deterministic function of (seed, step), the same on every rank."""
-    rng = random.Random(f"sft:{seed}:{step}")
-    return [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-
-
-def sft_seq_length(examples: list, *, multiple: int = 1) -> int:
-    """The longest example, rounded up to ``multiple`` (``Engine.sequence_multiple``); the extra positions are
-    masked right padding, so the loss does not change."""
-    longest = max(len(ids) for ids, _ in examples)
-    return -(-longest // multiple) * multiple
 
 
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:

@@ -153,7 +153,7 @@ def tiny_gpt(shape, cp: int, *, swap: bool):
 
 
 def gpt_batch(shape):
-    from megatron_rl.trainers.pretrain import lm_batch, progression_batch
+    from megatron_rl.data.batches import lm_batch, progression_batch
 
     rows = progression_batch(seed=3, step=1, batch_size=2, seq_length=shape.seq_length, vocab_size=shape.vocab_size)
     mask = torch.ones_like(rows, dtype=torch.float32)
@@ -201,7 +201,8 @@ def engine_steps(cfg, shape, steps: int = 2) -> tuple[list[dict], torch.Tensor]:
     from megatron.core import parallel_state
 
     from megatron_rl.runtime.training import build_engine, data_parallel_slice, sequence_logprobs
-    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+    from megatron_rl.algorithms.lm_loss import lm_loss
+    from megatron_rl.data.batches import collate_lm, progression_batch
 
     engine = build_engine(cfg, shape, total_steps=10)
     seq_length = cfg.model.seq_length or shape.seq_length

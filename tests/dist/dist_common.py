@@ -27,7 +27,8 @@ def progression_trainer(engine, *, micro_batch_size: int) -> Callable[[int], dic
     """``train_step(step)``: one optimizer step of ``engine`` on the pretrain progression task (global batch of
     4 rows of 16 tokens, this DP rank's share), the same data at every layout."""
     from megatron_rl.runtime.training import data_parallel_slice
-    from megatron_rl.trainers.pretrain import collate_lm, lm_loss, progression_batch
+    from megatron_rl.algorithms.lm_loss import lm_loss
+    from megatron_rl.data.batches import collate_lm, progression_batch
 
     vocab = engine.shape.vocab_size
 

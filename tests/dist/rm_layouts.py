@@ -89,7 +89,8 @@ def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.models.reward_model import reward_forward
     from megatron_rl.runtime.training import build_engine
-    from megatron_rl.trainers.rm import REPORTS, PairBatcher, preference_loss
+    from megatron_rl.algorithms.reward_model import RM_REPORTS, preference_loss
+    from megatron_rl.trainers.pairs import RewardPairBatcher
     from megatron_rl.data.preferences import PreferenceData
 
     cfg = load_config(None, ["algorithm.name=rm", f"parallel.tp={tp}", f"parallel.pp={pp}",
@@ -101,7 +102,7 @@ def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
     seqs = [tok.encode(p + c, add_bos=True) for p, c in zip(PROMPTS, COMPLETIONS)]
     data = PreferenceData(chosen=seqs[:4], rejected=seqs[2:], name="fixed", num_read=4, num_truncated=0,
                           num_dropped=0)
-    batcher = PairBatcher(cfg, pad_id=tok.pad_id, max_length=32)
+    batcher = RewardPairBatcher(cfg, pad_id=tok.pad_id, max_length=32)
 
     def loss_fn(rewards, batch):
         return preference_loss(rewards, batch, margin=0.0, centering_coef=0.01)
@@ -109,11 +110,11 @@ def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
     out = {}
     for step in (1, 2):
         batches, length = batcher.micro_batches(data, [0, 1, 2, 3], pad_to=1)
-        metrics = engine.train_step(batches, loss_fn, seq_length=length, report_names=REPORTS,
+        metrics = engine.train_step(batches, loss_fn, seq_length=length, report_names=RM_REPORTS,
                                     forward_fn=reward_forward)
         out[f"loss{step}"], out[f"grad_norm{step}"] = metrics["loss"], metrics["grad_norm"]
     batches, length = batcher.micro_batches(data, [0, 1, 2, 3], pad_to=1)
-    out["after"] = engine.forward_only(batches, loss_fn, seq_length=length, report_names=REPORTS,
+    out["after"] = engine.forward_only(batches, loss_fn, seq_length=length, report_names=RM_REPORTS,
                                        forward_fn=reward_forward)
     return out
 

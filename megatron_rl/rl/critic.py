@@ -1,9 +1,9 @@
-"""PPO with a critic on Megatron Core, colocated: GRPO's generate -> score loop with a learned value baseline.
+"""PPO's advantage strategy: a learned critic and GAE (``algorithm.name=ppo``; the loop is ``trainers/rl.py``'s).
 
     python launch.py --config configs/ppo_tiny.yaml                 # tiny model, synthetic task, 2 CPU processes
     python launch.py --config configs/ppo_tiny.yaml parallel.tp=2
 
-Each step: generate and score (GrpoRun's: sequence rewards), then the critic's values and the old policy's and
+Each step: generate and score (sequence rewards), then the critic's values and the old policy's and
 reference's log-probs of every response token, GAE over the response tokens (rewards at the last token, minus a
 per-token KL penalty with ``algorithm.kl_in_reward``), advantages whitened over the rollout, then
 ``algorithm.epochs`` passes of mini-batches that each take one optimizer step of the policy (GRPO's clipped loss,
@@ -28,6 +28,7 @@ Test: ``.venv/bin/python -m pytest tests/test_ppo.py -q``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -37,94 +38,77 @@ from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
 from megatron_rl.models import unwrap
 from megatron_rl.models.packed_sequences import as_rows
 from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
-from megatron_rl.rollout.batch import REPORTS, RolloutBatch, make_grpo_loss, old_logprob_key
+from megatron_rl.rl.minibatches import forward_length
+from megatron_rl.rollout.batch import RolloutBatch, old_logprob_key
 from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.runtime.phases import generation_phase, training_phase
-from megatron_rl.runtime.training import build_engine, logits_forward
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.trainers.common import TrainerContext
-from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, combine_minibatches
+from megatron_rl.runtime.training import build_engine
 
 VALUE_REPORTS = ("value_loss", "value_clip_fraction", "value_pred_mean")
 CRITIC_READY = "critic_initialised"
 """Extra-state key: whether the critic has had its starting weights (a checkpoint inside the warm-up has not)."""
 
 
-# ----------------------------------------------------------------------------------------------- the loop
-def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-    run = PpoRun(cfg, shape, ctx)
-    start = run.resume_or_warm_up()
-    for step in range(start + 1, cfg.run.steps + 1):
-        batch = run.sample(step)  # generate and score: one reward per completion
-        ctx.log_samples(step, batch.drawn)
-        with ctx.timer() as t_train:
-            minibatches = run.minibatches(batch.kept)
-            seq_length = batch.kept.seq_length
-            with training_phase(run.engine), training_phase(run.critic):
-                run.old_and_reference_logprobs(minibatches)
-                rollout_metrics = run.advantages(minibatches, seq_length=seq_length)  # values, GAE, whitening
-                train_metrics = run.update(minibatches, seq_length=seq_length,
-                                           train_policy=step > run.algo.critic_warmup_steps)
-        if run.eval_prompts is not None and step % cfg.data.eval_interval == 0:
-            run.evaluate(step)
-        ctx.end_step(run.engine, step, run.step_metrics(batch, {**rollout_metrics, **train_metrics}, t_train.seconds))
-    run.finish()
+class Critic:
+    """PPO's value model and GAE, beside the run's policy (``run``: the ``RLRun`` it serves)."""
 
-
-class PpoRun(GrpoRun):
-    """GrpoRun's generation, scoring, data, reference model and checkpoints, plus the critic and GAE."""
-
-    def __init__(self, cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-        super().__init__(cfg, shape, ctx)
-        loss_config = GRPOLossConfig.from_algorithm(self.algo, max_response_len=cfg.generation.max_new_tokens)
-        self.kl_clamps = {"clamp": loss_config.kl_clamp, "log_ratio_clamp": loss_config.kl_log_ratio_clamp}
-        if self.algo.kl_in_reward:  # the KL is a reward term then, not a loss term (it is still reported)
-            loss_config = dataclasses.replace(loss_config, kl_coef=0.0)
-        self.loss_fn = make_grpo_loss(loss_config)
+    def __init__(self, run) -> None:
+        self.run, self.algo, self.ctx = run, run.algo, run.ctx
         self.value_loss_fn = make_value_loss(clip=self.algo.value_clip, coef=self.algo.value_coef)
-        self.critic = build_engine(cfg, shape, build_chunks=build_reward_model_chunks, lr=self.algo.critic_lr)
-        self.critic_ready = False
-        ctx.companions["critic"] = self.critic
+        self.engine = build_engine(run.cfg, run.shape, build_chunks=build_reward_model_chunks, lr=self.algo.critic_lr)
+        self.ready = False
+        self.kl_clamps: dict = {}
+        run.ctx.companions["critic"] = self.engine
+
+    def policy_loss(self, config: GRPOLossConfig) -> GRPOLossConfig:
+        """The algorithm's, without the KL term with ``algorithm.kl_in_reward`` (the KL is a reward term then; it
+        is still reported)."""
+        self.kl_clamps = {"clamp": config.kl_clamp, "log_ratio_clamp": config.kl_log_ratio_clamp}
+        return dataclasses.replace(config, kl_coef=0.0) if self.algo.kl_in_reward else config
 
     # ------------------------------------------------------------------ state
     def extra_state(self) -> dict:
-        return {**super().extra_state(), CRITIC_READY: self.critic_ready}
+        return {CRITIC_READY: self.ready}
 
-    def resume_or_warm_up(self) -> int:
-        """GrpoRun's (the critic resumes with the policy), then the critic's starting weights on a fresh run."""
-        start = super().resume_or_warm_up()
-        if not self.ctx.resumed_extra.get(CRITIC_READY):
-            self.init_critic()
-        return start
+    def after_resume(self, extra: dict) -> None:
+        """The critic resumes with the policy; a fresh run gives it its starting weights now (after the warm-up)."""
+        if not extra.get(CRITIC_READY):
+            self.initialise()
 
-    def init_critic(self) -> None:
+    def initialise(self) -> None:
         """algorithm.critic_init: policy (the trunk of the policy as it is now, after the warm-up; a fresh head) or
         rm (a reward-model checkpoint, head included). A fresh optimizer then starts from these weights."""
         if self.algo.critic_init == "rm":
             source = self.algo.critic_init_from or self.algo.reward_model
-            head = load_reward_model_weights(source, self.critic.chunks)
+            head = load_reward_model_weights(source, self.engine.chunks)
             what = f"reward model {source}" + ("" if head else " (trunk only; head fresh)")
         else:
-            for critic, policy in zip(self.critic.chunks, self.engine.chunks):
+            for critic, policy in zip(self.engine.chunks, self.run.engine.chunks):
                 weights = {k: v for k, v in unwrap(policy).state_dict().items() if not k.startswith("output_layer.")}
                 missing, unexpected = unwrap(critic).load_state_dict(weights, strict=False)
                 bad = [k for k in missing if not k.startswith("rm_head.")] + list(unexpected)
                 if bad:
                     raise RuntimeError(f"the critic's trunk does not match the policy's: {bad[:3]}")
             what = "the policy's trunk, fresh value head"
-        self.critic.reset_optimizer_schedule()
-        self.critic_ready = True
+        self.engine.reset_optimizer_schedule()
+        self.ready = True
         self.ctx.say(f"critic initialised from {what}")
 
-    # ------------------------------------------------------------------ generate
-    def generate(self, prompts: list, **kwargs):
-        """GrpoRun's, with the critic's optimizer state and grads offloaded too when the policy's are."""
-        with generation_phase(self.critic, offload_optimizer=self.cfg.generation.offload_optimizer):
-            return super().generate(prompts, **kwargs)
+    # ------------------------------------------------------------------ phases
+    def generating(self) -> contextlib.AbstractContextManager:
+        """The critic's optimizer state and grads offloaded with the policy's."""
+        return generation_phase(self.engine, offload_optimizer=self.run.cfg.generation.offload_optimizer)
+
+    def training(self) -> contextlib.AbstractContextManager:
+        return training_phase(self.engine)
 
     # ------------------------------------------------------------------ advantages
-    def advantages(self, minibatches: list[list[RolloutBatch]], *, seq_length: int) -> dict[str, float]:
+    def add_rewards(self, rollout, minibatches: list[list[RolloutBatch]]) -> None:
+        """Each micro-batch also carries its completions' sequence rewards."""
+        for index, batch in _rows_of(minibatches, self.algo.global_batch_size):
+            batch.sequence_reward = rollout.rewards[index.cpu()].to(batch.tokens.device)
+
+    def advantages(self, minibatches: list[list[RolloutBatch]]) -> dict[str, float]:
         """The critic's values of every micro-batch, then token rewards, GAE and whitening over the whole rollout
         (gathered over the data-parallel ranks, so the whitening is global); each micro-batch gets
         ``advantages`` [mbs, seq], ``returns`` and ``old_values``. Runs where the losses are computed (the last
@@ -133,10 +117,10 @@ class PpoRun(GrpoRun):
 
         for batches in minibatches:
             sink: list[torch.Tensor] = []
-            self.critic.train(False)
-            self.critic.forward_only(batches, value_collector(sink), seq_length=seq_length, report_names=(),
-                                     forward_fn=value_forward)
-            self.critic.train(True)
+            self.engine.train(False)
+            self.engine.forward_only(batches, value_collector(sink), seq_length=forward_length(batches),
+                                     report_names=(), forward_fn=value_forward)
+            self.engine.train(True)
             for batch, values in zip(batches, sink):
                 batch.old_values = values
         metrics = torch.zeros(len(ROLLOUT_METRICS), dtype=torch.float64)
@@ -174,33 +158,21 @@ class PpoRun(GrpoRun):
                              float((kl * mask).sum() / tokens) if kl is not None else 0.0], dtype=torch.float64)
 
     # ------------------------------------------------------------------ train
-    def minibatches(self, rollout) -> list[list[RolloutBatch]]:
-        """GrpoRun's micro-batches (padded or packed), each also carrying its completions' sequence rewards."""
-        minibatches = super().minibatches(rollout)
-        for index, batch in _rows_of(minibatches, self.algo.global_batch_size):
-            batch.sequence_reward = rollout.rewards[index.cpu()].to(batch.tokens.device)
-        return minibatches
+    def trains_policy(self, step: int) -> bool:
+        """Not while the critic warms up (algorithm.critic_warmup_steps)."""
+        return step > self.algo.critic_warmup_steps
 
-    def update(self, minibatches: list[list[RolloutBatch]], *, seq_length: int, train_policy: bool) -> dict[str, float]:
-        """algorithm.epochs passes over the mini-batches: one policy step (unless the critic is warming up) and
-        one critic step on each."""
-        totals: dict[str, list[float]] = {}
-        for epoch in range(1, self.algo.epochs + 1):
-            for batches in minibatches:
-                if train_policy:
-                    self.record_policy_step(totals, epoch, self.engine.train_step(
-                        batches, self.loss_fn, seq_length=seq_length, report_names=REPORTS,
-                        forward_fn=logits_forward))
-                critic = self.critic.train_step(batches, self.value_loss_fn, seq_length=seq_length,
-                                                report_names=VALUE_REPORTS, forward_fn=value_forward)
-                for key, value in critic.items():
-                    totals.setdefault(key if key in VALUE_REPORTS else f"critic_{key}", []).append(value)
-                if self.algo.epochs > 1:
-                    totals.setdefault(f"value_clip_fraction_epoch{epoch}", []).append(critic["value_clip_fraction"])
-        return {**combine_minibatches(totals), "train_tokens_per_real_token": self.packing.ratio()}
+    def update(self, totals: dict[str, list[float]], epoch: int, batches: list[RolloutBatch]) -> None:
+        """One critic optimizer step on a mini-batch, its metrics added to ``totals``."""
+        critic = self.engine.train_step(batches, self.value_loss_fn, seq_length=forward_length(batches),
+                                        report_names=VALUE_REPORTS, forward_fn=value_forward)
+        for key, value in critic.items():
+            totals.setdefault(key if key in VALUE_REPORTS else f"critic_{key}", []).append(value)
+        if self.algo.epochs > 1:
+            totals.setdefault(f"value_clip_fraction_epoch{epoch}", []).append(critic["value_clip_fraction"])
 
-    def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
-        return {**super().step_metrics(batch, train, t_train), "critic_warmup": float(not train.get("minibatches"))}
+    def step_metrics(self, train: dict) -> dict:
+        return {"critic_warmup": float(not train.get("minibatches"))}
 
 
 ROLLOUT_METRICS = ("explained_variance", "value_mean", "returns_mean", "advantage_mean", "kl_reward")

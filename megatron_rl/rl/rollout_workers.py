@@ -1,10 +1,10 @@
-"""GRPO with split placement (``cluster.rollout_tasks > 0``): rollout workers generate while the trainers step,
-with a bound on staleness (``algorithm.max_staleness = k``) and a correction for the behaviour policy.
+"""Where a step's completions come from with split placement (``cluster.rollout_tasks > 0``): rollout workers
+generate while the trainers step, with a bound on staleness (``algorithm.max_staleness = k``) and a correction for the behaviour policy.
 
     python launch.py --config configs/grpo_async_tiny.yaml      # 1 trainer + 1 rollout process on CPU
 
-The loop is GRPO's (``megatron_rl.trainers.grpo.run_loop``); what changes is where a step's samples come from and
-what happens after it:
+The loop is the RL trainer's (``megatron_rl.trainers.rl``); this source changes where a step's samples come from
+and what happens after it:
 
 - sample: take ``prompts_per_step`` groups from the rollout buffer (``megatron_rl.rollout.buffer``), each at
   most k versions older than the trainers' weights (staler ones are dropped and their prompts generated again;
@@ -36,33 +36,32 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from megatron_rl.data.prompts import encode_prompt
+from megatron_rl.rl.sources import SampledBatch
 from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import BRIDGE_BACKENDS, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
 from megatron_rl.rollout.worker import reshards
 from megatron_rl.runtime.checkpoint import fault_point
+from megatron_rl.runtime.stops import Preempted
 from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
-from megatron_rl.trainers.grpo import GrpoRun, SampledBatch, run_loop
 
 BUFFER_STATE = "rollout_buffer"
 LEDGER_FILE = "consumed.jsonl"
 TAKE_POLL_S = 0.05
 
 
-def train(cfg, shape, ctx) -> None:
-    """GRPO's loop, with samples from the rollout workers of ``ctx.placement``."""
-    run_loop(SplitGrpoRun(cfg, shape, ctx, ctx.placement), cfg, ctx)
+class RolloutWorkers:
+    """Samples from the rollout workers of ``placement`` (see the module docstring); ``run``: the ``RLRun`` it
+    serves."""
 
+    recomputes_old_logprobs = True
+    """pi_prox: the weights the step starts from."""
 
-class SplitGrpoRun(GrpoRun):
-    """A GRPO run whose samples come from rollout workers (see the module docstring)."""
-
-    def __init__(self, cfg, shape, ctx, placement: Placement) -> None:
-        super().__init__(cfg, shape, ctx)
+    def __init__(self, run, placement: Placement) -> None:
+        cfg = run.cfg
+        self.run, self.cfg, self.ctx, self.algo = run, cfg, run.ctx, run.algo
         self.placement = placement
         weight_sync, bridge = self.algo.weight_sync, None
         if weight_sync in BRIDGE_BACKENDS:
@@ -75,9 +74,7 @@ class SplitGrpoRun(GrpoRun):
                                       bucket_bytes=self.algo.weight_sync_bucket_mib * 2**20)
         self.buffer = RolloutBuffer(max_staleness=self.algo.max_staleness, batch_size=self.algo.prompts_per_step,
                                     stale_policy="wait")
-        self.recompute_old_logprobs = True  # pi_prox: the weights the step starts from
-        if self.algo.off_policy_correction != "none":
-            self.report_names = self.report_names + OFF_POLICY_REPORTS
+        self.report_names = OFF_POLICY_REPORTS if self.algo.off_policy_correction != "none" else ()
         self.version = 0
         self.consumed: set[int] = set()
         self.repeated = 0
@@ -87,24 +84,21 @@ class SplitGrpoRun(GrpoRun):
 
     # ------------------------------------------------------------------ state
     def extra_state(self) -> dict:
-        return {**super().extra_state(), BUFFER_STATE: self.buffer.state_dict()}
+        return {BUFFER_STATE: self.buffer.state_dict()}
 
-    def resume_or_warm_up(self) -> int:
-        start = super().resume_or_warm_up()
-        if BUFFER_STATE in self.ctx.resumed_extra:
-            self.buffer.load_state_dict(self.ctx.resumed_extra[BUFFER_STATE])
+    def after_resume(self, start: int, extra: dict) -> None:
+        """The buffer's ledger as saved, the workers started on the weights of step ``start``, orders out."""
+        if BUFFER_STATE in extra:
+            self.buffer.load_state_dict(extra[BUFFER_STATE])
         self.version = start
         self.consumed = self._ledger_up_to(start)
         self.channel.start()
-        self.sync_metrics = self.channel.publish(start, self.engine.chunks, base=True)
+        self.sync_metrics = self.channel.publish(start, self.run.engine.chunks, base=True)
         self.issue()
-        return start
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
         """The rollout workers serve while the block runs; at its end they exit with the trainers' code."""
-        from megatron_rl.trainers.common import Preempted
-
         code = 1
         try:
             yield
@@ -123,11 +117,11 @@ class SplitGrpoRun(GrpoRun):
         per_order = self.algo.prompts_per_step
         while self.buffer.room >= per_order:
             ids = self.buffer.issue(per_order)
-            prompts = [self.sampler.record_at(i) for i in ids]
+            prompts = [self.run.sampler.record_at(i) for i in ids]
             fields = [{"prompt": p.prompt, "source": p.source,
                        "prompt_ids": None if p.prompt_ids is None else list(p.prompt_ids),
                        # an environment's reset reads the whole record (the calculator scores against the answer)
-                       **({"answer": p.answer, "metadata": p.metadata} if self.environments is not None else {})}
+                       **({"answer": p.answer, "metadata": p.metadata} if self.run.environments is not None else {})}
                       for p in prompts]
             seed = random.Random(f"rollout:{self.cfg.run.seed}:{ids[0]}").getrandbits(62)
             self.channel.issue(ids, fields, seed=seed)
@@ -138,7 +132,7 @@ class SplitGrpoRun(GrpoRun):
             taken = broadcast(self.take(self.algo.prompts_per_step, step) if self.ctx.rank == 0 else None)
         rollout = self.rollout_of(taken)
         with self.ctx.timer() as t_score:
-            self.score(rollout)
+            self.run.score(rollout)
         self.record_consumed(step, taken)
         return SampledBatch(drawn=rollout, kept=rollout, draws=1, sample_s=t_wait.seconds, score_s=t_score.seconds)
 
@@ -165,28 +159,28 @@ class SplitGrpoRun(GrpoRun):
     def rollout_of(self, taken: list[Sample]) -> Rollout:
         """The samples as one rollout (prompt-major), prompts and answers from this run's prompt stream."""
         group = self.algo.group_size
-        records = [self.sampler.record_at(s.prompt_id) for s in taken for _ in range(group)]
+        records = [self.run.sampler.record_at(s.prompt_id) for s in taken for _ in range(group)]
         responses = [r for s in taken for r in s.payload["response_ids"]]
-        if self.environments is not None:  # episodes (rollout/multi_turn.py WorkerEpisodes)
+        if self.run.environments is not None:  # episodes (rollout/multi_turn.py WorkerEpisodes)
             joined = lambda key: [x for s in taken for x in s.payload[key]]  # noqa: E731
             return Rollout(prompt_ids=joined("prompt_token_ids"), response_ids=responses,
                            logprobs=joined("logprobs"), response_mask=joined("policy_mask"),
                            prompts=[r.prompt for r in records], completions=joined("completions"),
                            answers=[r.answer for r in records], truncated=joined("truncated"),
                            env_rewards=joined("env_rewards"), episodes=joined("episodes"),
-                           seq_multiple=self.engine.sequence_multiple)
-        return Rollout(prompt_ids=[encode_prompt(self.tokenizer, r) for r in records], response_ids=responses,
+                           seq_multiple=self.run.engine.sequence_multiple)
+        return Rollout(prompt_ids=[encode_prompt(self.run.tokenizer, r) for r in records], response_ids=responses,
                        logprobs=[lp for s in taken for lp in s.payload["logprobs"]],
-                       prompts=[r.prompt for r in records], completions=[self.tokenizer.decode(r) for r in responses],
+                       prompts=[r.prompt for r in records], completions=[self.run.tokenizer.decode(r) for r in responses],
                        answers=[r.answer for r in records],
                        truncated=[cut for s in taken for cut in s.payload["truncated"]],
-                       seq_multiple=self.engine.sequence_multiple)
+                       seq_multiple=self.run.engine.sequence_multiple)
 
     # ------------------------------------------------------------------ sync
     def sync_weights(self, step: int) -> None:
         """Publish the weights after ``step`` as version ``step``; then more prompts may go out."""
         self.version = step
-        self.sync_metrics = self.channel.publish(step, self.engine.chunks)
+        self.sync_metrics = self.channel.publish(step, self.run.engine.chunks)
         self.issue()
 
     # ------------------------------------------------------------------ ledger and metrics
@@ -218,8 +212,8 @@ class SplitGrpoRun(GrpoRun):
         with open(self._ledger(), "a") as handle:
             handle.write(json.dumps(entry) + "\n")
 
-    def step_metrics(self, batch: SampledBatch, train: dict, t_train: float) -> dict:
-        metrics = super().step_metrics(batch, train, t_train)
+    def step_metrics(self, metrics: dict, batch: SampledBatch) -> dict:
+        """The run's metrics with the buffer's, the workers' times and throughput, and the weight sync's."""
         if self.ctx.rank != 0:
             return metrics
         lost = self.buffer.next_id - len(self.consumed) - len(self.buffer.outstanding_ids())
