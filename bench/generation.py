@@ -91,14 +91,14 @@ def small_shape_file(folder: Path) -> Path:
 def trained_engine(model: str, train_steps: int):
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.algorithms.lm_loss import lm_loss
     from megatron_rl.data.batches import collate_lm, progression_batch
 
     cfg = load_config(overrides=[f"model.name={model}", "algorithm.name=pretrain", "algorithm.global_batch_size=16",
                                  "optimizer.lr=0.01", "parallel.micro_batch_size=16", "run.seed=3"])
     shape = load_model_shape(model)
-    engine = build_engine(cfg, shape, total_steps=max(train_steps, 1))
+    engine = job_engine(cfg, shape, total_steps=max(train_steps, 1))
     for step in range(1, train_steps + 1):
         rows = progression_batch(seed=3, step=step, batch_size=16, seq_length=32, vocab_size=shape.vocab_size)
         engine.train_step([collate_lm(rows)], lm_loss, seq_length=32, report_names=("loss",))

@@ -367,7 +367,7 @@ def gloo_tp2_worker(backend: str, out: Path) -> int:
     from megatron_rl.runtime import gloo_staging
     from megatron_rl.runtime.distributed import global_rank, initialize, job_dims, shutdown
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.algorithms.lm_loss import lm_loss
     from megatron_rl.data.batches import collate_lm, progression_batch
 
@@ -379,7 +379,7 @@ def gloo_tp2_worker(backend: str, out: Path) -> int:
         shape = load_model_shape("tiny-cpu")
         initialize(job_dims(tp=2), seed=cfg.run.seed, backend=backend)
         try:
-            engine = build_engine(cfg, shape, total_steps=GLOO_TP2_STEPS)
+            engine = job_engine(cfg, shape, total_steps=GLOO_TP2_STEPS)
             initial = hashlib.sha256()
             for chunk in engine.chunks:
                 for name, param in sorted(unwrap(chunk).named_parameters()):

@@ -312,14 +312,15 @@ def moe_check(run_dir: str, device: torch.device) -> dict:
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.algorithms.lm_loss import lm_loss
     from megatron_rl.data.batches import collate_lm, progression_batch
 
     cfg = load_config(None, ["model.name=tiny-cpu-moe", "model.dtype=fp32", "algorithm.name=pretrain",
                              "algorithm.global_batch_size=4", "parallel.micro_batch_size=4", f"run.dir={run_dir}/moe"])
     shape = load_model_shape("tiny-cpu-moe")
-    engine = build_engine(cfg, shape, total_steps=2)
+    engine = job_engine(cfg, shape, total_steps=2)
     losses = []
     for step in (1, 2):
         rows = progression_batch(seed=5, step=step, batch_size=4, seq_length=32, vocab_size=shape.vocab_size)

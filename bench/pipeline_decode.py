@@ -38,14 +38,14 @@ def worker(args) -> None:
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.distributed import initialize, job_dims, shutdown
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
 
     torch.set_num_threads(1)
     cfg = load_config(overrides=[f"model.name={args.model}", "parallel.pp=2", "algorithm.name=pretrain",
                                  "algorithm.global_batch_size=2", "parallel.micro_batch_size=1", "run.seed=3"])
     initialize(job_dims(pp=2), seed=3)
     shape = load_model_shape(args.model)
-    engine = build_engine(cfg, shape, total_steps=1)
+    engine = job_engine(cfg, shape, total_steps=1)
     prompts = torch.randint(3, shape.vocab_size, (args.rows, 8), generator=torch.Generator().manual_seed(0)).tolist()
 
     def run(parts):

@@ -102,13 +102,13 @@ def _free_routing_maps(engine, batch: dict, seq_length: int) -> torch.Tensor:
 def build(shape_yaml: str, dtype: str, run_dir: str):
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
 
     cfg = load_config(None, [f"model.name={shape_yaml}", f"model.dtype={dtype}", "algorithm.router_replay=true",
                              "algorithm.kl_coef=0", "parallel.micro_batch_size=1", "algorithm.global_batch_size=1",
                              f"run.dir={run_dir}"])
     shape = load_model_shape(shape_yaml)
-    return build_engine(cfg, shape, total_steps=1), shape
+    return job_engine(cfg, shape, total_steps=1), shape
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ submitit). Rank, world size and rendezvous come from the environment (see ``runt
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import re
@@ -70,7 +71,7 @@ def run(config_path: str) -> int:
     install_stop_handlers()  # before the slow imports, so an early preemption signal is not lost
     quiet_known_notices()
     from megatron_rl.runtime.distributed import initialize, read_dist_env, shutdown
-    from megatron_rl.spec.parallel import ParallelDims
+    from megatron_rl.spec.parallel import ParallelDims, reshards, rollout_parallel
     from megatron_rl.trainers.common import TrainerContext
 
     cfg = load_config(config_path)
@@ -79,22 +80,21 @@ def run(config_path: str) -> int:
     placement, resharded = None, False
     if cfg.cluster.rollout_tasks:  # split placement: this process trains, or only generates, in its role's world
         from megatron_rl.rollout.placement import split_placement
-        from megatron_rl.rollout.worker import reshards, rollout_config
 
         placement = split_placement(read_dist_env(), rollout_tasks=cfg.cluster.rollout_tasks, run_dir=cfg.run.dir)
         placement.enter()
         if placement.role == "rollout":
-            resharded = reshards(cfg)
-            cfg = rollout_config(cfg, shape)
+            resharded = reshards(cfg.parallel)
+            cfg = dataclasses.replace(cfg, parallel=rollout_parallel(cfg.parallel, shape.num_layers))
     dims = ParallelDims.from_config(cfg.parallel, world_size=read_dist_env().world_size)
     initialize(dims, seed=cfg.run.seed, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
     ctx, error = None, None
     try:
         if placement is not None and placement.role == "rollout":
-            from megatron_rl.rollout.worker import serve
+            from megatron_rl.trainers.rollout_worker import serve
 
-            return serve(cfg, shape, placement, resharded=resharded)
-        ctx = TrainerContext(cfg, shape=shape, config_path=config_path, placement=placement)
+            return serve(cfg, shape, placement, dims=dims, resharded=resharded)
+        ctx = TrainerContext(cfg, shape=shape, dims=dims, config_path=config_path, placement=placement)
         trainers = TRAINERS if placement is None else SPLIT_PLACEMENT_TRAINERS
         importlib.import_module(trainers[cfg.algorithm.name]).train(cfg, shape, ctx)
     except BaseException as exc:

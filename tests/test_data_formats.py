@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -273,15 +272,15 @@ def test_load_eval_prompts(tmp_path):
     tok = CharTokenizer()
 
     def job(**data):
-        return SimpleNamespace(data=DataConfig(**data), run=SimpleNamespace(seed=3))
+        return DataConfig(**data)
 
-    held_out = load_eval_prompts(job(eval_path=str(path), prompt_key="question", answer_key="solution"), tok)
+    held_out = load_eval_prompts(job(eval_path=str(path), prompt_key="question", answer_key="solution"), tok, seed=3)
     assert [(r.prompt, r.answer) for r in held_out] == [(r["question"], r["solution"]) for r in rows]
-    synthetic = load_eval_prompts(job(task="last_digit"), tok)
+    synthetic = load_eval_prompts(job(task="last_digit"), tok, seed=3)
     train_problems, test_problems = split_problems("last_digit", seed=3)
     assert [(r.prompt, r.answer) for r in synthetic] == [(p["prompt"], p["answer"]) for p in test_problems]
     assert not {r.prompt for r in synthetic} & {p["prompt"] for p in train_problems}
-    assert load_eval_prompts(job(train_path=str(path)), tok) is None
+    assert load_eval_prompts(job(train_path=str(path)), tok, seed=3) is None
 
 
 # ---------------------------------------------------------------- a GRPO run from Parquet

@@ -673,7 +673,8 @@ def _variants_worker(out: Path, tp: int) -> None:
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.runtime.distributed import initialize, job_dims
-    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
 
     cfg = load_config(overrides=[f"parallel.tp={tp}", "algorithm.name=pretrain", "parallel.micro_batch_size=1",
                                  "algorithm.global_batch_size=4", "run.seed=5"])
@@ -684,7 +685,7 @@ def _variants_worker(out: Path, tp: int) -> None:
     results = {}
     for name, overrides in VARIANTS.items():
         shape = dataclasses.replace(base, **overrides)
-        engine = build_engine(cfg, shape, total_steps=1)
+        engine = job_engine(cfg, shape, total_steps=1)
         noise = torch.Generator().manual_seed(7)  # same draws on every TP rank: replicated tensors stay equal
         with torch.no_grad():
             for param in engine.chunks[0].parameters():

@@ -173,6 +173,63 @@ def test_the_walker_sees_the_arrows_it_must_refuse():
     assert len(wrong_arrows(made_up, third_party)) == 4
 
 
+TRAINERS_PACKAGE = "megatron_rl.trainers"
+WHOLE_CONFIG_HOMES = ("megatron_rl/main.py", "megatron_rl/trainers/", "megatron_rl/spec/config/",
+                      "megatron_rl/spec/limits.py", "megatron_rl/runtime/manifest.py")
+"""Where a function may take the whole JobConfig: the job's entry (main, each role's trainer and what trainers
+share), the config's own checks (loading, validating, the job's limits), and the run's manifest (its audit record
+holds the whole config). Every other component takes its own sections (``cfg.generation``, ``cfg.data``, ...)."""
+MAX_TRAINER_FAN_OUT = 14
+"""Project modules a trainer module may import (structure v3: under 15)."""
+
+
+def trainer_modules() -> set[str]:
+    """The modules ``main.py`` runs a role with: each algorithm's trainer and the rollout worker's."""
+    from megatron_rl.main import SPLIT_PLACEMENT_TRAINERS, TRAINERS
+
+    return set(TRAINERS.values()) | set(SPLIT_PLACEMENT_TRAINERS.values()) | {"megatron_rl.trainers.rollout_worker"}
+
+
+def takes_whole_config(source: str) -> list[str]:
+    """Functions of ``source`` with a parameter annotated JobConfig, or named cfg without a narrower annotation
+    (an HF config dict, ``cfg: dict[str, Any]``, is not the job's)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            notes = [(a.arg, ast.unparse(a.annotation) if a.annotation is not None else "") for a in args]
+            if any("JobConfig" in note or (name == "cfg" and note in ("", "Any")) for name, note in notes):
+                found.append(node.name)
+    return found
+
+
+def test_no_trainer_imports_another_trainer(graph):
+    inside, _ = graph
+    trainers = trainer_modules()
+    assert len(trainers) >= 7 and all(name in inside for name in trainers), trainers
+    assert {(t, target) for t in trainers for target in inside[t] if target in trainers and target != t} == set()
+
+
+def test_the_trainers_fan_out_stays_small(graph):
+    inside, _ = graph
+    fan_out = {name: len({t for t in targets if t in inside and t != name})
+               for name, targets in inside.items() if name.startswith(TRAINERS_PACKAGE)}
+    assert max(fan_out.values()) <= MAX_TRAINER_FAN_OUT, sorted(fan_out.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_only_the_entry_layer_takes_the_whole_job_config():
+    """Components below the trainers take their config sections, not the job (the walker finds a made-up one)."""
+    made_up = ("def build(cfg, shape): pass\ndef run(x: JobConfig): pass\ndef ok(data, *, seed): pass\n"
+               "def hf(cfg: dict[str, Any]): pass")
+    assert takes_whole_config(made_up) == ["build", "run"]
+    found = {}
+    for path in sorted((REPO_ROOT / "megatron_rl").rglob("*.py")):
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        if "shipped" not in path.parts and not rel.startswith(WHOLE_CONFIG_HOMES):
+            found.update({f"{rel}:{name}": True for name in takes_whole_config(path.read_text())})
+    assert sorted(found) == []
+
+
 def test_loading_planning_and_rendering_every_shipped_config_imports_no_torch():
     """What a config load pulls in at run time (not only the import statements): every shipped config loaded,
     checked, planned and rendered as the launcher does for --dry-run, in a fresh interpreter."""

@@ -40,7 +40,7 @@ The trainer GPUs run the training layout (``parallel.*``) over world - R process
 ``Workload.split`` set); they hold no KV cache and generate nothing (rl_step._rl_memory, rl_step._rl_timing). The R
 rollout GPUs form R / (tp*pp) replicas at the training layout's tp x pp and pipeline split (vpp included), or at
 parallel.rollout_tp x rollout_pp (``SplitPlacement.replica``), cp=1 and ep=1
-(``megatron_rl.spec.parallel.rollout_replica_error``; megatron_rl/rollout/worker.py's ``rollout_config``). A rollout GPU
+(``megatron_rl.spec.parallel.rollout_replica_error``; ``megatron_rl.spec.parallel.rollout_parallel``). A rollout GPU
 holds its bf16 weight shard (no gradients or optimizer state) and its KV pool (``kv_pool``, picked for the rollout
 GPU when generation.kv_memory_gib is null); its memory and generation time are ``plan --mode eval``'s of the rollout on
 those GPUs, i.e. rl_step's generation model (``rollout_estimate``).

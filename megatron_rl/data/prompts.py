@@ -134,20 +134,19 @@ def load_prompts(data_cfg, path: str | Path, tokenizer, *, require_answer: bool 
                                     chat=ChatFormat.from_config(data_cfg, tokenizer))
 
 
-def load_eval_prompts(cfg, tokenizer) -> Optional[PromptDataset]:
+def load_eval_prompts(data, tokenizer, *, seed: int) -> Optional[PromptDataset]:
     """Held-out prompts for evaluation: ``data.eval_path``; else, for a synthetic ``data.task`` (no train_path),
-    each of its test problems once (disjoint from the training problems); else None.
+    each of its test problems once (disjoint from the training problems of ``seed``); else None.
 
-    ``cfg``: the JobConfig; ``tokenizer``: what ``megatron_rl.data.tokenizer.load_tokenizer`` returns."""
+    ``data``: the job's data section; ``tokenizer``: what ``megatron_rl.data.tokenizer.load_tokenizer`` returns."""
     from megatron_rl.data.synthetic import TASKS, split_problems
 
-    data = cfg.data
     if data.eval_path is not None:
         return load_prompts(data, data.eval_path, tokenizer)
     if data.train_path is not None or data.task not in TASKS:
         return None
     chat = ChatFormat.from_config(data, tokenizer)
-    _, problems = split_problems(data.task, seed=cfg.run.seed)
+    _, problems = split_problems(data.task, seed=seed)
     records = [prompt_record(chat, problem["prompt"], problem["answer"], {"task": data.task},
                               f"synthetic:{data.task}:test:{i}") for i, problem in enumerate(problems)]
     return PromptDataset(records) if records else None

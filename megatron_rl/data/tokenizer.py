@@ -170,3 +170,12 @@ def load_tokenizer(path: str | None, *, trust_remote_code: bool = False):
                           f"(or null for the built-in character tokenizer; built-in ones: "
                           f"{', '.join(BUILTIN_TOKENIZERS)})")
     return HFTokenizer(path, trust_remote_code=trust_remote_code)
+
+
+def check_fits(tokenizer, shape) -> None:
+    """A ConfigError when ``tokenizer`` has more tokens than the model ``shape`` has embeddings for."""
+    from megatron_rl.spec.errors import ConfigError
+
+    if tokenizer.vocab_size > shape.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model {shape.name} only "
+                          f"{shape.vocab_size}; use a matching model.tokenizer")

@@ -4,8 +4,11 @@ the rollout is scored; no value model. PPO's is ``critic.Critic``; both answer t
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig
+from megatron_rl.models.reward_model import build_reward_model_chunks
+from megatron_rl.rl.critic import Critic
 
 
 class GroupAdvantages:
@@ -43,3 +46,11 @@ class GroupAdvantages:
 
     def step_metrics(self, train: dict) -> dict:
         return {}
+
+
+def advantage_strategy(run, make_engine: Callable):
+    """``run``'s strategy (``run``: an ``RLRun``): PPO's ``Critic``, whose engine ``make_engine(build_chunks=,
+    lr=)`` builds at the policy's layout, or ``GroupAdvantages``."""
+    if run.algo.name != "ppo":
+        return GroupAdvantages()
+    return Critic(run, make_engine(build_chunks=build_reward_model_chunks, lr=run.algo.critic_lr))

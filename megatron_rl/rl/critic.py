@@ -37,12 +37,11 @@ from megatron_rl.algorithms.gae import clipped_value_loss, explained_variance, g
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig, kl_penalty
 from megatron_rl.models import unwrap
 from megatron_rl.models.packed_sequences import as_rows
-from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, value_forward
+from megatron_rl.models.reward_model import load_reward_model_weights, value_forward
 from megatron_rl.rl.minibatches import forward_length
 from megatron_rl.rollout.batch import RolloutBatch, old_logprob_key
 from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.runtime.phases import generation_phase, training_phase
-from megatron_rl.runtime.training import build_engine
 
 VALUE_REPORTS = ("value_loss", "value_clip_fraction", "value_pred_mean")
 CRITIC_READY = "critic_initialised"
@@ -50,12 +49,13 @@ CRITIC_READY = "critic_initialised"
 
 
 class Critic:
-    """PPO's value model and GAE, beside the run's policy (``run``: the ``RLRun`` it serves)."""
+    """PPO's value model and GAE, beside the run's policy (``run``: the ``RLRun`` it serves); ``engine``: the
+    critic's (``GPTRewardModel`` chunks at the policy's layout, its own optimizer at algorithm.critic_lr)."""
 
-    def __init__(self, run) -> None:
+    def __init__(self, run, engine) -> None:
         self.run, self.algo, self.ctx = run, run.algo, run.ctx
         self.value_loss_fn = make_value_loss(clip=self.algo.value_clip, coef=self.algo.value_coef)
-        self.engine = build_engine(run.cfg, run.shape, build_chunks=build_reward_model_chunks, lr=self.algo.critic_lr)
+        self.engine = engine
         self.ready = False
         self.kl_clamps: dict = {}
         run.ctx.companions["critic"] = self.engine

@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Iterator
 
 from megatron_rl.data.prompts import encode_prompt
-from megatron_rl.rl.sources import SampledBatch
+from megatron_rl.rl.sampled import SampledBatch
 from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import BRIDGE_BACKENDS, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement
-from megatron_rl.rollout.worker import reshards
 from megatron_rl.runtime.checkpoint import fault_point
 from megatron_rl.runtime.stops import Preempted
+from megatron_rl.spec.parallel import reshards
 from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 
 BUFFER_STATE = "rollout_buffer"
@@ -68,7 +68,7 @@ class RolloutWorkers:
             par = cfg.parallel
             bridge = WeightBridge.open(placement, backend=weight_sync,
                                        replicas=cfg.cluster.rollout_tasks // (par.tp * par.pp), timeout_s=WORKER_WAIT_S)
-        if reshards(cfg):
+        if reshards(cfg.parallel):
             weight_sync = "resharded"  # the schema allows it with files only
         self.channel = TrainerChannel(placement.folder, placement.session, weight_sync=weight_sync, bridge=bridge,
                                       bucket_bytes=self.algo.weight_sync_bucket_mib * 2**20)

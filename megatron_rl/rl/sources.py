@@ -1,32 +1,16 @@
-"""Where a step's completions come from, colocated: the training processes generate them between optimizer steps
-(the default). With rollout workers (``cluster.rollout_tasks > 0``) ``rollout_workers.RolloutWorkers`` answers the
+"""Where a step's completions come from: colocated, the training processes generate them between optimizer steps
+(the default); with rollout workers (``cluster.rollout_tasks > 0``) ``rollout_workers.RolloutWorkers`` answers the
 same calls."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 from megatron_rl.algorithms.advantages import groups_with_signal
 from megatron_rl.generation import GenerationStopped
+from megatron_rl.rl.rollout_workers import RolloutWorkers
+from megatron_rl.rl.sampled import SampledBatch
 from megatron_rl.rollout.batch import Rollout
-
-
-@dataclasses.dataclass
-class SampledBatch:
-    """What one step sampled: every completion drawn (the reward metrics are theirs) and those trained on."""
-
-    drawn: Rollout
-    """Every completion generated this step, scored."""
-    kept: Rollout
-    """The completions trained on (with dynamic sampling, the groups with signal)."""
-    draws: int
-    """Rollout rounds it took."""
-    sample_s: float
-    """Seconds the trainers spent getting the completions: generating them (colocated), or waiting for the rollout
-    workers' (split placement, whose own generation time comes with their samples)."""
-    score_s: float
-    """Seconds spent scoring them."""
 
 
 class Colocated:
@@ -96,3 +80,9 @@ class Colocated:
 
     def step_metrics(self, metrics: dict, batch: SampledBatch) -> dict:
         return metrics
+
+
+def sample_source(run, placement=None):
+    """``run``'s source (``run``: an ``RLRun``): its rollout workers (``placement``, split placement), or
+    ``Colocated``."""
+    return Colocated(run) if placement is None else RolloutWorkers(run, placement)

@@ -3,7 +3,6 @@ examples, logged with phase "sft", resumable inside the warm-up."""
 
 from __future__ import annotations
 
-from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.sft import batch_for_step, encode_examples, sft_seq_length
 from megatron_rl.runtime.phases import training_phase
 from megatron_rl.runtime.training import sft_step
@@ -15,7 +14,7 @@ def sft_warm_up(run) -> None:
     from there. The optimizer and LR schedule start afresh for RL afterwards."""
     cfg, algo, engine, ctx = run.cfg, run.algo, run.engine, run.ctx
     examples = encode_examples(run.tokenizer, run.sft_examples, cfg.model.seq_length or run.shape.seq_length,
-                               ChatFormat.from_config(cfg.data, run.tokenizer))
+                               run.chat)
     seq_length = sft_seq_length(examples, multiple=engine.sequence_multiple)
     total = algo.sft_warmup_steps
     for step in range(run.warmup_done + 1, total + 1):

@@ -25,7 +25,7 @@ import threading
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -36,7 +36,6 @@ from megatron_rl.environments import END_REASONS, Environment, Episode, EpisodeL
 from megatron_rl.environments.journal import EpisodeJournal, journal_path, prune_journals
 from megatron_rl.environments.sandbox import hide_always
 from megatron_rl.rollout.batch import Rollout
-from megatron_rl.rollout.sampling import engine_config
 from megatron_rl.runtime import checkpoint as ckpt
 from megatron_rl.runtime.training import data_parallel_share, gather_data_parallel
 from megatron_rl.spec.errors import ConfigError
@@ -47,6 +46,7 @@ class Environments:
     and checkpoint folders are hidden from every sandbox."""
 
     def __init__(self, env_cfg, *, hidden: list, run_dir: Optional[str] = None) -> None:
+        """``env_cfg``: the job's ``environment`` section; ``hidden``: folders no sandbox may see."""
         hide_always(hidden)
         self.run_dir = run_dir
         """Where the training rollouts' episode journals go (None: no journal)."""
@@ -54,12 +54,14 @@ class Environments:
         self.limits = EpisodeLimits(max_turns=env_cfg.max_turns, max_turn_tokens=env_cfg.max_turn_tokens,
                                     max_episode_tokens=env_cfg.max_episode_tokens,
                                     step_timeout_s=env_cfg.step_timeout_s)
+        self.concurrent_steps = env_cfg.concurrent_steps
+        self.reply_steps = env_cfg.reply_steps
 
     @classmethod
-    def of_job(cls, cfg) -> Optional["Environments"]:
-        """The job's environments (its run and checkpoint folders hidden), or None without environment.name."""
-        return None if cfg.environment.name is None else cls(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir],
-                                                             run_dir=cfg.run.dir)
+    def of(cls, env_cfg, *, run_dir: str, checkpoint_dir: str) -> Optional["Environments"]:
+        """The job's environments (``env_cfg``: its environment section; its run and checkpoint folders hidden), or
+        None without environment.name."""
+        return None if env_cfg.name is None else cls(env_cfg, hidden=[run_dir, checkpoint_dir], run_dir=run_dir)
 
     def sample(self, chunks: list, prompts: list, *, step: Optional[int] = None, draw: int = 0,
                **options) -> Rollout:
@@ -71,7 +73,7 @@ class Environments:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             journal = journal_path(self.run_dir, step=step, draw=draw, rank=rank)
         return sample_episodes(chunks, prompts, make_env=self.make, limits=self.limits, journal=journal, step=step,
-                               **options)
+                               concurrent_steps=self.concurrent_steps, reply_steps=self.reply_steps, **options)
 
     def forget_through(self, step: Optional[int]) -> None:
         """Delete the episode journals of steps up to ``step`` (a checkpoint holds them)."""
@@ -190,14 +192,15 @@ def episode_turn(episode: Episode, conversation: Conversation, turn: list, finis
     return ids if episode.count_reply(len(ids)) else None
 
 
-def episode_engine_config(cfg, shape, tokenizer, limits: EpisodeLimits, envs: list, **more) -> EngineConfig:
-    """The engine's settings for episodes: the generation settings, with an episode's token limits and the
-    environments' stop strings (tool calls) beside generation.stop."""
-    stops = sorted({stop for env in envs for stop in env.stop} | set(cfg.generation.stop))
-    return dataclasses.replace(engine_config(cfg, shape, tokenizer, **more), max_new_tokens=limits.max_episode_tokens,
+def episode_engine_config(config: EngineConfig, tokenizer, limits: EpisodeLimits, envs: list, *,
+                          stop: Sequence[str], reply_steps: int) -> EngineConfig:
+    """The engine's settings for episodes: ``config`` (the generation settings, ``engine_config``), with an
+    episode's token limits, the environments' stop strings (tool calls) beside ``stop`` (generation.stop) and
+    environment.reply_steps."""
+    stops = sorted({s for env in envs for s in env.stop} | set(stop))
+    return dataclasses.replace(config, max_new_tokens=limits.max_episode_tokens,
                                max_total_tokens=limits.max_episode_tokens, max_turn_tokens=limits.max_turn_tokens,
-                               stop_sequences=[tokenizer.encode(s) for s in stops],
-                               reply_steps=cfg.environment.reply_steps)
+                               stop_sequences=[tokenizer.encode(s) for s in stops], reply_steps=reply_steps)
 
 
 class StepThreads:
@@ -258,12 +261,15 @@ class WorkerEpisodes:
     which steps the environments and sends the samples, holds them). Resumed runs issue a
     prompt again, so its environments are called again (no journal: the worker keeps no step's state)."""
 
-    def __init__(self, cfg, shape, tokenizer) -> None:
-        self.envs = Environments(cfg.environment, hidden=[cfg.run.dir, cfg.checkpoint_dir])
-        self.chat = ChatFormat.from_config(cfg.data, tokenizer)
+    def __init__(self, envs: Environments, chat: ChatFormat, config: EngineConfig, *, stop: Sequence[str]) -> None:
+        """``envs``: the job's (no journal); ``chat``: the prompts' format; ``config``: the generation settings
+        (``engine_config``); ``stop``: generation.stop."""
+        self.envs = envs
+        self.chat = chat
         self.share, _ = model_parallel_share()
-        self.steps = StepThreads(cfg.environment.concurrent_steps, self.share)
-        self.config = episode_engine_config(cfg, shape, tokenizer, self.envs.limits, [self.envs.make()])
+        self.steps = StepThreads(envs.concurrent_steps, self.share)
+        self.config = episode_engine_config(config, chat.tokenizer, envs.limits, [envs.make()], stop=stop,
+                                            reply_steps=envs.reply_steps)
         self.settle = self.steps.settle if self.steps.share is not None else None
         self.open: dict = {}
 
@@ -299,18 +305,19 @@ class WorkerEpisodes:
         self.steps.close()
 
 
-def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_env: Callable[[], Environment],
-                    limits: EpisodeLimits, group: int, seed: int, seq_multiple: int, record_routes: bool = False,
+def sample_episodes(chunks: list, prompts: list, *, config: EngineConfig, chat: ChatFormat, stop: Sequence[str],
+                    make_env: Callable[[], Environment], limits: EpisodeLimits, concurrent_steps: int,
+                    reply_steps: int, group: int, seed: int, seq_multiple: int,
                     stop_requested: Optional[Callable[[bool], tuple]] = None, journal: Optional[Path] = None,
                     step: Optional[int] = None) -> Rollout:
     """``group`` episodes of each prompt record (prompt-major), each rollout worker running its share; every rank
     gets the whole rollout with ``episodes`` (each one's log) and ``response_mask``. Inside a generation phase.
-    ``record_routes``: each episode's experts (router replay), the replies' positions included (their prefill's).
-    ``journal``: this rank's episode journal (environments/journal.py), whose calls made before a resume are
+    ``config``: the generation settings (``engine_config``; with ``record_routes``, each episode's experts for
+    router replay, the replies' positions included); ``chat``: the prompts' format; ``stop``: generation.stop;
+    ``concurrent_steps``, ``reply_steps``: the environment section's. ``journal``: this rank's episode journal (environments/journal.py), whose calls made before a resume are
     replayed, not made again; ``step``: the training step (fault point ``kill-between-turns``)."""
     from megatron_rl.generation import data_parallel_seed, generate
 
-    chat = ChatFormat.from_config(cfg.data, tokenizer)
     records = [p for p in prompts for _ in range(group)]
     mine_records = data_parallel_share(records, with_context_parallel=True)
     share, leader = model_parallel_share()
@@ -322,7 +329,7 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
         episode.count_prompt(len(conversation.prompt_ids))
         episodes.append(episode)
         conversations.append(conversation)
-    steps = StepThreads(cfg.environment.concurrent_steps, share)
+    steps = StepThreads(concurrent_steps, share)
 
     def turn_ended(index: int, turn: list, finish: str):
         return steps.run(episode_turn, episodes[index], conversations[index], turn, finish, step=step)
@@ -330,8 +337,8 @@ def sample_episodes(chunks: list, prompts: list, *, cfg, shape, tokenizer, make_
     try:
         out = generate(
             [ckpt.unwrap(c) for c in chunks], [c.prompt_ids for c in conversations],
-            episode_engine_config(cfg, shape, tokenizer, limits, [e.env for e in episodes],
-                                  record_routes=record_routes),
+            episode_engine_config(config, chat.tokenizer, limits, [e.env for e in episodes], stop=stop,
+                                  reply_steps=reply_steps),
             turn_ended=turn_ended, seed=data_parallel_seed(seed), stop_requested=stop_requested,
             settle_replies=steps.settle if steps.share is not None else None)
     finally:

@@ -27,20 +27,19 @@ RULE_VERIFIERS = ("exact", "math", "math_verify")
 """Rewards that judge an answer right or wrong: a completion is correct when one of them gives it full score."""
 
 
-def engine_config(cfg, shape, tokenizer, **more) -> EngineConfig:
-    """The engine's settings from the job's ``generation`` section (sampling, stopping, KV memory); ``more``:
-    fields it does not hold (``record_routes``)."""
-    gen = cfg.generation
-    return EngineConfig.from_generation(gen, vocab_size=min(tokenizer.vocab_size, shape.vocab_size),
+def engine_config(generation, tokenizer, *, vocab_size: int, **more) -> EngineConfig:
+    """The engine's settings from the job's ``generation`` section (sampling, stopping, KV memory), for a model of
+    ``vocab_size`` tokens and ``tokenizer``; ``more``: fields the section does not hold (``record_routes``)."""
+    return EngineConfig.from_generation(generation, vocab_size=min(tokenizer.vocab_size, vocab_size),
                                         eos_id=tokenizer.eos_id,
-                                        stop_sequences=[tokenizer.encode(s) for s in gen.stop], **more)
+                                        stop_sequences=[tokenizer.encode(s) for s in generation.stop], **more)
 
 
-def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group: int, seed: int,
-                   record_routes: bool, seq_multiple: int,
-                   stop_requested: Optional[Callable[[bool], tuple]] = None) -> Rollout:
+def sample_rollout(chunks: list, prompts: list, *, config: EngineConfig, tokenizer, group: int, seed: int,
+                   seq_multiple: int, stop_requested: Optional[Callable[[bool], tuple]] = None) -> Rollout:
     """``group`` completions of each prompt record (prompt-major) from the model ``chunks``, sampled with the
-    generation settings of ``cfg``; every rank gets the whole rollout. Call it inside a generation phase.
+    engine settings ``config`` (``engine_config``); every rank gets the whole rollout. Call it inside a generation
+    phase.
     ``stop_requested(generating) -> (stop, anyone generating)``: the engines' stop question, a collective
     (``GenerationStopped`` on a yes; megatron_rl/generation/engine.py)."""
     from megatron_rl.generation import data_parallel_seed, generate
@@ -49,7 +48,7 @@ def sample_rollout(chunks: list, prompts: list, *, cfg, shape, tokenizer, group:
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts for _ in range(group)]
     mine = data_parallel_share(prompt_ids, with_context_parallel=True)
     out = generate([ckpt.unwrap(c) for c in chunks], mine,
-                   engine_config(cfg, shape, tokenizer, record_routes=record_routes), seed=data_parallel_seed(seed),
+                   config, seed=data_parallel_seed(seed),
                    stop_requested=stop_requested)
     routes = out.routes or [None] * len(out.tokens)
     sampled = gather_data_parallel([(list(tokens), list(map(float, lp)), reason == "length", route)

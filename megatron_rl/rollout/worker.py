@@ -19,92 +19,13 @@ Test: ``.venv/bin/python -m pytest tests/test_async_grpo.py -q``
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Optional
 
-import torch
 
 from megatron_rl.generation import GenerationStopped
 from megatron_rl.rollout.buffer import Sample
-from megatron_rl.rollout.channel import BRIDGE_BACKENDS, WORKER_WAIT_S, WeightBridge, WorkerChannel, any_rank
-from megatron_rl.rollout.placement import Placement
-from megatron_rl.spec.config.schema import JobConfig
-from megatron_rl.spec.model_shape import ModelShape
-
-
-def rollout_config(cfg: JobConfig, shape: ModelShape) -> JobConfig:
-    """The job config as a rollout worker runs it: tp x pp of parallel.rollout_tp / rollout_pp (default: the
-    training layout's, with its pipeline split; another pp gets its own split), without context or expert
-    parallelism; its data-parallel size is what the rollout processes allow."""
-    from megatron_rl.spec.parallel import SPLIT_KEYS, ParallelDims
-
-    par = cfg.parallel
-    tp, pp = par.rollout_tp or par.tp, par.rollout_pp or par.pp
-    parallel = dataclasses.replace(par, tp=tp, cp=1, ep=1, etp=None, sequence_parallel=par.sequence_parallel and tp > 1,
-                                   rollout_tp=None, rollout_pp=None)
-    if pp != par.pp:
-        parallel = dataclasses.replace(parallel, pp=pp, vpp=None, **{key: None for key in SPLIT_KEYS[:2]},
-                                       account_for_embedding=False, account_for_loss=False, pipeline_layout=None)
-        dims = ParallelDims(world_size=tp * pp, tp=tp, pp=pp).with_split(shape.num_layers)
-        parallel = dataclasses.replace(parallel, first_stage_layers=dims.first_stage_layers,
-                                       last_stage_layers=dims.last_stage_layers)
-    return dataclasses.replace(cfg, parallel=parallel)
-
-
-def reshards(cfg: JobConfig) -> bool:
-    """Whether the rollout replicas run at another tp x pp than the trainers (the weights then travel as a
-    distributed checkpoint, which Megatron loads at any layout)."""
-    par = cfg.parallel
-    return (par.rollout_tp or par.tp, par.rollout_pp or par.pp) != (par.tp, par.pp)
-
-
-def serve(cfg: JobConfig, shape: ModelShape, placement: Placement, *, resharded: bool = False) -> int:
-    """Generate orders until the trainers stop; returns the exit code they gave. ``cfg``: the rollout_config;
-    ``resharded``: the trainers run another tp x pp (``reshards`` of the job's config)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.generation import generate
-    from megatron_rl.models.builder import build_model_chunks
-    from megatron_rl.rollout.multi_turn import WorkerEpisodes
-    from megatron_rl.rollout.sampling import engine_config
-    from megatron_rl.runtime.training import model_options
-
-    tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
-    chunks = build_model_chunks(shape, model_options(cfg, shape))
-    for chunk in chunks:
-        chunk.eval()
-    weight_sync = cfg.algorithm.weight_sync
-    bridge = None
-    if weight_sync in BRIDGE_BACKENDS:
-        bridge = WeightBridge.open(placement, backend=weight_sync, replicas=ps.get_data_parallel_world_size(),
-                                   timeout_s=WORKER_WAIT_S)
-    channel = WorkerChannel(placement.folder, placement.session, worker=f"rollout{placement.world.rank}",
-                            weight_sync="resharded" if resharded else weight_sync, bridge=bridge)
-    say = print if placement.world.rank == 0 else (lambda *_, **__: None)
-    say(f"rollout worker: {placement.world.world_size} process(es) serving session {placement.session}", flush=True)
-    episodes = WorkerEpisodes(cfg, shape, tokenizer) if cfg.environment.name is not None else None
-    feed = OrderFeed(channel, chunks, tokenizer=tokenizer, group=cfg.algorithm.group_size,
-                     replica=ps.get_data_parallel_rank(), replicas=ps.get_data_parallel_world_size(),
-                     sends=ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0,
-                     episodes=episodes)
-    try:
-        with torch.no_grad():
-            if episodes is None:
-                generate(chunks, [], engine_config(cfg, shape, tokenizer), feed=feed)
-            else:
-                generate(chunks, [], episodes.config, feed=feed, settle_replies=episodes.settle)
-    except TrainersStopped as stopped:
-        # every rank stops at the same question; under PP a stage's last sends complete only while the others are
-        # still there to take them, so none exits before all have left the session
-        torch.distributed.barrier()
-        say(f"rollout worker: {feed.orders} orders taken; the trainers stopped (exit code {stopped.code})", flush=True)
-        return stopped.code
-    finally:
-        if episodes is not None:
-            episodes.close()
-    raise AssertionError("a fed generation session ends only through its feed")
+from megatron_rl.rollout.channel import WORKER_WAIT_S, WorkerChannel, any_rank
 
 
 class TrainersStopped(GenerationStopped):

@@ -178,8 +178,9 @@ def _summary_writer_class():
     return SummaryWriter
 
 
-def _start_wandb(run_dir: Path, cfg: Any) -> tuple[Any, bool]:
-    """(the W&B run of this run folder, whether it continues one that an earlier attempt started)."""
+def _start_wandb(run_dir: Path, settings: Any) -> tuple[Any, bool]:
+    """(the W&B run of this run folder, whether it continues one that an earlier attempt started); ``settings``:
+    the logging.wandb section."""
     try:
         import wandb
     except ImportError:
@@ -194,7 +195,7 @@ def _start_wandb(run_dir: Path, cfg: Any) -> tuple[Any, bool]:
         write_private_text(id_path, run_id + "\n")
     config_path = run_dir / CONFIG_FILE  # as written by the launcher: ${oc.env:...} secrets stay unresolved
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
-    run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, id=run_id, resume="allow",
+    run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode, id=run_id, resume="allow",
                      name=run_dir.name, config=config, dir=os.environ.get("WANDB_DIR") or str(run_dir),
                      settings=wandb.Settings(console="off"))  # rank 0's stdout stays the job log
     return run, resumed

@@ -33,7 +33,7 @@ from megatron_rl.models.packed_sequences import packed_forward_kwargs
 from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.runtime.memory import peak_memory_of
 from megatron_rl.runtime.phases import HostOffload
-from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.config.schema import ModelConfig, OptimizerConfig, ParallelConfig, RuntimeConfig
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.spec.parallel import ParallelDims
 
@@ -141,17 +141,20 @@ def sequence_logprobs(chunks, tokens: torch.Tensor, *, micro_batch_size: Optiona
     return result
 
 
-def model_options(cfg: JobConfig, shape: ModelShape) -> ModelOptions:
+def model_options(shape: ModelShape, dims: ParallelDims, *, model: ModelConfig, parallel: ParallelConfig,
+                  runtime: RuntimeConfig, seed: int, router_replay: bool) -> ModelOptions:
+    """How this rank builds ``shape``'s model: at ``dims`` (the job's, built once), with the model, parallel and
+    runtime sections' settings; ``seed`` initialises the weights; ``router_replay``: MoE layers replay recorded
+    routes."""
     return ModelOptions(
-        dims=ParallelDims.from_config(cfg.parallel, world_size=torch.distributed.get_world_size()), recompute=cfg.parallel.recompute, dtype=compute_dtype(cfg.model.dtype),
-        moe_load_balancing=cfg.model.moe_load_balancing, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-        moe_expert_bias_update=cfg.model.moe_expert_bias_update,
-        router_replay=cfg.algorithm.name == "grpo" and cfg.algorithm.router_replay and shape.is_moe,
-        seq_length=cfg.model.seq_length or shape.seq_length, init_seed=cfg.run.seed,
-        transformer_engine=resolve_transformer_engine(cfg.runtime.transformer_engine),
-        moe_grouped_gemm=None if cfg.runtime.moe_grouped_gemm == "auto" else bool(cfg.runtime.moe_grouped_gemm),
-        attention=cfg.runtime.attention, recompute_num_layers=cfg.parallel.recompute_num_layers,
-        tp_comm_overlap=cfg.runtime.tp_comm_overlap, lora=cfg.model.lora)
+        dims=dims, recompute=parallel.recompute, dtype=compute_dtype(model.dtype),
+        moe_load_balancing=model.moe_load_balancing, moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_expert_bias_update=model.moe_expert_bias_update, router_replay=router_replay and shape.is_moe,
+        seq_length=model.seq_length or shape.seq_length, init_seed=seed,
+        transformer_engine=resolve_transformer_engine(runtime.transformer_engine),
+        moe_grouped_gemm=None if runtime.moe_grouped_gemm == "auto" else bool(runtime.moe_grouped_gemm),
+        attention=runtime.attention, recompute_num_layers=parallel.recompute_num_layers,
+        tp_comm_overlap=runtime.tp_comm_overlap, lora=model.lora)
 
 
 @dataclass
@@ -359,34 +362,36 @@ def overlap_grad_reduce_in_schedule(wrapped: list) -> None:
         config.grad_sync_func = [chunk.start_grad_sync for chunk in wrapped]
 
 
-def initialize_tp_communicators(cfg: JobConfig, shape: ModelShape, opts: ModelOptions) -> None:
+def initialize_tp_communicators(shape: ModelShape, opts: ModelOptions, *, micro_batch_size: int) -> None:
     """TE's userbuffers for runtime.tp_comm_overlap, sized for one micro-batch's [tokens, hidden] on this TP
     group (Megatron's ``_initialize_tp_communicators``). GPU path: unverified until a device runs it."""
     from transformer_engine.pytorch import module as te_module
 
-    tokens = cfg.parallel.micro_batch_size * opts.seq_length // opts.dims.cp
+    tokens = micro_batch_size * opts.seq_length // opts.dims.cp
     te_module.base.initialize_ub(shape=[tokens, shape.hidden_size], tp_size=opts.dims.tp, use_fp8=False,
                                  dtype=opts.dtype)
 
 
-def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int] = None,
-                 lr: Optional[float] = None,
+def build_engine(shape: ModelShape, opts: ModelOptions, *, optimizer: OptimizerConfig, runtime: RuntimeConfig,
+                 parallel: ParallelConfig, steps: int, lr: Optional[float] = None,
                  build_chunks: Callable[[ModelShape, ModelOptions], list] = build_model_chunks) -> Engine:
-    """Model chunks wrapped in Megatron DDP, Megatron's (distributed) optimizer and its LR/WD schedule.
+    """Model chunks wrapped in Megatron DDP, Megatron's (distributed) optimizer and its LR/WD schedule: the
+    optimizer section's settings (``lr``: another peak), its schedule over ``steps``, gradients as the runtime
+    section says.
 
     ``build_chunks`` makes this rank's model chunks (default: the GPT policy; the RM trainer passes its own).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    opts = model_options(cfg, shape)
     if opts.tp_comm_overlap:
-        initialize_tp_communicators(cfg, shape, opts)
+        initialize_tp_communicators(shape, opts, micro_batch_size=parallel.micro_batch_size)
     chunks = build_chunks(shape, opts)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.runtime.grad_dtype == "fp32", overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
-        bucket_size=cfg.runtime.grad_bucket_size, use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+        grad_reduce_in_fp32=runtime.grad_dtype == "fp32", overlap_grad_reduce=runtime.overlap_grad_reduce,
+        bucket_size=runtime.grad_bucket_size, use_distributed_optimizer=parallel.distributed_optimizer)
     wrapped = []
     for i, chunk in enumerate(chunks):
         chunk.config.calculate_per_token_loss = True
@@ -395,17 +400,16 @@ def build_engine(cfg: JobConfig, shape: ModelShape, *, total_steps: Optional[int
                                                disable_bucketing=i > 0))
     if ddp_config.overlap_grad_reduce:
         overlap_grad_reduce_in_schedule(wrapped)
-    optim = cfg.optimizer
+    optim = optimizer
     peak_lr = optim.lr if lr is None else lr
-    steps = total_steps or cfg.run.steps
 
     def make_optimizer(model_chunks: list):
         optimizer = get_megatron_optimizer(
-            OptimizerConfig(
+            MegatronOptimizerConfig(
                 optimizer="adam", lr=peak_lr, min_lr=min(optim.min_lr, peak_lr), weight_decay=optim.weight_decay,
                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                 clip_grad=optim.clip_grad, bf16=opts.dtype == torch.bfloat16, fp16=opts.dtype == torch.float16,
-                params_dtype=opts.dtype, use_distributed_optimizer=cfg.parallel.distributed_optimizer),
+                params_dtype=opts.dtype, use_distributed_optimizer=parallel.distributed_optimizer),
             model_chunks)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if optim.lr_warmup_steps else peak_lr, max_lr=peak_lr,

@@ -385,6 +385,29 @@ def rollout_replica_error(rollout_tasks: int, tp: int, pp: int, ep: int) -> str 
     return None
 
 
+def rollout_parallel(par: Any, num_layers: int) -> Any:
+    """The parallel section (``par``) as a split-placement rollout worker runs it: tp x pp of parallel.rollout_tp /
+    rollout_pp (default: the training layout's, with its pipeline split; another pp gets its own split over
+    ``num_layers``), without context or expert parallelism; its data-parallel size is what the rollout processes
+    allow."""
+    tp, pp = par.rollout_tp or par.tp, par.rollout_pp or par.pp
+    parallel = dataclasses.replace(par, tp=tp, cp=1, ep=1, etp=None, sequence_parallel=par.sequence_parallel and tp > 1,
+                                   rollout_tp=None, rollout_pp=None)
+    if pp != par.pp:
+        parallel = dataclasses.replace(parallel, pp=pp, vpp=None, **{key: None for key in SPLIT_KEYS[:2]},
+                                       account_for_embedding=False, account_for_loss=False, pipeline_layout=None)
+        dims = ParallelDims(world_size=tp * pp, tp=tp, pp=pp).with_split(num_layers)
+        parallel = dataclasses.replace(parallel, first_stage_layers=dims.first_stage_layers,
+                                       last_stage_layers=dims.last_stage_layers)
+    return parallel
+
+
+def reshards(par: Any) -> bool:
+    """Whether the rollout replicas run at another tp x pp than the trainers (the parallel section ``par``; the
+    weights then travel as a distributed checkpoint, which Megatron loads at any layout)."""
+    return (par.rollout_tp or par.tp, par.rollout_pp or par.pp) != (par.tp, par.pp)
+
+
 def layout_vpp(layout: str | None, pp: int) -> int:
     """The virtual stages per rank a pipeline layout gives at ``pp`` (1 without one, or when it is unreadable:
     ``pipeline_layout_error`` says why)."""

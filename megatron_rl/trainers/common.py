@@ -25,6 +25,7 @@ from megatron_rl.runtime.memory import GIB, PHASES
 from megatron_rl.runtime.metrics import MetricsLogger
 from megatron_rl.runtime.stops import Preempted, install_stop_handlers, stop_signal_received
 from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.spec.parallel import ParallelDims
 from megatron_rl.spec.run_files import REQUEUE_EXIT_CODE
 
 def _rank_hosts() -> list[str]:
@@ -76,6 +77,8 @@ class TrainerContext:
     """The model's ModelShape, stored in every checkpoint so it exports to Hugging Face without extra input."""
     config_path: Optional[str] = None
     """The config.yaml this process loaded: its ``${oc.env:...}`` keys stay unresolved in the run's manifest."""
+    dims: Optional[ParallelDims] = None
+    """The job's parallel sizes, built once at start (``main.run``); None: from parallel over this world."""
     placement: Optional[Any] = None
     """With cluster.rollout_tasks > 0: this trainer's ``megatron_rl.rollout.placement.Placement``; None when
     generation is colocated."""
@@ -321,3 +324,36 @@ class TrainerContext:
     def say(self, message: str) -> None:
         if self.rank == 0:
             print(message, file=sys.stdout, flush=True)
+
+
+def job_model_options(cfg: JobConfig, shape, dims: Optional[ParallelDims] = None):
+    """``model_options`` of the job's sections at ``dims`` (the job's, built once at start: ``main.run`` hands them
+    down through ``TrainerContext.dims``; None: from parallel over this world, for a process without a context)."""
+    from megatron_rl.runtime.training import model_options  # Megatron: imported after initialize patched it
+
+    if dims is None:
+        dims = ParallelDims.from_config(cfg.parallel, world_size=torch.distributed.get_world_size())
+    return model_options(shape, dims, model=cfg.model, parallel=cfg.parallel, runtime=cfg.runtime,
+                         seed=cfg.run.seed, router_replay=cfg.algorithm.name == "grpo" and cfg.algorithm.router_replay)
+
+
+def job_engine(cfg: JobConfig, shape, *, dims: Optional[ParallelDims] = None, total_steps: Optional[int] = None,
+               lr: Optional[float] = None, build_chunks: Optional[Callable] = None):
+    """``build_engine`` of the job's sections: the model at ``job_model_options``, the optimizer section's
+    schedule over ``total_steps`` (default run.steps) at peak ``lr`` (default optimizer.lr)."""
+    from megatron_rl.runtime.training import build_engine  # Megatron: imported after initialize patched it
+
+    return build_engine(shape, job_model_options(cfg, shape, dims), optimizer=cfg.optimizer, runtime=cfg.runtime,
+                        parallel=cfg.parallel, steps=total_steps or cfg.run.steps, lr=lr,
+                        **({"build_chunks": build_chunks} if build_chunks is not None else {}))
+
+
+def record_eval(path: Path, stage: str, entry: dict) -> None:
+    """Add (or replace) ``stage``'s entry in the eval.json at ``path`` (the eval trainer's), privately."""
+    import json
+
+    from megatron_rl.spec.private import write_private_text
+
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    entries[stage] = entry
+    write_private_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")

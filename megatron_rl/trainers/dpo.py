@@ -39,12 +39,12 @@ from megatron_rl.models.logprobs import vocab_parallel_logprobs
 from megatron_rl.models.reward_model import padded_length
 from megatron_rl.rollout.batch import sum_over_context_parallel, whole_sequence_lengths
 from megatron_rl.runtime.distributed import collective_device
-from megatron_rl.runtime.training import Engine, build_engine, forward_logprobs, gather_data_parallel, logits_forward
+from megatron_rl.runtime.training import Engine, forward_logprobs, gather_data_parallel, logits_forward
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers import pairs
-from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.common import TrainerContext, job_engine
 from megatron_rl.data.batches import lm_batch
 
 REPORTS = ("loss", "dpo_loss", "sft_loss", "accuracy", "reward_margin", "reward_chosen", "reward_rejected")
@@ -186,7 +186,7 @@ def with_reference(ctx: TrainerContext, engine: Engine, batcher: DPOPairBatcher,
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     max_length = pairs.preference_max_length(cfg, shape)
     encoder, train_data, eval_data = pairs.load_pairs(cfg, shape, max_length=max_length, response_starts=True)
-    engine = build_engine(cfg, shape)
+    engine = job_engine(cfg, shape, dims=ctx.dims)
     batcher = DPOPairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length, multiple=engine.sequence_multiple)
     start = ctx.resume(engine)
     train_data, eval_data = with_reference(ctx, engine, batcher, start=start, splits=[train_data, eval_data])

@@ -18,18 +18,28 @@ Test: ``.venv/bin/python -m pytest tests/test_evaluate.py -q``
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.rollout.sampling import held_out, sample_rollout, summarize
-from megatron_rl.spec.config.schema import JobConfig
+from megatron_rl.data.chat import ChatFormat
+from megatron_rl.data.prompts import load_eval_prompts
+from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.models.builder import build_model_chunks
+from megatron_rl.rewards.job import job_rewards, reward_totals
+from megatron_rl.rollout.multi_turn import Environments, episode_metrics
+from megatron_rl.rollout.sampling import engine_config, held_out, sample_rollout, summarize
+from megatron_rl.runtime.checkpoint import load_checkpoint
 from megatron_rl.spec.errors import ConfigError
-from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.spec.run_files import EVAL_FILE, GATE_EXIT_CODE
-from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers import pairs
+from megatron_rl.trainers.common import TrainerContext, job_model_options, record_eval
+
+if TYPE_CHECKING:
+    from megatron_rl.spec.config.schema import JobConfig
+    from megatron_rl.spec.model_shape import ModelShape
 
 
 class GateFailed(SystemExit):
@@ -40,37 +50,31 @@ class GateFailed(SystemExit):
 
 
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-    from megatron_rl.data.prompts import load_eval_prompts
-    from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.models.builder import build_model_chunks
-    from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.training import model_options
-    from megatron_rl.rollout.multi_turn import Environments, episode_metrics
-    from megatron_rl.rewards.job import job_rewards, reward_totals
-
     if not cfg.model.init_from:
         raise ConfigError("algorithm.name=eval needs the checkpoint to evaluate: model.init_from=CKPT (or "
                           "launch.py eval --ckpt CKPT)")
-    if is_reward_model(cfg.model.init_from):
-        return evaluate_reward_model(cfg, shape, ctx)
+    if pairs.is_reward_model(cfg.model.init_from):
+        return pairs.evaluate_reward_model(cfg, shape, ctx)
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
-    prompts = load_eval_prompts(cfg, tokenizer)
+    prompts = load_eval_prompts(cfg.data, tokenizer, seed=cfg.run.seed)
     if prompts is None:
         raise ConfigError("algorithm.name=eval needs held-out prompts: set data.eval_path, or a synthetic data.task")
     prompts = list(prompts)[:cfg.eval.max_prompts]
-    opts = model_options(cfg, shape)
+    opts = job_model_options(cfg, shape, ctx.dims)
     chunks = build_model_chunks(shape, opts)
-    ckpt.load_checkpoint(cfg.model.init_from, chunks=chunks, load_optimizer=False)
+    load_checkpoint(cfg.model.init_from, chunks=chunks, load_optimizer=False)
     rewards = job_rewards(cfg.algorithm, cfg.environment, model=cfg.model, parallel=cfg.parallel,
                           runtime=cfg.runtime)
-    environments = Environments.of_job(cfg)  # multi-turn: each sample an episode in a fresh environment
+    # multi-turn: each sample an episode in a fresh environment
+    environments = Environments.of(cfg.environment, run_dir=cfg.run.dir, checkpoint_dir=cfg.checkpoint_dir)
+    config = engine_config(cfg.generation, tokenizer, vocab_size=shape.vocab_size)
 
     def generate(batch: list, group: int, seed: int):
-        options = dict(cfg=cfg, shape=shape, tokenizer=tokenizer, group=group, seed=seed,
-                       seq_multiple=opts.dims.sequence_multiple)
+        options = dict(config=config, group=group, seed=seed, seq_multiple=opts.dims.sequence_multiple)
         if environments is not None:
-            return environments.sample(chunks, batch, **options)
-        return sample_rollout(chunks, batch, record_routes=False, **options)
+            return environments.sample(chunks, batch, chat=ChatFormat.from_config(cfg.data, tokenizer),
+                                       stop=cfg.generation.stop, **options)
+        return sample_rollout(chunks, batch, tokenizer=tokenizer, **options)
 
     with ctx.timer() as t_eval:
         rollout = held_out(generate, prompts, samples=cfg.eval.samples, batch_prompts=cfg.algorithm.prompts_per_step,
@@ -83,7 +87,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     stage = cfg.eval.stage or cfg.run.name
     entry = {**summary, **episode_metrics(rollout.episodes), "checkpoint": str(cfg.model.init_from), "kept": kept}
     if ctx.rank == 0:
-        record(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
+        record_eval(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
         ctx.logger.log(0, {"pass_at_1": summary["pass@1"], "pass_at_k": summary["pass@k"], "k": float(summary["k"]),
                            "reward_mean": summary["mean_reward"], "response_length": summary["mean_response_length"],
                            "prompts": float(summary["n_prompts"]), **episode_metrics(rollout.episodes),
@@ -94,57 +98,6 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
     if not kept:
         ctx.say(f"eval gate: pass@1 {summary['pass@1']:.3f} < eval.min_pass_at_1={gate}: {stage} is discarded")
         raise GateFailed()
-
-
-def is_reward_model(checkpoint: str) -> bool:
-    """Whether ``checkpoint`` was saved by the rm trainer (its common state carries the reward-model metadata)."""
-    from megatron_rl.rewards.reward_model_scorer import read_reward_model_metadata
-
-    try:
-        read_reward_model_metadata(checkpoint)
-    except ConfigError:
-        return False
-    return True
-
-
-def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-    """A reward-model checkpoint: held-out pair accuracy (the rm trainer's own evaluation, phase "eval") as its
-    eval.json entry: {"accuracy", "reward_margin", "n_pairs", "checkpoint", "kept"}."""
-    from megatron_rl.algorithms.reward_model import RM_REPORTS, preference_loss
-    from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, reward_forward
-    from megatron_rl.runtime.training import build_engine
-    from megatron_rl.trainers import pairs
-
-    max_length = pairs.preference_max_length(cfg, shape)
-    encoder, _, held_out_pairs = pairs.load_pairs(cfg, shape, max_length=max_length)
-    if held_out_pairs is None:
-        raise ConfigError("evaluating a reward model needs held-out preference pairs: set data.eval_path, or a "
-                          "synthetic prefer_* data.task")
-    engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
-    load_reward_model_weights(cfg.model.init_from, engine.chunks)
-    batcher = pairs.RewardPairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)
-    algo = cfg.algorithm
-    metrics = pairs.evaluate(engine, batcher, held_out_pairs, cfg, lambda rewards, batch: preference_loss(
-        rewards, batch, margin=algo.rm_margin, centering_coef=algo.rm_centering_coef), forward_fn=reward_forward,
-        report_names=RM_REPORTS)
-    stage = cfg.eval.stage or cfg.run.name
-    entry = {"accuracy": metrics["accuracy"], "reward_margin": metrics["reward_margin"],
-             "n_pairs": len(held_out_pairs), "checkpoint": str(cfg.model.init_from), "kept": True}
-    if ctx.rank == 0:
-        record(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
-        ctx.logger.log(0, metrics, phase="eval", total=0)
-    ctx.logger.close()
-    ctx.say(f"{'stage':<12} {'accuracy':>8} {'margin':>8} {'pairs':>7}\n"
-            f"{stage:<12} {entry['accuracy']:>8.3f} {entry['reward_margin']:>8.3f} {entry['n_pairs']:>7d}")
-
-
-def record(path: Path, stage: str, entry: dict) -> None:
-    """Add (or replace) ``stage``'s entry in the eval.json at ``path``, privately."""
-    from megatron_rl.spec.private import write_private_text
-
-    entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries[stage] = entry
-    write_private_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
 
 
 def table(stage: str, entry: dict) -> str:

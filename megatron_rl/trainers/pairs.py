@@ -13,19 +13,24 @@ data counts once, as phase "data".
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.preferences import PreferenceData, SequenceEncoder, load_preference_splits
+from megatron_rl.algorithms.reward_model import RM_REPORTS, preference_loss
 from megatron_rl.data.tokenizer import load_tokenizer
-from megatron_rl.models.reward_model import padded_length, right_padded_batch
+from megatron_rl.models.reward_model import (build_reward_model_chunks, load_reward_model_weights, padded_length,
+                                             reward_forward, right_padded_batch)
+from megatron_rl.rewards.reward_model_scorer import read_reward_model_metadata
 from megatron_rl.runtime.training import Engine, ForwardFn, LossFn, data_parallel_slice
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.spec.run_files import EVAL_FILE
+from megatron_rl.trainers.common import TrainerContext, job_engine, record_eval
 
 
 def preference_max_length(cfg: JobConfig, shape: ModelShape) -> int:
@@ -177,3 +182,38 @@ class RewardPairBatcher(PairMicroBatcher):
         return collate_pairs([data.chosen[i] for i in indices], [data.rejected[i] for i in indices], weights,
                              pad_id=self.pad_id, fixed_length=self.fixed_length, multiple=self.multiple,
                              longest=longest)
+
+
+def is_reward_model(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` was saved by the rm trainer (its common state carries the reward-model metadata)."""
+    try:
+        read_reward_model_metadata(checkpoint)
+    except ConfigError:
+        return False
+    return True
+
+
+def evaluate_reward_model(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
+    """The eval trainer on a reward-model checkpoint (``model.init_from``): held-out pair accuracy (the rm
+    trainer's own evaluation, phase "eval") as its eval.json entry: {"accuracy", "reward_margin", "n_pairs", "checkpoint", "kept"}."""
+    max_length = preference_max_length(cfg, shape)
+    encoder, _, held_out_pairs = load_pairs(cfg, shape, max_length=max_length)
+    if held_out_pairs is None:
+        raise ConfigError("evaluating a reward model needs held-out preference pairs: set data.eval_path, or a "
+                          "synthetic prefer_* data.task")
+    engine = job_engine(cfg, shape, dims=ctx.dims, build_chunks=build_reward_model_chunks)
+    load_reward_model_weights(cfg.model.init_from, engine.chunks)
+    batcher = RewardPairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)
+    algo = cfg.algorithm
+    metrics = evaluate(engine, batcher, held_out_pairs, cfg, lambda rewards, batch: preference_loss(
+        rewards, batch, margin=algo.rm_margin, centering_coef=algo.rm_centering_coef), forward_fn=reward_forward,
+        report_names=RM_REPORTS)
+    stage = cfg.eval.stage or cfg.run.name
+    entry = {"accuracy": metrics["accuracy"], "reward_margin": metrics["reward_margin"],
+             "n_pairs": len(held_out_pairs), "checkpoint": str(cfg.model.init_from), "kept": True}
+    if ctx.rank == 0:
+        record_eval(Path(cfg.run.dir) / EVAL_FILE, stage, entry)
+        ctx.logger.log(0, metrics, phase="eval", total=0)
+    ctx.logger.close()
+    ctx.say(f"{'stage':<12} {'accuracy':>8} {'margin':>8} {'pairs':>7}\n"
+            f"{stage:<12} {entry['accuracy']:>8.3f} {entry['reward_margin']:>8.3f} {entry['n_pairs']:>7d}")

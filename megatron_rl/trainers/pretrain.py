@@ -12,14 +12,14 @@ import torch
 
 from megatron_rl.algorithms.lm_loss import LM_REPORTS, lm_loss
 from megatron_rl.data.batches import collate_lm, progression_batch
-from megatron_rl.runtime.training import Engine, build_engine, data_parallel_slice
+from megatron_rl.runtime.training import Engine, data_parallel_slice
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.common import TrainerContext, job_engine
 
 
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
-    engine: Engine = build_engine(cfg, shape)
+    engine: Engine = job_engine(cfg, shape, dims=ctx.dims)
     seq_length = cfg.model.seq_length or shape.seq_length
     start = ctx.resume(engine)
     for step in range(start + 1, cfg.run.steps + 1):

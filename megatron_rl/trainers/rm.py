@@ -23,12 +23,12 @@ from pathlib import Path
 
 from megatron_rl.algorithms.reward_model import RM_REPORTS, preference_loss
 from megatron_rl.models.reward_model import build_reward_model_chunks, load_reward_model_weights, reward_forward
-from megatron_rl.runtime.training import Engine, build_engine
+from megatron_rl.runtime.training import Engine
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
 from megatron_rl.trainers import pairs
-from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.common import TrainerContext, job_engine
 from megatron_rl.trainers.pairs import RewardPairBatcher
 
 METADATA_VERSION = 1
@@ -60,7 +60,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
                           "set parallel.cp=1")
     max_length = pairs.preference_max_length(cfg, shape)
     encoder, train_data, eval_data = pairs.load_pairs(cfg, shape, max_length=max_length)
-    engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
+    engine = job_engine(cfg, shape, dims=ctx.dims, build_chunks=build_reward_model_chunks)
     metadata = reward_model_metadata(cfg, shape, max_length=max_length)
     ctx.extra_state = lambda: {"reward_model": metadata}
     batcher = RewardPairBatcher(cfg, pad_id=encoder.pad_id, max_length=max_length)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.data.sft import batch_for_step, encode_examples, read_sft_records, sft_seq_length
-from megatron_rl.runtime.training import build_engine, sft_step
+from megatron_rl.runtime.training import sft_step
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.model_shape import ModelShape
-from megatron_rl.trainers.common import TrainerContext
+from megatron_rl.trainers.common import TrainerContext, job_engine
 
 
 def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
@@ -34,7 +34,7 @@ def train(cfg: JobConfig, shape: ModelShape, ctx: TrainerContext) -> None:
         raise ConfigError(f"data.task={cfg.data.task!r} has no SFT data; set data.train_path to a data file")
     max_length = cfg.data.max_length or cfg.model.seq_length or shape.seq_length
     examples = encode_examples(tokenizer, records, max_length, ChatFormat.from_config(cfg.data, tokenizer))
-    engine = build_engine(cfg, shape)
+    engine = job_engine(cfg, shape, dims=ctx.dims)
     seq_length = sft_seq_length(examples, multiple=engine.sequence_multiple)
     start = ctx.resume(engine)
     for step in range(start + 1, cfg.run.steps + 1):

@@ -200,11 +200,12 @@ def engine_steps(cfg, shape, steps: int = 2) -> tuple[list[dict], torch.Tensor]:
     them), then ``sequence_logprobs`` of 4 fresh sequences."""
     from megatron.core import parallel_state
 
-    from megatron_rl.runtime.training import build_engine, data_parallel_slice, sequence_logprobs
+    from megatron_rl.runtime.training import data_parallel_slice, sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.algorithms.lm_loss import lm_loss
     from megatron_rl.data.batches import collate_lm, progression_batch
 
-    engine = build_engine(cfg, shape, total_steps=10)
+    engine = job_engine(cfg, shape, total_steps=10)
     seq_length = cfg.model.seq_length or shape.seq_length
     metrics = []
     for step in range(1, steps + 1):

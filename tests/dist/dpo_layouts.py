@@ -28,14 +28,15 @@ def run_layout(model: str, sizes: dict) -> dict:
     from megatron_rl.data.preferences import SequenceEncoder, synthetic_preference_records, tokenize_pairs
     from megatron_rl.data.tokenizer import CharTokenizer
     from dist_common import start_layout
-    from megatron_rl.runtime.training import build_engine, logits_forward
+    from megatron_rl.runtime.training import logits_forward
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.trainers import dpo, pairs
 
     start_layout(**sizes, seed=1234)
     cfg = load_config(None, ["algorithm.name=dpo", f"model.name={model}", *OVERRIDES,
                              *(f"parallel.{key}={value}" for key, value in sizes.items())])
     shape = load_model_shape(model)
-    engine = build_engine(cfg, shape)
+    engine = job_engine(cfg, shape)
     records = synthetic_preference_records("prefer_last_digit", split="train", num_pairs=PAIRS, seed=3)
     data = tokenize_pairs(records, SequenceEncoder(CharTokenizer()), max_length=32, truncation="truncate",
                           vocab_size=shape.vocab_size, name="fixed", response_starts=True)

@@ -26,13 +26,13 @@ def decode_step_reads(layers: int) -> tuple[list, list]:
     from megatron_rl.generation.layout import Lockstep
     from megatron_rl.generation.pipeline import StageChain
     from megatron_rl.models.builder import build_model_chunks
-    from megatron_rl.runtime.training import model_options
+    from megatron_rl.trainers.common import job_model_options
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
 
     cfg = load_config(overrides=["model.name=tiny-cpu"])
     shape = dataclasses.replace(load_model_shape("tiny-cpu"), num_layers=layers)
-    chunks = build_model_chunks(shape, model_options(cfg, shape))
+    chunks = build_model_chunks(shape, job_model_options(cfg, shape))
     config = EngineConfig(vocab_size=shape.vocab_size, max_new_tokens=12, top_p=0.9, kv_block_tokens=4)
     engine = Engine(config, chunks, chain=StageChain(chunks, device=torch.device("cpu")), lockstep=Lockstep(chunks),
                     seed=3)

@@ -291,7 +291,7 @@ def check(args: argparse.Namespace) -> dict:
     from megatron_rl.runtime.training import sequence_logprobs
     from megatron_rl.runtime.phases import generation_phase, grad_buffer_tensors, optimizer_tensors
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
     from dist_common import progression_trainer, start_layout
 
     import dataclasses
@@ -305,7 +305,7 @@ def check(args: argparse.Namespace) -> dict:
     shape = load_model_shape(args.model)
     if args.layers:
         shape = dataclasses.replace(shape, num_layers=args.layers)
-    engine = build_engine(cfg, shape, total_steps=10)
+    engine = job_engine(cfg, shape, total_steps=10)
     vocab = shape.vocab_size
 
     train_step = progression_trainer(engine, micro_batch_size=cfg.parallel.micro_batch_size)

@@ -67,7 +67,8 @@ def check_layout(*, model: str = "tiny-cpu", tp: int = 1, ep: int = 1, cp: int =
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.training import build_engine, data_parallel_share, gather_data_parallel, sequence_logprobs
+    from megatron_rl.runtime.training import data_parallel_share, gather_data_parallel, sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
     from dist_common import progression_trainer, start_layout
 
     cfg = load_config(overrides=[f"model.name={model}", f"parallel.tp={tp}", f"parallel.ep={ep}",
@@ -76,7 +77,7 @@ def check_layout(*, model: str = "tiny-cpu", tp: int = 1, ep: int = 1, cp: int =
                                  "algorithm.global_batch_size=4", "run.seed=7", "optimizer.lr=0.01"])
     start_layout(tp=tp, ep=ep, cp=cp, sp=sp, seed=cfg.run.seed)
     shape = load_model_shape(model)
-    engine = build_engine(cfg, shape, total_steps=10)
+    engine = job_engine(cfg, shape, total_steps=10)
     chunks = [unwrap(c) for c in engine.chunks]
     vocab = shape.vocab_size
 

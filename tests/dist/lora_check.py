@@ -56,7 +56,8 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     from megatron_rl.models.lora import adapters, adapters_disabled, merge_adapters
     from megatron_rl.runtime import checkpoint as ckpt
     from dist_common import start_layout
-    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
 
     sizes = dict(sizes)
     model = sizes.pop("model", "tiny-cpu")
@@ -67,7 +68,7 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     cfg = load_config(None, [*OVERRIDES, *lora, f"model.name={model}", f"runtime.moe_grouped_gemm={str(grouped).lower()}",
                              *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
     shape = load_model_shape(model)
-    engine = build_engine(cfg, shape)
+    engine = job_engine(cfg, shape)
     fresh_a = None
     if grouped:  # the sequential experts' untrained model (weights and adapters), through the same checkpoint keys
         fresh_a = [a.A.detach().clone() for a in adapters(engine.chunks)]
@@ -102,7 +103,7 @@ def run_layout(name: str, sizes: dict, out: Path) -> dict:
     folder = out / f"ckpt_{name}"
     ckpt.save_checkpoint(folder, step=3, chunks=engine.chunks, optimizer=engine.optimizer, scheduler=engine.scheduler)
     result["step4"] = train_step(4)
-    fresh = build_engine(cfg, shape)
+    fresh = job_engine(cfg, shape)
     ckpt.load_checkpoint(folder, chunks=fresh.chunks, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
     result["resumed_step4"] = progression_trainer(fresh, micro_batch_size=2)(4)
     result["on4"] = logprobs()
@@ -168,14 +169,15 @@ def modules_to_save_check(name: str, sizes: dict, tied: bool, out: Path) -> dict
     from megatron_rl.models.lora import adapters, adapters_disabled, saved_parameters
     from megatron_rl.runtime import checkpoint as ckpt
     from dist_common import start_layout
-    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
 
     start_layout(**sizes, seed=1234)
     cfg = load_config(None, [*(o for o in OVERRIDES if not o.startswith("model.lora")),
                              "model.lora={rank: 4, alpha: 8, modules_to_save: [embedding, output_layer, final_layernorm]}",
                              *(f"parallel.{k}={v}" for k, v in sizes.items())])
     shape = dataclasses.replace(load_model_shape("tiny-cpu"), tie_embeddings=tied)
-    engine = build_engine(cfg, shape)
+    engine = job_engine(cfg, shape)
     tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
 
     def logprobs(chunks) -> list:
@@ -208,7 +210,7 @@ def modules_to_save_check(name: str, sizes: dict, tied: bool, out: Path) -> dict
     result["optimizer_state_numel"] = optimizer_state_numel(engine.optimizer)
     folder = out / f"ckpt_saved_{name}"
     ckpt.save_checkpoint(folder, step=3, chunks=engine.chunks, optimizer=engine.optimizer, scheduler=engine.scheduler)
-    fresh = build_engine(cfg, shape)
+    fresh = job_engine(cfg, shape)
     ckpt.load_checkpoint(folder, chunks=fresh.chunks, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
     resumed_reference = fresh.reference_model(out / f"reference_{name}")
     result["resumed_policy"] = logprobs(fresh.chunks)

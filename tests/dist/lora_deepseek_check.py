@@ -36,14 +36,15 @@ def run_layout(sizes: dict, out: Path, *, save: bool) -> dict:
     from megatron_rl.models.lora import adapters, adapters_disabled, merge_adapters
     from megatron_rl.runtime import checkpoint as ckpt
     from dist_common import start_layout
-    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
 
     start_layout(**{k: v for k, v in sizes.items() if k != "sequence_parallel"}, seed=1234)
     cfg = load_config(None, [*OVERRIDES, *(f"parallel.{k}={str(v).lower()}" for k, v in sizes.items())])
     shape = load_model_shape("tiny-cpu-deepseek-v3")
-    engine = build_engine(cfg, shape)
+    engine = job_engine(cfg, shape)
     tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
 
     def logprobs() -> list:

@@ -48,13 +48,13 @@ def dropout_check(sizes: dict) -> dict:
     from megatron.core import tensor_parallel
     from megatron_rl.models.lora import adapters, adapters_disabled
     from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
 
     use_layout(sizes)
     overrides = [*(o for o in OVERRIDES if not o.startswith("model.lora")), "model.lora={rank: 4, alpha: 8, dropout: 0.25}",
                  "parallel.micro_batch_size=2", *(f"parallel.{k}={v}" for k, v in sizes.items())]
     shape = load_model_shape("tiny-cpu")
-    engine = build_engine(load_config(None, overrides), shape)
+    engine = job_engine(load_config(None, overrides), shape)
     tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     chunk = ckpt.unwrap(engine.chunks[0])
 
@@ -98,7 +98,7 @@ def dropout_check(sizes: dict) -> dict:
     chunk.train()
     train_step = progression_trainer(engine, micro_batch_size=2)
     if not sizes:  # one step with and without full recompute from the same weights and RNG states
-        recomputed = build_engine(load_config(None, [*overrides, "parallel.recompute=full"]), shape)
+        recomputed = job_engine(load_config(None, [*overrides, "parallel.recompute=full"]), shape)
         for ours, theirs in zip(adapters(recomputed.chunks), adapters(engine.chunks)):
             with torch.no_grad():
                 ours.B.copy_(theirs.B)
@@ -131,14 +131,15 @@ def tied_pipeline_check(name: str, sizes: dict, out: Path, pp1_weight=None) -> d
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.models.lora import adapters_disabled
     from megatron_rl.runtime import checkpoint as ckpt
-    from megatron_rl.runtime.training import build_engine, sequence_logprobs
+    from megatron_rl.runtime.training import sequence_logprobs
+    from megatron_rl.trainers.common import job_engine
 
     use_layout(sizes)
     cfg = load_config(None, [*(o for o in OVERRIDES if not o.startswith("model.lora")),
                              "model.lora={rank: 4, alpha: 8, modules_to_save: [output_layer]}",
                              "parallel.micro_batch_size=2", *(f"parallel.{k}={v}" for k, v in sizes.items())])
     shape = dataclasses.replace(load_model_shape("tiny-cpu"), tie_embeddings=True)
-    engine = build_engine(cfg, shape)
+    engine = job_engine(cfg, shape)
     tokens = torch.randint(1, shape.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     shared = ckpt.unwrap(engine.chunks[0]).shared_embedding_or_output_weight()
     initial = shared.detach().clone()

@@ -216,7 +216,7 @@ def main() -> None:
     from megatron_rl.models import unwrap
     from megatron_rl.models.builder import padded_vocab_size
     from megatron_rl.runtime.distributed import initialize, job_dims
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
 
@@ -226,7 +226,7 @@ def main() -> None:
     initialize(job_dims(tp=args.tp), seed=cfg.run.seed)
     shape = load_model_shape("tiny-cpu")
     vocab = shape.vocab_size
-    engine = build_engine(cfg, shape, total_steps=10)
+    engine = job_engine(cfg, shape, total_steps=10)
     train_step = progression_trainer(engine, micro_batch_size=cfg.parallel.micro_batch_size)
     for step in (1, 2):
         train_step(step)

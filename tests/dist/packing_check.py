@@ -56,7 +56,8 @@ def check(*, tp: int = 1, pp: int = 1, vpp: int | None = None, layers: int | Non
     from megatron_rl.models import unwrap
     from megatron_rl.rollout.batch import collate_rollout, make_grpo_loss, old_logprobs, store_logprobs
     from megatron_rl.rollout.packing import pack_minibatch, pack_rows
-    from megatron_rl.runtime.training import build_engine, data_parallel_slice, logits_forward
+    from megatron_rl.runtime.training import data_parallel_slice, logits_forward
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.spec.model_shape import load_model_shape
 
@@ -67,8 +68,8 @@ def check(*, tp: int = 1, pp: int = 1, vpp: int | None = None, layers: int | Non
     shape = load_model_shape("tiny-cpu")
     if layers:
         shape = dataclasses.replace(shape, num_layers=layers)
-    padded_engine = build_engine(cfg, shape, total_steps=4)
-    packed_engine = build_engine(cfg, shape, total_steps=4)
+    padded_engine = job_engine(cfg, shape, total_steps=4)
+    packed_engine = job_engine(cfg, shape, total_steps=4)
     for a, b in zip(padded_engine.chunks, packed_engine.chunks):
         unwrap(b).load_state_dict(unwrap(a).state_dict())
 

@@ -88,7 +88,7 @@ def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
     """Two RM optimizer steps on 4 fixed pairs from the weights in rm_dir: loss, grad norm, and metrics after."""
     from megatron_rl.spec.config.loader import load_config
     from megatron_rl.models.reward_model import reward_forward
-    from megatron_rl.runtime.training import build_engine
+    from megatron_rl.trainers.common import job_engine
     from megatron_rl.algorithms.reward_model import RM_REPORTS, preference_loss
     from megatron_rl.trainers.pairs import RewardPairBatcher
     from megatron_rl.data.preferences import PreferenceData
@@ -96,7 +96,7 @@ def train_two_steps(shape, rm_dir: Path, tp: int, pp: int) -> dict:
     cfg = load_config(None, ["algorithm.name=rm", f"parallel.tp={tp}", f"parallel.pp={pp}",
                              "algorithm.global_batch_size=4", "parallel.micro_batch_size=1", "optimizer.lr=1e-3",
                              "algorithm.rm_centering_coef=0.01"])
-    engine = build_engine(cfg, shape, build_chunks=build_reward_model_chunks)
+    engine = job_engine(cfg, shape, build_chunks=build_reward_model_chunks)
     assert load_reward_model_weights(rm_dir, engine.chunks)
     tok = CharTokenizer()
     seqs = [tok.encode(p + c, add_bos=True) for p, c in zip(PROMPTS, COMPLETIONS)]

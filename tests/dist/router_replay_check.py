@@ -147,8 +147,8 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
     from megatron_rl.generation import EngineConfig, generate
     from megatron_rl.rollout.batch import REPORTS, RolloutRow, collate_rollout, make_grpo_loss
     from megatron_rl.models import unwrap
-    from megatron_rl.runtime.training import (build_engine, data_parallel_share, data_parallel_slice,
-                                              forward_logprobs, gather_data_parallel, logits_forward)
+    from megatron_rl.runtime.training import (data_parallel_share, data_parallel_slice, forward_logprobs, gather_data_parallel, logits_forward)
+    from megatron_rl.trainers.common import job_engine
     from dist_common import progression_trainer, start_layout
 
     model = "tiny-cpu-moe"
@@ -163,8 +163,8 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
     cfg = config("none")
     start_layout(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=cfg.run.seed)
     shape = load_model_shape(model)
-    engine = build_engine(cfg, shape, total_steps=10)
-    recomputing_engine = build_engine(config("full"), shape, total_steps=10)
+    engine = job_engine(cfg, shape, total_steps=10)
+    recomputing_engine = job_engine(config("full"), shape, total_steps=10)
 
     chunks = [unwrap(c) for c in engine.chunks]
     train_step = progression_trainer(engine, micro_batch_size=1)
