@@ -17,7 +17,10 @@ import ast
 import importlib
 import inspect
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -25,7 +28,8 @@ import uuid
 import psutil
 import pytest
 
-from helpers import SESSION_MARKER, run_launch
+from helpers import REPO_ROOT, SESSION_MARKER, run_launch
+from megatron_rl.spec.local_ranks import ZYGOTE_ENV, ZygoteRank
 
 os.environ[SESSION_MARKER] = uuid.uuid4().hex
 
@@ -182,20 +186,68 @@ def _is_job(args) -> bool:
 
 @pytest.fixture(autouse=True)
 def _quick_tests_start_no_job(request, monkeypatch):
-    """A test not marked slow that starts a job fails at once, naming the command."""
+    """A test not marked slow that starts a job fails at once, naming the command (started as a process, or
+    forked by the zygote)."""
     if request.node.get_closest_marker("slow"):
         yield
         return
-    real = subprocess.Popen.__init__
+    real, real_fork = subprocess.Popen.__init__, ZygoteRank.start.__func__
 
-    def checked(self, args, *rest, **kwargs):
+    def check(args) -> None:
         if _is_job(args):
             pytest.fail(f"{request.node.nodeid} starts a job ({args!r}) but was not found slow: teach "
                         "tests/conftest.py's starts_a_job to see it")
+
+    def checked(self, args, *rest, **kwargs):
+        check(args)
         real(self, args, *rest, **kwargs)
 
+    def checked_fork(cls, path, cmd, **kwargs):
+        check(cmd)
+        return real_fork(cls, path, cmd, **kwargs)
+
     monkeypatch.setattr(subprocess.Popen, "__init__", checked)
+    monkeypatch.setattr(ZygoteRank, "start", classmethod(checked_fork))
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote(tmp_path_factory):
+    """One zygote for the session (megatron_rl/runtime/zygote.py): the ranks of every local job, torchrun check
+    and converter the tests start are forked from it, with torch and Megatron imported already, instead of each
+    importing them again (~4 s of CPU a rank). Stopped when the session ends. ``MEGATRON_RL_ZYGOTE=0`` leaves it
+    out (every rank an interpreter of its own)."""
+    if os.environ.get(ZYGOTE_ENV) == "0":
+        os.environ.pop(ZYGOTE_ENV)
+        yield
+        return
+    folder = tmp_path_factory.mktemp("zygote")
+    path = os.path.join(tempfile.mkdtemp(prefix="mrl-zygote-"), "socket")  # a Unix socket path is short
+    log = open(folder / "zygote.log", "w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.runtime.zygote", path], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
+    deadline = time.monotonic() + 180
+    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not os.path.exists(path):
+        proc.kill()
+        proc.wait()
+        log.close()
+        raise RuntimeError(f"the test zygote did not start: {(folder / 'zygote.log').read_text()[-2000:]}")
+    os.environ[ZYGOTE_ENV] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(ZYGOTE_ENV, None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def _leftover_processes() -> list[psutil.Process]:

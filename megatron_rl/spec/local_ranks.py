@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import json
+import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -37,6 +41,14 @@ LAUNCHER_POLL_S = 1.0
 """How often a rank's ``watch_launcher`` thread looks whether its launcher still lives."""
 PR_SET_PDEATHSIG = 1
 """prctl's option for the signal a process gets when its parent ends (linux/prctl.h)."""
+ZYGOTE_ENV = "MEGATRON_RL_ZYGOTE"
+"""The socket of a zygote (``megatron_rl.runtime.zygote``): when set, ``start_ranks`` has it fork the ranks of a
+``python -m MODULE`` or ``python SCRIPT.py`` command instead of starting interpreters."""
+ZYGOTE_CHILD_ENV = "MEGATRON_RL_ZYGOTE_CHILD"
+"""Set in a rank the zygote forked: its parent is the zygote, not its launcher (``watch_launcher``)."""
+ZYGOTE_HEADER = struct.Struct("!Q")
+"""A request's length, ahead of its JSON; the rank's output descriptor travels with it."""
+ZYGOTE_MAX_REQUEST = 16 * 2**20
 
 
 def exit_process(code: Optional[int] = 0) -> NoReturn:
@@ -64,17 +76,149 @@ Output = Union[int, IO, None]
 
 
 def start_ranks(cmd: Sequence[str], world: int, *, port: int, env: Mapping[str, str],
-                stdout: Union[Output, Sequence[Output]] = None, cwd: Optional[str] = None) -> list[subprocess.Popen]:
+                stdout: Union[Output, Sequence[Output]] = None, cwd: Optional[str] = None) -> list:
     """``world`` processes of ``cmd``, rank r with ``env`` and ``rank_env(r, world, port)``; ``stdout`` (stderr
     joins it): one target for all, or one per rank. Each rank gets SIGTERM when this process ends (Linux; the
     kernel sends it when the starting *thread* ends, so a call from another thread sets no parent-death signal
-    and leaves it to the rank's ``watch_launcher``)."""
+    and leaves it to the rank's ``watch_launcher``). With a zygote (``ZYGOTE_ENV``) a Python command's ranks are
+    forked from it (``ZygoteRank``; their ``watch_launcher`` stops them when this process ends)."""
     outputs = list(stdout) if isinstance(stdout, (list, tuple)) else [stdout] * world
     die_with_me = _parent_death_signal() if threading.current_thread() is threading.main_thread() else None
     env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
-    return [subprocess.Popen(list(cmd), env={**env, **rank_env(rank, world, port)}, stdout=outputs[rank],
-                             stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True, preexec_fn=die_with_me)
-            for rank in range(world)]
+    zygote = env.get(ZYGOTE_ENV) if _forkable(cmd) else None
+    ranks = []
+    for rank in range(world):
+        rank_environment = {**env, **rank_env(rank, world, port)}
+        forked = ZygoteRank.start(zygote, list(cmd), env=rank_environment, stdout=outputs[rank],
+                                  cwd=cwd or os.getcwd()) if zygote else None
+        ranks.append(forked or subprocess.Popen(list(cmd), env=rank_environment, stdout=outputs[rank],
+                                                stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
+                                                preexec_fn=die_with_me))
+    return ranks
+
+
+def inherited_state() -> dict:
+    """What a process started from this one inherits besides its environment and folder: the file mode mask and
+    the resource limits (``ulimit``), for a zygote's child to take on (a rank forked elsewhere)."""
+    import resource
+
+    limits = {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource)
+              if name.startswith("RLIMIT_")}
+    return {"umask": _umask(), "rlimits": limits}
+
+
+def _umask() -> int:
+    """This process's file mode mask, read without changing it where /proc tells it (Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def _forkable(cmd: Sequence[str]) -> bool:
+    """``python -m MODULE ...`` or ``python SCRIPT.py ...`` with this interpreter: what a zygote can become."""
+    return (len(cmd) >= 2 and os.path.realpath(cmd[0]) == os.path.realpath(sys.executable)
+            and ((cmd[1] == "-m" and len(cmd) >= 3) or cmd[1].endswith(".py")))
+
+
+class ZygoteRank:
+    """A rank the zygote forked, with the part of ``subprocess.Popen`` the watchers use: ``pid`` (its session's
+    leader: ``os.killpg`` reaches what it starts), ``args``, ``stdout`` (a pipe's reading end for
+    ``subprocess.PIPE``), ``poll``, ``wait``, ``returncode``, ``send_signal``/``terminate``/``kill``. The exit
+    status comes over the connection to the zygote, which is the rank's parent."""
+
+    def __init__(self, conn: socket.socket, pid: int, args: list[str], stdout: Optional[IO]) -> None:
+        self.conn, self.pid, self.args, self.stdout = conn, pid, args, stdout
+        self.returncode: Optional[int] = None
+        self._buffer = b""
+
+    @classmethod
+    def start(cls, path: str, cmd: list[str], *, env: Mapping[str, str], stdout: Output,
+              cwd: str) -> Optional["ZygoteRank"]:
+        """The rank, or None when the zygote cannot be reached (the caller starts an interpreter instead)."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+        except OSError:
+            conn.close()
+            return None
+        reader = None
+        if stdout == subprocess.PIPE:
+            reader, output = os.pipe()
+        elif stdout is None:
+            output = os.dup(1)
+        else:
+            output = os.dup(stdout if isinstance(stdout, int) else stdout.fileno())
+        try:
+            payload = json.dumps({"argv": cmd, "env": dict(env), "cwd": cwd, **inherited_state()}).encode()
+            socket.send_fds(conn, [ZYGOTE_HEADER.pack(len(payload))], [output])
+            conn.sendall(payload)
+        finally:
+            os.close(output)
+        rank = cls(conn, -1, cmd, os.fdopen(reader, "rb") if reader is not None else None)
+        answer = rank._message(timeout=60.0)
+        if answer is not None and "declined" in answer:  # an environment the zygote's imports did not see
+            conn.close()
+            if rank.stdout is not None:
+                rank.stdout.close()
+            return None
+        if answer is None or "pid" not in answer:
+            raise RuntimeError(f"the zygote at {path} did not start {cmd[:3]}: {answer}")
+        rank.pid = answer["pid"]
+        return rank
+
+    def _message(self, timeout: Optional[float]) -> Optional[dict]:
+        """The zygote's next line (None when none came within ``timeout``); its end of the connection closing
+        without a status means it is gone: the rank is taken as killed (SIGKILL's status)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.conn], [], [], left)[0]:
+                return None
+            part = self.conn.recv(4096)
+            if not part:
+                return {"returncode": -signal.SIGKILL}
+            self._buffer += part
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def poll(self) -> Optional[int]:
+        """The exit status, or None while the rank runs. The zygote reaps a rank as it ends, so a rank that is
+        gone has its status on the way: waited for (where Popen's would still be a zombie to reap)."""
+        code = self.wait(timeout=0.0, raising=False)
+        if code is None and not _pid_alive(self.pid):
+            code = self.wait(timeout=10.0, raising=False)
+        return code
+
+    def wait(self, timeout: Optional[float] = None, *, raising: bool = True) -> Optional[int]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            message = self._message(left)
+            if message is None:
+                if raising:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                return None
+            if "returncode" in message:
+                self.returncode = int(message["returncode"])
+                self.conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _prctl():
@@ -107,18 +251,29 @@ def watch_launcher() -> None:
     the launcher has ended, sends this rank SIGTERM (again, where prctl sent it: a stop flag set twice) and
     SIGKILLs its process group ``STOP_GRACE_S`` later: nobody else would end a rank that does not stop (a save
     that hangs, a peer that never answers). The variable is removed, so what the rank starts does not take the
-    rank for its launcher."""
+    rank for its launcher. A rank a zygote forked (its parent is the zygote) watches the launcher's pid."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
-    if launcher is None or os.getppid() != int(launcher):  # not a rank, or already orphaned (prctl's SIGTERM)
+    forked = os.environ.pop(ZYGOTE_CHILD_ENV, None) is not None
+    if launcher is None or (not forked and os.getppid() != int(launcher)):  # not a rank, or already orphaned
         return
+    launcher_pid = int(launcher)
+
+    def launcher_alive() -> bool:
+        return _pid_alive(launcher_pid) if forked else os.getppid() == launcher_pid
 
     def watch() -> None:
-        while os.getppid() == int(launcher):
+        while launcher_alive():
             time.sleep(LAUNCHER_POLL_S)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(STOP_GRACE_S)
         os.killpg(os.getpgrp(), signal.SIGKILL)
     threading.Thread(target=watch, name="watch-launcher", daemon=True).start()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists and has not ended (a zombie, ended but not reaped, counts as ended)."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def watch(procs: list[subprocess.Popen], *, timeout: Optional[float] = None, poll_s: float = 0.05) -> int:
