@@ -212,14 +212,17 @@ def _quick_tests_start_no_job(request, monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _zygote(tmp_path_factory):
+def _zygote(request, tmp_path_factory):
     """One zygote for the session (megatron_rl/runtime/zygote.py): the ranks of every local job, torchrun check
     and converter the tests start are forked from it, with torch and Megatron imported already, instead of each
     importing them again (~4 s of CPU a rank). Stopped when the session ends. ``MEGATRON_RL_ZYGOTE=0`` leaves it
-    out (every rank an interpreter of its own)."""
-    if os.environ.get(ZYGOTE_ENV) == "0":
-        os.environ.pop(ZYGOTE_ENV)
-        yield
+    out (every rank an interpreter of its own); a session without a slow test (the quick tier) starts none."""
+    wanted = any(item.get_closest_marker("slow") or "_zygote" in getattr(item, "fixturenames", ())
+                 for item in request.session.items)
+    gpu = any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/nvidia0"))  # no forked CUDA
+    if os.environ.get(ZYGOTE_ENV) == "0" or not wanted or gpu:
+        os.environ.pop(ZYGOTE_ENV, None)
+        yield None
         return
     folder = tmp_path_factory.mktemp("zygote")
     path = os.path.join(tempfile.mkdtemp(prefix="mrl-zygote-"), "socket")  # a Unix socket path is short

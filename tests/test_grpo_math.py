@@ -21,7 +21,8 @@ from megatron_rl.algorithms.policy_loss import (
     policy_ratio_loss,
     sequence_log_ratio,
 )
-from megatron_rl.rollout.batch import RolloutBatch, make_grpo_loss
+from megatron_rl.rl.loss import make_grpo_loss
+from megatron_rl.rollout.batch import RolloutBatch
 
 
 def t(values):

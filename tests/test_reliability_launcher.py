@@ -354,10 +354,11 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_timeout(tmp_path):
         while not (run_dir / "metrics.jsonl").exists():  # training
             assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
             time.sleep(0.2)
-        ranks = {int(dict(line.split(b"=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                          if b"=" in line)[b"RANK"]): pid
-                 for pid in _processes_using(str(run_dir / "config.yaml")) if b"megatron_rl.main" in
-                 Path(f"/proc/{pid}/cmdline").read_bytes()}
+        # the lock lists the ranks' pids in rank order (a rank forked by the test zygote shows the zygote's
+        # starting environment in /proc/PID/environ, so RANK is not read there)
+        ranks = dict(enumerate(rank["pid"] for rank in json.loads((run_dir / ".lock").read_text())["ranks"]))
+        assert sorted(ranks.values()) == sorted(pid for pid in _processes_using(str(run_dir / "config.yaml"))
+                                                if b"megatron_rl.main" in Path(f"/proc/{pid}/cmdline").read_bytes())
         os.kill(ranks[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         out, err = job.communicate(timeout=60)

@@ -22,7 +22,9 @@ SCRIPT = """
 import json, os, sys, time
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "rank": os.environ["RANK"],
                   "mine": os.environ.get("ONLY_MINE"), "megatron": "megatron.core" in sys.modules,
-                  "pid": os.getpid(), "pgid": os.getpgrp(), "name": __name__}), flush=True)
+                  "pid": os.getpid(), "pgid": os.getpgrp(), "name": __name__,
+                  "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode().split("\\0")}),
+      flush=True)
 mode = sys.argv[1]
 if mode == "sleep":
     time.sleep(60)
@@ -59,6 +61,7 @@ def test_a_forked_rank_is_the_process_an_interpreter_would_be(_zygote, script, t
         first, tail = log.read().split("\n", 1)
         seen = json.loads(first)
         assert seen["argv"] == [str(script), "3"] and seen["cwd"] == str(tmp_path)
+        assert seen["cmdline"] == [sys.executable, str(script), "3"]  # what ps shows, and what finds a rank
         assert seen["path0"] == str(tmp_path) and seen["name"] == "__main__"
         assert seen["rank"] == str(rank) and seen["mine"] == "yes"
         assert seen["megatron"], "the zygote imports Megatron before it forks"

@@ -4,7 +4,7 @@ loss aggregations.
 All tensors are [batch, T] over response positions with a 0/1 `mask` (1 = a generated token that counts).
 Pure torch; nothing here knows about tensor parallelism, so the log-probs passed in must already be full
 (the trainer gets them from vocab-parallel logits with ``megatron_rl.models.logprobs``). The GRPO trainer's
-Megatron loss function (``megatron_rl.rollout.batch.make_grpo_loss``) calls ``grpo_loss`` on every micro-batch.
+Megatron loss function (``megatron_rl.rl.loss.make_grpo_loss``) calls ``grpo_loss`` on every micro-batch.
 
 Sign convention: every function returns a quantity to MINIMISE (the negated GRPO objective).
 

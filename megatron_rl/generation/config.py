@@ -1,6 +1,6 @@
 """``EngineConfig``: what the engine is asked to do, built once (from the job's ``generation`` settings, or by hand).
 
-The job builds it with ``EngineConfig.from_generation`` (megatron_rl/rollout/sampling.py); a multi-turn job
+The job builds it with ``EngineConfig.from_generation`` (megatron_rl/rollout/colocated.py); a multi-turn job
 narrows it to an episode's limits with ``dataclasses.replace``. ``generate`` (decoding.py) takes it with the call's
 own arguments (seed, prompts, callbacks), and the engine's rooms each read the fields they need. Torch-free.
 

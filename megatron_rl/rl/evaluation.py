@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from megatron_rl.rollout.sampling import held_out, summarize
+from megatron_rl.rollout.colocated import held_out, summarize
 
 
 def evaluate_held_out(run, step: int) -> dict[str, float]:

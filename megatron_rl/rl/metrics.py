@@ -6,7 +6,7 @@ import torch
 
 from megatron_rl.rl.sampled import SampledBatch
 from megatron_rl.rollout.multi_turn import episode_metrics
-from megatron_rl.rollout.sampling import correct_answers
+from megatron_rl.rollout.colocated import correct_answers
 
 
 def rl_step_metrics(batch: SampledBatch, train: dict, t_train: float, *, group_size: int, dynamic_sampling: bool,

@@ -1,6 +1,6 @@
 """The policy's update on a rollout: the old policy's, the reference's and the teacher's log-probs, the
 advantages (the run's strategy), then ``algorithm.epochs`` passes of one clipped-loss optimizer step per
-mini-batch (``algorithms.policy_loss`` through ``rollout.batch.make_grpo_loss``), each followed by the
+mini-batch (``algorithms.policy_loss`` through ``rl.loss.make_grpo_loss``), each followed by the
 strategy's own step (PPO's critic)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 
 from megatron_rl.algorithms.policy_loss import GRPOLossConfig
 from megatron_rl.rl.minibatches import Minibatcher, PackingFigures, combine_minibatches, forward_length, record_policy_step
-from megatron_rl.rollout.batch import REPORTS, TEACHER_REPORTS, Rollout, RolloutBatch, make_grpo_loss, store_logprobs
+from megatron_rl.rl.loss import REPORTS, TEACHER_REPORTS, make_grpo_loss
+from megatron_rl.rollout.batch import Rollout, RolloutBatch, store_logprobs
 from megatron_rl.runtime.phases import training_phase
 from megatron_rl.runtime.training import Engine, logits_forward
 from megatron_rl.spec.config.schema import AlgorithmConfig

@@ -38,7 +38,8 @@ from typing import Iterator
 
 from megatron_rl.data.prompts import encode_prompt
 from megatron_rl.rl.sampled import SampledBatch
-from megatron_rl.rollout.batch import OFF_POLICY_REPORTS, Rollout
+from megatron_rl.rl.loss import OFF_POLICY_REPORTS
+from megatron_rl.rollout.batch import Rollout
 from megatron_rl.rollout.buffer import RolloutBuffer, Sample
 from megatron_rl.rollout.channel import BRIDGE_BACKENDS, WORKER_WAIT_S, TrainerChannel, WeightBridge, broadcast
 from megatron_rl.rollout.placement import Placement

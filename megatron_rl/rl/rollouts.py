@@ -1,5 +1,5 @@
 """Completions sampled from the policy's own weights, in the training processes: plain completions
-(``rollout.sampling.sample_rollout``) or, with an environment, episodes (``rollout.multi_turn``). The colocated
+(``rollout.colocated.sample_rollout``) or, with an environment, episodes (``rollout.multi_turn``). The colocated
 source samples its steps with it, and every run its evaluations."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from megatron_rl.data.chat import ChatFormat
 from megatron_rl.rollout.batch import Rollout
 from megatron_rl.rollout.multi_turn import Environments
-from megatron_rl.rollout.sampling import engine_config, sample_rollout
+from megatron_rl.rollout.colocated import engine_config, sample_rollout
 from megatron_rl.runtime.phases import generation_phase
 from megatron_rl.runtime.training import Engine
 from megatron_rl.spec.config.schema import GenerationConfig

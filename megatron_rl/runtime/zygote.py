@@ -13,8 +13,11 @@ interpreter would have had, and exits with its code. Nothing of the project is i
 third-party modules, and the patches' own modules), so the child runs the code on disk as a fresh rank would.
 The starter learns the child's pid at once and its exit status when it ends (``local_ranks.ZygoteRank``).
 
-Differences from an exec'd rank, by design: the zygote's interpreter flags and hash seed are shared by its
-children; warnings raised by the preloaded imports were shown once, in the zygote's output.
+A child shows its own command line (``ps``, ``/proc/PID/cmdline``: what finds a job's ranks): it writes it over
+the zygote's, which reserved the room by starting itself again with a long last argument. Differences from an
+exec'd rank, by design: ``/proc/PID/environ`` shows the zygote's starting environment (the rank's is in
+``os.environ``); the interpreter's flags and hash seed are the zygote's; warnings raised by the preloaded imports
+were shown once, in the zygote's output.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from typing import Any
 
 from megatron_rl.spec.local_ranks import ZYGOTE_CHILD_ENV, ZYGOTE_HEADER, ZYGOTE_MAX_REQUEST
 
-IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED")
-"""Variables the preloaded libraries (or the interpreter) read once, at start: a request whose value differs from
-the zygote's is declined, and its starter starts an interpreter instead."""
+COMMAND_ROOM = 8192
+"""Bytes of command line the zygote reserves for its children's (``show_command_line``)."""
+IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED")
+"""Variables the preloaded libraries (OpenMP's thread count) or the interpreter read once, at start: a request
+whose value differs from the zygote's is declined, and its starter starts an interpreter instead. (CUDA's are
+read when CUDA starts, in the child: a zygote runs only where there is no GPU, ``main``.)"""
 PRELOADED = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed",
              "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing", "torch.distributed.checkpoint")
 """Megatron and torch modules every trainer rank imports, loaded once here after the patches."""
@@ -95,6 +101,25 @@ def child_path(argv: list[str], env: dict[str, str], cwd: str, base_path: list[s
     return [first, *extra, *base_path]
 
 
+def show_command_line(argv: list[str]) -> bool:
+    """Write ``argv`` over this process's command line (the memory ``/proc/self/cmdline`` reads, whose bounds
+    ``/proc/self/stat`` gives), NUL-padded; cut to the room there is. CPython and the C library keep their own
+    copies of the arguments after start, except ``program_invocation_name`` (argv[0]), which a rank's command
+    begins with as the zygote's does. False where there is no /proc (not Linux)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49 of stat(5)
+    room = end - start
+    data = b"\0".join(os.fsencode(a) for a in argv)[:room - 1] + b"\0"
+    ctypes.memmove(start, data.ljust(room, b"\0"), room)
+    return True
+
+
 def _stdio(unbuffered: bool) -> None:
     """Fresh text streams on descriptors 1 and 2, buffered as an interpreter started with this environment
     buffers them (PYTHONUNBUFFERED: write-through; else stdout by blocks unless a terminal, stderr by lines)."""
@@ -128,6 +153,7 @@ def run_child(request: dict, output: int, base_path: list[str]) -> int:
     os.environ.clear()
     os.environ.update(env)
     os.environ[ZYGOTE_CHILD_ENV] = "1"
+    show_command_line(argv)
     _stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
     sys.path[:] = child_path(argv, env, cwd, base_path)
     try:
@@ -194,6 +220,7 @@ def serve(path: str) -> None:
                 for fd in fds:
                     os.close(fd)
                 _send(conn, {"declined": f"{declined[0]} differs from the zygote's"})
+                print(f"zygote: declined {request['argv'][1:3]}: {declined[0]} differs", flush=True)
                 conn.close()
                 continue
             sys.stdout.flush()
@@ -215,6 +242,7 @@ def serve(path: str) -> None:
                 os.close(fd)
             children[pid] = conn
             _send(conn, {"pid": pid})
+            print(f"zygote: forked {pid} for {request['argv'][1:3]}", flush=True)
         _reap(children)
     listener.close()
     os.unlink(path)
@@ -236,9 +264,15 @@ def _reap(children: dict[int, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+    if len(argv) not in (1, 2):
         print("usage: python -m megatron_rl.runtime.zygote SOCKET", file=sys.stderr)
         return 2
+    if any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/nvidia0")):
+        print("zygote: this machine has an NVIDIA GPU; CUDA cannot run in forked children, so the ranks here start "
+              "as interpreters (leave MEGATRON_RL_ZYGOTE unset)", file=sys.stderr)
+        return 2
+    if len(argv) == 1:  # again, with room for the children's command lines (show_command_line)
+        os.execv(sys.executable, [sys.executable, "-m", "megatron_rl.runtime.zygote", argv[0], "_" * COMMAND_ROOM])
     serve(argv[0])
     return 0
 

@@ -85,7 +85,8 @@ def start_ranks(cmd: Sequence[str], world: int, *, port: int, env: Mapping[str, 
     outputs = list(stdout) if isinstance(stdout, (list, tuple)) else [stdout] * world
     die_with_me = _parent_death_signal() if threading.current_thread() is threading.main_thread() else None
     env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
-    zygote = env.get(ZYGOTE_ENV) if _forkable(cmd) else None
+    # not inside a Slurm job: its processes belong to the job's cgroup, which a zygote's children would escape
+    zygote = env.get(ZYGOTE_ENV) if _forkable(cmd) and "SLURM_JOB_ID" not in env else None
     ranks = []
     for rank in range(world):
         rank_environment = {**env, **rank_env(rank, world, port)}

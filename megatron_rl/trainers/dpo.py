@@ -37,7 +37,7 @@ from megatron_rl.algorithms.dpo import DPOLossConfig, dpo_pair_terms
 from megatron_rl.data.preferences import PreferenceData
 from megatron_rl.models.logprobs import vocab_parallel_logprobs
 from megatron_rl.models.reward_model import padded_length
-from megatron_rl.rollout.batch import sum_over_context_parallel, whole_sequence_lengths
+from megatron_rl.rl.loss import sum_over_context_parallel, whole_sequence_lengths
 from megatron_rl.runtime.distributed import collective_device
 from megatron_rl.runtime.training import Engine, forward_logprobs, gather_data_parallel, logits_forward
 from megatron_rl.spec.config.schema import JobConfig

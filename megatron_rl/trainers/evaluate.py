@@ -6,7 +6,7 @@ No optimizer and no training: the model chunks at the job's layout (any layout t
 ``model.init_from``, sample ``eval.samples`` completions of every held-out prompt (data.eval_path, or a
 synthetic task's test problems) with the generation settings, score them with ``algorithm.rewards`` (the GRPO
 reward functions) and report pass@1, pass@k (k = eval.samples, Chen et al. 2021's unbiased estimator), mean
-reward and mean response length (megatron_rl/rollout/sampling.py). Rank 0 prints a short table, logs the figures
+reward and mean response length (megatron_rl/rollout/colocated.py). Rank 0 prints a short table, logs the figures
 with phase "eval" in metrics.jsonl, and adds an entry keyed by ``eval.stage`` (default run.name) to
 ``<run.dir>/eval.json``: {"pass@1", "pass@k", "k", "mean_reward", "mean_response_length", "n_prompts",
 "checkpoint", "kept"}. With ``eval.min_pass_at_1``, a result below it is marked ``kept: false`` and the job exits
@@ -30,7 +30,7 @@ from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.models.builder import build_model_chunks
 from megatron_rl.rewards.job import job_rewards, reward_totals
 from megatron_rl.rollout.multi_turn import Environments, episode_metrics
-from megatron_rl.rollout.sampling import engine_config, held_out, sample_rollout, summarize
+from megatron_rl.rollout.colocated import engine_config, held_out, sample_rollout, summarize
 from megatron_rl.runtime.checkpoint import load_checkpoint
 from megatron_rl.spec.errors import ConfigError
 from megatron_rl.spec.run_files import EVAL_FILE, GATE_EXIT_CODE

@@ -19,7 +19,7 @@ from megatron_rl.models.builder import build_model_chunks
 from megatron_rl.rollout.channel import BRIDGE_BACKENDS, WORKER_WAIT_S, WeightBridge, WorkerChannel
 from megatron_rl.rollout.multi_turn import Environments, WorkerEpisodes
 from megatron_rl.rollout.placement import Placement
-from megatron_rl.rollout.sampling import engine_config
+from megatron_rl.rollout.colocated import engine_config
 from megatron_rl.rollout.worker import OrderFeed, TrainersStopped
 from megatron_rl.spec.config.schema import JobConfig
 from megatron_rl.spec.model_shape import ModelShape

@@ -44,7 +44,8 @@ def main() -> None:
 
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig, grpo_loss
     from megatron_rl.models.cp_attention import slice_batch_for_cp
-    from megatron_rl.rollout.batch import RolloutBatch, make_grpo_loss
+    from megatron_rl.rl.loss import make_grpo_loss
+    from megatron_rl.rollout.batch import RolloutBatch
     from megatron_rl.runtime.distributed import initialize, job_dims
     from dist_common import write_rank_result
 

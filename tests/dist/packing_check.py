@@ -54,7 +54,8 @@ def check(*, tp: int = 1, pp: int = 1, vpp: int | None = None, layers: int | Non
     from dist_common import start_layout
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
     from megatron_rl.models import unwrap
-    from megatron_rl.rollout.batch import collate_rollout, make_grpo_loss, old_logprobs, store_logprobs
+    from megatron_rl.rl.loss import make_grpo_loss
+    from megatron_rl.rollout.batch import collate_rollout, old_logprobs, store_logprobs
     from megatron_rl.rollout.packing import pack_minibatch, pack_rows
     from megatron_rl.runtime.training import data_parallel_slice, logits_forward
     from megatron_rl.trainers.common import job_engine

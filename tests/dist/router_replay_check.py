@@ -145,7 +145,8 @@ def check_layout(*, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, sp: bool
     from megatron_rl.spec.model_shape import load_model_shape
     from megatron_rl.algorithms.policy_loss import GRPOLossConfig
     from megatron_rl.generation import EngineConfig, generate
-    from megatron_rl.rollout.batch import REPORTS, RolloutRow, collate_rollout, make_grpo_loss
+    from megatron_rl.rl.loss import REPORTS, make_grpo_loss
+    from megatron_rl.rollout.batch import RolloutRow, collate_rollout
     from megatron_rl.models import unwrap
     from megatron_rl.runtime.training import (data_parallel_share, data_parallel_slice, forward_logprobs, gather_data_parallel, logits_forward)
     from megatron_rl.trainers.common import job_engine
