@@ -14,6 +14,7 @@ test that starts a job anyway fails, naming the command, so the finder cannot qu
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import os
@@ -142,10 +143,15 @@ def _fixture_functions(item: pytest.Item) -> list:
     if info is None:
         return []
     found = [defs[-1].func for defs in info.name2fixturedefs.values() if defs]
-    if "getfixturevalue" in inspect.getsource(item.function):
+    if _asks_fixtures_by_name(item.function):
         found += [d.func for d in item.session._fixturemanager._get_all_fixture_defs()
                   if getattr(d.func, "__module__", None) == item.module.__name__]
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def _asks_fixtures_by_name(fn) -> bool:
+    return "getfixturevalue" in inspect.getsource(fn)
 
 
 def starts_a_job(item: pytest.Item) -> bool:
@@ -154,14 +160,22 @@ def starts_a_job(item: pytest.Item) -> bool:
     names = set(fixtures.names_closure) if fixtures else set()
     if names & JOB_FIXTURES:
         return True
-    functions = [item.function, *_fixture_functions(item)]
-    seen: set = set()
-    for fn in functions:
-        for _, tree, namespace in _functions_reached(fn, item.module, seen):
-            if tree is not None and any(_node_starts_a_job(n) or _names_a_job_script(n, namespace)
-                                        for n in ast.walk(tree)):
-                return True
-    return False
+    return any(_reaches_a_job(fn, item.module) for fn in [item.function, *_fixture_functions(item)])
+
+
+_REACHES: dict = {}
+"""(function, module name) -> ``_reaches_a_job``: the variants of a parametrized test, and the tests that share a
+fixture or helper, are read once."""
+
+
+def _reaches_a_job(fn, module) -> bool:
+    """Whether ``fn`` or a test-code function it names (transitively) starts a job."""
+    key = (fn, module.__name__)
+    if key not in _REACHES:
+        _REACHES[key] = any(tree is not None and any(_node_starts_a_job(n) or _names_a_job_script(n, namespace)
+                                                     for n in ast.walk(tree))
+                            for _, tree, namespace in _functions_reached(fn, module, set()))
+    return _REACHES[key]
 
 
 def pytest_collection_modifyitems(config, items):
