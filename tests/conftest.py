@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from helpers import REPO_ROOT, SESSION_MARKER, run_launch
-from megatron_rl.spec.local_ranks import ZYGOTE_ENV, ZygoteRank
+from megatron_rl.spec.local_ranks import ZYGOTE_ENV, ZygoteRank, has_nvidia_gpu
 
 os.environ[SESSION_MARKER] = uuid.uuid4().hex
 
@@ -233,8 +233,7 @@ def _zygote(request, tmp_path_factory):
     out (every rank an interpreter of its own); a session without a slow test (the quick tier) starts none."""
     wanted = any(item.get_closest_marker("slow") or "_zygote" in getattr(item, "fixturenames", ())
                  for item in request.session.items)
-    gpu = any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/nvidia0"))  # no forked CUDA
-    if os.environ.get(ZYGOTE_ENV) == "0" or not wanted or gpu:
+    if os.environ.get(ZYGOTE_ENV) == "0" or not wanted or has_nvidia_gpu():
         os.environ.pop(ZYGOTE_ENV, None)
         yield None
         return

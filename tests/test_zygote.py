@@ -99,6 +99,18 @@ def test_a_rank_the_zygote_cannot_serve_starts_as_an_interpreter(_zygote, script
         assert watch_ranks(declined + other, timeout=120).code == 0
 
 
+def _start_from_another_process(rank_script, log, after: str, *, before: str = "") -> subprocess.CompletedProcess:
+    """A Python process that runs ``before``, starts one rank of ``rank_script`` (its output in ``log``) with
+    ``start_ranks`` as ``procs``, then runs ``after``; it must succeed."""
+    code = ("import os, resource, sys, time\nfrom megatron_rl.spec.local_ranks import start_ranks, watch_ranks\n"
+            f"{before}procs = start_ranks([sys.executable, {str(rank_script)!r}], 1, port=1, env=dict(os.environ), "
+            f"stdout=open({str(log)!r}, 'w'))\n{after}")
+    started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env=_env(PYTHONPATH=os.getcwd()))
+    assert started.returncode == 0, started.stderr
+    return started
+
+
 def test_a_forked_rank_stops_when_its_launcher_ends(_zygote, tmp_path):
     """The zygote is the rank's parent, so no parent-death signal reaches it: its watch_launcher thread sees the
     launcher's pid end and sends it SIGTERM, which the rank takes as a stop."""
@@ -106,13 +118,8 @@ def test_a_forked_rank_stops_when_its_launcher_ends(_zygote, tmp_path):
     rank_script.write_text("import signal, sys, time\nfrom megatron_rl.spec.local_ranks import watch_launcher\n"
                            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\nwatch_launcher()\n"
                            "print('watching', flush=True)\ntime.sleep(60)\n")
-    launcher = ("import os, sys, time\nfrom megatron_rl.spec.local_ranks import start_ranks\n"
-                f"procs = start_ranks([sys.executable, {str(rank_script)!r}], 1, port=1, env=dict(os.environ), "
-                f"stdout=open({str(tmp_path / 'rank.log')!r}, 'w'))\nprint(procs[0].pid, flush=True)\n"
-                "time.sleep(3)\n")
-    started = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=120,
-                             env=_env(PYTHONPATH=os.getcwd()))
-    assert started.returncode == 0, started.stderr
+    started = _start_from_another_process(rank_script, tmp_path / "rank.log",
+                                          "print(procs[0].pid, flush=True)\ntime.sleep(3)\n")
     pid = int(started.stdout.split()[0])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
@@ -127,14 +134,10 @@ def test_a_forked_rank_takes_its_starters_file_mask_and_limits(_zygote, tmp_path
     rank_script = tmp_path / "limits.py"
     rank_script.write_text("import json, os, resource\nmask = os.umask(0)\n"
                            "print(json.dumps([mask, resource.getrlimit(resource.RLIMIT_FSIZE)]), flush=True)\n")
-    starter = ("import os, resource, sys\nfrom megatron_rl.spec.local_ranks import start_ranks, watch_ranks\n"
-               "os.umask(0o027)\nresource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**21))\n"
-               f"procs = start_ranks([sys.executable, {str(rank_script)!r}], 1, port=1, env=dict(os.environ), "
-               f"stdout=open({str(tmp_path / 'rank.log')!r}, 'w'))\n"
-               "print(type(procs[0]).__name__, watch_ranks(procs, timeout=60).code)\n")
-    started = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=120,
-                             env=_env(PYTHONPATH=os.getcwd()))
-    assert started.returncode == 0, started.stderr
+    started = _start_from_another_process(rank_script, tmp_path / "rank.log",
+                                          "print(type(procs[0]).__name__, watch_ranks(procs, timeout=60).code)\n",
+                                          before="os.umask(0o027)\n"
+                                                 "resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**21))\n")
     assert started.stdout.split() == ["ZygoteRank", "0"]
     assert json.loads((tmp_path / "rank.log").read_text()) == [0o027, [2**20, 2**21]]
 

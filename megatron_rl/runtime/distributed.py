@@ -99,20 +99,29 @@ def job_dims(**sizes) -> ParallelDims:
     return ParallelDims(world_size=read_dist_env().world_size, **sizes)
 
 
+def prepare_megatron_import() -> None:
+    """What a process does before Megatron's first import, on every device (the Megatron patches, the deferred
+    imports) and on a CPU (the CPU redirections); each step once, so a second call is a no-op. ``initialize``
+    calls it; the test zygote calls it before it imports Megatron for its children."""
+    from megatron_rl.runtime import cpu_compat, lazy_imports, megatron_patches
+
+    lazy_imports.defer()
+    megatron_patches.apply()
+    if not torch.cuda.is_available():
+        cpu_compat.apply()
+
+
 def initialize(dims: ParallelDims, *, seed: int, backend: str = "auto", timeout_s: int = 1800) -> DistEnv:
     """Start torch.distributed and Megatron parallel state for this process; seed Megatron's RNG trackers.
 
     ``timeout_s`` bounds every collective (``parallel.timeout_s``): a rank waits that long for the others."""
-    from megatron_rl.runtime import cpu_compat, gloo_staging, lazy_imports, megatron_patches
+    from megatron_rl.runtime import gloo_staging
 
     dist_env = read_dist_env()
     if dims.world_size != dist_env.world_size:
         raise RuntimeError(f"the layout is for {dims.world_size} processes but {dist_env.world_size} were started")
     on_gpu = torch.cuda.is_available()
-    lazy_imports.defer()  # before Megatron's first import, as the next lines
-    megatron_patches.apply()  # on every device
-    if not on_gpu:
-        cpu_compat.apply()
+    prepare_megatron_import()
     from megatron.core import parallel_state, tensor_parallel
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"

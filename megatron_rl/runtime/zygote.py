@@ -34,7 +34,7 @@ import sys
 import traceback
 from typing import Any
 
-from megatron_rl.spec.local_ranks import ZYGOTE_CHILD_ENV, ZYGOTE_HEADER, ZYGOTE_MAX_REQUEST
+from megatron_rl.spec.local_ranks import ZYGOTE_CHILD_ENV, ZYGOTE_HEADER, ZYGOTE_MAX_REQUEST, has_nvidia_gpu
 
 COMMAND_ROOM = 8192
 """Bytes of command line the zygote reserves for its children's (``show_command_line``)."""
@@ -48,19 +48,13 @@ PRELOADED = ("megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "m
 
 
 def preload() -> None:
-    """What ``distributed.initialize`` does before Megatron's first import (``lazy_imports.defer``, the Megatron
-    patches, on a CPU the CPU redirections), then the modules every rank imports. All are idempotent: the child's
-    own ``initialize`` finds them done."""
+    """What ``distributed.initialize`` does before Megatron's first import (``prepare_megatron_import``), then the
+    modules every rank imports. The child's own ``initialize`` finds the preparation done."""
     import importlib
 
-    import torch
+    from megatron_rl.runtime.distributed import prepare_megatron_import
 
-    from megatron_rl.runtime import cpu_compat, lazy_imports, megatron_patches
-
-    lazy_imports.defer()
-    megatron_patches.apply()
-    if not torch.cuda.is_available():
-        cpu_compat.apply()
+    prepare_megatron_import()
     for name in PRELOADED:
         importlib.import_module(name)
 
@@ -267,7 +261,7 @@ def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2):
         print("usage: python -m megatron_rl.runtime.zygote SOCKET", file=sys.stderr)
         return 2
-    if any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/nvidia0")):
+    if has_nvidia_gpu():
         print("zygote: this machine has an NVIDIA GPU; CUDA cannot run in forked children, so the ranks here start "
               "as interpreters (leave MEGATRON_RL_ZYGOTE unset)", file=sys.stderr)
         return 2

@@ -122,6 +122,12 @@ def _umask() -> int:
     return mask
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether this machine has an NVIDIA GPU (its device files), found without starting CUDA: no zygote there,
+    as CUDA cannot run in a forked child."""
+    return any(os.path.exists(device) for device in ("/dev/nvidiactl", "/dev/nvidia0"))
+
+
 def _forkable(cmd: Sequence[str]) -> bool:
     """``python -m MODULE ...`` or ``python SCRIPT.py ...`` with this interpreter: what a zygote can become."""
     return (len(cmd) >= 2 and os.path.realpath(cmd[0]) == os.path.realpath(sys.executable)
